@@ -1,0 +1,64 @@
+"""The contract between the training engine and a head family.
+
+The engine (``specheads.training.engine``) knows nothing about Medusa or EAGLE: it asks a
+``Method`` which features it needs, for the trainable module, for a loss on a batch and for
+held-out metrics, and how to save the result. Each family implements one ``Method``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from specheads.targets import Target
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """Which target tensors a method trains on (see ``specheads.targets`` for the layer convention).
+
+    aux_layers: inputs of these decoder layers, concatenated in this order into ``hidden_aux``
+    need_last:  the post-norm last hidden state, as ``hidden_last``
+    online_only: the target itself is trained (Medusa-2), so stored features would go stale
+    """
+
+    aux_layers: tuple[int, ...] = ()
+    need_last: bool = True
+    online_only: bool = False
+
+
+@dataclass
+class StepOutput:
+    """loss: scalar to back-propagate; metrics: floats for the logs (e.g. per-head accuracy)."""
+
+    loss: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Method(Protocol):
+    """One head family. A batch is a dict of tensors:
+
+    input_ids (B, T) long, attention_mask (B, T) long, loss_mask (B, T) long (1 on assistant tokens),
+    hidden_last (B, T, H) when ``feature_spec.need_last``,
+    hidden_aux (B, T, len(aux_layers) * H) when ``feature_spec.aux_layers``.
+    """
+
+    name: str
+    feature_spec: FeatureSpec
+
+    def build(self, target: Target) -> nn.Module:
+        """The trainable module (heads; for Medusa-2 heads plus the adapted target)."""
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], target: Target) -> StepOutput:
+        """Training loss on one batch (model in train mode)."""
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batch: dict[str, torch.Tensor], target: Target) -> dict[str, float]:
+        """Held-out metrics on one batch: top-1/top-k accuracy per head or unrolled step, as sums and
+        counts so the engine can average over batches (keys ending in ``_correct`` / ``_total``)."""
+
+    def save(self, model: nn.Module, out_dir: str, target: Target) -> None:
+        """Write the trained head as a ``save_pretrained`` folder (loadable by ``from_pretrained``)."""

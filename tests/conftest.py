@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random targets (seconds) and the real SmolLM2 (converted once, cached)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specheads.targets import Target
+
+
+def make_tiny_model(family: str = "llama", vocab: int = 256, hidden: int = 64, layers: int = 4,
+                    heads: int = 4, kv_heads: int = 2, seed: int = 0, dtype=torch.float32):
+    """A randomly initialised causal LM of the given family, small enough for unit tests."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=512, tie_word_embeddings=False)
+    if family in ("qwen3", "gemma"):
+        kwargs["head_dim"] = hidden // heads
+    config = AutoConfig.for_model(family, **kwargs)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def make_tiny_target(family: str = "llama", **kw) -> Target:
+    return Target(make_tiny_model(family, **kw), tokenizer=None, name=f"tiny-{family}")
+
+
+@pytest.fixture
+def tiny_target() -> Target:
+    return make_tiny_target("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Target:
+    """The real embedded target (float32, CPU). First use converts the GGUF (~40 s), then cached."""
+    from specheads.targets import load_target
+
+    return load_target("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from specheads.targets import load_tokenizer
+
+    return load_tokenizer("smollm2")

@@ -1,0 +1,54 @@
+import pytest
+import torch
+
+from specheads.targets import AssetMissingError, asset_path, config_hash, default_eagle3_layers
+from tests.conftest import make_tiny_target
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma"])
+def test_hidden_states_match_output_hidden_states(family):
+    target = make_tiny_target(family)
+    ids = torch.randint(0, 256, (2, 11))
+    mask = torch.ones_like(ids)
+    layers = default_eagle3_layers(target.num_layers)
+    feats = target.forward_features(ids, mask, aux_layers=layers, need_last=True)
+    ref = target.model(ids, attention_mask=mask, output_hidden_states=True)
+    for i, got in zip(layers, feats.aux):
+        torch.testing.assert_close(got, ref.hidden_states[i])
+    # `last` is the post-norm state: HF's final hidden state, and lm_head(last) gives the logits.
+    torch.testing.assert_close(feats.last, ref.hidden_states[-1])
+    torch.testing.assert_close(target.logits(feats.last), ref.logits)
+
+
+def test_aux_layer_out_of_range_is_refused(tiny_target):
+    with pytest.raises(ValueError, match="out of range"):
+        tiny_target.forward_features(torch.zeros(1, 3, dtype=torch.long), aux_layers=(99,))
+
+
+def test_default_layers():
+    assert default_eagle3_layers(30) == (2, 15, 27)
+    assert default_eagle3_layers(32) == (2, 16, 29)
+
+
+def test_config_hash_ignores_name_but_not_shape(tiny_target):
+    cfg = tiny_target.config
+    h = config_hash(cfg)
+    cfg._name_or_path = "elsewhere"
+    assert config_hash(cfg) == h
+    other = make_tiny_target("llama", hidden=32)
+    assert config_hash(other.config) != h
+
+
+def test_missing_asset_names_setup_command():
+    with pytest.raises(AssetMissingError, match="scripts/setup.sh"):
+        asset_path("no_such_asset_package_xyz", "file.bin")
+
+
+@pytest.mark.slow
+def test_smollm2_loads_from_cache_and_matches_hf(smollm2):
+    assert smollm2.num_layers == 30 and smollm2.hidden_size == 576 and smollm2.vocab_size == 49152
+    ids = smollm2.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    feats = smollm2.forward_features(ids, aux_layers=(2, 15, 27))
+    ref = smollm2.model(ids, output_hidden_states=True)
+    torch.testing.assert_close(feats.aux[1], ref.hidden_states[15])
+    torch.testing.assert_close(smollm2.logits(feats.last), ref.logits)
