@@ -1,0 +1,146 @@
+"""Speculative and plain decoding loops on one ``TargetRunner`` (so speed-ups compare like with like).
+
+Invariant between steps: the target cache holds every token of each sequence except the last
+one (the *pending* token). A step feeds [pending] + the draft tree in ONE target forward for the
+whole batch, verifies each row, commits the pending token and the accepted path, and appends the
+accepted tokens plus the target's bonus token (the new pending token). Plain decoding is the same
+step with an empty draft.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from specheads.decoding.drafters import Drafter, NoDrafter
+from specheads.decoding.runner import TargetRunner
+from specheads.decoding.tree import DraftTree
+from specheads.decoding.verify import Verdict, verify
+
+VerifyFn = Callable[[str, torch.Tensor, DraftTree, float, torch.Generator | None], Verdict]
+
+
+@dataclass
+class RowStats:
+    """Counts for one request. tested/accepted are per draft depth (index 0 = depth 1)."""
+
+    steps: int = 0
+    emitted: int = 0
+    tested: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    draft_forwards: int = 0
+    draft_nodes: int = 0
+
+    def add(self, v: Verdict, tree: DraftTree) -> None:
+        self.steps += 1
+        self.emitted += v.tokens_emitted
+        self.draft_forwards += tree.draft_forwards
+        self.draft_nodes += tree.size
+        for d, (t, a) in enumerate(zip(v.tested, v.accepted)):
+            while len(self.tested) <= d:
+                self.tested.append(0); self.accepted.append(0)
+            self.tested[d] += t
+            self.accepted[d] += a
+
+
+@dataclass
+class GenerationResult:
+    """tokens: new tokens per row; stats per row; timings in seconds; forward counts for the batch."""
+
+    tokens: list[list[int]]
+    stats: list[RowStats]
+    target_forwards: int
+    prefill_time: float
+    target_time: float
+    draft_time: float
+    wall_time: float
+    batch_forward_sizes: list[int] = field(default_factory=list)
+
+
+def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts: Sequence[Sequence[int]],
+                         max_new_tokens: int, temperature: float = 0.0, method: str = "auto",
+                         eos_ids: Sequence[int] = (), generator: torch.Generator | None = None,
+                         verify_fn: VerifyFn = verify) -> GenerationResult:
+    """Decode a batch of prompts with ``drafter`` (None = plain decoding). Returns new tokens and stats."""
+    drafter = drafter or NoDrafter()
+    runner.aux_layers = tuple(drafter.aux_layers)
+    t_start = time.perf_counter()
+    feats = runner.prefill([list(p) for p in prompts])
+    drafter.start([list(p) for p in prompts], feats)
+    prefill_time = time.perf_counter() - t_start
+    seqs = [list(p) for p in prompts]
+    new: list[list[int]] = [[] for _ in prompts]
+    stats = [RowStats() for _ in prompts]
+    active = [max_new_tokens > 0 for _ in prompts]
+    eos = set(eos_ids)
+    target_time = draft_time = 0.0
+    forwards0 = runner.forward_calls
+    sizes = []
+    while any(active):
+        t0 = time.perf_counter()
+        trees = drafter.propose(seqs, active, temperature, generator)
+        t1 = time.perf_counter()
+        out = _verify_forward(runner, seqs, trees, active)
+        t2 = time.perf_counter()
+        draft_time += t1 - t0
+        target_time += t2 - t1
+        sizes.append(sum(1 + trees[b].size for b in range(len(seqs)) if active[b]))
+        keeps, news = [], []
+        for b, tree in enumerate(trees):
+            if not active[b]:
+                keeps.append([]); news.append([])
+                continue
+            v = verify_fn(method, out.logits[b, : tree.size + 1], tree, temperature, generator)
+            stats[b].add(v, tree)
+            keeps.append([0] + [i + 1 for i in v.path])
+            news.append([int(tree.tokens[i]) for i in v.path] + [v.bonus])
+        runner.commit(keeps)
+        for b in range(len(seqs)):
+            if active[b]:
+                _append(b, news[b], seqs, new, active, max_new_tokens, eos)
+                drafter.observe(b, news[b], _rows(out.hidden_last, b, keeps[b]), _rows(out.hidden_aux, b, keeps[b]))
+    return GenerationResult(new, stats, runner.forward_calls - forwards0, prefill_time, target_time,
+                            draft_time, time.perf_counter() - t_start, sizes)
+
+
+def plain_generate(runner: TargetRunner, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                   temperature: float = 0.0, eos_ids: Sequence[int] = (),
+                   generator: torch.Generator | None = None) -> GenerationResult:
+    """The baseline: one target forward per token, on the same engine."""
+    return speculative_generate(runner, None, prompts, max_new_tokens, temperature, "greedy"
+                                if temperature <= 0 else "tree", eos_ids, generator)
+
+
+def _verify_forward(runner: TargetRunner, seqs, trees: list[DraftTree], active: list[bool]):
+    """One target forward over [pending] + tree for every row (inactive rows are padding)."""
+    B = len(seqs)
+    q = 1 + max((t.size for b, t in enumerate(trees) if active[b]), default=0)
+    tok = torch.zeros(B, q, dtype=torch.long)
+    par = torch.full((B, q), -1, dtype=torch.long)
+    live = torch.zeros(B, q, dtype=torch.bool)
+    for b, tree in enumerate(trees):
+        if not active[b]:
+            continue
+        n = tree.size
+        tok[b, 0] = seqs[b][-1]
+        tok[b, 1: n + 1] = tree.tokens
+        par[b, 1: n + 1] = tree.parents + 1
+        live[b, : n + 1] = True
+    dev = runner.device
+    return runner.forward(tok.to(dev), par.to(dev), live.to(dev))
+
+
+def _rows(t: torch.Tensor | None, b: int, idx: list[int]) -> torch.Tensor | None:
+    return None if t is None else t[b, idx]
+
+
+def _append(b, tokens, seqs, new, active, max_new_tokens, eos) -> None:
+    for t in tokens:
+        seqs[b].append(t)
+        new[b].append(t)
+        if len(new[b]) >= max_new_tokens or t in eos:
+            active[b] = False
+            return
