@@ -1,0 +1,50 @@
+"""Recipe: frozen target + prepared data -> feature store for offline training.
+
+    python recipes/collect_hidden_states.py [method=eagle3] [collect.dtype=fp8_e4m3] [out_dir=...]
+    torchrun --nproc_per_node 2 recipes/collect_hidden_states.py ...   (or accelerate launch; each
+    process takes a disjoint share of the shards, the last one to finish writes the manifest)
+    specheads collect ...            (same overrides)
+"""
+
+import logging
+import os
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from specheads.data.features import CollectOptions, collect_hidden_states, spec_for_method
+from specheads.data.prepare import check_prepared_matches, load_prepared
+from specheads.targets import load_target
+
+log = logging.getLogger("specheads.collect")
+
+
+def process_device(device: str, rank: int) -> str:
+    """One GPU per process under a launcher (LOCAL_RANK); CPU stays CPU."""
+    if str(device).startswith("cuda") and "LOCAL_RANK" in os.environ:
+        return f"cuda:{os.environ['LOCAL_RANK']}"
+    return str(device)
+
+
+@hydra.main(config_path="../conf", config_name="collect_hidden_states", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    dataset, meta = load_prepared(cfg.prepared_dir)
+    target = load_target(cfg.target.name_or_path, cfg.target.dtype,
+                         process_device(cfg.target.get("device", "cpu"), rank))
+    check_prepared_matches(meta, target)
+    aux = list(cfg.aux_layers) if cfg.aux_layers is not None else None
+    spec = spec_for_method(cfg.method, target.num_layers, aux)
+    opts = CollectOptions(**OmegaConf.to_object(cfg.collect), rank=rank, world_size=world)
+    source = {"prepared_dir": str(Path(cfg.prepared_dir).resolve()), "method": cfg.method,
+              **{k: meta.get(k) for k in ("num_samples", "num_tokens", "chat_template_sha", "max_length")}}
+    summary = collect_hidden_states(target, dataset, spec, cfg.out_dir, opts, source=source)
+    done = "store complete" if summary["manifest"] else "other ranks still running"
+    print(f"rank {rank}/{world}: wrote {summary['shards_written']} shards ({summary['tokens']} tokens, "
+          f"{summary['tokens_per_s']:.0f} tokens/s), skipped {summary['shards_skipped']} finished -> "
+          f"{cfg.out_dir} ({done})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,509 @@
+"""Hidden-state features: one function computes them, offline collection stores them, a reader serves them.
+
+- ``compute_features(target, batch, spec)`` runs the frozen target and adds ``hidden_last`` /
+  ``hidden_aux`` (float32, zero on padding) to a batch. Collection and online training both call it,
+  so offline and online features are the same tensors.
+- ``collect_hidden_states`` writes them for a prepared dataset into a store (``specheads.data.store``),
+  sorted by length, one disjoint share of the shards per process, resumable after a kill.
+- ``FeatureDataset`` + ``collate_features`` + ``LengthGroupedBatchSampler`` read a store back as the
+  trainer's batch dict; ``TokenDataset`` + ``OnlineFeatures`` give the same batches without a store.
+
+Layer convention: see ``specheads.targets`` (aux layer i = input of decoder layer i; last = post-norm).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from specheads.data.store import (
+    MANIFEST, PLAN, STORE_FORMAT, CorruptShardError, InsufficientDiskError, ShardRecord, ShardWriter,
+    StoreMismatchError, atomic_write_json, bytes_per_token, canonical_dtype, check_shard_file, decode_hidden,
+    read_manifest, read_record, remove_stale_temps,
+)
+from specheads.targets import Target, default_eagle3_layers
+from specheads.training.method import FeatureSpec
+
+log = logging.getLogger(__name__)
+
+HIDDEN_KEYS = ("hidden_last", "hidden_aux")
+
+
+def spec_for_method(method: str, num_layers: int, aux_layers: Sequence[int] | None = None) -> FeatureSpec:
+    """The features a head family trains on: Medusa-1 / EAGLE-1 the last state; EAGLE-3 three aux layers
+    (default ``default_eagle3_layers``) plus the last state (its target distribution = lm_head(last))."""
+    method = method.lower().replace("-", "").replace("_", "")
+    if method in ("medusa1", "medusa", "eagle1", "eagle"):
+        return FeatureSpec(aux_layers=(), need_last=True)
+    if method == "eagle3":
+        layers = tuple(aux_layers) if aux_layers else default_eagle3_layers(num_layers)
+        return FeatureSpec(aux_layers=tuple(int(i) for i in layers), need_last=True)
+    if method == "medusa2":
+        return FeatureSpec(aux_layers=(), need_last=True, online_only=True)
+    raise ValueError(f"unknown method {method!r}; expected medusa1, medusa2, eagle1 or eagle3")
+
+
+# --------------------------------------------------------------------------- computing
+
+
+def compute_features(target: Target, batch: dict[str, torch.Tensor], spec: FeatureSpec) -> dict[str, torch.Tensor]:
+    """Add the spec's hidden states to a batch (a new dict; tensors moved to the target's device).
+
+    batch: input_ids (B, T), attention_mask (B, T) (1 = real token, right padding), loss_mask (B, T)
+    adds:  hidden_last (B, T, H) float32 if ``spec.need_last``;
+           hidden_aux (B, T, k*H) float32, aux layers concatenated in spec order, if ``spec.aux_layers``.
+    Padding positions are zero, so the result does not depend on what the padded rows computed.
+    """
+    device = target.device
+    out = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    ids = out["input_ids"]
+    mask = out.get("attention_mask")
+    if mask is None:
+        mask = out["attention_mask"] = torch.ones_like(ids)
+    feats = target.forward_features(ids, mask, aux_layers=spec.aux_layers, need_last=spec.need_last)
+    pad = ~mask.bool().unsqueeze(-1)
+    if spec.need_last:
+        out["hidden_last"] = feats.last.float().masked_fill(pad, 0.0)
+    if spec.aux_layers:
+        out["hidden_aux"] = torch.cat([a.float() for a in feats.aux], dim=-1).masked_fill(pad, 0.0)
+    return out
+
+
+def add_features(batch: dict[str, torch.Tensor], target: Target, spec: FeatureSpec) -> dict[str, torch.Tensor]:
+    """The engine's entry point: an offline batch (already holding the spec's hidden states) passes
+    through unchanged; a token-only batch gets them computed from the frozen target."""
+    needed = (["hidden_last"] if spec.need_last else []) + (["hidden_aux"] if spec.aux_layers else [])
+    if all(k in batch for k in needed):
+        return batch
+    return compute_features(target, batch, spec)
+
+
+class OnlineFeatures:
+    """``add_features`` bound to a target and spec: ``OnlineFeatures(target, spec)(batch) -> batch``."""
+
+    def __init__(self, target: Target, spec: FeatureSpec):
+        self.target, self.spec = target, spec
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return add_features(batch, self.target, self.spec)
+
+
+# --------------------------------------------------------------------------- batching
+
+
+def collate_features(samples: list[dict[str, Any]], pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pad samples of different lengths into the trainer's batch dict.
+
+    samples: dicts with input_ids (T_i,), loss_mask (T_i,), optionally hidden_last (T_i, H), hidden_aux (T_i, D)
+    returns: input_ids, attention_mask, loss_mask (B, T) long; hidden_* (B, T, D) float32, zero padded.
+    """
+    longest = max(len(s["input_ids"]) for s in samples)
+    T = math.ceil(longest / pad_to_multiple_of) * pad_to_multiple_of
+    B = len(samples)
+    batch = {k: torch.zeros(B, T, dtype=torch.long) for k in ("input_ids", "attention_mask", "loss_mask")}
+    for key in HIDDEN_KEYS:
+        if key in samples[0]:
+            batch[key] = torch.zeros(B, T, samples[0][key].shape[-1], dtype=torch.float32)
+    for b, s in enumerate(samples):
+        n = len(s["input_ids"])
+        batch["input_ids"][b, :n] = torch.as_tensor(s["input_ids"])
+        batch["loss_mask"][b, :n] = torch.as_tensor(s["loss_mask"])
+        batch["attention_mask"][b, :n] = 1
+        for key in HIDDEN_KEYS:
+            if key in batch:
+                batch[key][b, :n] = s[key]
+    return batch
+
+
+def length_batches(order: Sequence[int], lengths: Sequence[int], max_tokens: int | None,
+                   max_batch_size: int | None) -> list[list[int]]:
+    """Cut ``order`` (indices, ideally sorted by length) into consecutive batches whose padded size
+    ``len(batch) * longest`` stays within ``max_tokens`` and whose size within ``max_batch_size``.
+    A sample longer than ``max_tokens`` forms a batch of its own."""
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
+    for i in order:
+        new_longest = max(longest, lengths[i])
+        too_many = max_batch_size is not None and len(cur) >= max_batch_size
+        too_big = max_tokens is not None and (len(cur) + 1) * new_longest > max_tokens
+        if cur and (too_many or too_big):
+            batches.append(cur)
+            cur, new_longest = [], lengths[i]
+        cur.append(i)
+        longest = new_longest
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+class LengthGroupedBatchSampler(Sampler[list[int]]):
+    """Batches of similar-length samples (little padding), under a token budget, in shuffled order.
+
+    lengths: per-sample token counts; max_tokens: padded tokens per batch; batch_size: samples per batch.
+    With ``world_size > 1`` each rank iterates a disjoint share of the batches (same count on every rank).
+    """
+
+    def __init__(self, lengths: Sequence[int], max_tokens: int | None = None, batch_size: int | None = None,
+                 shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1):
+        if max_tokens is None and batch_size is None:
+            raise ValueError("give max_tokens, batch_size or both")
+        self.lengths, self.max_tokens, self.batch_size = list(lengths), max_tokens, batch_size
+        self.shuffle, self.seed, self.rank, self.world_size, self.epoch = shuffle, seed, rank, world_size, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _batches(self) -> list[list[int]]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        tie = torch.randperm(len(self.lengths), generator=g).tolist() if self.shuffle else range(len(self.lengths))
+        order = sorted(range(len(self.lengths)), key=lambda i: (self.lengths[i], tie[i]))
+        batches = length_batches(order, self.lengths, self.max_tokens, self.batch_size)
+        if self.shuffle:
+            batches = [batches[j] for j in torch.randperm(len(batches), generator=g).tolist()]
+        per_rank = len(batches) // self.world_size if self.world_size > 1 else len(batches)
+        return batches[self.rank * per_rank:(self.rank + 1) * per_rank]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self._batches())
+
+    def __len__(self) -> int:
+        return len(self._batches())
+
+
+# --------------------------------------------------------------------------- prepared tokens
+
+
+def sample_lengths(dataset) -> list[int]:
+    """Token count of each row of a prepared ``datasets.Dataset`` (read from Arrow, no row decoding)."""
+    import pyarrow.compute as pc
+
+    column = dataset.with_format("arrow")["input_ids"]
+    return pc.list_value_length(column).to_pylist()
+
+
+class TokenDataset(Dataset):
+    """A prepared dataset as samples ``{id, input_ids (T,), loss_mask (T,)}`` (the online-mode input)."""
+
+    def __init__(self, dataset):
+        for col in ("input_ids", "loss_mask"):
+            if col not in dataset.column_names:
+                raise ValueError(f"prepared dataset lacks column '{col}' (has {dataset.column_names})")
+        self.dataset = dataset
+        self.has_ids = "id" in dataset.column_names
+        self.lengths = sample_lengths(dataset)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.rows([i])[0]
+
+    def rows(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """Several samples in one Arrow read."""
+        cols = self.dataset[list(indices)]
+        ids = cols["id"] if self.has_ids else [str(i) for i in indices]
+        return [{"id": str(ids[j]), "input_ids": torch.tensor(cols["input_ids"][j], dtype=torch.long),
+                 "loss_mask": torch.tensor(cols["loss_mask"][j], dtype=torch.long)} for j in range(len(indices))]
+
+
+# --------------------------------------------------------------------------- collection
+
+
+@dataclass
+class CollectOptions:
+    """How to collect. dtype: bfloat16 | float16 | float32 | fp8_e4m3 (per-token scale).
+
+    shard_bytes: target size of one shard (sets tokens per shard); shard_samples: cap on samples per shard;
+    batch_tokens / max_batch_size: padded tokens / samples per forward; rank / world_size: this
+    process's share (shards rank, rank+W, ...); check_disk: refuse when the disk lacks room;
+    verify_done: re-hash finished shards on a re-run (else only their size is checked).
+    """
+
+    dtype: str = "bfloat16"
+    shard_bytes: int = 512 * 2**20
+    shard_samples: int = 8192
+    batch_tokens: int = 8192
+    max_batch_size: int = 64
+    rank: int = 0
+    world_size: int = 1
+    check_disk: bool = True
+    verify_done: bool = True
+
+
+def plan_shards(lengths: Sequence[int], shard_tokens: int, shard_samples: int) -> list[list[int]]:
+    """Sort samples by length (ties by index) and cut them into shards of at most ``shard_tokens``
+    tokens and ``shard_samples`` samples. The plan depends only on the data, never on the process count."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    shards: list[list[int]] = []
+    cur: list[int] = []
+    tokens = 0
+    for i in order:
+        if cur and (tokens + lengths[i] > shard_tokens or len(cur) >= shard_samples):
+            shards.append(cur)
+            cur, tokens = [], 0
+        cur.append(i)
+        tokens += lengths[i]
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def store_header(target: Target, spec: FeatureSpec, opts: CollectOptions, ids: list[str],
+                 lengths: list[int], shards: list[list[int]], source: dict | None = None) -> dict[str, Any]:
+    """Identity and settings of a store; ``plan_hash`` covers everything that changes shard contents."""
+    dtype = canonical_dtype(opts.dtype)
+    header = {
+        "format": STORE_FORMAT, "target": target.name, "target_config_hash": target.config_hash(),
+        "tokenizer_fingerprint": target.tokenizer_fingerprint(), "num_layers": target.num_layers,
+        "hidden_size": target.hidden_size, "aux_layers": list(spec.aux_layers), "has_last": spec.need_last,
+        "last": "post-norm final hidden state (HF hidden_states[N]); target logits = lm_head(last)",
+        "aux": "inputs of the listed decoder layers (HF hidden_states[i])", "dtype": dtype,
+        "bytes_per_token": bytes_per_token(target.hidden_size, len(spec.aux_layers), spec.need_last, dtype),
+        "num_shards": len(shards), "num_samples": len(ids), "num_tokens": int(sum(lengths)),
+    }
+    h = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
+    h.update(json.dumps([[ids[i], lengths[i]] for shard in shards for i in shard] + [len(s) for s in shards]).encode())
+    header["plan_hash"] = h.hexdigest()[:24]
+    header["source"] = source or {}
+    return header
+
+
+def open_plan(root: Path, header: dict[str, Any]) -> None:
+    """Record the plan in a new store, or check that an existing one was begun with the same plan."""
+    path = root / PLAN
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old.get("plan_hash") != header["plan_hash"]:
+            diff = [k for k in header if k not in ("plan_hash", "source") and old.get(k) != header[k]]
+            raise StoreMismatchError(
+                f"{root} holds a store begun with other settings or data (differs in: {diff or 'sample ids/lengths'}); "
+                f"collect into a new out_dir or delete {root}")
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, header)
+
+
+def shard_is_done(root: Path, index: int, plan_hash: str, full: bool) -> bool:
+    """True when shard ``index`` has a record of this plan and its file matches it; a corrupt one is
+    reported (by name) and counted as not done, so it is redone."""
+    record = read_record(root, index)
+    if record is None or record.plan_hash != plan_hash:
+        return False
+    try:
+        check_shard_file(root, record, full=full)
+    except CorruptShardError as e:
+        log.warning("%s; redoing it", e)
+        return False
+    return True
+
+
+def finalize_store(root: str | Path) -> dict[str, Any] | None:
+    """Write manifest.json once every planned shard has its record; returns it, or None if shards remain.
+
+    Every process calls this after its own shards, so the last one to finish writes the manifest
+    (the content is deterministic, so two writers racing write the same file).
+    """
+    root = Path(root)
+    header = json.loads((root / PLAN).read_text())
+    records = [read_record(root, i) for i in range(header["num_shards"])]
+    if any(r is None or r.plan_hash != header["plan_hash"] for r in records):
+        return None
+    for r in records:
+        check_shard_file(root, r, full=False)
+    shards = [{k: v for k, v in r.__dict__.items() if k != "plan_hash"} for r in records]
+    manifest = {**header, "shards": shards, "num_loss_tokens": sum(r.num_loss_tokens for r in records),
+                "bytes_on_disk": sum(r.bytes for r in records)}
+    atomic_write_json(root / MANIFEST, manifest)
+    return manifest
+
+
+def check_disk_space(root: Path, needed: int) -> None:
+    """Refuse (``InsufficientDiskError``) when ``needed`` bytes plus 1 GiB of slack exceed the free space."""
+    probe = root if root.exists() else next(p for p in root.parents if p.exists())
+    free = shutil.disk_usage(probe).free
+    if needed + 2**30 > free:
+        raise InsufficientDiskError(
+            f"not enough disk for the feature store in {root}: it needs ~{needed / 2**30:.2f} GiB (+1 GiB slack), "
+            f"{free / 2**30:.2f} GiB are free. Free space, choose another out_dir, or store dtype=fp8_e4m3 "
+            f"(about half of bf16)")
+
+
+def _estimate(target, spec, tokens: TokenDataset, batches: list[list[int]], todo_tokens: int,
+              header: dict, opts: CollectOptions, root: Path) -> None:
+    """Log the store size and, from one timed forward, the collection time; check the disk."""
+    needed = todo_tokens * header["bytes_per_token"]
+    log.info("feature store %s: %d samples, %d tokens, %s, %d B/token -> ~%.3f GiB in all; rank %d/%d writes ~%.3f GiB",
+             root, header["num_samples"], header["num_tokens"], header["dtype"], header["bytes_per_token"],
+             header["num_tokens"] * header["bytes_per_token"] / 2**30, opts.rank, opts.world_size, needed / 2**30)
+    if opts.check_disk:
+        check_disk_space(root, needed)
+    if not batches:
+        return
+    probe = batches[len(batches) // 2]
+    batch = collate_features(tokens.rows(probe))
+    t0 = time.perf_counter()
+    compute_features(target, batch, spec)
+    rate = batch["input_ids"].numel() / max(time.perf_counter() - t0, 1e-9)
+    padded = sum(len(b) * max(tokens.lengths[i] for i in b) for b in batches)
+    log.info("estimated collection time for rank %d: ~%.1f min (%d padded tokens at ~%.0f tokens/s, one timed batch)",
+             opts.rank, padded / rate / 60, padded, rate)
+
+
+def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: str | Path,
+                          opts: CollectOptions | None = None, source: dict | None = None) -> dict[str, Any]:
+    """Write the spec's features of a prepared dataset into a store at ``out_dir`` (this rank's share).
+
+    dataset: ``datasets.Dataset`` with id, input_ids, loss_mask. Finished shards of the same plan are
+    skipped; partial or corrupt ones are redone. Returns a summary (shards written/skipped, tokens,
+    seconds, tokens/s, and ``manifest`` when this process completed the store).
+    """
+    opts = opts or CollectOptions()
+    if spec.online_only:
+        raise ValueError("this method trains the target itself (online_only); its features cannot be stored, "
+                         "train it in online mode")
+    if not 0 <= opts.rank < opts.world_size:
+        raise ValueError(f"rank {opts.rank} is outside world_size {opts.world_size}")
+    root = Path(out_dir)
+    tokens = TokenDataset(dataset)
+    ids = [str(x) for x in dataset["id"]] if tokens.has_ids else [str(i) for i in range(len(tokens))]
+    bpt = bytes_per_token(target.hidden_size, len(spec.aux_layers), spec.need_last, opts.dtype)
+    shards = plan_shards(tokens.lengths, max(1, opts.shard_bytes // bpt), opts.shard_samples)
+    header = store_header(target, spec, opts, ids, tokens.lengths, shards, source)
+    open_plan(root, header)
+    mine = list(range(opts.rank, len(shards), opts.world_size))
+    remove_stale_temps(root, mine)
+    todo = [s for s in mine if not shard_is_done(root, s, header["plan_hash"], opts.verify_done)]
+    plan = {s: length_batches(shards[s], tokens.lengths, opts.batch_tokens, opts.max_batch_size) for s in todo}
+    todo_tokens = sum(tokens.lengths[i] for s in todo for i in shards[s])
+    _estimate(target, spec, tokens, [b for s in todo for b in plan[s]], todo_tokens, header, opts, root)
+    log.info("rank %d: %d of its %d shards to do (%d finished already)", opts.rank, len(todo), len(mine),
+             len(mine) - len(todo))
+    t0 = time.perf_counter()
+    writer = ShardWriter(root, header["dtype"], max(1, len(spec.aux_layers)), header["plan_hash"])
+    try:
+        for s in todo:
+            for b in plan[s]:
+                writer.add(compute_features(target, collate_features(tokens.rows(b)), spec))
+            writer.finish(s, [ids[i] for i in shards[s]])
+    finally:
+        records = writer.close()
+    seconds = time.perf_counter() - t0
+    done_tokens = sum(r.num_tokens for r in records)
+    manifest = finalize_store(root)
+    log.info("rank %d wrote %d shards (%d tokens) in %.1f s (%.0f tokens/s)%s", opts.rank, len(records),
+             done_tokens, seconds, done_tokens / max(seconds, 1e-9),
+             "; store complete, manifest written" if manifest else "; other shards still pending")
+    return {"rank": opts.rank, "shards_written": len(records), "shards_skipped": len(mine) - len(todo),
+            "samples": sum(r.num_samples for r in records), "tokens": done_tokens, "seconds": seconds,
+            "tokens_per_s": done_tokens / max(seconds, 1e-9), "manifest": manifest}
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def check_manifest(manifest: dict[str, Any], spec: FeatureSpec | None = None, target: Target | None = None,
+                   where: str | Path = "") -> None:
+    """Refuse a store collected from another target / tokenizer, or lacking layers the spec needs."""
+    where = f"feature store {where}".strip()
+    if target is not None:
+        for key, want, what in (("target_config_hash", target.config_hash(), "config hash"),
+                                ("tokenizer_fingerprint", target.tokenizer_fingerprint(), "tokenizer fingerprint")):
+            if manifest.get(key) != want:
+                raise StoreMismatchError(
+                    f"{where} was collected from target '{manifest.get('target')}' with {what} {manifest.get(key)}, "
+                    f"but the trainer's target '{target.name}' has {what} {want}; collect features for this "
+                    f"target (`specheads collect`) or use online features")
+    if spec is not None:
+        if spec.online_only:
+            raise StoreMismatchError(f"this method trains the target (online_only); it cannot train from {where}")
+        missing = [i for i in spec.aux_layers if i not in manifest["aux_layers"]]
+        if missing:
+            raise StoreMismatchError(f"{where} holds aux layers {manifest['aux_layers']}, the method needs "
+                                     f"{list(spec.aux_layers)} (missing {missing}); re-collect with those layers")
+        if spec.need_last and not manifest["has_last"]:
+            raise StoreMismatchError(f"{where} holds no last hidden state, which the method needs")
+
+
+class FeatureDataset(Dataset):
+    """Samples of a feature store, read through memory-mapped shards (``safe_open``).
+
+    Item: ``{id, input_ids (T,) long, loss_mask (T,) long, hidden_last (T, H) float32,
+    hidden_aux (T, k*H) float32}`` holding what ``spec`` asks for (default: everything stored), aux
+    layers in the spec's order. The manifest is checked against ``target``/``spec``; each shard's
+    size is checked on open and (``verify``) its SHA-256 before its first read in this process.
+    """
+
+    def __init__(self, root: str | Path, spec: FeatureSpec | None = None, target: Target | None = None,
+                 verify: bool = True):
+        self.root = Path(root)
+        self.manifest = read_manifest(self.root)
+        check_manifest(self.manifest, spec, target, self.root)
+        stored = tuple(self.manifest["aux_layers"])
+        self.spec = spec or FeatureSpec(aux_layers=stored, need_last=self.manifest["has_last"])
+        self.aux_index = [stored.index(i) for i in self.spec.aux_layers]
+        self.hidden_size, self.verify = self.manifest["hidden_size"], verify
+        self.records = [ShardRecord.from_dict(r) for r in self.manifest["shards"]]
+        self.locations: list[tuple[int, int, int]] = []
+        self.ids: list[str] = []
+        self.lengths: list[int] = []
+        for s, rec in enumerate(self.records):
+            check_shard_file(self.root, rec, full=False)
+            start = 0
+            for sid, n in zip(rec.ids, rec.lengths):
+                self.locations.append((s, start, start + n))
+                start += n
+            self.ids += rec.ids
+            self.lengths += rec.lengths
+        self._handles: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.locations)
+
+    def __getstate__(self):  # DataLoader workers reopen the shards themselves
+        return {**self.__dict__, "_handles": {}}
+
+    def _shard(self, s: int):
+        if s not in self._handles:
+            from safetensors import safe_open
+
+            rec = self.records[s]
+            check_shard_file(self.root, rec, full=self.verify)
+            self._handles[s] = safe_open(str(self.root / rec.file), framework="pt")
+        return self._handles[s]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        s, a, b = self.locations[i]
+        f = self._shard(s)
+        names = set(f.keys())
+
+        def rows(name):
+            return f.get_slice(name)[a:b] if name in names else None
+
+        item = {"id": self.ids[i], "input_ids": rows("input_ids").long(), "loss_mask": rows("loss_mask").long()}
+        if self.spec.need_last:
+            item["hidden_last"] = decode_hidden(rows("hidden_last"), rows("hidden_last_scale"))
+        if self.spec.aux_layers:
+            aux = decode_hidden(rows("hidden_aux"), rows("hidden_aux_scale"))
+            aux = aux.view(b - a, -1, self.hidden_size)[:, self.aux_index]
+            item["hidden_aux"] = aux.reshape(b - a, -1)
+        return item
+
+
+def feature_loader(dataset: Dataset, max_tokens: int | None = 8192, batch_size: int | None = None,
+                   shuffle: bool = True, seed: int = 0, num_workers: int = 0, rank: int = 0,
+                   world_size: int = 1) -> torch.utils.data.DataLoader:
+    """A DataLoader of trainer batches over a ``FeatureDataset`` or ``TokenDataset`` (length-grouped)."""
+    sampler = LengthGroupedBatchSampler(dataset.lengths, max_tokens, batch_size, shuffle, seed, rank, world_size)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_features,
+                                       num_workers=num_workers)

@@ -1,0 +1,338 @@
+"""The on-disk feature store: safetensors shards, one JSON record per shard, and a manifest.
+
+Layout of a store folder::
+
+    plan.json                 settings + sample plan of this collection (written first)
+    shards/00007.safetensors  one shard: samples concatenated along the token axis
+    shards/00007.json         its record (checksum, size, ids, lengths), written after the shard
+    manifest.json             everything above in one file, written once all shards are done
+
+A shard holds ``input_ids (N,) int32``, ``loss_mask (N,) int8``, ``offsets (S+1,) int64`` (sample
+``s`` is rows ``offsets[s]:offsets[s+1]``) and, as the method needs, ``hidden_last (N, H)`` and
+``hidden_aux (N, k*H)``. With ``fp8_e4m3`` each hidden tensor has a float32 scale per token (and per
+aux layer): ``hidden_last_scale (N, 1)``, ``hidden_aux_scale (N, k)``.
+
+Every file is written to a temporary name and moved into place with ``os.replace``, so a killed
+writer leaves either nothing or a complete file; a shard counts as done only once its record exists
+and its size and SHA-256 match the record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specheads.data.prepare import DataMismatchError
+
+STORE_FORMAT = "specheads.features/1"
+MANIFEST = "manifest.json"
+PLAN = "plan.json"
+SHARD_DIR = "shards"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+
+STORE_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "fp8_e4m3",
+                 "float8_e4m3fn": "fp8_e4m3", "half": "float16"}
+
+
+class StoreError(RuntimeError):
+    """A feature store is missing, incomplete or unusable."""
+
+
+class CorruptShardError(StoreError):
+    """A shard's bytes do not match its recorded size or checksum (the message names the file)."""
+
+
+class StoreMismatchError(StoreError, DataMismatchError):
+    """A store made for another target, tokenizer, layer set or collection setting."""
+
+
+class InsufficientDiskError(StoreError):
+    """Not enough free disk for the planned store."""
+
+
+def canonical_dtype(name: str) -> str:
+    """'bf16' -> 'bfloat16' etc.; an unknown name is refused with the accepted ones."""
+    name = DTYPE_ALIASES.get(str(name), str(name))
+    if name not in STORE_DTYPES:
+        raise ValueError(f"unknown store dtype {name!r}; use one of {sorted(STORE_DTYPES)} (or bf16/fp16/fp8)")
+    return name
+
+
+def bytes_per_token(hidden_size: int, num_aux: int, need_last: bool, dtype: str) -> int:
+    """Disk bytes one token costs in a shard (ids + mask + hidden states + fp8 scales)."""
+    dtype = canonical_dtype(dtype)
+    elem = torch.empty((), dtype=STORE_DTYPES[dtype]).element_size()
+    vectors = num_aux + int(need_last)
+    scales = 4 * vectors if dtype == "fp8_e4m3" else 0
+    return 4 + 1 + vectors * hidden_size * elem + scales
+
+
+# --------------------------------------------------------------------------- fp8 codec
+
+
+def quantize_fp8(x: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, G*H) float -> (N, G*H) float8_e4m3fn and (N, G) float32 scales (one per token and group).
+
+    Each token's group is scaled so its largest magnitude maps to 448, the largest e4m3 value.
+    """
+    n, d = x.shape
+    xg = x.float().view(n, groups, d // groups)
+    scale = xg.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
+    q = (xg / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(n, d), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``quantize_fp8``: (N, G*H) fp8, (N, G) -> (N, G*H) float32."""
+    n, d = q.shape
+    groups = scale.shape[-1]
+    return (q.float().view(n, groups, d // groups) * scale.float().unsqueeze(-1)).view(n, d)
+
+
+def encode_hidden(name: str, x: torch.Tensor, dtype: str, groups: int = 1) -> dict[str, torch.Tensor]:
+    """Tensors to store for one hidden block (N, G*H): the cast values, plus ``<name>_scale`` for fp8."""
+    if dtype == "fp8_e4m3":
+        q, scale = quantize_fp8(x, groups)
+        return {name: q, f"{name}_scale": scale}
+    return {name: x.to(STORE_DTYPES[dtype]).contiguous()}
+
+
+def decode_hidden(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Stored rows (T, D) (and fp8 scales (T, G)) -> float32 (T, D)."""
+    if scale is not None:
+        return dequantize_fp8(values, scale)
+    return values.float()
+
+
+# --------------------------------------------------------------------------- files
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to ``<path>.tmp<pid>``, fsync, then ``os.replace`` (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def shard_file(index: int) -> str:
+    return f"{SHARD_DIR}/{index:05d}.safetensors"
+
+
+def record_file(index: int) -> str:
+    return f"{SHARD_DIR}/{index:05d}.json"
+
+
+@dataclass
+class ShardRecord:
+    """What the manifest knows about one shard (ids and lengths in storage order)."""
+
+    index: int
+    file: str
+    sha256: str
+    bytes: int
+    num_samples: int
+    num_tokens: int
+    num_loss_tokens: int
+    ids: list[str] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    plan_hash: str = ""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ShardRecord":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+def write_shard(root: Path, index: int, tensors: dict[str, torch.Tensor], ids: list[str],
+                plan_hash: str) -> ShardRecord:
+    """Serialize, checksum and atomically write one shard, then its record. Returns the record."""
+    from safetensors.torch import save
+
+    data = save(tensors, metadata={"format": STORE_FORMAT, "ids": json.dumps(ids), "plan_hash": plan_hash})
+    offsets = tensors["offsets"]
+    record = ShardRecord(
+        index=index, file=shard_file(index), sha256=hashlib.sha256(data).hexdigest(), bytes=len(data),
+        num_samples=len(ids), num_tokens=int(offsets[-1]), num_loss_tokens=int(tensors["loss_mask"].sum()),
+        ids=list(ids), lengths=(offsets[1:] - offsets[:-1]).tolist(), plan_hash=plan_hash,
+    )
+    atomic_write_bytes(root / record.file, data)
+    atomic_write_json(root / record_file(index), asdict(record))
+    return record
+
+
+def check_shard_file(root: Path, record: ShardRecord, full: bool = True) -> None:
+    """Raise ``CorruptShardError`` naming the file if it is missing, resized or (``full``) altered."""
+    path = root / record.file
+    if not path.exists():
+        raise CorruptShardError(f"shard {path} is missing (listed in the store's records)")
+    size = path.stat().st_size
+    if size != record.bytes:
+        raise CorruptShardError(f"shard {path} has {size} bytes, its record says {record.bytes}: truncated or replaced")
+    if full:
+        digest = sha256_file(path)
+        if digest != record.sha256:
+            raise CorruptShardError(
+                f"shard {path} is corrupt: SHA-256 {digest[:16]}... differs from the recorded {record.sha256[:16]}...; "
+                f"delete it and re-run collection to redo it")
+
+
+def read_record(root: Path, index: int) -> ShardRecord | None:
+    """The record of shard ``index`` or None when absent/unreadable (then the shard counts as not done)."""
+    path = root / record_file(index)
+    try:
+        return ShardRecord.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def remove_stale_temps(root: Path, indices: list[int]) -> int:
+    """Delete temporary files a killed writer left for these shards; returns how many."""
+    removed = 0
+    shard_dir = root / SHARD_DIR
+    if not shard_dir.exists():
+        return 0
+    prefixes = tuple(f"{i:05d}." for i in indices)
+    for p in shard_dir.iterdir():
+        if p.name.startswith(prefixes) and ".tmp" in p.name:
+            p.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def read_manifest(root: str | Path) -> dict[str, Any]:
+    """The manifest of a finished store, or a clear error for a folder that is not one (yet)."""
+    root = Path(root)
+    path = root / MANIFEST
+    if not path.exists():
+        hint = (" (plan.json is there: the collection has not finished; re-run it to complete the store)"
+                if (root / PLAN).exists() else "; run `specheads collect` to build it")
+        raise StoreError(f"{root} holds no feature store manifest{hint}")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != STORE_FORMAT:
+        raise StoreMismatchError(f"{path}: format {manifest.get('format')!r}, expected {STORE_FORMAT!r}")
+    return manifest
+
+
+def verify_store(root: str | Path) -> dict[str, Any]:
+    """Check every shard's size and SHA-256 against the manifest; returns the manifest.
+
+    Raises ``CorruptShardError`` listing every bad shard by path.
+    """
+    root = Path(root)
+    manifest = read_manifest(root)
+    problems = []
+    for rec in manifest["shards"]:
+        try:
+            check_shard_file(root, ShardRecord.from_dict(rec))
+        except CorruptShardError as e:
+            problems.append(str(e))
+    if problems:
+        raise CorruptShardError(f"{len(problems)} bad shard(s) in {root}:\n" + "\n".join(problems))
+    return manifest
+
+
+# --------------------------------------------------------------------------- background writer
+
+
+class ShardWriter:
+    """Encodes, serializes, checksums and writes shards in a background thread.
+
+    The collecting thread hands over each forward's padded float features with ``add`` and closes a
+    shard with ``finish``; casting (or fp8 quantization), concatenation, hashing and the disk write
+    happen here, overlapping the next forward passes. At most ``max_pending`` items wait in the queue,
+    which bounds memory. An error in the thread is re-raised on the next call from the caller.
+    """
+
+    def __init__(self, root: Path, dtype: str, aux_groups: int, plan_hash: str, max_pending: int = 4):
+        import queue
+        import threading
+
+        self.root, self.dtype, self.aux_groups, self.plan_hash = Path(root), dtype, aux_groups, plan_hash
+        self.records: list[ShardRecord] = []
+        self.error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._parts: dict[str, list[torch.Tensor]] = {}
+        self._thread = threading.Thread(target=self._run, name="specheads-shard-writer", daemon=True)
+        self._thread.start()
+
+    def add(self, batch: dict[str, torch.Tensor]) -> None:
+        """batch: attention_mask (B, T), input_ids, loss_mask (B, T), hidden_* (B, T, D) float."""
+        self._put(("add", batch))
+
+    def finish(self, index: int, ids: list[str]) -> None:
+        """Write everything added since the last ``finish`` as shard ``index`` holding samples ``ids``."""
+        self._put(("finish", index, list(ids)))
+
+    def close(self) -> list[ShardRecord]:
+        """Wait for pending writes; returns the records written (re-raises a writer error)."""
+        self._queue.put(None)
+        self._thread.join()
+        self._raise()
+        return self.records
+
+    def _put(self, item) -> None:
+        self._raise()
+        self._queue.put(item)
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise StoreError(f"writing shards to {self.root} failed: {self.error}") from self.error
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self.error is not None:
+                continue  # drain so the producer never blocks; the error surfaces on its next call
+            try:
+                if item[0] == "add":
+                    self._encode(item[1])
+                else:
+                    self._write(item[1], item[2])
+            except BaseException as e:  # noqa: BLE001 - handed to the producer thread
+                self.error = e
+
+    def _encode(self, batch: dict[str, torch.Tensor]) -> None:
+        keep = batch["attention_mask"].bool().cpu()
+        rows = {"input_ids": batch["input_ids"].cpu()[keep].to(torch.int32),
+                "loss_mask": batch["loss_mask"].cpu()[keep].to(torch.int8),
+                "lengths": keep.sum(dim=1).to(torch.int64)}
+        for name, groups in (("hidden_last", 1), ("hidden_aux", self.aux_groups)):
+            if name in batch:
+                rows.update(encode_hidden(name, batch[name].cpu()[keep], self.dtype, groups))
+        for k, v in rows.items():
+            self._parts.setdefault(k, []).append(v)
+
+    def _write(self, index: int, ids: list[str]) -> None:
+        parts, self._parts = self._parts, {}
+        tensors = {k: torch.cat(v) for k, v in parts.items() if k != "lengths"}
+        lengths = torch.cat(parts["lengths"])
+        if len(lengths) != len(ids):
+            raise StoreError(f"shard {index}: {len(lengths)} samples encoded but {len(ids)} ids given")
+        tensors["offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        self.records.append(write_shard(self.root, index, tensors, ids, self.plan_hash))
