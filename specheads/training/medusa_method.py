@@ -1,0 +1,298 @@
+"""Medusa-1 and Medusa-2 as ``Method``s for the training engine.
+
+Medusa-1: the target is frozen; heads train on its post-norm last hidden state (offline or online).
+Loss = Σ_k decay^k · CE(head k at t, ids[t+k+2]) over labels with ``loss_mask == 1``.
+
+Medusa-2: heads and target train together, the target through LoRA (peft) or full fine-tuning.
+Its own predictions are kept by a self-distillation KL(original ‖ adapted) on the next token
+(LoRA disabled = the original, so no second copy) or by its next-token CE. The first
+``heads_warmup_steps`` steps train the heads alone on the (still original) target. Held-out
+metrics add the target's drift: ``drift_kl`` (nats/token) and perplexity of the adapted and
+original target on the held-out assistant tokens. ``save`` writes the heads and, in ``target/``
+beside their files, the merged adapted target that must verify them.
+
+The trainable modules compute their loss inside ``forward`` so DDP/DeepSpeed wrappers see every call.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specheads.heads.medusa import MedusaHeads, medusa_for_target
+from specheads.targets import Target
+from specheads.training.method import FeatureSpec, StepOutput
+
+ADAPTED_TARGET_DIR = "target"
+
+
+def label_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B, T) bool: token j is a label that counts (assistant token, not padding)."""
+    return (batch["loss_mask"] > 0) & (batch["attention_mask"] > 0)
+
+
+def head_losses(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tensor, labels_ok: torch.Tensor,
+                decay: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weighted Medusa loss. hidden (B, T, H), input_ids (B, T), labels_ok (B, T) bool.
+
+    Head k at position t is scored against ids[t+k+2] where labels_ok[t+k+2]; each head's CE is a
+    mean over its labels. Returns (Σ_k decay^k CE_k, {head{k}_loss, head{k}_acc} detached).
+    """
+    T = input_ids.shape[1]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    stats: dict[str, torch.Tensor] = {}
+    for k in range(heads.num_heads):
+        s = k + 2
+        if T <= s:
+            break
+        ok = labels_ok[:, s:]
+        h, y = hidden[:, : T - s][ok], input_ids[:, s:][ok]
+        logits = heads.head_logits(h, k).float()
+        ce = F.cross_entropy(logits, y, reduction="sum") / max(1, y.numel())
+        total = total + (decay ** k) * ce
+        stats[f"head{k}_loss"] = ce.detach()
+        if y.numel():
+            stats[f"head{k}_acc"] = (logits.detach().argmax(-1) == y).float().mean()
+    return total, stats
+
+
+@torch.no_grad()
+def head_counts(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tensor, labels_ok: torch.Tensor,
+                top_k: int) -> dict[str, float]:
+    """Held-out sums per head: top-1 / top-k correct and totals, plus ``chain{k}``: positions where
+    heads 0..k are all top-1 right, over positions where all their labels count."""
+    B, T = input_ids.shape
+    out: dict[str, float] = {}
+    chain_right = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
+    chain_ok = torch.ones_like(chain_right)
+    for k in range(heads.num_heads):
+        s = k + 2
+        ok = torch.zeros_like(chain_ok)
+        ok[:, : max(0, T - s)] = labels_ok[:, s:]
+        right = torch.zeros_like(ok)
+        if ok.any():
+            logits = heads.head_logits(hidden[ok], k).float()
+            y = input_ids[:, s:][ok[:, : T - s]]
+            right[ok] = logits.argmax(-1) == y
+            kk = min(top_k, logits.shape[-1])
+            out[f"head{k}_top{top_k}_correct"] = float((logits.topk(kk, -1).indices == y[:, None]).any(-1).sum())
+        else:
+            out[f"head{k}_top{top_k}_correct"] = 0.0
+        out[f"head{k}_top1_correct"] = float(right.sum())
+        out[f"head{k}_top1_total"] = out[f"head{k}_top{top_k}_total"] = float(ok.sum())
+        chain_ok &= ok
+        chain_right &= right
+        out[f"chain{k}_correct"] = float((chain_right & chain_ok).sum())
+        out[f"chain{k}_total"] = float(chain_ok.sum())
+    return out
+
+
+def _next_token_positions(labels_ok: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: positions t whose next token t+1 is a counted label."""
+    pos = torch.zeros_like(labels_ok)
+    pos[:, :-1] = labels_ok[:, 1:]
+    return pos
+
+
+# --------------------------------------------------------------------------- Medusa-1
+
+
+class MedusaObjective(nn.Module):
+    """Frozen-target Medusa training module: heads + loss in one forward."""
+
+    def __init__(self, heads: MedusaHeads, decay: float, top_k: int):
+        super().__init__()
+        self.heads, self.decay, self.top_k = heads, decay, top_k
+
+    def forward(self, hidden_last, input_ids, labels_ok, evaluate: bool = False):
+        if evaluate:
+            return head_counts(self.heads, hidden_last, input_ids, labels_ok, self.top_k)
+        return head_losses(self.heads, hidden_last, input_ids, labels_ok, self.decay)
+
+
+class Medusa1Method:
+    """Medusa-1: K heads on the frozen target's last hidden state."""
+
+    name = "medusa1"
+    feature_spec = FeatureSpec(need_last=True)
+
+    def __init__(self, num_heads: int = 5, num_layers: int = 1, fc_bias: bool = True,
+                 loss_decay: float = 0.8, top_k: int = 5):
+        self.num_heads, self.num_layers, self.fc_bias = num_heads, num_layers, fc_bias
+        self.loss_decay, self.top_k = loss_decay, top_k
+
+    def build(self, target: Target) -> nn.Module:
+        heads = medusa_for_target(target, self.num_heads, self.num_layers, self.fc_bias)
+        return MedusaObjective(heads, self.loss_decay, self.top_k)
+
+    def loss(self, model, batch, target) -> StepOutput:
+        loss, stats = model(batch["hidden_last"], batch["input_ids"], label_mask(batch))
+        return StepOutput(loss, {k: float(v) for k, v in stats.items()})
+
+    @torch.no_grad()
+    def evaluate(self, model, batch, target) -> dict[str, float]:
+        hidden, ok = batch["hidden_last"], label_mask(batch)
+        out = model(hidden, batch["input_ids"], ok, evaluate=True)
+        pos = _next_token_positions(ok)
+        base = target.logits(hidden[pos]).argmax(-1) == batch["input_ids"][:, 1:][ok[:, 1:]]
+        out["target_top1_correct"], out["target_top1_total"] = float(base.sum()), float(base.numel())
+        return out
+
+    def save(self, model, out_dir: str, target: Target) -> None:
+        _heads(model).save_pretrained(out_dir)
+
+
+def _heads(model: nn.Module) -> MedusaHeads:
+    return getattr(model, "module", model).heads
+
+
+# --------------------------------------------------------------------------- Medusa-2
+
+
+class Medusa2Model(nn.Module):
+    """Adapted target (peft LoRA or full) + Medusa heads; ``forward`` returns losses or held-out sums.
+
+    mode: ``warmup`` (heads only, target under no_grad), ``joint`` (heads + target-keeping loss),
+    ``eval`` (held-out sums: head counts, drift KL, NLL of adapted and original target).
+    """
+
+    def __init__(self, lm: nn.Module, heads: MedusaHeads, method: "Medusa2Method", reference: nn.Module | None):
+        super().__init__()
+        self.lm, self.heads, self.cfg = lm, heads, method
+        self._reference = [reference]  # a list keeps a full-fine-tune reference out of parameters()
+
+    def base(self) -> nn.Module:
+        """The causal LM (LoRA layers injected when adapter=lora)."""
+        return self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+
+    def hidden(self, input_ids, attention_mask) -> torch.Tensor:
+        """(B, T) -> (B, T, H) post-norm last hidden state of the adapted target."""
+        return self.base().model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+    @torch.no_grad()
+    def reference_hidden(self, input_ids, attention_mask) -> torch.Tensor:
+        """The original target's last hidden state (adapters disabled, or the frozen copy)."""
+        ref = self._reference[0]
+        if ref is not None:
+            return ref.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        with self.lm.disable_adapter():
+            return self.hidden(input_ids, attention_mask)
+
+    def forward(self, input_ids, attention_mask, loss_mask, mode: str = "joint"):
+        ok = (loss_mask > 0) & (attention_mask > 0)
+        if mode == "warmup":
+            with torch.no_grad():
+                h = self.hidden(input_ids, attention_mask)
+            return head_losses(self.heads, h, input_ids, ok, self.cfg.loss_decay)
+        h = self.hidden(input_ids, attention_mask)
+        if mode == "eval":
+            out = head_counts(self.heads, h, input_ids, ok, self.cfg.top_k)
+            out.update(self._drift_sums(h, input_ids, attention_mask, ok))
+            return out
+        loss, stats = head_losses(self.heads, h, input_ids, ok, self.cfg.loss_decay)
+        keep = self._target_term(h, input_ids, attention_mask, ok)
+        stats["target_loss"] = keep.detach()
+        return self.cfg.heads_weight * loss + self.cfg.target_weight * keep, stats
+
+    def _next_token_logits(self, h, input_ids, ok):
+        pos = _next_token_positions(ok)
+        return self.base().lm_head(h[pos]).float(), input_ids[:, 1:][ok[:, 1:]], pos
+
+    def _target_term(self, h, input_ids, attention_mask, ok) -> torch.Tensor:
+        logits, y, pos = self._next_token_logits(h, input_ids, ok)
+        n = max(1, y.numel())
+        if self.cfg.target_loss == "lm":
+            return F.cross_entropy(logits, y, reduction="sum") / n
+        ref = self.base().lm_head(self.reference_hidden(input_ids, attention_mask)[pos]).float()
+        t = self.cfg.kl_temperature
+        kl = F.kl_div(F.log_softmax(logits / t, -1), F.log_softmax(ref / t, -1), log_target=True, reduction="sum")
+        return kl * t * t / n
+
+    @torch.no_grad()
+    def _drift_sums(self, h, input_ids, attention_mask, ok) -> dict[str, float]:
+        logits, y, pos = self._next_token_logits(h, input_ids, ok)
+        ref = self.base().lm_head(self.reference_hidden(input_ids, attention_mask)[pos]).float()
+        lp, lq = F.log_softmax(logits, -1), F.log_softmax(ref, -1)
+        n = float(y.numel())
+        return {
+            "drift_kl_sum": float((lq.exp() * (lq - lp)).sum()), "drift_kl_count": n,
+            "nll_sum": float(F.nll_loss(lp, y, reduction="sum")), "nll_count": n,
+            "original_nll_sum": float(F.nll_loss(lq, y, reduction="sum")), "original_nll_count": n,
+            "target_top1_correct": float((logits.argmax(-1) == y).sum()), "target_top1_total": n,
+        }
+
+
+class Medusa2Method:
+    """Medusa-2: heads + target trained jointly (online only: the target's features change)."""
+
+    name = "medusa2"
+    feature_spec = FeatureSpec(aux_layers=(), need_last=False, online_only=True)
+    find_unused_parameters = True  # the target's adapters get no gradient during the head warm-up
+
+    def __init__(self, num_heads: int = 5, num_layers: int = 1, fc_bias: bool = True, loss_decay: float = 0.8,
+                 top_k: int = 5, adapter: str = "lora", lora_r: int = 16, lora_alpha: int = 32,
+                 lora_dropout: float = 0.0, lora_target_modules: str | list[str] = "all-linear",
+                 target_loss: str = "kl", target_weight: float = 1.0, heads_weight: float = 1.0,
+                 kl_temperature: float = 1.0, heads_warmup_steps: int = 0):
+        if adapter not in ("lora", "full"):
+            raise ValueError(f"medusa2 adapter must be 'lora' or 'full', got {adapter!r}")
+        if target_loss not in ("kl", "lm"):
+            raise ValueError(f"medusa2 target_loss must be 'kl' (self-distillation) or 'lm', got {target_loss!r}")
+        self.num_heads, self.num_layers, self.fc_bias = num_heads, num_layers, fc_bias
+        self.loss_decay, self.top_k, self.adapter = loss_decay, top_k, adapter
+        self.lora = dict(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                         target_modules=lora_target_modules if isinstance(lora_target_modules, str)
+                         else list(lora_target_modules))
+        self.target_loss, self.target_weight, self.heads_weight = target_loss, target_weight, heads_weight
+        self.kl_temperature, self.heads_warmup_steps = kl_temperature, heads_warmup_steps
+        self.step = 0
+
+    def on_step_start(self, step: int) -> None:
+        self.step = step
+
+    def build(self, target: Target) -> nn.Module:
+        """Injects LoRA into ``target.model`` in place (adapters on = adapted, off = original)."""
+        heads = medusa_for_target(target, self.num_heads, self.num_layers, self.fc_bias)
+        reference = None
+        if self.adapter == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            lm = get_peft_model(target.model, LoraConfig(bias="none", **self.lora))
+        else:
+            reference = copy.deepcopy(target.model).eval().requires_grad_(False)
+            lm = target.model.requires_grad_(True)
+        lm.get_output_embeddings().requires_grad_(False)  # the heads, not the target's LM head, are trained
+        return Medusa2Model(lm, heads, self, reference).train()
+
+    def loss(self, model, batch, target) -> StepOutput:
+        mode = "warmup" if self.step < self.heads_warmup_steps else "joint"
+        loss, stats = model(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], mode=mode)
+        return StepOutput(loss, {k: float(v) for k, v in stats.items()})
+
+    @torch.no_grad()
+    def evaluate(self, model, batch, target) -> dict[str, float]:
+        return model(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], mode="eval")
+
+    def summarize(self, metrics: dict[str, float]) -> dict[str, float]:
+        out = {}
+        for key in ("nll", "original_nll"):
+            if key in metrics:
+                out[key.replace("nll", "ppl")] = math.exp(metrics[key])
+        return out
+
+    def save(self, model, out_dir: str, target: Target) -> None:
+        """Heads into ``out_dir``; the merged adapted target (plain HF folder) into ``out_dir/target``."""
+        m = getattr(model, "module", model)
+        heads = m.heads
+        heads.config.adapted_target = ADAPTED_TARGET_DIR
+        heads.save_pretrained(out_dir)
+        merged = copy.deepcopy(m.lm)
+        merged = merged.merge_and_unload() if hasattr(merged, "merge_and_unload") else merged
+        merged.requires_grad_(False).save_pretrained(Path(out_dir) / ADAPTED_TARGET_DIR)
+        if target.tokenizer is not None:
+            target.tokenizer.save_pretrained(Path(out_dir) / ADAPTED_TARGET_DIR)

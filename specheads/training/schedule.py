@@ -1,0 +1,33 @@
+"""Learning-rate schedules: linear warm-up, then cosine decay to a floor."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> float:
+    """LR multiplier at optimizer step ``step`` (0-based).
+
+    Rises linearly from 1/(warmup+1) to 1 over ``warmup_steps``, then follows a half cosine from 1
+    down to ``min_ratio`` at ``total_steps`` (and stays there if training runs longer).
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+                   min_ratio: float = 0.1, kind: str = "cosine") -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` stepping once per optimizer step; ``kind`` is ``cosine`` or ``constant`` (warm-up still applies)."""
+    if kind not in ("cosine", "constant"):
+        raise ValueError(f"unknown lr schedule '{kind}' (expected 'cosine' or 'constant')")
+    if not 0.0 <= min_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must lie in [0, 1], got {min_ratio}")
+    floor = 1.0 if kind == "constant" else min_ratio
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: warmup_cosine(s, warmup_steps, total_steps, floor)
+    )
