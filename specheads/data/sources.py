@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from specheads.errors import SpecheadsError
 from specheads.targets import asset_path
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ NOT_CONVERSATION = "not a conversation"
 INVALID_JSON = "invalid JSON line"
 
 
-class SourceError(ValueError):
+class SourceError(SpecheadsError, ValueError):
     """A conversation source cannot be read at all (wrong format, empty, missing)."""
 
 

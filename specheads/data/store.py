@@ -175,7 +175,10 @@ def write_shard(root: Path, index: int, tensors: dict[str, torch.Tensor], ids: l
     """Serialize, checksum and atomically write one shard, then its record. Returns the record."""
     from safetensors.torch import save
 
-    data = save(tensors, metadata={"format": STORE_FORMAT, "ids": json.dumps(ids), "plan_hash": plan_hash})
+    # One metadata key: safetensors writes metadata from an unordered map, and a shard's bytes must
+    # not depend on that order (identical runs give identical checksums).
+    meta = json.dumps({"format": STORE_FORMAT, "ids": ids, "plan_hash": plan_hash}, sort_keys=True)
+    data = save(tensors, metadata={"specheads": meta})
     offsets = tensors["offsets"]
     record = ShardRecord(
         index=index, file=shard_file(index), sha256=hashlib.sha256(data).hexdigest(), bytes=len(data),

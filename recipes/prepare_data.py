@@ -1,0 +1,43 @@
+"""Recipe: conversations -> tokenized, loss-masked turns on disk (optionally with regenerated answers).
+
+    python recipes/prepare_data.py [data=jsonl data.path=chats.jsonl] [regenerate=greedy] [output_dir=...]
+    specheads prepare ...            (same overrides)
+"""
+
+import logging
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from specheads.data.prepare import PrepareConfig, prepare, prepared_is_current
+from specheads.data.regenerate import RegenerateConfig
+from specheads.errors import user_errors
+from specheads.targets import Target, load_target, load_tokenizer
+
+log = logging.getLogger("specheads.prepare")
+
+
+@hydra.main(config_path="../conf", config_name="prepare_data", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with user_errors("prepare"):
+        run(cfg)
+
+
+def run(cfg: DictConfig) -> None:
+    regen = cfg.get("regenerate")
+    pcfg = PrepareConfig(**OmegaConf.to_object(cfg.data),
+                         regenerate=RegenerateConfig(**regen) if regen else None)
+    if regen:
+        target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.device)
+    else:  # only the tokenizer is needed
+        target = Target.tokenizer_only(load_tokenizer(cfg.target.name_or_path), cfg.target.name_or_path)
+    if not cfg.overwrite and prepared_is_current(cfg.output_dir, pcfg, target):
+        log.info("%s is already prepared with this configuration; skipping (overwrite=true redoes it)", cfg.output_dir)
+        return
+    meta = prepare(target, pcfg, cfg.output_dir)
+    print(f"prepared {meta['num_samples']} conversations, {meta['num_tokens']} tokens "
+          f"({meta['num_loss_tokens']} assistant) -> {cfg.output_dir}; skipped: {meta['skipped']}")
+
+
+if __name__ == "__main__":
+    main()

