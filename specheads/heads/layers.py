@@ -1,0 +1,267 @@
+"""The decoder layer shared by the EAGLE-1 and EAGLE-3 drafters, and the caches it attends over.
+
+``DraftDecoderLayer`` is a Llama decoder layer (RMSNorm, RoPE with the target's rope settings,
+grouped-query attention, SwiGLU MLP) with two differences that drafting needs:
+
+* attention takes an explicit boolean mask ``(B, q, kv)`` (True = may attend) and explicit
+  position ids, so the evaluator can draft trees (a node attends to its ancestors only);
+* keys and values live in a plain ``KVCache`` that can be cropped and index-selected, so the
+  accepted branch of a tree can be kept and the rest dropped.
+
+The same layer runs the training-time test (``specheads.training.ttt``) through an
+``UnrollCache``: step 0 of the unroll attends causally to itself, and step ``i`` additionally
+attends, at each position ``t``, to the keys that steps ``1..i`` produced at that same ``t``.
+That attention is computed as one causal block plus ``i`` diagonal columns, never as a dense
+``T x (i+1)T`` matrix.
+
+Parameter names follow the Llama / vLLM layout: ``self_attn.{q,k,v,o}_proj``,
+``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm`` and, for
+EAGLE-3, ``hidden_norm``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+RMSNorm = LlamaRMSNorm
+RotaryEmbedding = LlamaRotaryEmbedding
+
+_COPIED_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "rms_norm_eps", "max_position_embeddings", "hidden_act", "vocab_size", "bos_token_id",
+                  "eos_token_id", "pad_token_id")
+
+
+def draft_fields_from_target(target_config) -> dict:
+    """The Llama-layer fields a drafter copies from its target (sizes, norm eps, rope settings)."""
+    fields = {k: getattr(target_config, k) for k in _COPIED_FIELDS if getattr(target_config, k, None) is not None}
+    if getattr(target_config, "head_dim", None) is None:
+        fields["head_dim"] = target_config.hidden_size // target_config.num_attention_heads
+    rope = getattr(target_config, "rope_parameters", None)
+    if rope is None:
+        rope = {"rope_type": "default", "rope_theta": getattr(target_config, "rope_theta", 10000.0)}
+    fields["rope_parameters"] = dict(rope)
+    return fields
+
+
+class KVCache:
+    """Keys and values of a drafter's layers, each ``(B, n_kv_heads, S, head_dim)``.
+
+    ``update`` appends; ``crop``, ``select`` and ``select_batch`` edit the cache in place (and
+    return it) so a tree drafter can keep the accepted path. All layers always hold the same ``S``.
+    """
+
+    def __init__(self, num_layers: int = 1):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def __len__(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self.keys[0] is None else self.keys[0].shape[0]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``(B, n_kv, q, D)`` keys/values of one layer; return the whole ``(B, n_kv, S+q, D)``."""
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = k, v
+        else:
+            if self.keys[layer].shape[0] != k.shape[0]:
+                raise ValueError(f"KVCache holds batch {self.keys[layer].shape[0]} but got keys for batch {k.shape[0]}")
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+        return self.keys[layer], self.values[layer]
+
+    def crop(self, length: int) -> "KVCache":
+        """Keep the first ``length`` positions."""
+        if length < 0:
+            raise ValueError(f"KVCache.crop: length must be >= 0, got {length}")
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None:
+                self.keys[i], self.values[i] = k[:, :, :length], v[:, :, :length]
+        return self
+
+    def select(self, index: torch.Tensor) -> "KVCache":
+        """Keep the positions ``index`` in that order: ``(S',)`` for every row or ``(B, S')`` per row."""
+        n = len(self)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= n):
+            raise IndexError(f"KVCache.select: indices must lie in [0, {n}), got [{int(index.min())}, {int(index.max())}]")
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is None:
+                continue
+            if index.dim() == 1:
+                self.keys[i], self.values[i] = k.index_select(2, index), v.index_select(2, index)
+            elif index.dim() == 2:
+                idx = index[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+                self.keys[i], self.values[i] = k.gather(2, idx), v.gather(2, idx)
+            else:
+                raise ValueError(f"KVCache.select: index must be (S',) or (B, S'), got {tuple(index.shape)}")
+        return self
+
+    def select_batch(self, index: torch.Tensor) -> "KVCache":
+        """Keep (or repeat) the batch rows ``index`` ``(B',)``."""
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None:
+                self.keys[i], self.values[i] = k.index_select(0, index), v.index_select(0, index)
+        return self
+
+    def clone(self) -> "KVCache":
+        c = KVCache(len(self.keys))
+        c.keys = [None if k is None else k.clone() for k in self.keys]
+        c.values = [None if v is None else v.clone() for v in self.values]
+        return c
+
+
+class UnrollCache:
+    """Keys/values of a training-time-test unroll over a whole sequence (see the module docstring).
+
+    Per layer a list of ``(B, n_kv, T, D)`` tensors, one per unrolled step: entry 0 is attended
+    causally, entries ``1..i`` only on the diagonal (position ``t`` sees its own ``t``).
+    """
+
+    def __init__(self, num_layers: int = 1):
+        self.keys: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.values: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    @property
+    def steps(self) -> int:
+        return len(self.keys[0])
+
+
+def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                       scale: float) -> torch.Tensor:
+    """Attention of step ``len(keys) - 1`` of an unroll.
+
+    q: (B, nh, T, D); keys/values: lists of (B, nkv, T, D), entry 0 causal, the rest diagonal.
+    Returns (B, nh, T, D). The scores are one (T, T) causal block plus one column per diagonal
+    step, softmaxed together (in float32 for half-precision inputs).
+    """
+    B, nh, T, D = q.shape
+    nkv = keys[0].shape[1]
+    qg = q.view(B, nkv, nh // nkv, T, D)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = torch.matmul(qg, keys[0].unsqueeze(2).transpose(-1, -2)) * scale  # (B, nkv, g, T, T)
+    scores = scores.masked_fill(~causal, float("-inf"))
+    diag = [(qg * k.unsqueeze(2)).sum(-1, keepdim=True) * scale for k in keys[1:]]  # (B, nkv, g, T, 1)
+    if diag:
+        scores = torch.cat([scores] + diag, dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs[..., :T], values[0].unsqueeze(2))
+    for j, v in enumerate(values[1:]):
+        out = out + probs[..., T + j, None] * v.unsqueeze(2)
+    return out.reshape(B, nh, T, D)
+
+
+class DraftAttention(nn.Module):
+    """Grouped-query self-attention with RoPE; q/k/v read an input of ``input_size`` features."""
+
+    def __init__(self, config, input_size: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
+        bias = getattr(config, "attention_bias", False)
+        self.q_proj = nn.Linear(input_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
+                attn_mask: torch.Tensor | None, cache: KVCache | UnrollCache | None) -> torch.Tensor:
+        """x: (B, q, input_size); cos/sin: (B, q, D); attn_mask: (B, q, kv) bool or None -> (B, q, H)."""
+        B, q_len, _ = x.shape
+        q = self.q_proj(x).view(B, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        scale = self.head_dim ** -0.5
+        if isinstance(cache, UnrollCache):
+            if attn_mask is not None:
+                raise ValueError("an UnrollCache defines its own attention pattern; pass attn_mask=None")
+            cache.keys[layer].append(k)
+            cache.values[layer].append(v)
+            out = unrolled_attention(q, cache.keys[layer], cache.values[layer], scale)
+        else:
+            past = 0 if cache is None else len(cache)
+            if cache is not None:
+                k, v = cache.update(layer, k, v)
+            mask = _check_mask(attn_mask, B, q_len, past, x.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, q_len, -1))
+
+
+def _check_mask(attn_mask: torch.Tensor | None, batch: int, q_len: int, past: int, device) -> torch.Tensor:
+    """Validate a (B, q, past+q) bool mask, or build the default: all of the cache, causal among the new."""
+    kv = past + q_len
+    if attn_mask is None:
+        return causal_mask(q_len, past, device=device).expand(batch, -1, -1)
+    if attn_mask.dtype != torch.bool or attn_mask.dim() != 3 or attn_mask.shape[1:] != (q_len, kv) \
+            or attn_mask.shape[0] not in (1, batch):
+        raise ValueError(
+            f"attn_mask must be a bool tensor of shape (B={batch}, q={q_len}, kv={kv}) (kv = cached {past} + new {q_len}); "
+            f"got {attn_mask.dtype} {tuple(attn_mask.shape)}")
+    return attn_mask
+
+
+def causal_mask(q_len: int, past: int = 0, device=None) -> torch.Tensor:
+    """(1, q, past+q) bool: every new query sees the whole cache and the new entries up to itself."""
+    m = torch.ones(q_len, past + q_len, dtype=torch.bool, device=device)
+    return m.tril(diagonal=past)[None]
+
+
+class DraftMLP(nn.Module):
+    """SwiGLU: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftDecoderLayer(nn.Module):
+    """One Llama decoder layer for a drafter.
+
+    Two input styles:
+    * EAGLE-1 (``embeds_input=False``): attention reads the (fused) hidden state, through
+      ``input_layernorm`` unless ``input_layernorm=False`` (vLLM/SGLang drop it in layer 0).
+    * EAGLE-3 (``embeds_input=True``): attention reads ``[input_layernorm(embeds); hidden_norm(hidden)]``
+      (2H features); the residual stream is the un-normed hidden.
+    The output is the pre-norm residual stream ``hidden + attn + mlp`` (B, q, H).
+    """
+
+    def __init__(self, config, layer: int = 0, embeds_input: bool = False, input_layernorm: bool = True):
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.layer = layer
+        self.embeds_input = embeds_input
+        self.self_attn = DraftAttention(config, 2 * H if embeds_input else H)
+        self.mlp = DraftMLP(config)
+        self.input_layernorm = RMSNorm(H, eps) if (input_layernorm or embeds_input) else None
+        self.hidden_norm = RMSNorm(H, eps) if embeds_input else None
+        self.post_attention_layernorm = RMSNorm(H, eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None = None, cache: KVCache | UnrollCache | None = None,
+                embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: (B, q, H); embeds: (B, q, H) for the EAGLE-3 style -> (B, q, H) pre-norm output."""
+        if self.embeds_input:
+            if embeds is None:
+                raise ValueError("this layer reads [embeds; hidden]: pass embeds")
+            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        else:
+            x = hidden if self.input_layernorm is None else self.input_layernorm(hidden)
+        h = hidden + self.self_attn(x, cos, sin, self.layer, attn_mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,89 @@
+"""Losses for the EAGLE drafters, written so no (B, T, V) float32 tensor is built more than once.
+
+* ``target_probs``: the target's next-token distribution for chosen rows, computed from the
+  post-norm hidden state ``chunk`` rows at a time (optionally restricted to some vocabulary
+  columns and renormalised there), plus the target's full-vocabulary argmax.
+* ``soft_cross_entropy``: -sum p log softmax(head(h)) over rows, chunked; with ``checkpoint`` the
+  draft logits of a chunk are recomputed in the backward pass instead of being kept.
+* ``feature_loss``: EAGLE-1's smooth-L1 regression of the next feature.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@torch.no_grad()
+def target_probs(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                 columns: torch.Tensor | None = None, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target distribution and argmax for rows of post-norm hidden states.
+
+    logits_fn: (n, H) -> (n, V) target logits (``target.logits``); hidden: (N, H);
+    columns: (V',) ids to keep (softmax over those only) or None for the full vocabulary.
+    Returns probs (N, V') float32 and argmax (N,) long over the full vocabulary.
+    """
+    N = hidden.shape[0]
+    width = logits_fn(hidden[:0]).shape[-1] if columns is None else columns.numel()
+    probs = torch.empty(N, width, dtype=torch.float32, device=hidden.device)
+    argmax = torch.empty(N, dtype=torch.long, device=hidden.device)
+    for s in range(0, N, chunk):
+        logits = logits_fn(hidden[s:s + chunk]).float()
+        argmax[s:s + chunk] = logits.argmax(-1)
+        if columns is not None:
+            logits = logits.index_select(-1, columns)
+        probs[s:s + chunk] = torch.softmax(logits, dim=-1)
+    return probs, argmax
+
+
+@torch.no_grad()
+def target_argmax(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                  chunk: int = 1024) -> torch.Tensor:
+    """(B, T, H) post-norm hidden -> (B, T) target argmax, ``chunk`` rows of logits at a time."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = torch.cat([logits_fn(flat[s:s + chunk]).argmax(-1) for s in range(0, flat.shape[0], chunk)])
+    return out.view(hidden.shape[:-1])
+
+
+def _soft_ce_chunk(head: Callable, h: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = torch.log_softmax(head(h).float(), dim=-1)
+    return -(p * logp).sum(), logp.argmax(-1)
+
+
+def soft_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, probs: torch.Tensor,
+                       chunk: int = 2048, use_checkpoint: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed soft cross-entropy of ``head(hidden)`` against ``probs``, and the draft argmax.
+
+    head: (n, H) -> (n, V) draft logits; hidden: (N, H); probs: (N, V) float32.
+    Returns (loss_sum scalar, argmax (N,) long). Chunks of ``chunk`` rows; when there is more
+    than one chunk and ``use_checkpoint``, each chunk's logits are recomputed in backward.
+    """
+    if hidden.shape[0] == 0:
+        return hidden.sum() * 0.0, torch.empty(0, dtype=torch.long, device=hidden.device)
+    if hidden.shape[0] <= chunk:
+        return _soft_ce_chunk(head, hidden, probs)
+    total, preds = hidden.new_zeros((), dtype=torch.float32), []
+    for s in range(0, hidden.shape[0], chunk):
+        h, p = hidden[s:s + chunk], probs[s:s + chunk]
+        if use_checkpoint and torch.is_grad_enabled():
+            loss, pred = checkpoint(_soft_ce_chunk, head, h, p, use_reentrant=False)
+        else:
+            loss, pred = _soft_ce_chunk(head, h, p)
+        total = total + loss
+        preds.append(pred)
+    return total, torch.cat(preds)
+
+
+def feature_loss(pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
+    """Summed (over rows) smooth-L1 between predicted and true features, averaged over H. (N, H) -> scalar."""
+    return F.smooth_l1_loss(pred.float(), true.float(), reduction="none").mean(-1).sum()
+
+
+def uniform_noise(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """x + U(low, high) elementwise (EAGLE's feature noise); identity when low == high == 0."""
+    if low == 0 and high == 0:
+        return x
+    return x + torch.empty_like(x).uniform_(low, high)

@@ -1,0 +1,178 @@
+"""Training-time test (EAGLE-3 / HASS): unroll the drafter on its own outputs, as drafting will.
+
+Alignment (docs/architecture.md): step 0 at position ``t`` reads the drafter's input hidden at
+``t`` and the token ``ids[t+1]`` and predicts ``ids[t+2]``. Step ``i`` reads the drafter's own
+step ``i-1`` output at ``t`` (pre-norm), the teacher-forced token ``ids[t+1+i]`` and position
+``t+i``, and predicts ``ids[t+2+i]``, whose target distribution is the target's at ``t+1+i``.
+
+Attention (the pattern a chain draft rooted at ``t`` sees at inference): step ``i`` at ``t``
+attends causally to the step-0 keys of positions ``<= t`` and to the keys that steps ``1..i``
+produced at ``t`` itself (``specheads.heads.layers.UnrollCache``).
+
+A drafter used here provides ``decode(hidden, input_ids, position_ids, attn_mask, cache) -> h_out``,
+``logits(h_out) -> draft logits``, ``to_target_ids(draft_ids) -> target ids`` and
+``num_draft_layers``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from specheads.heads.layers import UnrollCache
+from specheads.training.losses import soft_cross_entropy
+
+
+def shift_tokens(input_ids: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
+    """(B, T) -> (B, T) with ``out[:, t] = input_ids[:, t+n]`` and ``fill`` past the end."""
+    out = torch.full_like(input_ids, fill)
+    if n < input_ids.shape[1]:
+        out[:, : input_ids.shape[1] - n] = input_ids[:, n:]
+    return out
+
+
+def default_positions(input_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions 0..T-1 (sequences are right-padded)."""
+    B, T = input_ids.shape
+    return torch.arange(T, device=input_ids.device).expand(B, T)
+
+
+def unroll(model, hidden: torch.Tensor, input_ids: torch.Tensor, steps: int,
+           position_ids: torch.Tensor | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield ``(i, h_out_i (B, T, H))`` for ``i < steps``; step ``i+1`` reads ``h_out_i``.
+
+    hidden: (B, T, H) the drafter's step-0 input (EAGLE-3: already fused); input_ids: (B, T).
+    """
+    if position_ids is None:
+        position_ids = default_positions(input_ids)
+    cache = UnrollCache(model.num_draft_layers)
+    h = hidden
+    for i in range(steps):
+        h = model.decode(h, shift_tokens(input_ids, 1 + i), position_ids + i, None, cache)
+        yield i, h
+
+
+def step_rows(batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``(b, t)`` whose step-``step`` prediction (of ``ids[t+2+step]``) is trained and scored.
+
+    Those where ``ids[t+2+step]`` exists, is a real token and an assistant token.
+    """
+    ids = batch["input_ids"]
+    T, k = ids.shape[1], 2 + step
+    ok = torch.zeros_like(ids, dtype=torch.bool)
+    if k < T:
+        ok[:, : T - k] = (batch["loss_mask"][:, k:] > 0) & (batch["attention_mask"][:, k:] > 0)
+    return ok.nonzero(as_tuple=True)
+
+
+@dataclass
+class TargetRows:
+    """The target's distribution at the rows a loss needs.
+
+    probs: (N, V') float32 (the draft vocabulary, renormalised); argmax: (B, T) full-vocabulary
+    target argmax; row_of: (B, T) long index into ``probs`` (-1 where not computed);
+    in_vocab: (B, T) bool, the target argmax lies in the draft vocabulary.
+    """
+
+    probs: torch.Tensor
+    argmax: torch.Tensor
+    row_of: torch.Tensor
+    in_vocab: torch.Tensor
+
+
+@dataclass
+class StepStats:
+    loss: torch.Tensor
+    correct: int
+    total: int
+
+
+def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: TargetRows, steps: int,
+             decay: float = 0.8, chunk: int = 2048) -> tuple[torch.Tensor, list[StepStats]]:
+    """Weighted sum over steps of the mean soft cross-entropy (weights ``decay**i``).
+
+    Step ``i`` is trained on ``step_rows`` whose target argmax lies in the draft vocabulary.
+    Returns (loss scalar, per-step stats with accuracy against the target argmax on those rows).
+    """
+    total, stats = None, []
+    for i, h_out in unroll(model, hidden, batch["input_ids"], steps):
+        b, t = step_rows(batch, i)
+        keep = rows.in_vocab[b, t + 1 + i]
+        b, t = b[keep], t[keep]
+        idx = rows.row_of[b, t + 1 + i]
+        loss_sum, pred = soft_cross_entropy(model.logits, h_out[b, t], rows.probs[idx], chunk=chunk)
+        n = b.numel()
+        step_loss = loss_sum / max(n, 1)
+        correct = int((model.to_target_ids(pred) == rows.argmax[b, t + 1 + i]).sum())
+        stats.append(StepStats(step_loss.detach(), correct, n))
+        # The 0 * sum keeps every parameter in the graph even when a step has no rows.
+        term = decay ** i * step_loss + 0.0 * h_out.sum() if total is None else decay ** i * step_loss
+        total = term if total is None else total + term
+    return total, stats
+
+
+@torch.no_grad()
+def unrolled_accuracy(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], target_argmax: torch.Tensor,
+                      steps: int) -> dict[str, float]:
+    """Top-1 agreement with the target's argmax at each unrolled step, over all ``step_rows``.
+
+    target_argmax: (B, T) the target's full-vocabulary argmax (its prediction of ids[t+1]).
+    A target token outside the draft vocabulary counts as a miss. Returns sums
+    ``step{i}_correct / step{i}_total`` (step i alone, earlier inputs teacher-forced) and
+    ``joint{i}_correct / joint{i}_total`` (steps 0..i all right at the same position).
+    """
+    out: dict[str, float] = {}
+    all_right = torch.ones_like(target_argmax, dtype=torch.bool)
+    for i, h_out in unroll(model, hidden, batch["input_ids"], steps):
+        T = target_argmax.shape[1]
+        pred = model.to_target_ids(model.logits(h_out[:, : T - 1 - i]).argmax(-1))  # (B, T-1-i)
+        right = torch.zeros_like(all_right)
+        right[:, : T - 1 - i] = pred == target_argmax[:, 1 + i:]
+        all_right &= right
+        b, t = step_rows(batch, i)
+        out[f"step{i}_correct"] = float(right[b, t].sum())
+        out[f"step{i}_total"] = float(b.numel())
+        out[f"joint{i}_correct"] = float(all_right[b, t].sum())
+        out[f"joint{i}_total"] = float(b.numel())
+    return out
+
+
+def tau_estimate(accuracies: list[float]) -> float:
+    """Expected tokens per target forward of a chain draft: 1 + sum_i prod_{j<=i} acc_j."""
+    tau, run = 1.0, 1.0
+    for a in accuracies:
+        run *= a
+        tau += run
+    return tau
+
+
+def _per_step(metrics: dict[str, float], name: str) -> list[float]:
+    accs, i = [], 0
+    while True:
+        if f"{name}{i}_acc" in metrics:
+            accs.append(metrics[f"{name}{i}_acc"])
+        elif f"{name}{i}_total" in metrics:
+            total = metrics[f"{name}{i}_total"]
+            accs.append(metrics.get(f"{name}{i}_correct", 0.0) / total if total else 0.0)
+        else:
+            return accs
+        i += 1
+
+
+def summarize_steps(metrics: dict[str, float]) -> dict[str, float]:
+    """Derived metrics from per-step accuracies (``step{i}_acc`` or ``step{i}_correct/_total`` sums).
+
+    tau_estimate = 1 + sum_i prod_{j<=i} step_j accuracy; tau_joint = 1 + sum_i joint_i accuracy
+    (the fraction of positions where steps 0..i are all right).
+    """
+    out = {}
+    steps = _per_step(metrics, "step")
+    if steps:
+        out.update({f"step{i}_acc": a for i, a in enumerate(steps)})
+        out["tau_estimate"] = tau_estimate(steps)
+    joint = _per_step(metrics, "joint")
+    if joint:
+        out["tau_joint"] = 1.0 + sum(joint)
+    return out

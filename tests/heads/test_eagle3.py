@@ -1,0 +1,140 @@
+"""EAGLE-3 head: layout, save/load, loss masking, drafting API shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from specheads.heads.eagle3 import Eagle3Config, Eagle3Method, Eagle3Model
+from tests.conftest import make_tiny_target
+
+V, H, DV = 200, 64, 40
+
+
+@pytest.fixture
+def target():
+    return make_tiny_target("llama", vocab=V, hidden=H, layers=3)
+
+
+def _batch(target, method, B=2, T=14, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    attn = torch.ones(B, T, dtype=torch.long)
+    attn[1, 10:] = 0
+    loss_mask = torch.ones(B, T, dtype=torch.long)
+    loss_mask[:, :3] = 0
+    loss_mask *= attn
+    f = target.forward_features(ids, attn, aux_layers=method.feature_spec.aux_layers)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "hidden_last": f.last,
+            "hidden_aux": torch.cat(f.aux, -1)}
+
+
+def _rows(seed=1, n=6):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, V, (20,), generator=g).tolist(), "loss_mask": [1] * 20} for _ in range(n)]
+
+
+def test_parameter_layout_matches_vllm_eagle3(target):
+    model = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows()).build(target)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes == {
+        "fc.weight": (H, 3 * H), "d2t": (DV,), "t2d": (V,), "norm.weight": (H,), "lm_head.weight": (DV, H),
+        "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (H, 2 * H), "midlayer.self_attn.k_proj.weight": (H // 2, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (H // 2, 2 * H), "midlayer.self_attn.o_proj.weight": (H, H),
+        "midlayer.mlp.gate_proj.weight": (2 * H, H), "midlayer.mlp.up_proj.weight": (2 * H, H),
+        "midlayer.mlp.down_proj.weight": (H, 2 * H),
+    }
+    # lm_head starts from the target's rows of the draft vocabulary.
+    assert_close(model.lm_head.weight, target.lm_head.weight[model.t2d])
+
+
+def test_save_load_round_trip(target, tmp_path):
+    method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=2)
+    model = method.build(target)
+    method.save(model, str(tmp_path), target)
+    loaded = Eagle3Model.from_pretrained(tmp_path)
+    assert isinstance(loaded.config, Eagle3Config) and loaded.config.aux_layers == [0, 1, 2]
+    assert loaded.config.draft_vocab_size == DV and loaded.config.target_hidden_size == H
+    with pytest.raises(RuntimeError, match="attach"):
+        loaded.step(torch.zeros(1, 1, H), torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+    loaded.attach(target)
+    batch = _batch(target, method)
+    assert method.evaluate(model.eval(), batch, target) == method.evaluate(loaded.eval(), batch, target)
+    with pytest.raises(ValueError, match="does not match"):
+        loaded.attach(make_tiny_target("llama", vocab=V + 1, hidden=H, layers=3))
+
+
+def test_step_api_shapes_and_target_ids(target):
+    model = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows()).build(target)
+    cache = model.new_cache()
+    h0 = model.fuse(torch.randn(2, 5, 3 * H))
+    h, logits = model.step(h0, torch.randint(0, V, (2, 5)), torch.arange(5).expand(2, 5), None, cache)
+    assert h.shape == (2, 5, H) and logits.shape == (2, 5, DV) and len(cache) == 5
+    h2, logits2 = model.step(h[:, -1:], torch.randint(0, V, (2, 1)), torch.full((2, 1), 5), None, cache)
+    assert logits2.shape == (2, 1, DV) and len(cache) == 6
+    tids = model.to_target_ids(logits2.argmax(-1))
+    assert bool(model.t2d[tids].all())
+
+
+def test_loss_matches_manual_step0_and_masks_out_of_vocab(target):
+    method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=1)
+    model = method.build(target)
+    batch = _batch(target, method)
+    out = method.loss(model, batch, target)
+    # Manual reference.
+    ids, T = batch["input_ids"], batch["input_ids"].shape[1]
+    nxt = torch.zeros_like(ids)
+    nxt[:, :-1] = ids[:, 1:]
+    _, logits = model.step(model.fuse(batch["hidden_aux"]), nxt, torch.arange(T).expand_as(ids))
+    full = target.logits(batch["hidden_last"])
+    p = torch.softmax(full[..., model.t2d], -1)
+    in_vocab = model.t2d[full.argmax(-1)]
+    total, n = 0.0, 0
+    for b in range(ids.shape[0]):
+        for t in range(T - 2):
+            if batch["loss_mask"][b, t + 2] and batch["attention_mask"][b, t + 2] and in_vocab[b, t + 1]:
+                total = total - (p[b, t + 1] * torch.log_softmax(logits[b, t], -1)).sum()
+                n += 1
+    assert n > 0
+    assert_close(out.loss, total / n, atol=1e-5, rtol=1e-5)
+    # With a draft vocabulary that never contains the target's argmax, nothing is trained.
+    model.t2d.copy_(~model.t2d & False)
+    keep = torch.ones(V, dtype=torch.bool)
+    keep[full.argmax(-1).flatten()] = False
+    ids_in = keep.nonzero().squeeze(-1)[:DV]
+    model.t2d[ids_in] = True
+    model.d2t.copy_(ids_in - torch.arange(DV))
+    out = method.loss(model, batch, target)
+    assert float(out.loss.detach()) == 0.0 and out.metrics["step0_acc"] == 0.0
+    out.loss.backward()  # still a graph over every parameter
+
+
+def test_feature_spec_needs_target_when_layers_default(target):
+    method = Eagle3Method(vocab_data=_rows())
+    with pytest.raises(RuntimeError, match="bind"):
+        method.feature_spec
+    assert method.bind(target).feature_spec.aux_layers == (0, 1, 2)
+    assert Eagle3Method(aux_layers=[1, 2, 0]).feature_spec.aux_layers == (1, 2, 0)
+    with pytest.raises(ValueError, match="vocab_data"):
+        Eagle3Method(draft_vocab_size=DV).build(target)
+
+
+def test_few_steps_reduce_loss(target):
+    with torch.no_grad():  # a peaked target distribution, so the soft CE can fall well below its start
+        target.lm_head.weight.mul_(30)
+    method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=3)
+    model = method.build(target).train()
+    batch = _batch(target, method)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(15):
+        out = method.loss(model, batch, target)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        first = first if first is not None else float(out.loss.detach())
+    assert float(out.loss.detach()) < 0.8 * first
+    assert set(out.metrics) == {f"step{i}_{k}" for i in range(3) for k in ("loss", "acc")}

@@ -1,0 +1,129 @@
+"""Training-time test: the unrolled attention equals drafting step by step with a KV cache."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from specheads.heads.eagle import Eagle1Config, Eagle1Model
+from specheads.heads.eagle3 import Eagle3Config, Eagle3Model
+from specheads.heads.layers import unrolled_attention
+from specheads.training.ttt import (shift_tokens, step_rows, summarize_steps, tau_estimate, unroll,
+                                    unrolled_accuracy)
+from tests.conftest import make_tiny_target
+
+B, T, STEPS = 2, 12, 4
+
+
+def _eagle3(target):
+    torch.manual_seed(3)
+    config = Eagle3Config.from_target(target, draft_vocab_size=50, aux_layers=[0, 1, 2])
+    model = Eagle3Model(config).attach(target)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    ids = torch.randperm(target.vocab_size)[:50].sort().values
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    model.set_draft_vocab(ids - torch.arange(50), t2d)
+    return model
+
+
+def _eagle1(target):
+    torch.manual_seed(4)
+    model = Eagle1Model(Eagle1Config.from_target(target)).attach(target)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+def explicit_unroll(model, h0, ids, steps):
+    """Draft a chain from every position at once with model.step and a KV cache.
+
+    Call i appends T entries (one per root t). Root t's entry at call i may see call-0 entries
+    of positions <= t and its own entries from calls 1..i.
+    """
+    cache = model.new_cache()
+    h, all_logits = h0, []
+    eye = torch.eye(T, dtype=torch.bool)
+    for i in range(steps):
+        toks = torch.zeros_like(ids)
+        toks[:, : T - 1 - i] = ids[:, 1 + i:]
+        pos = (torch.arange(T) + i).expand(B, T)
+        blocks = [torch.ones(T, T, dtype=torch.bool).tril()] + [eye] * i
+        mask = torch.cat(blocks, dim=1).expand(B, T, (i + 1) * T)
+        h, logits = model.step(h, toks, pos, mask, cache)
+        all_logits.append(logits)
+    assert len(cache) == steps * T
+    return all_logits
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_unroll_equals_step_api_logits_and_gradients(kind):
+    target = make_tiny_target("llama", vocab=120, hidden=64, layers=3)
+    model = _eagle3(target) if kind == "eagle3" else _eagle1(target)
+    twin = copy.deepcopy(model).attach(target)
+    ids = torch.randint(0, 120, (B, T))
+    width = 3 * 64 if kind == "eagle3" else 64
+    feats = torch.randn(B, T, width)
+    weights = [torch.randn(B, T, model.logits(torch.zeros(1, 64)).shape[-1]) for _ in range(STEPS)]
+
+    fast = [model.logits(h) for _, h in unroll(model, model.fuse(feats), ids, STEPS)]
+    slow = explicit_unroll(twin, twin.fuse(feats), ids, STEPS)
+    for a, b in zip(fast, slow):
+        assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+    sum(0.8 ** i * (w * x).sum() for i, (w, x) in enumerate(zip(weights, fast))).backward()
+    sum(0.8 ** i * (w * x).sum() for i, (w, x) in enumerate(zip(weights, slow))).backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+        assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_unrolled_attention_gqa_matches_dense_reference():
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 6, 8)
+    ks = [torch.randn(2, 2, 6, 8) for _ in range(3)]
+    vs = [torch.randn(2, 2, 6, 8) for _ in range(3)]
+    out = unrolled_attention(q, ks, vs, 8 ** -0.5)
+    # Dense reference: a (6, 18) mask over the concatenated keys, heads repeated.
+    k = torch.cat(ks, 2).repeat_interleave(2, 1)
+    v = torch.cat(vs, 2).repeat_interleave(2, 1)
+    mask = torch.cat([torch.ones(6, 6).tril(), torch.eye(6), torch.eye(6)], 1).bool()
+    scores = (q @ k.transpose(-1, -2)) * 8 ** -0.5
+    ref = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
+    assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_shift_and_step_rows():
+    ids = torch.arange(6)[None]
+    assert shift_tokens(ids, 2).tolist() == [[2, 3, 4, 5, 0, 0]]
+    batch = {"input_ids": ids, "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0]])}
+    # step 0 at t predicts ids[t+2]: trained where loss_mask[t+2] = 1 -> t in {0, 1, 2}
+    assert step_rows(batch, 0)[1].tolist() == [0, 1, 2]
+    assert step_rows(batch, 2)[1].tolist() == [0]
+    assert step_rows(batch, 5)[1].tolist() == []
+
+
+def test_unrolled_accuracy_counts_and_tau():
+    target = make_tiny_target("llama", vocab=120, hidden=64, layers=3)
+    model = _eagle1(target)
+    ids = torch.randint(0, 120, (B, T))
+    feats = torch.randn(B, T, 64)
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "attention_mask": torch.ones_like(ids)}
+    # A target that always agrees with the drafter's step-0 guesses: step-0 accuracy must be 1.
+    h0 = next(iter(unroll(model, feats, ids, 1)))[1]
+    guess = model.logits(h0).argmax(-1)
+    argmax = torch.zeros_like(ids)
+    argmax[:, 1:] = guess[:, :-1]
+    m = unrolled_accuracy(model, feats, batch, argmax, 3)
+    assert m["step0_total"] == B * (T - 2) and m["step0_correct"] == m["step0_total"]
+    assert m["step2_total"] == B * (T - 4)
+    assert m["joint1_correct"] <= m["step1_correct"]
+    s = summarize_steps(m)
+    assert s["step0_acc"] == 1.0
+    assert s["tau_estimate"] == pytest.approx(tau_estimate([1.0, s["step1_acc"], s["step2_acc"]]))
+    assert tau_estimate([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
