@@ -24,6 +24,7 @@ accuracies) when present, else ``head{k}_top1_acc`` / ``step{k}_top1_acc`` (prod
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -94,6 +95,33 @@ class TrainConfig:
     micro_batch_size: int = 1  # only told to DeepSpeed, which wants it in its config
 
 
+# --------------------------------------------------------------------------- methods
+
+METHODS: dict[str, str] = {
+    "medusa1": "specheads.training.medusa_method:Medusa1Method",
+    "medusa2": "specheads.training.medusa_method:Medusa2Method",
+    "eagle1": "specheads.heads.eagle:Eagle1Method",
+    "eagle3": "specheads.heads.eagle3:Eagle3Method",
+}
+
+
+def build_method(name: str, **kwargs) -> Method:
+    """The ``Method`` registered as ``name`` (see ``METHODS``), constructed with ``kwargs``."""
+    import importlib
+
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; known: {sorted(METHODS)}")
+    module, cls = METHODS[name].split(":")
+    try:
+        factory = getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"method {name!r} needs {METHODS[name]}, which cannot be imported: {e}") from e
+    try:
+        return factory(**kwargs)
+    except TypeError as e:
+        raise TypeError(f"bad settings for method {name!r} ({cls}): {e}") from e
+
+
 # --------------------------------------------------------------------------- batches
 
 
@@ -113,48 +141,42 @@ class IterableSource:
         return itertools.islice(self.fn(epoch), start, None)
 
 
-def collate(rows: Sequence[dict[str, Any]], max_length: int | None = None, pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Rows with ``input_ids`` / ``loss_mask`` lists -> right-padded (B, T) long tensors + attention_mask."""
-    seqs = [(list(r["input_ids"])[:max_length], list(r["loss_mask"])[:max_length]) for r in rows]
-    T = max(len(ids) for ids, _ in seqs)
-    out = {k: torch.zeros(len(seqs), T, dtype=torch.long) for k in ("input_ids", "attention_mask", "loss_mask")}
-    out["input_ids"].fill_(pad_id)
-    for b, (ids, mask) in enumerate(seqs):
-        if len(ids) != len(mask):
-            raise ValueError(f"row {b}: {len(ids)} input_ids but {len(mask)} loss_mask entries")
-        out["input_ids"][b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        out["loss_mask"][b, : len(ids)] = torch.tensor(mask, dtype=torch.long)
-        out["attention_mask"][b, : len(ids)] = 1
-    return out
-
-
-class PreparedBatches:
-    """Micro-batches over prepared rows (a ``datasets.Dataset`` or list of dicts), shuffled per epoch.
-
-    The order of epoch ``e`` depends only on ``(seed, e)``; rows shorter than ``min_length`` tokens
-    are dropped (nothing for a head to predict).
+class DatasetBatches:
+    """A ``BatchSource`` over a map-style dataset with ``lengths`` (``specheads.data.features``'
+    ``FeatureDataset`` for a store, ``TokenDataset`` for prepared tokens): length-grouped batches
+    under a token budget, shuffled per epoch by ``(seed, epoch)``. ``indices`` selects a subset.
+    Batches are yielded as loaders (zero-argument callables) so each process reads only its share.
     """
 
-    def __init__(self, rows, batch_size: int, max_length: int | None = None, shuffle: bool = True,
-                 seed: int = 0, min_length: int = 3, pad_id: int = 0):
-        self.rows, self.batch_size, self.max_length = rows, batch_size, max_length
-        self.shuffle, self.seed, self.pad_id = shuffle, seed, pad_id
-        lengths = [len(x) for x in rows["input_ids"]] if hasattr(rows, "column_names") else [len(r["input_ids"]) for r in rows]
-        self.keep = [i for i, n in enumerate(lengths) if n >= min_length]
-        if not self.keep:
-            raise ValueError(f"no row has at least {min_length} tokens: nothing to train on")
+    def __init__(self, dataset, max_tokens: int | None = 4096, batch_size: int | None = None,
+                 shuffle: bool = True, seed: int = 0, indices: Sequence[int] | None = None):
+        self.dataset, self.max_tokens, self.batch_size = dataset, max_tokens, batch_size
+        self.shuffle, self.seed = shuffle, seed
+        self.indices = list(range(len(dataset))) if indices is None else list(indices)
+        self.lengths = [dataset.lengths[i] for i in self.indices]
+        if not self.indices:
+            raise ValueError("DatasetBatches over an empty selection: nothing to train or evaluate on")
+
+    def _plan(self, epoch: int) -> list[list[int]]:
+        from specheads.data.features import LengthGroupedBatchSampler
+
+        sampler = LengthGroupedBatchSampler(self.lengths, self.max_tokens, self.batch_size, self.shuffle, self.seed)
+        sampler.set_epoch(epoch)
+        return list(sampler)
 
     def __len__(self) -> int:
-        return math.ceil(len(self.keep) / self.batch_size)
+        return len(self._plan(0))
 
-    def batches(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-        order = list(self.keep)
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            order = [order[i] for i in torch.randperm(len(order), generator=g).tolist()]
-        for b in range(start, len(self)):
-            idx = order[b * self.batch_size: (b + 1) * self.batch_size]
-            yield collate([self.rows[i] for i in idx], self.max_length, self.pad_id)
+    def batches(self, epoch: int, start: int = 0) -> Iterator[Callable[[], dict[str, torch.Tensor]]]:
+        for idx in self._plan(epoch)[start:]:
+            yield functools.partial(self._load, [self.indices[i] for i in idx])
+
+    def _load(self, rows: list[int]) -> dict[str, torch.Tensor]:
+        from specheads.data.features import collate_features
+
+        ds = self.dataset
+        samples = ds.rows(rows) if hasattr(ds, "rows") else [ds[i] for i in rows]
+        return collate_features(samples)
 
 
 def split_rows(n: int, eval_rows: int, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -166,14 +188,18 @@ def split_rows(n: int, eval_rows: int, seed: int = 0) -> tuple[list[int], list[i
 
 
 def _shard(source: BatchSource, epoch: int, start: int, world: int, rank: int) -> Iterator[tuple[int, dict]]:
-    """Yield (next position, this rank's batch) per group of ``world`` batches; a ragged tail is dropped."""
-    group: list[dict] = []
+    """Yield (next position, this rank's batch) per group of ``world`` batches; a ragged tail is dropped.
+
+    A source may yield loaders (zero-argument callables) instead of batches; only this rank's is called.
+    """
+    group: list = []
     pos = start
     for batch in source.batches(epoch, start):
         group.append(batch)
         if len(group) == world:
             pos += world
-            yield pos, group[rank]
+            mine = group[rank]
+            yield pos, (mine() if callable(mine) else mine)
             group = []
 
 
@@ -189,24 +215,11 @@ def micro_batches(source: BatchSource, epoch: int, pos: int, world: int = 1, ran
         epoch, pos = epoch + 1, 0
 
 
-def add_online_features(batch: dict[str, torch.Tensor], target: Target, spec: FeatureSpec) -> dict[str, torch.Tensor]:
-    """Fill in ``hidden_last`` / ``hidden_aux`` the spec needs and the batch lacks, from one target forward."""
-    need_last = spec.need_last and "hidden_last" not in batch
-    need_aux = bool(spec.aux_layers) and "hidden_aux" not in batch
-    if not (need_last or need_aux):
-        return batch
-    feats = target.forward_features(batch["input_ids"], batch["attention_mask"],
-                                    aux_layers=spec.aux_layers if need_aux else (), need_last=need_last)
-    out = dict(batch)
-    if need_last:
-        out["hidden_last"] = feats.last
-    if need_aux:
-        out["hidden_aux"] = torch.cat(feats.aux, dim=-1)
-    return out
-
-
 def prepare_batch(batch: dict[str, torch.Tensor], target: Target, spec: FeatureSpec, device) -> dict[str, torch.Tensor]:
-    """Move a batch to ``device``, cast stored features to the target's dtype, add missing features."""
+    """Move a batch to ``device``, cast stored features to the target's dtype, compute missing features
+    online with ``specheads.data.features.add_features`` (the function collection uses)."""
+    from specheads.data.features import add_features
+
     out = {}
     for k, v in batch.items():
         if isinstance(v, torch.Tensor):
@@ -214,7 +227,7 @@ def prepare_batch(batch: dict[str, torch.Tensor], target: Target, spec: FeatureS
             if k.startswith("hidden_") and v.is_floating_point() and v.dtype != target.dtype:
                 v = v.to(target.dtype)
         out[k] = v
-    return add_online_features(out, target, spec)
+    return add_features(out, target, spec)
 
 
 # --------------------------------------------------------------------------- metrics

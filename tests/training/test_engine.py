@@ -1,0 +1,142 @@
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_helpers import sources
+from specheads.heads.medusa import MedusaHeads
+from specheads.training.engine import (NonFiniteLossError, OptimConfig, TrainConfig, build_method, chain_tau,
+                                       estimate_tau, prepare_batch, read_losses, summarize_counts, train)
+from specheads.training.medusa_method import Medusa1Method
+from specheads.training.method import FeatureSpec
+
+HELPER = Path(__file__).with_name("engine_helpers.py")
+
+
+def _cfg(out, **kw):
+    base = dict(output_dir=str(out), max_steps=12, save_every=6, eval_every=6, wandb_mode="disabled",
+                progress=False, log_every=1)
+    return TrainConfig(**{**base, **kw})
+
+
+def _tiny():
+    from conftest import make_tiny_target
+
+    return make_tiny_target("llama", hidden=32, layers=2, vocab=256)
+
+
+def test_medusa1_trains_and_writes_head_summary_and_metrics(tmp_path):
+    train_src, held = sources()
+    s = train(Medusa1Method(num_heads=3), _tiny(), train_src, _cfg(tmp_path), OptimConfig(lr=3e-2), held)
+    losses = read_losses(tmp_path)
+    assert sorted(losses) == list(range(1, 13))
+    assert sum(losses[s] for s in (10, 11, 12)) < 0.85 * sum(losses[s] for s in (1, 2, 3))
+    ev = s["eval"]
+    assert {"head0_top1_acc", "head2_top5_acc", "chain2_acc", "tau_estimate"} <= set(ev)
+    assert s["tau_estimate"] == pytest.approx(1 + ev["chain0_acc"] + ev["chain1_acc"] + ev["chain2_acc"])
+    assert "conditional" in s["tau_basis"]
+    assert json.loads((tmp_path / "train_summary.json").read_text())["steps"] == 12
+    assert MedusaHeads.from_pretrained(tmp_path / "head").config.num_heads == 3
+    evals = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines() if "eval/head0_top1_acc" in ln]
+    assert [e["step"] for e in evals] == [6]  # the periodic hook (the final one is in the summary)
+
+
+def test_same_seed_gives_bitwise_equal_losses(tmp_path):
+    runs = []
+    for name in ("a", "b"):
+        train_src, held = sources()
+        train(Medusa1Method(num_heads=2), _tiny(), train_src, _cfg(tmp_path / name, max_steps=5), None, None)
+        runs.append(read_losses(tmp_path / name))
+    assert runs[0] == runs[1]
+
+
+class _PoisonAt:
+    """Yields the inner batches but puts NaN features in batch ``at`` (0-based)."""
+
+    def __init__(self, inner, at):
+        self.inner, self.at = inner, at
+
+    def batches(self, epoch, start=0):
+        for i, b in enumerate(self.inner.batches(epoch, start), start):
+            b = b() if callable(b) else b
+            if epoch == 0 and i == self.at:
+                b = dict(b, hidden_last=torch.full((*b["input_ids"].shape, 32), float("nan")))
+            yield b
+
+
+def test_non_finite_loss_stops_naming_the_step_without_saving(tmp_path):
+    train_src, _ = sources()
+    with pytest.raises(NonFiniteLossError, match="at step 3 "):
+        train(Medusa1Method(num_heads=2), _tiny(), _PoisonAt(train_src, 2), _cfg(tmp_path), None, None)
+    assert not (tmp_path / "head").exists()
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_offline_features_are_used_and_online_ones_match_the_target():
+    target = _tiny()
+    train_src, _ = sources()
+    batch = next(iter(train_src.batches(0)))()
+    spec = FeatureSpec(need_last=True)
+    online = prepare_batch(batch, target, spec, "cpu")
+    feats = target.forward_features(batch["input_ids"], batch["attention_mask"])
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(online["hidden_last"][real], feats.last[real])
+    stored = dict(batch, hidden_last=torch.ones(*batch["input_ids"].shape, 32, dtype=torch.float16))
+    offline = prepare_batch(stored, target, spec, "cpu")
+    assert offline["hidden_last"].dtype == torch.float32 and bool((offline["hidden_last"] == 1).all())
+
+
+def test_tau_estimate_and_count_summaries():
+    m = summarize_counts({"head0_top1_correct": 3, "head0_top1_total": 4, "kl_sum": 1.0, "kl_count": 4, "x": 2})
+    assert m == {"head0_top1_acc": 0.75, "kl": 0.25, "x": 2}
+    assert chain_tau([0.5, 0.25], conditional=True) == 1.75
+    assert chain_tau([0.5, 0.5], conditional=False) == 1.75
+    tau, basis = estimate_tau({"step0_top1_acc": 0.8, "step1_top1_acc": 0.5})
+    assert tau == pytest.approx(1 + 0.8 + 0.4) and "marginal" in basis
+    assert estimate_tau({"loss": 1.0})[0] is None
+
+
+def test_method_registry_errors_are_clear():
+    assert build_method("medusa1", num_heads=2).num_heads == 2
+    with pytest.raises(ValueError, match="unknown method 'medusa9'"):
+        build_method("medusa9")
+    with pytest.raises(TypeError, match="bad settings for method 'medusa1'"):
+        build_method("medusa1", num_headz=2)
+
+
+def _child(out, steps, sleep):
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    return subprocess.Popen([sys.executable, str(HELPER), str(out), str(steps), str(sleep)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+@pytest.mark.slow  # three fresh Python processes (~30-90 s on a loaded 2-core machine)
+def test_sigkill_then_resume_gives_bitwise_equal_losses(tmp_path):
+    ref = _child(tmp_path / "ref", 10, 0.0)
+    victim = _child(tmp_path / "run", 10, 0.12)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0000004"
+    deadline = time.time() + 120
+    while not (ckpt / "manifest.json").exists():
+        assert victim.poll() is None and time.time() < deadline, victim.stderr.read().decode()[-2000:]
+        time.sleep(0.05)
+    time.sleep(0.3)  # land somewhere inside a later step
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert victim.returncode == -signal.SIGKILL
+    assert not (tmp_path / "run" / "train_summary.json").exists()
+    resumed = _child(tmp_path / "run", 10, 0.0)
+    assert resumed.wait(timeout=120) == 0, resumed.stderr.read().decode()[-2000:]
+    assert ref.wait(timeout=120) == 0, ref.stderr.read().decode()[-2000:]
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    assert summary["resumed_from"] is not None
+    got, want = read_losses(tmp_path / "run"), read_losses(tmp_path / "ref")
+    assert sorted(want) == list(range(1, 11))
+    assert got == want  # floats compared exactly
+    assert all(math.isfinite(v) for v in got.values())
