@@ -13,9 +13,14 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from specheads.data.features import CollectOptions, collect_hidden_states, spec_for_method
+from specheads.data.features import CollectOptions, collect_hidden_states
 from specheads.data.prepare import check_prepared_matches, load_prepared
 from specheads.targets import load_target
+from specheads.training.engine import build_method
+from specheads.training.method import FeatureSpec
+from train import register_configs  # the method/ group's schemas (conf/method/medusa*.yaml extend them)
+
+register_configs()
 
 log = logging.getLogger("specheads.collect")
 
@@ -27,6 +32,15 @@ def process_device(device: str, rank: int) -> str:
     return str(device)
 
 
+def feature_spec(method_cfg: DictConfig, target) -> FeatureSpec:
+    """The features the trainer's Method will ask for (the same registry the train recipe uses)."""
+    kwargs = OmegaConf.to_container(method_cfg, resolve=True)
+    method = build_method(kwargs.pop("name"), **kwargs)
+    if hasattr(method, "bind"):  # methods whose layers default from the target's depth
+        method.bind(target)
+    return method.feature_spec
+
+
 @hydra.main(config_path="../conf", config_name="collect_hidden_states", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -34,10 +48,9 @@ def main(cfg: DictConfig) -> None:
     target = load_target(cfg.target.name_or_path, cfg.target.dtype,
                          process_device(cfg.target.get("device", "cpu"), rank))
     check_prepared_matches(meta, target)
-    aux = list(cfg.aux_layers) if cfg.aux_layers is not None else None
-    spec = spec_for_method(cfg.method, target.num_layers, aux)
+    spec = feature_spec(cfg.method, target)
     opts = CollectOptions(**OmegaConf.to_object(cfg.collect), rank=rank, world_size=world)
-    source = {"prepared_dir": str(Path(cfg.prepared_dir).resolve()), "method": cfg.method,
+    source = {"prepared_dir": str(Path(cfg.prepared_dir).resolve()), "method": cfg.method.name,
               **{k: meta.get(k) for k in ("num_samples", "num_tokens", "chat_template_sha", "max_length")}}
     summary = collect_hidden_states(target, dataset, spec, cfg.out_dir, opts, source=source)
     done = "store complete" if summary["manifest"] else "other ranks still running"

@@ -387,3 +387,17 @@ def test_missing_store_error_is_clear(tmp_path):
     (tmp_path / "plan.json").write_text(json.dumps({}))
     with pytest.raises(Exception, match="has not finished"):
         FeatureDataset(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["medusa1", "medusa2", "eagle1", "eagle3"])
+def test_spec_for_method_agrees_with_the_method_registry(name):
+    from specheads.training.engine import build_method
+
+    target = make_tiny_target("llama", layers=6)
+    method = build_method(name)
+    if hasattr(method, "bind"):
+        method.bind(target)
+    ours = spec_for_method(name, target.num_layers)
+    assert ours.aux_layers == method.feature_spec.aux_layers and ours.online_only == method.feature_spec.online_only
+    if not ours.online_only:
+        assert ours.need_last == method.feature_spec.need_last

@@ -1,0 +1,90 @@
+"""The collect recipe end to end: a tiny Llama saved to a folder, 1 process vs 2 (torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specheads.data.features import FeatureDataset
+from specheads.data.store import verify_store
+from specheads.targets import load_target, tokenizer_fingerprint
+from tests.conftest import make_tiny_model
+from tests.data.test_features import make_prepared, shard_digests
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """(model folder with a word-level tokenizer, prepared folder tokenized 'by' it)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("recipe")
+    model_dir = root / "tiny-llama"
+    make_tiny_model("llama", layers=6).save_pretrained(model_dir)
+    vocab = {f"w{i}": i for i in range(256)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")),
+                                  unk_token="w0", eos_token="w1")
+    tok.save_pretrained(model_dir)
+    prepared = make_prepared(root, n=30, fingerprint=tokenizer_fingerprint(tok))
+    return model_dir, prepared
+
+
+def run(cmd: list[str], *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([*cmd, *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def overrides(model_dir: Path, prepared: Path, out: Path) -> list[str]:
+    return [f"target.name_or_path={model_dir}", "target.dtype=float32", "target.device=cpu",
+            f"prepared_dir={prepared}", f"out_dir={out}", "method=eagle3", "collect.shard_bytes=20000",
+            "collect.batch_tokens=64"]
+
+
+def test_one_process_and_two_processes_write_the_same_store(tiny_setup, tmp_path):
+    model_dir, prepared = tiny_setup
+    one = run([sys.executable, "-m", "specheads.cli", "collect"], *overrides(model_dir, prepared, tmp_path / "one"))
+    assert "rank 0/1" in one.stdout and "store complete" in one.stdout
+    assert re.search(r"~[\d.]+ GiB in all", one.stdout) and "estimated collection time" in one.stdout
+    two = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+               "recipes/collect_hidden_states.py"], *overrides(model_dir, prepared, tmp_path / "two"))
+    assert "rank 0/2" in two.stdout and "rank 1/2" in two.stdout and "store complete" in two.stdout
+
+    m1, m2 = verify_store(tmp_path / "one"), verify_store(tmp_path / "two")
+    assert m1["shards"] == m2["shards"] and shard_digests(tmp_path / "one") == shard_digests(tmp_path / "two")
+    assert m1["aux_layers"] == [2, 3, 3] and m1["has_last"]  # default_eagle3_layers(6)
+    per_rank = [{i for s in m2["shards"][r::2] for i in s["ids"]} for r in (0, 1)]
+    assert not per_rank[0] & per_rank[1] and len(per_rank[0] | per_rank[1]) == 30
+    assert all(10 <= len(ids) <= 20 for ids in per_rank)
+
+    target = load_target(str(model_dir))
+    ds = FeatureDataset(tmp_path / "two", target=target)
+    assert len(ds) == 30 and ds[0]["hidden_aux"].shape[-1] == 3 * target.hidden_size
+
+
+def test_rerun_skips_and_mismatched_tokenizer_is_refused(tiny_setup, tmp_path):
+    model_dir, prepared = tiny_setup
+    args = overrides(model_dir, prepared, tmp_path / "s")
+    run([sys.executable, "recipes/collect_hidden_states.py"], *args)
+    again = run([sys.executable, "recipes/collect_hidden_states.py"], *args)
+    assert "wrote 0 shards" in again.stdout and "skipped" in again.stdout
+    meta_path = prepared / "specheads_meta.json"
+    meta = json.loads(meta_path.read_text())
+    try:
+        meta_path.write_text(json.dumps({**meta, "tokenizer_fingerprint": "0123456789abcdef"}))
+        proc = subprocess.run([sys.executable, "recipes/collect_hidden_states.py", *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode != 0 and "another tokenizer" in proc.stderr
+    finally:
+        meta_path.write_text(json.dumps(meta))
