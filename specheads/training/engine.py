@@ -32,6 +32,7 @@ import math
 import os
 import re
 import resource
+import secrets
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -353,7 +354,7 @@ def _init_wandb(cfg: TrainConfig, out: Path, mode: str, method_name: str):
     import wandb
 
     id_file = out / "wandb_run_id"
-    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
     id_file.write_text(run_id)
     return wandb.init(project=cfg.wandb_project, name=cfg.run_name or f"{method_name}-{out.name}", id=run_id,
                       resume="allow", mode=mode, dir=str(out), config={"train": asdict(cfg), "method": method_name})

@@ -1,0 +1,106 @@
+"""recipes/train.py end to end on the real Hydra configs, a tiny Llama folder and a prepared set."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from specheads.data.prepare import write_prepared
+from specheads.targets import tokenizer_fingerprint
+from tests.conftest import make_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("train_recipe", REPO / "recipes" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_recipe"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(tiny Llama folder with a word-level tokenizer, prepared folder tokenized 'by' it)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from engine_helpers import progression_rows
+
+    root = tmp_path_factory.mktemp("train_recipe")
+    model_dir = root / "tiny-llama"
+    make_tiny_model("llama", hidden=32, layers=2, vocab=256).save_pretrained(model_dir)
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)},
+                                                                              unk_token="w0")),
+                                  unk_token="w0", eos_token="w1")
+    tok.save_pretrained(model_dir)
+    prepared = root / "prepared"
+    write_prepared(progression_rows(40), {"target": str(model_dir), "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+                                          "max_length": 32}, prepared)
+    return model_dir, prepared
+
+
+def compose(*overrides: str):
+    from hydra import compose as hcompose
+    from hydra import initialize_config_dir
+
+    load_recipe()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return hcompose("train", overrides=list(overrides))
+
+
+def base(model_dir, prepared, out) -> list[str]:
+    return [f"target.name_or_path={model_dir}", "target.dtype=float32", f"prepared_dir={prepared}",
+            f"output_dir={out}", "data.max_tokens=256", "data.eval_samples=8", "train.max_steps=3",
+            "train.eval_every=2", "train.save_every=2", "train.progress=false", "wandb.mode=disabled"]
+
+
+@pytest.mark.parametrize("method", ["medusa1", "medusa2"])
+def test_recipe_trains_each_medusa_method(setup, tmp_path, method):
+    model_dir, prepared = setup
+    extra = ["method.num_heads=2"] + (["method.lora_r=4", "method.heads_warmup_steps=1"] if method == "medusa2" else [])
+    cfg = compose(*base(model_dir, prepared, tmp_path), f"method={method}", *extra)
+    summary = load_recipe().run(cfg)
+    assert summary["steps"] == 3 and summary["method"] == method
+    written = json.loads((tmp_path / "train_summary.json").read_text())
+    assert written["tau_estimate"] >= 1 and "head1_top1_acc" in written["eval"]
+    assert (tmp_path / "head" / "config.json").exists() and (tmp_path / "checkpoints" / "step_0000003").is_dir()
+    if method == "medusa2":
+        assert (tmp_path / "head" / "target" / "config.json").exists()
+        assert summary["eval"]["drift_kl"] >= 0
+
+
+def test_recipe_logs_to_offline_wandb_and_resumes_finished_run(setup, tmp_path):
+    model_dir, prepared = setup
+    args = base(model_dir, prepared, tmp_path) + ["wandb.mode=offline", "method.num_heads=1"]
+    first = load_recipe().run(compose(*args))
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    again = load_recipe().run(compose(*args))  # everything done: resumes at the last step and re-saves
+    assert again["resumed_from"].endswith("step_0000003") and again["steps"] == first["steps"]
+
+
+def test_config_typos_and_offline_medusa2_are_refused(setup, tmp_path):
+    model_dir, prepared = setup
+    with pytest.raises(Exception, match="max_stepz"):
+        compose(*base(model_dir, prepared, tmp_path), "train.max_stepz=3")
+    with pytest.raises(Exception, match="num_heads"):
+        compose(*base(model_dir, prepared, tmp_path), "method.num_heads=five")
+    cfg = compose(*base(model_dir, prepared, tmp_path), "method=medusa2", f"features_dir={tmp_path}")
+    with pytest.raises(ValueError, match="online features"):
+        load_recipe().run(cfg)
+
+
+def test_launcher_files_are_valid_accelerate_configs():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    for name in ("accelerate", "deepspeed_zero2", "deepspeed_zero3"):
+        c = load_config_from_file(str(REPO / "conf" / "launcher" / f"{name}.yaml"))
+        assert c.distributed_type.value in ("MULTI_GPU", "DEEPSPEED")
+        if name.startswith("deepspeed"):
+            assert c.deepspeed_config["zero_stage"] == int(name[-1])
