@@ -51,6 +51,7 @@ class Drafter:
 
     name = "none"
     aux_layers: tuple[int, ...] = ()
+    needs_features = False  # observe() gets target hidden states only when True
     params_per_forward = 0  # parameters read per draft forward (for the GPU cost model)
 
     def start(self, prompts: list[list[int]], feats: ForwardOutput) -> None:
@@ -148,11 +149,11 @@ class ModelDrafter(Drafter):
         logits = root_logits
         for i in range(k):
             q = probs(logits, temperature)
-            t = torch.multinomial(q, 1, generator=generator)[:, 0] if temperature > 0 else q.argmax(-1)
+            t = (torch.multinomial(q, 1, generator=generator)[:, 0] if temperature > 0 else q.argmax(-1)).tolist()
             for b in range(B):
-                toks[b].append(int(t[b])); qs[b].append(q[b])
+                toks[b].append(t[b]); qs[b].append(q[b])
             if i + 1 < k:
-                logits = self.runner.forward_chain([[int(t[b])] for b in range(B)]).logits[:, 0].double()
+                logits = self.runner.forward_chain([[x] for x in t]).logits[:, 0].double()
         return [DraftTree.chain(toks[b], torch.stack(qs[b]), draft_forwards=k) for b in range(B)]
 
     def _expand(self, nodes, tokens, parents) -> torch.Tensor:

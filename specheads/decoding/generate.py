@@ -101,7 +101,11 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts:
         for b in range(len(seqs)):
             if active[b]:
                 _append(b, news[b], seqs, new, active, max_new_tokens, eos)
-                drafter.observe(b, news[b], _rows(out.hidden_last, b, keeps[b]), _rows(out.hidden_aux, b, keeps[b]))
+                if drafter.needs_features:
+                    drafter.observe(b, news[b], _rows(out.hidden_last, b, keeps[b]),
+                                    _rows(out.hidden_aux, b, keeps[b]))
+                else:
+                    drafter.observe(b, news[b], None, None)
     return GenerationResult(new, stats, runner.forward_calls - forwards0, prefill_time, target_time,
                             draft_time, time.perf_counter() - t_start, sizes)
 

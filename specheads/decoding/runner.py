@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specheads.decoding.slots import TreeSlots
 from specheads.targets import capture_layer_inputs
 
 
@@ -68,54 +69,19 @@ class TargetRunner:
 
         self.batch_size = batch_size
         self.cache = DynamicCache(config=self.model.config)
-        dev = self.device
-        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=dev)
-        self.num_tokens = torch.zeros(batch_size, dtype=torch.long, device=dev)
-        self.scratch_anc = torch.zeros(batch_size, 0, 0, dtype=torch.bool, device=dev)
-        self.scratch_pos = torch.zeros(batch_size, 0, dtype=torch.long, device=dev)
-        self.scratch_live = torch.zeros(batch_size, 0, dtype=torch.bool, device=dev)
-
-    @property
-    def committed_slots(self) -> int:
-        return self.valid.shape[1]
+        self.slots = TreeSlots(batch_size, self.device)
 
     @property
     def scratch_size(self) -> int:
-        return self.scratch_pos.shape[1]
+        return self.slots.scratch
 
-    def _cache_len(self) -> int:
-        return self.cache.get_seq_length() if len(self.cache.layers) else 0
+    @property
+    def num_tokens(self) -> torch.Tensor:
+        return self.slots.num_tokens
 
     # ------------------------------------------------------------------ forward
-    def _extend_tree(self, parents: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add q scratch entries. parents (B, q): scratch index or -1; live (B, q): real (not padding).
-
-        Returns positions (B, q) and the ancestor-or-self rows (B, q, s+q) of the new entries.
-        """
-        B, q = parents.shape
-        s = self.scratch_size
-        anc = torch.zeros(B, s + q, s + q, dtype=torch.bool, device=parents.device)
-        anc[:, :s, :s] = self.scratch_anc
-        pos = torch.cat([self.scratch_pos, torch.zeros(B, q, dtype=torch.long, device=parents.device)], 1)
-        rows = torch.arange(B, device=parents.device)
-        for j in range(q):
-            p = parents[:, j]
-            has = p >= 0
-            if (p >= s + j).any():
-                raise ValueError(f"scratch entry {s + j} names parent {int(p.max())}, which is not earlier")
-            pc = p.clamp(min=0)
-            anc[:, s + j] = anc[rows, pc] & has[:, None]
-            anc[:, s + j, s + j] = True
-            pos[:, s + j] = torch.where(has, pos[rows, pc] + 1, self.num_tokens)
-        self.scratch_anc = anc
-        self.scratch_pos = pos
-        self.scratch_live = torch.cat([self.scratch_live, live], 1)
-        return pos[:, s:], anc[:, s:, :]
-
-    def _attention_mask(self, new_anc: torch.Tensor) -> torch.Tensor:
-        """(B, 1, q, kv) additive float mask: committed valid slots + scratch ancestors."""
-        B, q, _ = new_anc.shape
-        allowed = torch.cat([self.valid[:, None, :].expand(B, q, -1), new_anc], dim=2)
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """(B, q, kv) bool -> (B, 1, q, kv) additive float mask in the model's dtype."""
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         return mask[:, None]
@@ -134,10 +100,9 @@ class TargetRunner:
                              f"do not match the batch size {self.batch_size}")
         if live is None:
             live = torch.ones_like(tokens, dtype=torch.bool)
-        pos, anc = self._extend_tree(parents, live)
-        mask = self._attention_mask(anc)
+        pos, allowed = self.slots.extend(parents, live)
         with capture_layer_inputs(self.decoder.layers, self.aux_layers) as captured:
-            out = self.decoder(input_ids=tokens, attention_mask=mask, position_ids=pos,
+            out = self.decoder(input_ids=tokens, attention_mask=self._additive(allowed), position_ids=pos,
                                use_cache=True, **{self._cache_kw: self.cache})
         self.forward_calls += 1
         last = out.last_hidden_state
@@ -150,74 +115,36 @@ class TargetRunner:
         return ForwardOutput(lg, last, aux)
 
     def forward_chain(self, tokens: list[list[int]], **kw) -> ForwardOutput:
-        """Feed per-row token lists as chains after the current scratch tail (or the context).
-
-        Rows may differ in length (right padding, marked not live). Chains start at the committed
-        context when the scratch is empty, else after each row's last live scratch entry.
-        """
-        B = self.batch_size
+        """Feed per-row token lists as chains after each row's last live scratch entry (or the
+        committed context). Rows may differ in length (right padding, marked not live)."""
         q = max(len(t) for t in tokens)
         if q == 0:
             raise ValueError("forward_chain got no tokens for any row")
-        s = self.scratch_size
-        tok = torch.zeros(B, q, dtype=torch.long, device=self.device)
-        par = torch.full((B, q), -1, dtype=torch.long, device=self.device)
-        live = torch.zeros(B, q, dtype=torch.bool, device=self.device)
-        for b, t in enumerate(tokens):
-            start = self._last_live(b)
-            tok[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-            live[b, : len(t)] = True
-            for j in range(q):
-                par[b, j] = (start if j == 0 else s + j - 1) if j < max(len(t), 1) else -1
+        lens = torch.tensor([len(t) for t in tokens])
+        par, live = self.slots.chain_parents(lens, q)
+        tok = torch.zeros(self.batch_size, q, dtype=torch.long, device=self.device)
+        tok[live] = torch.tensor([x for t in tokens for x in t], dtype=torch.long, device=self.device)
         return self.forward(tok, par, live, **kw)
-
-    def _last_live(self, b: int) -> int:
-        idx = torch.nonzero(self.scratch_live[b]).flatten()
-        return int(idx[-1]) if len(idx) else -1
 
     # ------------------------------------------------------------------ keep / drop
     def commit(self, keep: list[list[int]]) -> None:
         """Keep, per row, these scratch entries (in order, a root-to-leaf path) and drop the rest."""
-        B, s, c = self.batch_size, self.scratch_size, self.committed_slots
-        if len(keep) != B:
-            raise ValueError(f"commit got {len(keep)} rows, the batch has {B}")
-        for b, k in enumerate(keep):
-            if any(not 0 <= i < s for i in k):
-                raise ValueError(f"row {b}: commit indices {k} outside the {s} scratch entries")
-        m = max((len(k) for k in keep), default=0)
-        if all(list(k) == list(range(m)) for k in keep):
-            self.cache.crop(-(s - m)) if s > m else None
-        else:
-            idx = torch.zeros(B, m, dtype=torch.long, device=self.device)
-            for b, k in enumerate(keep):
-                row = list(k) + [0] * (m - len(k))
-                idx[b] = torch.tensor(row, dtype=torch.long) + c
-            self._gather_tail(c, idx)
-        lens = torch.tensor([len(k) for k in keep], device=self.device)
-        self.valid = torch.cat([self.valid, torch.arange(m, device=self.device)[None] < lens[:, None]], 1)
-        self.num_tokens = self.num_tokens + lens
-        self._clear_scratch()
-
-    def discard(self) -> None:
-        """Drop every scratch entry (back to the committed context)."""
-        s = self.scratch_size
-        if s:
-            self.cache.crop(-s)
-        self._clear_scratch()
-
-    def _gather_tail(self, c: int, idx: torch.Tensor) -> None:
-        """Replace cache slots [c:] by slots ``idx`` (B, m) of the same layer tensors."""
+        c, idx = self.slots.commit(keep)
+        if idx is None:
+            if c:
+                self.cache.crop(-c)
+            return
         for layer in self.cache.layers:
             for name in ("keys", "values"):
                 t = getattr(layer, name)
                 g = t.gather(2, idx[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
                 setattr(layer, name, torch.cat([t[:, :, :c], g], 2))
 
-    def _clear_scratch(self) -> None:
-        B, dev = self.batch_size, self.device
-        self.scratch_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)
-        self.scratch_pos = torch.zeros(B, 0, dtype=torch.long, device=dev)
-        self.scratch_live = torch.zeros(B, 0, dtype=torch.bool, device=dev)
+    def discard(self) -> None:
+        """Drop every scratch entry (back to the committed context)."""
+        s = self.slots.discard()
+        if s:
+            self.cache.crop(-s)
 
     # ------------------------------------------------------------------ convenience
     def prefill(self, prompts: list[list[int]]) -> ForwardOutput:

@@ -85,9 +85,10 @@ def verify_chain_sampling(logits: torch.Tensor, tree: DraftTree, temperature: fl
     if temperature <= 0:
         return verify_greedy(logits, tree)
     p_all = probs(logits, temperature)
+    qs = _pad_vocab(tree.q.double(), p_all.shape[-1]) if tree.size else None
     v = Verdict([], 0)
     for i, x in enumerate(tree.tokens.tolist()):
-        p, q = p_all[i], tree.q[i].double()
+        p, q = p_all[i], qs[i]
         ratio = p[x] / q[x] if q[x] > 0 else torch.tensor(0.0)
         ok = bool(torch.rand((), generator=generator, dtype=torch.float64) < ratio)
         _record(v, i + 1, ok)
@@ -97,6 +98,13 @@ def verify_chain_sampling(logits: torch.Tensor, tree: DraftTree, temperature: fl
         v.path.append(i)
     v.bonus = _draw(p_all[tree.size], generator)
     return v
+
+
+def _pad_vocab(q: torch.Tensor, V: int) -> torch.Tensor:
+    """Draft probabilities may cover only the first ids (e.g. one-hot n-gram drafts): zero-pad to V."""
+    if q.shape[-1] > V:
+        raise ValueError(f"draft distribution over {q.shape[-1]} ids, target vocabulary has {V}")
+    return torch.nn.functional.pad(q, (0, V - q.shape[-1])) if q.shape[-1] < V else q
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

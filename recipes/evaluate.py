@@ -1,0 +1,104 @@
+"""Recipe: evaluate drafters on a target with real (tree) speculative decoding.
+
+    python recipes/evaluate.py [method=eagle3 head_dir=runs/x/train] [eval=full] [output_dir=...]
+    specheads evaluate ...            (same overrides)
+"""
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from tqdm import tqdm
+
+from specheads.decoding.drafters import TreeShape
+from specheads.errors import user_errors
+from specheads.evaluation.benchmarks import BenchmarkSpec
+from specheads.evaluation.report import write_report
+from specheads.evaluation.suite import EvalConfig, ServingProfiles, evaluate, plan_methods
+from specheads.targets import load_target
+
+log = logging.getLogger("specheads.evaluate")
+
+
+@dataclass
+class EvalSetSchema:
+    mtbench_per_category: Optional[int] = 2
+    mtbench_turns: list = field(default_factory=lambda: [1, 2])
+    humaneval: Optional[int] = 4
+    chat: Optional[int] = 4
+    chat_dir: Optional[str] = None
+    jsonl: Optional[str] = None
+    jsonl_limit: Optional[int] = None
+    max_new_tokens: int = 64
+
+
+@dataclass
+class TreeSchema:
+    depth: int = 5
+    topk: int = 4
+    total_tokens: int = 24
+
+
+@dataclass
+class EvaluateSchema:
+    target: Any = MISSING
+    eval: EvalSetSchema = field(default_factory=EvalSetSchema)
+    output_dir: str = MISSING
+    method: Optional[str] = None
+    head_dir: Optional[str] = None
+    baselines: list = field(default_factory=lambda: ["ngram", "early_exit"])
+    two_model: Optional[str] = None
+    chain_k: int = 4
+    early_exit_layers: int = 8
+    ngram_max: int = 3
+    tree: TreeSchema = field(default_factory=TreeSchema)
+    medusa_choices: Optional[list] = None
+    medusa_tree_nodes: int = 24
+    serving: ServingProfiles = field(default_factory=ServingProfiles)
+    verify: str = "auto"
+    temperatures: list = field(default_factory=lambda: [0.0, 1.0])
+    batch_sizes: list = field(default_factory=lambda: [1, 4])
+    batch_prompts: int = 8
+    seed: int = 0
+    threads: Optional[int] = None
+
+
+ConfigStore.instance().store(name="evaluate_schema", node=EvaluateSchema)
+
+
+@hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with user_errors("evaluate"):
+        run(cfg)
+
+
+def run(cfg: DictConfig) -> dict:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    ev = OmegaConf.to_container(cfg.eval, resolve=True)
+    max_new = ev.pop("max_new_tokens")
+    ev["mtbench_turns"] = tuple(ev["mtbench_turns"])
+    if ev["chat"] != 0 and not ev["chat_dir"]:
+        log.warning("no eval.chat_dir given: the chat domain is left out")
+    methods = plan_methods(cfg.method, cfg.head_dir, list(cfg.baselines), cfg.chain_k,
+                           TreeShape("dynamic", **cfg.tree), ServingProfiles(**cfg.serving),
+                           cfg.early_exit_layers, cfg.ngram_max, cfg.two_model,
+                           OmegaConf.to_container(cfg.medusa_choices) if cfg.medusa_choices else None,
+                           cfg.medusa_tree_nodes, cfg.verify)
+    ecfg = EvalConfig(methods, BenchmarkSpec(**ev), max_new, tuple(cfg.temperatures), tuple(cfg.batch_sizes),
+                      cfg.batch_prompts, cfg.seed)
+    target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.device)
+    with tqdm(desc="evaluate", unit="run") as bar:
+        report = evaluate(target, ecfg, progress=lambda msg: (bar.set_postfix_str(msg), bar.update(1)))
+    paths = write_report(report, cfg.output_dir)
+    print(open(paths["markdown"]).read())
+    print(f"report -> {paths['json']}, {paths['markdown']}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

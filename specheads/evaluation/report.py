@@ -1,0 +1,160 @@
+"""Write an evaluation report: ``report.json``, ``report.md`` (tables) and PNG plots (matplotlib Agg)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GPU_MODEL = ("GPU speed-up predicted as τ / (1 + c_GPU · F): batch-1 decoding is memory-bound, a forward costs "
+             "time in proportion to the weights it reads, verifying a tree of up to ~64 tokens costs about one "
+             "plain forward; c_GPU = draft parameters read per draft forward ÷ target parameters, F = draft "
+             "forwards per step. CPU figures are measured in float32.")
+
+
+def write_report(report: dict, out_dir: str | Path) -> dict[str, str]:
+    """Write report.json, report.md and plots; returns {kind: path}."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = dict(report, gpu_model=GPU_MODEL)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=_num))
+    (out / "report.md").write_text(markdown(report))
+    paths = {"json": str(out / "report.json"), "markdown": str(out / "report.md")}
+    paths.update(plots(report, out))
+    return paths
+
+
+def _num(x):
+    return float(x)
+
+
+def _f(x, nd=2) -> str:
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Speculative decoding evaluation: {report['target']}", "",
+             f"{report['num_prompts']} prompts, max_new_tokens {report['max_new_tokens']}, "
+             f"temperatures {report['temperatures']}. τ = tokens per target forward (bonus included); "
+             "α = accepted ÷ tested drafts (Leviathan et al.); speed-up = decode tokens/s ÷ plain decode "
+             "tokens/s on the same engine (prefill excluded).", "", f"_{GPU_MODEL}_", ""]
+    plain = report["plain"]["all"]
+    lines += [f"Plain decoding: {_f(plain['tokens_per_s'], 1)} tokens/s.", ""]
+    for m in report["methods"]:
+        lines += _method_md(m, report)
+    return "\n".join(lines) + "\n"
+
+
+def _method_md(m: dict, report: dict) -> list[str]:
+    prof = f", serving profile **{m['profile']}**" if m.get("profile") else ""
+    lossy = "" if m.get("lossless_verify", True) else " (LOSSY verification)"
+    L = [f"## {m['name']}", "", f"drafter `{m['drafter']}`, shape `{m['shape']}`, verify `{m['verify']}`"
+         f"{lossy}{prof}; c_GPU = {_f(m['c_gpu'], 3)}.", ""]
+    ll = m.get("lossless")
+    if ll:
+        status = "exact on every prompt" if ll["exact"] else f"{len(ll['mismatches'])} MISMATCHES"
+        L += [f"Lossless check (greedy vs plain greedy, {ll['checked']} prompts): {status}.", ""]
+        for mm in ll["mismatches"]:
+            L.append(f"- {mm['prompt']}: token {mm['index']}, target margin {_f(mm.get('margin'), 4)}")
+        if ll["mismatches"]:
+            L.append("")
+    temps = list(m["by_temperature"])
+    head = "| domain | " + " | ".join(f"α T={t} | τ T={t}" for t in temps) + \
+           " | tok/s | speed-up (CPU) | c (CPU) | GPU speed-up (pred) |"
+    L += [head, "|" + "---|" * (2 + 2 * len(temps) + 3)]
+    t0 = m["by_temperature"][temps[0]]
+    for d in t0:
+        cells = []
+        for t in temps:
+            r = m["by_temperature"][t].get(d, {})
+            cells += [_f(r.get("alpha")), _f(r.get("tau"))]
+        r = t0[d]
+        L.append(f"| {d} | " + " | ".join(cells) + f" | {_f(r['tokens_per_s'], 1)} | {_f(r.get('speedup'))} | "
+                 f"{_f(r.get('cost_ratio_c'), 3)} | {_f(r.get('gpu_speedup_pred'))} |")
+    apos = t0["all"]["alpha_by_position"]
+    L += ["", "α by draft position (T=" + temps[0] + "): " + ", ".join(_f(a) for a in apos), ""]
+    if m.get("batch"):
+        L += ["| batch | plain tok/s | spec tok/s | speed-up | target forwards / step | output = batch-1 plain |",
+              "|---|---|---|---|---|---|"]
+        for bs, r in m["batch"].items():
+            L.append(f"| {bs} | {_f(r['plain_tokens_per_s'], 1)} | {_f(r['spec_tokens_per_s'], 1)} | "
+                     f"{_f(r['speedup'])} | {_f(r['target_forwards_per_step'])} | {r['matches_batch1_plain']} |")
+        L.append("")
+    rec = report.get("recommendation", {}).get(m["name"])
+    if rec:
+        L += _recommend_md(rec, m)
+    if m.get("train_tau") is not None:
+        L += [f"Training-time τ estimate {_f(m['train_tau'])} vs measured τ (T=0, all) {_f(t0['all']['tau'])}.", ""]
+    return L
+
+
+def _recommend_md(rec: dict, m: dict) -> list[str]:
+    T = next(iter(rec))
+    L = [f"Recommended chain length per domain (T={T}; predicted from measured per-position α and c):", "",
+         "| domain | best K (GPU) | pred. speed-up GPU | best K (CPU) | pred. speed-up CPU | measured τ | measured speed-up |",
+         "|---|---|---|---|---|---|---|"]
+    for d, r in rec[T].items():
+        L.append(f"| {d} | {r['best_k_gpu']} | {_f(r['best_speedup_gpu_pred'])} | {r['best_k_cpu']} | "
+                 f"{_f(r['best_speedup_cpu_pred'])} | {_f(r['measured_tau'])} | {_f(r['measured_speedup'])} |")
+    return L + [""]
+
+
+def plots(report: dict, out: Path) -> dict[str, str]:
+    """α per domain, α by draft position, τ and speed-up vs K (predicted, with measured points)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = {}
+    methods = report["methods"]
+    if not methods:
+        return paths
+    T = next(iter(methods[0]["by_temperature"]))
+    domains = [d for d in methods[0]["by_temperature"][T] if d != "all"] + ["all"]
+    fig, ax = plt.subplots(figsize=(max(6, len(domains) * 0.9), 4))
+    w = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        vals = [m["by_temperature"][T].get(d, {}).get("alpha") or 0 for d in domains]
+        ax.bar([j + i * w for j in range(len(domains))], vals, w, label=m["name"])
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(domains))], domains, rotation=30, ha="right")
+    ax.set_ylabel(f"α (T={T})"); ax.legend(fontsize=7); fig.tight_layout()
+    paths["alpha_by_domain"] = _save(fig, out / "alpha_by_domain.png", plt)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in methods:
+        a = m["by_temperature"][T]["all"]["alpha_by_position"]
+        ax.plot(range(1, len(a) + 1), [x if x is not None else float("nan") for x in a], "o-", label=m["name"])
+    ax.set_xlabel("draft position"); ax.set_ylabel(f"α (T={T})"); ax.legend(fontsize=7); fig.tight_layout()
+    paths["alpha_by_position"] = _save(fig, out / "alpha_by_position.png", plt)
+    rec = report.get("recommendation", {})
+    if rec:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        for m in methods:
+            r = rec.get(m["name"], {}).get(T, {}).get("all")
+            if not r:
+                continue
+            ks = [p["k"] for p in r["predictions"]]
+            line = a1.plot(ks, [p["tau_pred"] for p in r["predictions"]], "-", label=m["name"])[0]
+            a2.plot(ks, [p["speedup_gpu_pred"] for p in r["predictions"]], "-", color=line.get_color(),
+                    label=f"{m['name']} GPU pred")
+            a2.plot(ks, [p["speedup_cpu_pred"] for p in r["predictions"]], ":", color=line.get_color(),
+                    label=f"{m['name']} CPU pred")
+            k_run = _chain_k(m["shape"])
+            if k_run:
+                a1.plot([k_run], [r["measured_tau"]], "o", color=line.get_color())
+                if r["measured_speedup"]:
+                    a2.plot([k_run], [r["measured_speedup"]], "o", color=line.get_color())
+        a1.set_xlabel("K (chain length)"); a1.set_ylabel("τ"); a1.legend(fontsize=7)
+        a2.set_xlabel("K (chain length)"); a2.set_ylabel("speed-up"); a2.legend(fontsize=6)
+        fig.tight_layout()
+        paths["tau_speedup_vs_k"] = _save(fig, out / "tau_speedup_vs_k.png", plt)
+    return paths
+
+
+def _chain_k(shape: str) -> int | None:
+    return int(shape[5:]) if shape.startswith("chain") and shape[5:].isdigit() else None
+
+
+def _save(fig, path: Path, plt) -> str:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)

@@ -1,0 +1,348 @@
+"""Run an evaluation: plain decoding, then each drafting method at each temperature, batch sizes,
+the lossless check, and the figures the report needs.
+
+Every method runs on the same ``TargetRunner`` as the plain baseline, prompt by prompt at batch 1
+(then in batches), so speed-ups compare like with like. MT-bench turn-2 prompts include the
+target's own plain-greedy turn-1 answer (identical for every lossless method at T = 0).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from specheads.decoding.drafters import Drafter, EarlyExitDrafter, ModelDrafter, NgramDrafter, TreeShape
+from specheads.decoding.generate import GenerationResult, speculative_generate
+from specheads.decoding.runner import TargetRunner
+from specheads.decoding.tree import choices_from_accuracies, normalize_choices
+from specheads.decoding.verify import LOSSLESS
+from specheads.evaluation.benchmarks import BenchmarkSpec, EvalPrompt, encode, load_benchmarks
+from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup
+from specheads.evaluation.recommend import recommend
+from specheads.targets import Target
+
+log = logging.getLogger(__name__)
+DRAFTERS = ("ngram", "early_exit", "two_model", "medusa", "eagle1", "eagle3")
+
+
+@dataclass
+class MethodSpec:
+    """One drafting configuration.
+
+    drafter: ngram | early_exit | two_model | medusa | eagle1 | eagle3; shape: chain/dynamic/static;
+    verify: auto | chain | tree | typical (T > 0; T = 0 is always greedy); profile: a serving
+    engine this configuration reproduces (vllm, sglang) or None.
+    """
+
+    name: str
+    drafter: str
+    shape: TreeShape = field(default_factory=TreeShape)
+    verify: str = "auto"
+    ngram_max: int = 3
+    early_exit_layers: int = 8
+    draft_model: str | None = None
+    head_dir: str | None = None
+    medusa_tree_nodes: int = 24
+    profile: str | None = None
+
+    def __post_init__(self):
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"method '{self.name}': unknown drafter '{self.drafter}' (one of {', '.join(DRAFTERS)})")
+        if self.drafter in ("medusa", "eagle1", "eagle3") and not self.head_dir:
+            raise ValueError(f"method '{self.name}': drafter '{self.drafter}' needs head_dir")
+        if self.drafter == "two_model" and not self.draft_model:
+            raise ValueError(f"method '{self.name}': the two-model baseline needs draft_model")
+
+
+@dataclass
+class EvalConfig:
+    methods: list[MethodSpec]
+    benchmarks: BenchmarkSpec = field(default_factory=BenchmarkSpec)
+    max_new_tokens: int = 64
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    batch_sizes: tuple[int, ...] = (1, 4)
+    batch_prompts: int = 8  # prompts decoded per batch-size measurement
+    seed: int = 0
+    recommend_ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)
+
+
+Progress = Callable[[str], None]
+
+
+def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None) -> dict:
+    """The whole evaluation; returns the report dict (see ``report.py``)."""
+    progress = progress or (lambda msg: None)
+    prompts = load_benchmarks(cfg.benchmarks)
+    eos = _eos_ids(target)
+    runner = TargetRunner(target.model)
+    ids, plain = _plain_pass(target, runner, prompts, cfg, eos, progress)
+    report = {"target": target.name, "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
+              "temperatures": list(cfg.temperatures), "target_params": _nparams(target.model),
+              "plain": {d: s.to_dict() for d, s in by_domain(plain).items()}, "methods": []}
+    plain_tokens = {p.id: r for p, r in zip(prompts, ids["tokens"])}
+    for spec in cfg.methods:
+        drafter = build_drafter(spec, target, prompts, ids, cfg)
+        row = _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_tokens, cfg, eos, progress)
+        row["train_tau"] = train_tau(spec.head_dir)
+        report["methods"].append(row)
+    report["recommendation"] = recommend(report, cfg.recommend_ks)
+    return report
+
+
+def _plain_pass(target, runner, prompts, cfg, eos, progress):
+    """Plain greedy decoding of every prompt (turn 1 before turn 2); returns ids and Runs."""
+    answers: dict[str, str] = {}
+    enc, toks, runs = [], [], []
+    for i, p in enumerate(sorted(prompts, key=lambda p: p.turn)):
+        pid = encode(p, target.tokenizer, answers)
+        res = speculative_generate(runner, None, [pid], cfg.max_new_tokens, 0.0, "greedy", eos)
+        answers[p.id] = target.tokenizer.decode(res.tokens[0], skip_special_tokens=True) if target.tokenizer else ""
+        enc.append((p.id, pid)); toks.append((p.id, res.tokens[0])); runs.append((p.id, _run(p, res)))
+        progress(f"plain {i + 1}/{len(prompts)}")
+    order = {p.id: k for k, p in enumerate(prompts)}
+    enc.sort(key=lambda x: order[x[0]]); toks.sort(key=lambda x: order[x[0]]); runs.sort(key=lambda x: order[x[0]])
+    return {"prompt_ids": [e[1] for e in enc], "tokens": [t[1] for t in toks]}, [r[1] for r in runs]
+
+
+def _run(p: EvalPrompt, res: GenerationResult, b: int = 0) -> Run:
+    return Run(p.id, p.domain, res.stats[b], len(res.tokens[b]), res.wall_time - res.prefill_time,
+               res.target_time, res.draft_time)
+
+
+def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_tokens, cfg, eos, progress) -> dict:
+    out = {"name": spec.name, "drafter": spec.drafter, "shape": spec.shape.label(), "verify": spec.verify,
+           "lossless_verify": LOSSLESS.get(spec.verify, True), "profile": spec.profile,
+           "draft_params_per_forward": drafter.params_per_forward, "by_temperature": {}}
+    c_gpu = drafter.params_per_forward / _nparams(target.model)
+    out["c_gpu"] = c_gpu
+    plain_dom = by_domain(plain)
+    for T in cfg.temperatures:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        runs, mism = [], []
+        for i, (p, pid) in enumerate(zip(prompts, ids["prompt_ids"])):
+            res = speculative_generate(runner, drafter, [pid], cfg.max_new_tokens, T, spec.verify, eos, gen)
+            runs.append(_run(p, res))
+            if T == 0:
+                m = _mismatch(target, pid, plain_tokens[p.id], res.tokens[0])
+                if m:
+                    mism.append({"prompt": p.id, **m})
+            progress(f"{spec.name} T={T} {i + 1}/{len(prompts)}")
+        doms = {}
+        for d, s in by_domain(runs).items():
+            row = s.to_dict()
+            row["speedup"] = speedup(plain_dom[d], s)
+            row["gpu_speedup_pred"] = gpu_speedup(s.tau, c_gpu, s.draft_forwards_per_step)
+            doms[d] = row
+        out["by_temperature"][str(T)] = doms
+        if T == 0:
+            out["lossless"] = {"checked": len(prompts), "mismatches": mism, "exact": not mism}
+    out["batch"] = _batch_speed(spec, drafter, runner, ids, plain_tokens, prompts, cfg, eos, progress)
+    return out
+
+
+def _mismatch(target, prompt_ids, want, got) -> dict | None:
+    """First divergence of speculative from plain greedy output, with the target's logit margin there."""
+    n = min(len(want), len(got))
+    i = next((j for j in range(n) if want[j] != got[j]), None)
+    if i is None:
+        return None if len(want) == len(got) else {"index": n, "reason": f"lengths {len(want)} vs {len(got)}"}
+    with torch.no_grad():
+        logits = target.model(torch.tensor([list(prompt_ids) + list(want[:i])], device=target.device)).logits[0, -1]
+    top = logits.float().topk(2)
+    return {"index": i, "plain": int(want[i]), "speculative": int(got[i]),
+            "margin": float(top.values[0] - top.values[1]),
+            "margin_vs_speculative": float(logits[want[i]] - logits[got[i]])}
+
+
+def _batch_speed(spec, drafter, runner, ids, plain_tokens, prompts, cfg, eos, progress) -> dict:
+    """Greedy plain vs speculative wall clock at each batch size > 1 (one target forward per step)."""
+    out = {}
+    pids = ids["prompt_ids"][: cfg.batch_prompts]
+    for bs in cfg.batch_sizes:
+        if bs <= 1:
+            continue
+        t_plain = t_spec = 0.0
+        n_plain = n_spec = fw = steps = 0
+        exact = True
+        for start in range(0, len(pids), bs):
+            chunk = pids[start:start + bs]
+            a = speculative_generate(runner, None, chunk, cfg.max_new_tokens, 0.0, "greedy", eos)
+            b = speculative_generate(runner, drafter, chunk, cfg.max_new_tokens, 0.0, "greedy", eos)
+            t_plain += a.wall_time - a.prefill_time; t_spec += b.wall_time - b.prefill_time
+            n_plain += sum(map(len, a.tokens)); n_spec += sum(map(len, b.tokens))
+            fw += b.target_forwards; steps += len(b.batch_forward_sizes)
+            exact &= a.tokens == b.tokens and all(
+                t == plain_tokens[prompts[start + j].id] for j, t in enumerate(a.tokens))
+            progress(f"{spec.name} batch {bs}: {min(start + bs, len(pids))}/{len(pids)}")
+        out[str(bs)] = {"plain_tokens_per_s": n_plain / t_plain, "spec_tokens_per_s": n_spec / t_spec,
+                        "speedup": (n_spec / t_spec) / (n_plain / t_plain), "target_forwards_per_step": fw / steps,
+                        "matches_batch1_plain": exact}
+    return out
+
+
+# ------------------------------------------------------------------ drafters
+
+
+def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg: EvalConfig | None = None) -> Drafter:
+    """The drafter a method spec names (heads loaded from ``head_dir``)."""
+    if spec.drafter == "ngram":
+        return NgramDrafter(k=spec.shape.k, max_ngram=spec.ngram_max)
+    if spec.drafter == "early_exit":
+        return EarlyExitDrafter(target.model, spec.early_exit_layers, spec.shape)
+    if spec.drafter == "two_model":
+        return _two_model(spec, target)
+    head = resolve_head_dir(spec.head_dir)
+    if spec.drafter == "medusa":
+        from specheads.decoding.head_drafters import MedusaDrafter
+        from specheads.heads.medusa import MedusaHeads
+
+        heads = MedusaHeads.from_pretrained(head).to(target.device).eval()
+        shape = spec.shape
+        if shape.kind == "static" and not shape.choices:
+            acc = medusa_rank_accuracy(heads, target, ids["prompt_ids"], ids["tokens"])
+            shape = TreeShape("static", choices=tuple(choices_from_accuracies(acc, spec.medusa_tree_nodes)))
+            spec.shape = shape
+        elif shape.kind == "static":
+            shape = TreeShape("static", choices=tuple(normalize_choices(shape.choices)))
+        return MedusaDrafter(heads, shape)
+    from specheads.decoding.head_drafters import EagleDrafter
+
+    if spec.drafter == "eagle1":
+        from specheads.heads.eagle import Eagle1Model as cls
+    else:
+        from specheads.heads.eagle3 import Eagle3Model as cls
+    model = cls.from_pretrained(head).to(target.device).eval().attach(target)
+    return EagleDrafter(model, spec.shape, spec.drafter)
+
+
+def _two_model(spec, target) -> Drafter:
+    from specheads.targets import load_target
+
+    small = load_target(spec.draft_model, dtype=target.dtype, device=target.device)
+    if target.tokenizer is not None and small.tokenizer is not None \
+            and small.tokenizer_fingerprint() != target.tokenizer_fingerprint():
+        if small.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            raise ValueError(f"draft model {spec.draft_model} does not share the target's tokenizer")
+    return ModelDrafter(small.model, spec.shape, name="two_model")
+
+
+def resolve_head_dir(path: str) -> str:
+    """A head folder, or a training output folder holding ``head/``."""
+    p = Path(path)
+    if (p / "head" / "config.json").exists():
+        return str(p / "head")
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"{p} holds no head (no config.json, nor head/config.json)")
+    return str(p)
+
+
+def train_tau(head_dir: str | None) -> float | None:
+    """τ estimated at training time (``train_summary.json`` next to or above the head), if any."""
+    if not head_dir:
+        return None
+    for d in (Path(head_dir), Path(head_dir).parent):
+        f = d / "train_summary.json"
+        if f.exists():
+            return json.loads(f.read_text()).get("tau_estimate")
+    return None
+
+
+@torch.no_grad()
+def medusa_rank_accuracy(heads, target: Target, prompts: list[list[int]], answers: list[list[int]],
+                         ranks: int = 8, limit: int = 8) -> list[list[float]]:
+    """acc[d][r]: how often head d's rank-r candidate equals the target's greedy token d+2 ahead,
+    over the answer positions of (prompt + plain greedy answer) sequences."""
+    K = heads.config.num_heads
+    hits = torch.zeros(K, ranks, dtype=torch.float64)
+    total = torch.zeros(K, dtype=torch.float64)
+    for p, a in list(zip(prompts, answers))[:limit]:
+        seq = torch.tensor([list(p) + list(a)], device=target.device)
+        last = target.forward_features(seq).last
+        logits = heads(last.to(next(heads.parameters()).dtype))[:, 0]  # (K, T, V)
+        top = logits.topk(ranks, -1).indices
+        start = len(p) - 2
+        for d in range(K):
+            t = torch.arange(start, seq.shape[1] - d - 2, device=seq.device)
+            if len(t):
+                want = seq[0, t + d + 2]
+                hits[d] += (top[d, t] == want[:, None]).double().sum(0).cpu()
+                total[d] += len(t)
+    return (hits / total.clamp(min=1)[:, None]).tolist()
+
+
+def _eos_ids(target: Target) -> list[int]:
+    ids = set()
+    for src in (getattr(target.model, "generation_config", None), target.config, target.tokenizer):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, (list, tuple)):
+            ids.update(int(x) for x in e)
+    return sorted(ids)
+
+
+def _nparams(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def chain_spec(drafter: str, k: int, **kw) -> MethodSpec:
+    """Convenience: a chain-of-k method spec."""
+    return MethodSpec(f"{drafter}-chain{k}", drafter, TreeShape("chain", k=k), **kw)
+
+
+
+@dataclass
+class ServingProfiles:
+    """What each serving engine does with an exported head: vLLM drafts EAGLE and Medusa as a top-1
+    chain of ``num_speculative_tokens``; SGLang grows an EAGLE tree of ``steps`` levels, ``topk``
+    per expansion, verifying ``num_draft_tokens`` tokens (the root included, so the tree has one fewer)."""
+
+    vllm_num_speculative_tokens: int = 3
+    sglang_steps: int = 5
+    sglang_topk: int = 4
+    sglang_num_draft_tokens: int = 8
+
+
+def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "early_exit"),
+                 chain_k: int = 4, tree: TreeShape | None = None, serving: ServingProfiles | None = None,
+                 early_exit_layers: int = 8, ngram_max: int = 3, two_model: str | None = None,
+                 medusa_choices=None, medusa_tree_nodes: int = 24, verify: str = "auto") -> list[MethodSpec]:
+    """The method list for an evaluation: the head's own tree, its serving profiles, and baselines."""
+    tree = tree or TreeShape("dynamic", depth=5, topk=4, total_tokens=24)
+    serving = serving or ServingProfiles()
+    out: list[MethodSpec] = []
+    if method:
+        if not head_dir:
+            raise ValueError(f"method={method} needs head_dir (a trained head or training output folder)")
+        vllm = TreeShape("chain", k=serving.vllm_num_speculative_tokens)
+        if method == "medusa":
+            static = TreeShape("static", choices=tuple(map(tuple, medusa_choices)) if medusa_choices else None)
+            out.append(MethodSpec("medusa-tree", "medusa", static, verify, head_dir=head_dir,
+                                  medusa_tree_nodes=medusa_tree_nodes))
+        elif method in ("eagle1", "eagle3"):
+            out.append(MethodSpec(f"{method}-tree", method, tree, verify, head_dir=head_dir))
+            sgl = TreeShape("dynamic", depth=serving.sglang_steps, topk=serving.sglang_topk,
+                            total_tokens=serving.sglang_num_draft_tokens - 1)
+            out.append(MethodSpec(f"{method}-sglang", method, sgl, verify, head_dir=head_dir, profile="sglang"))
+        else:
+            raise ValueError(f"method '{method}': use medusa, eagle1 or eagle3 (or none for baselines only)")
+        out.append(MethodSpec(f"{method}-vllm", method, vllm, verify, head_dir=head_dir, profile="vllm"))
+    chain = TreeShape("chain", k=chain_k)
+    for b in baselines or ():
+        if b == "ngram":
+            out.append(MethodSpec(f"ngram-chain{chain_k}", "ngram", chain, verify, ngram_max=ngram_max))
+        elif b == "early_exit":
+            out.append(MethodSpec(f"early_exit{early_exit_layers}-chain{chain_k}", "early_exit", chain, verify,
+                                  early_exit_layers=early_exit_layers))
+        elif b == "two_model":
+            out.append(MethodSpec(f"two_model-chain{chain_k}", "two_model", chain, verify, draft_model=two_model))
+        else:
+            raise ValueError(f"baseline '{b}': use ngram, early_exit or two_model")
+    if not out:
+        raise ValueError("nothing to evaluate: give method + head_dir, or baselines")
+    return out

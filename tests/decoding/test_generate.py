@@ -1,0 +1,90 @@
+"""Greedy speculative decoding reproduces plain greedy exactly; τ matches known drafters."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decoding_helpers import NoisyOracle, WrongDrafter, peaky_model, reference_greedy
+from conftest import make_tiny_model
+from specheads.decoding.drafters import EarlyExitDrafter, ModelDrafter, NgramDrafter, TreeShape
+from specheads.decoding.generate import plain_generate, speculative_generate
+from specheads.decoding.runner import TargetRunner
+
+PROMPTS = [[5, 9, 13, 2, 7], [1, 2, 3, 1, 2, 3, 1, 2, 3, 1], [40, 41]]
+SHAPES = [TreeShape("chain", k=1), TreeShape("chain", k=4), TreeShape("dynamic", depth=3, topk=2, total_tokens=5),
+          TreeShape("dynamic", depth=4, topk=3, total_tokens=10)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return peaky_model()
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return [reference_greedy(target, p, 16) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_plain_matches_recomputation(attn, reference):
+    model = peaky_model(attn=attn)
+    res = plain_generate(TargetRunner(model), PROMPTS, 16)
+    assert res.tokens == reference
+    assert res.target_forwards == 16
+
+
+def _drafters(target):
+    other = make_tiny_model(vocab=64, hidden=32, layers=2, seed=3, dtype=torch.float64)
+    for shape in SHAPES:
+        yield ModelDrafter(other, shape, "two_model")
+        yield ModelDrafter(target, shape, "self")
+        yield EarlyExitDrafter(target, 1, shape)
+    yield NgramDrafter(k=3)
+    yield WrongDrafter(target, 3)
+
+
+def test_greedy_speculative_is_exact_for_every_drafter_and_shape(target, reference):
+    for drafter in _drafters(target):
+        res = speculative_generate(TargetRunner(target), drafter, PROMPTS, 16)
+        assert res.tokens == reference, f"{drafter.name} {getattr(drafter, 'shape', '')}"
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_self_drafter_gives_tau_k_plus_one(target, k):
+    res = speculative_generate(TargetRunner(target), ModelDrafter(target, TreeShape("chain", k=k)), PROMPTS,
+                               4 * (k + 1))
+    for s in res.stats:
+        assert s.emitted == s.steps * (k + 1)
+        assert s.accepted == s.tested
+
+
+def test_always_wrong_drafter_gives_tau_one(target, reference):
+    res = speculative_generate(TargetRunner(target), WrongDrafter(target, 4), PROMPTS, 16)
+    assert res.tokens == reference
+    for s in res.stats:
+        assert s.emitted == s.steps and sum(s.accepted) == 0 and s.tested[0] == s.steps
+
+
+def test_noisy_oracle_tau_matches_leviathan(target):
+    alpha, k = 0.6, 4
+    res = speculative_generate(TargetRunner(target), NoisyOracle(target, k, alpha), [PROMPTS[0]] * 4, 150)
+    per_step = []
+    for s in res.stats:
+        per_step.append(s.emitted / s.steps)
+    steps = sum(s.steps for s in res.stats)
+    tau = sum(s.emitted for s in res.stats) / steps
+    expect = (1 - alpha ** (k + 1)) / (1 - alpha)
+    # accepted length per step is a truncated geometric; its variance bounds the mean's error
+    var = sum((min(j, k) + 1 - expect) ** 2 * (alpha ** j * (1 - alpha) if j < k else alpha ** k)
+              for j in range(k + 1))
+    assert abs(tau - expect) < 4 * math.sqrt(var / steps), (tau, expect)
+
+
+def test_batch_uses_one_target_forward_per_step(target):
+    runner = TargetRunner(target)
+    res = speculative_generate(runner, ModelDrafter(target, TreeShape("chain", k=2)), PROMPTS, 9)
+    assert res.target_forwards == max(s.steps for s in res.stats)
+    assert runner.forward_calls == res.target_forwards + 1  # + prefill

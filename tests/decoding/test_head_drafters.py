@@ -1,0 +1,109 @@
+"""Medusa and EAGLE-1/3 drafters: greedy exactness, and drafts equal to a cache-free recomputation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoding_helpers import peaky_model, reference_greedy
+from specheads.decoding.drafters import TreeShape
+from specheads.decoding.generate import speculative_generate
+from specheads.decoding.head_drafters import EagleDrafter, MedusaDrafter
+from specheads.decoding.runner import TargetRunner
+from specheads.decoding.tree import chain_choices
+from specheads.targets import Target
+
+PROMPTS = [[5, 9, 13, 2, 7], [1, 2, 3, 1, 2, 3, 1, 2]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Target(peaky_model(), name="tiny")
+
+
+def _medusa(target):
+    from specheads.heads.medusa import medusa_for_target
+
+    heads = medusa_for_target(target, num_heads=3).double()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for b in heads.blocks:
+            for layer in b.layers:
+                layer.weight.normal_(0, 0.3)
+    return heads
+
+
+def _eagle(target, kind):
+    torch.manual_seed(2)
+    if kind == "eagle1":
+        from specheads.heads.eagle import Eagle1Config, Eagle1Model
+
+        m = Eagle1Model(Eagle1Config.from_target(target)).double().attach(target)
+    else:
+        from specheads.heads.eagle3 import Eagle3Config, Eagle3Model
+        from specheads.heads.vocab import build_draft_vocab
+
+        m = Eagle3Model(Eagle3Config.from_target(target, draft_vocab_size=40)).double().attach(target)
+        counts = torch.arange(target.vocab_size).flip(0).double() + (torch.arange(target.vocab_size) % 3) * 50
+        d2t, t2d = build_draft_vocab(counts.long(), 40)
+        m.set_draft_vocab(d2t, t2d)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return m.eval()
+
+
+def _drafters(target):
+    heads = _medusa(target)
+    yield MedusaDrafter(heads, TreeShape("chain", k=3))
+    yield MedusaDrafter(heads, TreeShape("static", choices=tuple([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])))
+    for kind in ("eagle1", "eagle3"):
+        m = _eagle(target, kind)
+        yield EagleDrafter(m, TreeShape("chain", k=3), kind)
+        yield EagleDrafter(m, TreeShape("dynamic", depth=3, topk=2, total_tokens=6), kind)
+
+
+def test_greedy_exact_with_head_drafters(target):
+    ref = [reference_greedy(target.model, p, 14) for p in PROMPTS]
+    for d in _drafters(target):
+        res = speculative_generate(TargetRunner(target.model), d, PROMPTS, 14)
+        assert res.tokens == ref, (d.name, d.shape)
+        assert all(s.steps > 0 and sum(s.tested) > 0 for s in res.stats)
+
+
+def test_medusa_chain_is_heads_argmax(target):
+    heads = _medusa(target)
+    d = MedusaDrafter(heads, TreeShape("chain", k=3))
+    runner = TargetRunner(target.model)
+    feats = runner.prefill(PROMPTS)
+    d.start(PROMPTS, feats)
+    tree = d.propose(PROMPTS, [True, True], 0.0, None)[1]
+    with torch.no_grad():
+        last = target.model.model(torch.tensor([PROMPTS[1][:-1]])).last_hidden_state[0, -1]
+        want = heads(last[None, None])[:, 0, 0].argmax(-1)
+    assert tree.tokens.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_eagle_chain_matches_cache_free_unroll(target, kind):
+    """The cached, batched drafter proposes what a plain causal unroll of the model proposes."""
+    m = _eagle(target, kind)
+    d = EagleDrafter(m, TreeShape("chain", k=3), kind)
+    runner = TargetRunner(target.model, d.aux_layers)
+    runner.aux_layers = d.aux_layers
+    feats = runner.prefill(PROMPTS)
+    d.start(PROMPTS, feats)
+    trees = d.propose(PROMPTS, [True, True], 0.0, None)
+    for b, p in enumerate(PROMPTS):
+        ids = torch.tensor([p[:-1]])
+        f = target.forward_features(ids, aux_layers=d.aux_layers)
+        h = m.fuse(torch.cat(f.aux, -1) if kind == "eagle3" else f.last)
+        toks, nxt = [], torch.tensor([p[1:]])
+        with torch.no_grad():
+            for _ in range(3):
+                h_out, logits = m.step(h, nxt, torch.arange(h.shape[1])[None])
+                t = m.to_target_ids(logits[0, -1].argmax())
+                toks.append(int(t))
+                h = torch.cat([h, h_out[:, -1:]], 1)
+                nxt = torch.cat([nxt, t.view(1, 1)], 1)
+        assert trees[b].tokens.tolist() == toks
