@@ -1,0 +1,53 @@
+"""Recipe: a trained head folder -> Hub folder(s) that vLLM / SGLang load as they are.
+
+    python recipes/export.py head_dir=runs/x/train/eagle3/head out_dir=runs/x/export [engine=vllm]
+    specheads export ...            (same overrides)
+"""
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+from specheads.errors import user_errors
+from specheads.export import export_head
+
+log = logging.getLogger("specheads.export")
+
+
+@dataclass
+class ExportRecipeConfig:
+    target: Any = MISSING
+    head_dir: str = MISSING
+    out_dir: str = MISSING
+    engine: str = "both"
+    eval_report: Optional[str] = None
+    data: Optional[str] = None
+    dtype: Optional[str] = None
+    spec_tokens: Optional[int] = None
+    overwrite: bool = False
+    push_to_hub: Optional[str] = None
+
+
+ConfigStore.instance().store(name="export_schema", node=ExportRecipeConfig)
+
+
+def run(cfg: DictConfig) -> str:
+    path = export_head(cfg.head_dir, cfg.out_dir, engine=cfg.engine, target=cfg.target.name_or_path,
+                       eval_report=cfg.eval_report, data=cfg.data, dtype=cfg.dtype, spec_tokens=cfg.spec_tokens,
+                       overwrite=cfg.overwrite, push_to_hub=cfg.push_to_hub)
+    print(f"exported {cfg.head_dir} -> {path} (model card: README.md in each engine folder)")
+    return str(path)
+
+
+@hydra.main(config_path="../conf", config_name="export", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with user_errors("export"):
+        run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,463 @@
+"""Export a trained head folder to Hub folders that vLLM and SGLang load as they are.
+
+    path = export_head("runs/x/train/eagle3/head", "runs/x/export", engine="both", target="smollm2",
+                       eval_report="runs/x/eval/eagle3/report.json")
+
+Input: the ``save_pretrained`` folder that ``Method.save`` writes (``config.json`` +
+``model.safetensors``; for Medusa-2 also the merged adapted target in ``target/``). Every tensor
+is checked against ``layouts.head_tensors`` (name, shape, dtype): a missing or unknown key fails
+naming the key. Output: one folder per engine (``out_dir`` itself for one engine,
+``out_dir/vllm`` and ``out_dir/sglang`` for ``both``) with ``config.json``, ``model.safetensors``,
+``specheads_export.json`` and a model card ``README.md`` (``both`` for Medusa: only ``vllm/``,
+SGLang has no Medusa loader). The whole ``out_dir`` is written to a
+temporary sibling and renamed into place, so a failure never leaves a half-written folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from specheads.errors import SpecheadsError
+from specheads.export.layouts import (FLOAT, Layout, LayoutError, TargetInfo, TensorSpec, build_layout,
+                                      engines_for, head_tensors, method_of)
+
+log = logging.getLogger(__name__)
+
+EXPORT_FORMAT = "specheads.export/1"
+WEIGHTS = "model.safetensors"
+_FLOAT_CODES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_OTHER_CODES = {"int64": "I64", "bool": "BOOL"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16",
+                torch.float16: "float16"}
+
+
+class ExportError(SpecheadsError, ValueError):
+    """The head folder, the target or the requested export does not fit; the message says where."""
+
+
+# --------------------------------------------------------------------------- reading and checking
+
+
+def read_head(head_dir: str | Path) -> tuple[dict, dict[str, tuple[tuple[int, ...], str]], list[Path]]:
+    """(config.json contents, {tensor name: (shape, safetensors dtype code)}, weight files) of a head folder."""
+    head = Path(head_dir)
+    cfg_path = head / "config.json"
+    if not cfg_path.is_file():
+        raise ExportError(f"{head} holds no config.json: not a saved head folder (expected <train output_dir>/head)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{cfg_path} is not valid JSON: {e}") from e
+    files = _weight_files(head)
+    return cfg, read_header(files), files
+
+
+def read_header(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{tensor name: (shape, safetensors dtype code such as ``"F32"``)} over safetensors files, without loading them."""
+    header: dict[str, tuple[tuple[int, ...], str]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                if name in header:
+                    raise ExportError(f"tensor {name!r} appears in two weight files ({f})")
+                sl = sf.get_slice(name)
+                header[name] = (tuple(sl.get_shape()), sl.get_dtype())
+    return header
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / f"{WEIGHTS}.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / n for n in names]
+    else:
+        files = [folder / WEIGHTS]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ExportError(f"weight file(s) {missing} missing in {folder}")
+    return files
+
+
+def check_tensors(header: dict[str, tuple[tuple[int, ...], str]], expected: dict[str, TensorSpec],
+                  where: str) -> str:
+    """Strict check of a file's tensors against a layout; returns the float dtype code (e.g. ``"F32"``).
+
+    Every expected name must be present with its shape and dtype kind, no other name may be present,
+    and all float tensors must share one dtype. Errors name the offending keys.
+    """
+    missing = sorted(set(expected) - set(header))
+    unknown = sorted(set(header) - set(expected))
+    if missing or unknown:
+        parts = ([f"missing key(s) {missing}"] if missing else []) + ([f"unknown key(s) {unknown}"] if unknown else [])
+        raise ExportError(f"{where}: {'; '.join(parts)}")
+    float_codes = set()
+    for name, spec in expected.items():
+        shape, code = header[name]
+        if shape != spec.shape:
+            raise ExportError(f"{where}: key {name!r} has shape {list(shape)}, expected {list(spec.shape)}")
+        if spec.dtype == FLOAT:
+            if code not in _FLOAT_CODES:
+                raise ExportError(f"{where}: key {name!r} has dtype {code}, expected a float dtype")
+            float_codes.add(code)
+        elif code != _OTHER_CODES[spec.dtype]:
+            raise ExportError(f"{where}: key {name!r} has dtype {code}, expected {_OTHER_CODES[spec.dtype]}")
+    if len(float_codes) > 1:
+        raise ExportError(f"{where}: float tensors mix dtypes {sorted(float_codes)}")
+    return float_codes.pop() if float_codes else "F32"
+
+
+def check_draft_vocab(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
+    """``arange(V_draft) + d2t`` must list exactly the target ids that ``t2d`` marks, ascending."""
+    ids = torch.arange(d2t.numel()) + d2t
+    marked = t2d.nonzero().flatten()
+    if ids.numel() != marked.numel() or not torch.equal(ids, marked):
+        raise ExportError(f"{where}: d2t and t2d disagree (arange + d2t must equal t2d.nonzero()); "
+                          "the draft vocabulary was never set (Eagle3Model.set_draft_vocab) or is corrupt")
+
+
+# --------------------------------------------------------------------------- the target
+
+
+def target_info(target, head_cfg: dict) -> tuple[TargetInfo, str]:
+    """(sizes of the target, the path or id an engine serves it from).
+
+    target: None (use what the head recorded, sizes unchecked), a name/path/hub id
+    (``specheads.targets.resolve_target_path``), a ``Target``, or a transformers config.
+    """
+    recorded = head_cfg.get("target") or head_cfg.get("target_name")
+    if target is None:
+        if not recorded:
+            raise ExportError("the head records no target name; pass target=<name, folder or hub id>")
+        log.warning("no target given: sizes are taken from the head itself and the card names %r", recorded)
+        return TargetInfo(recorded, head_cfg["hidden_size"], head_cfg["vocab_size"]), recorded
+    if isinstance(target, str):
+        from transformers import AutoConfig
+
+        from specheads.targets import resolve_target_path
+
+        path = resolve_target_path(target)
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except OSError as e:
+            raise ExportError(f"cannot read the config of target {target!r} ({path}): {e}") from e
+        serve = str(Path(path).resolve()) if Path(path).is_dir() else path
+        return _info_from_config(target, config), serve
+    config = getattr(target, "config", target)
+    name = getattr(target, "name", None) or getattr(config, "_name_or_path", None) or recorded or "target"
+    info = _info_from_config(name, config)
+    if hasattr(target, "vocab_size") and hasattr(target, "lm_head"):
+        info = TargetInfo(info.name, info.hidden_size, target.vocab_size, info.num_layers)
+    return info, name
+
+
+def _info_from_config(name: str, config) -> TargetInfo:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return TargetInfo(name, text.hidden_size, text.vocab_size, text.num_hidden_layers)
+
+
+def _adapted_target(head: Path, cfg: dict, target: TargetInfo) -> Path | None:
+    """The Medusa-2 merged adapted target folder inside the head folder (checked), or None."""
+    rel = cfg.get("adapted_target")
+    if not rel:
+        return None
+    folder = head / rel
+    if not (folder / "config.json").is_file():
+        raise ExportError(f"the heads name an adapted target in {folder}, but it holds no config.json; "
+                          "Medusa-2 heads must be exported together with the target they were trained with")
+    tcfg = json.loads((folder / "config.json").read_text())
+    _weight_files(folder)
+    for key, want in (("hidden_size", cfg["hidden_size"]), ("vocab_size", cfg["vocab_size"]),
+                      ("num_hidden_layers", target.num_layers)):
+        if want is not None and tcfg.get(key) != want:
+            raise ExportError(f"adapted target {folder}: {key} {tcfg.get(key)} does not match {want}")
+    return folder
+
+
+# --------------------------------------------------------------------------- building the files
+
+
+def build_tensors(layout: Layout, source: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The exported tensors of ``layout`` from the head's tensors; floats cast to ``dtype``."""
+    out = {}
+    for name, spec in layout.tensors.items():
+        rule = layout.rules[name]
+        if rule.source is None:
+            t = torch.zeros(spec.shape, dtype=dtype)
+        else:
+            t = source[rule.source]
+            if rule.chunk_order is not None:
+                chunks = t.chunk(len(rule.chunk_order), dim=1)
+                t = torch.cat([chunks[j] for j in rule.chunk_order], dim=1)
+        if spec.dtype == FLOAT:
+            t = t.to(dtype)
+        out[name] = t.contiguous()
+    return out
+
+
+def write_engine_folder(folder: Path, layout: Layout, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                        provenance: dict) -> None:
+    """config.json, model.safetensors and specheads_export.json of one engine; re-read and checked."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = dict(layout.config, torch_dtype=_DTYPE_NAMES[dtype])
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+    (folder / "specheads_export.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    check_tensors(read_header([folder / WEIGHTS]), layout.tensors, f"exported {folder / WEIGHTS}")
+
+
+# --------------------------------------------------------------------------- the entry point
+
+
+def export_head(head_dir: str | Path, out_dir: str | Path, engine: str = "both", target=None,
+                eval_report: str | Path | None = None, data: str | None = None, dtype: str | None = None,
+                spec_tokens: int | None = None, overwrite: bool = False, push_to_hub: str | None = None) -> Path:
+    """Export ``head_dir`` for ``engine`` (``vllm``, ``sglang`` or ``both``) into ``out_dir``; returns ``out_dir``.
+
+    target: the target's name/folder/hub id (or a Target/config) for size checks and the serve commands;
+    eval_report: an evaluation ``report.json`` whose measured α/τ go into the model card;
+    data: a line describing the training data for the card; dtype: cast float weights
+    (``float32``/``bfloat16``/``float16``; None keeps the head's); spec_tokens: draft tokens per step
+    in the serve commands (None: Medusa heads count, EAGLE 3); push_to_hub: a repo id to upload to
+    (one engine only) with ``huggingface_hub.upload_folder``.
+    """
+    head, out = Path(head_dir), Path(out_dir).resolve()
+    cfg, header, files = read_head(head)
+    method = method_of(cfg)
+    engines = _engines(method, engine)
+    if push_to_hub is not None:
+        _check_repo_id(push_to_hub, engines)
+    if out.exists() and not overwrite:
+        raise ExportError(f"{out} already exists; pass overwrite=true to replace it")
+    try:
+        float_code = check_tensors(header, head_tensors(method, cfg), f"head {head}")
+    except LayoutError as e:
+        raise ExportError(f"head {head}: {e}") from e
+    info, serve_target = target_info(target, cfg)
+    layouts = {e: _layout(method, e, cfg, info, head) for e in engines}
+    adapted = _adapted_target(head, cfg, info)
+    report = load_eval_report(eval_report) if eval_report else None
+    source = {}
+    for f in files:
+        source.update(load_file(str(f)))
+    if method == "eagle3":
+        check_draft_vocab(source["d2t"], source["t2d"], f"head {head}")
+    out_dtype = _out_dtype(dtype, float_code)
+    card = CardInputs(method, cfg, info, serve_target, data, report, spec_tokens, push_to_hub,
+                      _train_summary(head), adapted is not None)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for e, layout in layouts.items():
+            sub, final = (tmp / e, out / e) if engine == "both" else (tmp, out)
+            provenance = {"format": EXPORT_FORMAT, "method": method, "engine": e, "head_dir": str(head.resolve()),
+                          "target": info.name, "aux_layers": cfg.get("aux_layers"), "dtype": _DTYPE_NAMES[out_dtype]}
+            write_engine_folder(sub, layout, build_tensors(layout, source, out_dtype), out_dtype, provenance)
+            if adapted is not None:
+                shutil.copytree(adapted, sub / adapted.name)
+            _write_card(sub, layout, card, final)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported %s head %s for %s -> %s", method, head, ", ".join(engines), out)
+    if push_to_hub is not None:
+        push_folder(out, push_to_hub)
+    return out
+
+
+def _engines(method: str, engine: str) -> tuple[str, ...]:
+    if engine == "both":
+        found = engines_for(method)
+        missing = [e for e in ("vllm", "sglang") if e not in found]
+        if missing:
+            log.warning("%s heads: %s has no loader for them; exporting for %s only", method, missing[0], found[0])
+        return found
+    if engine not in ("vllm", "sglang"):
+        raise ExportError(f"engine must be vllm, sglang or both, got {engine!r}")
+    return (engine,)
+
+
+def _layout(method: str, engine: str, cfg: dict, info: TargetInfo, head: Path) -> Layout:
+    try:
+        return build_layout(method, engine, cfg, info)
+    except LayoutError as e:
+        raise ExportError(f"head {head} for {engine}: {e}") from e
+
+
+def _out_dtype(dtype: str | None, float_code: str) -> torch.dtype:
+    if dtype is None:
+        return _FLOAT_CODES[float_code]
+    if dtype not in _DTYPES:
+        raise ExportError(f"dtype must be one of {sorted(_DTYPES)} or null, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move ``tmp`` to ``out``; an existing ``out`` is replaced only once ``tmp`` is complete."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _train_summary(head: Path) -> dict | None:
+    path = head.parent / "train_summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _check_repo_id(repo_id: str, engines: tuple[str, ...]) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", repo_id or ""):
+        raise ExportError(f"push_to_hub must be a repo id 'owner/name', got {repo_id!r}")
+    if len(engines) != 1:
+        raise ExportError("push_to_hub uploads one engine's folder; export with engine=vllm or engine=sglang")
+
+
+def push_folder(folder: Path, repo_id: str) -> str:
+    """Create ``repo_id`` if needed and upload ``folder`` (needs a token with write access)."""
+    from huggingface_hub import create_repo, upload_folder
+
+    create_repo(repo_id, exist_ok=True, repo_type="model")
+    info = upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model",
+                         commit_message="specheads export")
+    log.info("pushed %s to %s", folder, repo_id)
+    return str(info)
+
+
+# --------------------------------------------------------------------------- model card
+
+_TITLES = {"medusa": "Medusa", "eagle1": "EAGLE-1", "eagle3": "EAGLE-3"}
+_VLLM_METHOD = {"medusa": "medusa", "eagle1": "eagle", "eagle3": "eagle3"}
+_SGLANG_ALGO = {"eagle1": "EAGLE", "eagle3": "EAGLE3"}
+
+
+@dataclass
+class CardInputs:
+    """Everything the model card states besides the layout itself."""
+
+    method: str
+    cfg: dict
+    target: TargetInfo
+    serve_target: str
+    data: str | None
+    report: list[dict] | None
+    spec_tokens: int | None
+    repo_id: str | None
+    train_summary: dict | None
+    adapted: bool
+
+
+def load_eval_report(path: str | Path) -> list[dict]:
+    """Measured acceptance rows ``{method, temperature, domain, alpha, tau, alpha_by_position}`` of a report.json."""
+    path = Path(path)
+    if not path.is_file():
+        raise ExportError(f"eval report {path} not found (expected the evaluate stage's report.json)")
+    try:
+        report = json.loads(path.read_text())
+        rows = []
+        for m in report["methods"]:
+            for temp, domains in m["by_temperature"].items():
+                for domain, r in domains.items():
+                    rows.append({"method": m["name"], "temperature": temp, "domain": domain, "alpha": r.get("alpha"),
+                                 "tau": r.get("tau"), "alpha_by_position": r.get("alpha_by_position")})
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ExportError(f"eval report {path} is not an evaluate report.json (needs methods[].by_temperature"
+                          f".<T>.<domain>.alpha/tau): {type(e).__name__} {e}") from e
+    if not rows:
+        raise ExportError(f"eval report {path} holds no measured method")
+    return rows
+
+
+def serve_commands(layout: Layout, card: CardInputs, folder: str) -> dict[str, str]:
+    """The exact command lines that serve ``folder`` (the exported engine folder) with its target."""
+    method, cfg = layout.method, card.cfg
+    n = card.spec_tokens or (cfg["num_heads"] if method == "medusa" else 3)
+    target = f"{folder}/{cfg['adapted_target']}" if card.adapted else card.serve_target
+    if layout.engine == "vllm":
+        spec = {"method": _VLLM_METHOD[method], "model": folder, "num_speculative_tokens": n}
+        return {"shell": f"vllm serve {target} --speculative-config '{json.dumps(spec)}'",
+                "python": f"LLM(model={target!r}, speculative_config={spec!r})"}
+    shell = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm "
+             f"{_SGLANG_ALGO[method]} --speculative-draft-model-path {folder} --speculative-num-steps {n} "
+             f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {n + 1}")
+    return {"shell": shell}
+
+
+def _facts(layout: Layout, card: CardInputs) -> list[tuple[str, str]]:
+    cfg, t = card.cfg, card.target
+    rows = [("target", f"{t.name} (hidden {t.hidden_size}, vocab {t.vocab_size}"
+             + (f", {t.num_layers} layers)" if t.num_layers else ")")),
+            ("method", _TITLES[layout.method] + (" (Medusa-2: served with its adapted target, "
+                                                  f"`{cfg['adapted_target']}/`)" if card.adapted else "")),
+            ("engine", f"{layout.engine}, architecture `{layout.config['architectures'][0]}`"),
+            ("data", card.data or "not recorded (pass data=... to the export)")]
+    if layout.method == "medusa":
+        rows.append(("heads", f"{cfg['num_heads']} heads x {cfg['num_hidden_layers']} residual block(s)"))
+        rows.append(("draft vocabulary", f"full target vocabulary ({cfg['vocab_size']})"))
+    else:
+        rows.append(("draft layers", str(cfg["num_hidden_layers"])))
+    if layout.method == "eagle1":
+        rows.append(("draft vocabulary", f"full target vocabulary ({cfg['vocab_size']}, target LM head)"))
+        rows.append(("input feature", "the target's post-norm last hidden state"))
+    if layout.method == "eagle3":
+        ids = layout.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        rows.append(("draft vocabulary", f"{cfg['draft_vocab_size']} of {cfg['vocab_size']} target tokens (d2t/t2d)"))
+        rows.append(("aux layers", f"inputs of target decoder layers {cfg['aux_layers']} (= HF hidden_states "
+                                   f"indices); written as {layout.engine} ids {ids}"))
+    s = card.train_summary
+    if s:
+        rows.append(("training", f"{s.get('steps')} steps, {s.get('train_tokens')} tokens, held-out τ estimate "
+                                 f"{_fmt(s.get('tau_estimate'))}"))
+    return rows
+
+
+def _fmt(x) -> str:
+    return "–" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
+
+
+def _acceptance(card: CardInputs) -> list[str]:
+    if not card.report:
+        return ["Not measured: no evaluation report was given to the export (eval_report=.../report.json)."]
+    L = ["Measured by `specheads evaluate` (α = accepted ÷ tested drafts; τ = tokens per target forward, "
+         "bonus included).", "", "| method | T | domain | α | τ | α by draft position |", "|---|---|---|---|---|---|"]
+    for r in card.report:
+        pos = ", ".join(_fmt(a) for a in (r["alpha_by_position"] or []))
+        L.append(f"| {r['method']} | {r['temperature']} | {r['domain']} | {_fmt(r['alpha'])} | {_fmt(r['tau'])} | {pos} |")
+    return L
+
+
+def card_text(layout: Layout, card: CardInputs, folder: str) -> str:
+    """The README.md of one exported engine folder."""
+    title = _TITLES[layout.method]
+    L = ["---", f"tags: [speculative-decoding, {layout.method}, {layout.engine}, specheads]", "---", "",
+         f"# {title} draft head for {card.target.name} ({layout.engine})", "", "| | |", "|---|---|"]
+    L += [f"| {k} | {v} |" for k, v in _facts(layout, card)]
+    L += ["", "## Measured acceptance", ""] + _acceptance(card)
+    L += ["", f"## Serve it with {layout.engine}", ""]
+    where = [("this folder", folder)] + ([("the Hub repo (download it first for a local path)", card.repo_id)]
+                                          if card.repo_id else [])
+    for label, path in where:
+        cmds = serve_commands(layout, card, path)
+        L += [f"From {label}:", "", "```bash", cmds["shell"], "```", ""]
+        if "python" in cmds:
+            L += ["```python", "from vllm import LLM", cmds["python"], "```", ""]
+    L += ["## Layout", ""] + [f"- {n}" for n in layout.notes]
+    L += [f"- Files: `config.json`, `{WEIGHTS}` ({len(layout.tensors)} tensors), `specheads_export.json`"
+          + (f", `{card.cfg['adapted_target']}/` (the adapted target)" if card.adapted else "") + ".", ""]
+    return "\n".join(L)
+
+
+def _write_card(sub: Path, layout: Layout, card: CardInputs, final: Path) -> None:
+    (sub / "README.md").write_text(card_text(layout, card, str(final)))

@@ -1,0 +1,391 @@
+"""Export to vLLM / SGLang Hub folders: round trip, loader-shaped check, strict keys, Medusa-2, atomicity, card."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch.testing import assert_close
+
+from specheads.export import ExportError, export_head, head_tensors
+from specheads.export import export as export_mod
+from specheads.heads.eagle import Eagle1Config, Eagle1Model
+from specheads.heads.eagle3 import Eagle3Config, Eagle3Model
+from specheads.heads.medusa import medusa_for_target
+from specheads.heads.vocab import build_draft_vocab
+from tests.conftest import make_tiny_target
+
+V, H, LAYERS, DV = 256, 64, 4, 100
+AUX = (3, 0, 2)  # deliberately unsorted: the engines concatenate aux states in ascending layer order
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_target("llama", vocab=V, hidden=H, layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def target_dir(target, tmp_path_factory):
+    d = tmp_path_factory.mktemp("target") / "tiny-llama"
+    target.model.save_pretrained(d)
+    return d
+
+
+def _randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def make_head(method: str, target, draft_vocab: int = DV, aux=AUX, layers: int = 1):
+    if method == "medusa":
+        return _randomize(medusa_for_target(target, num_heads=3, num_layers=2))
+    if method == "eagle1":
+        return _randomize(Eagle1Model(Eagle1Config.from_target(target, num_layers=layers)))
+    model = _randomize(Eagle3Model(Eagle3Config.from_target(target, draft_vocab, aux_layers=aux)))
+    counts = torch.randint(0, 1000, (V,), generator=torch.Generator().manual_seed(1))
+    model.set_draft_vocab(*build_draft_vocab(counts, draft_vocab))
+    return model
+
+
+def save_head(model, root: Path) -> Path:
+    model.save_pretrained(root / "head")
+    return root / "head"
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+# --------------------------------------------------------------------------- loader-shaped expectations
+# Built from the exported config.json the way each engine's module is built, and from the engine's
+# name rules, independently of specheads.export.layouts (facts: docs/export.md).
+
+
+def _llama_layer(c: dict, prefix: str, in_features: int, input_norm: bool, hidden_norm: bool) -> dict:
+    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    h, i = c["hidden_size"], c["intermediate_size"]
+    p = {f"{prefix}.self_attn.qkv_proj.weight": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd,
+                                                 in_features),
+         f"{prefix}.self_attn.o_proj.weight": (h, c["num_attention_heads"] * hd),
+         f"{prefix}.mlp.gate_up_proj.weight": (2 * i, h), f"{prefix}.mlp.down_proj.weight": (h, i),
+         f"{prefix}.post_attention_layernorm.weight": (h,)}
+    if input_norm:
+        p[f"{prefix}.input_layernorm.weight"] = (h,)
+    if hidden_norm:
+        p[f"{prefix}.hidden_norm.weight"] = (h,)
+    return p
+
+
+def engine_module_params(method: str, engine: str, c: dict, target_vocab: int) -> dict[str, tuple]:
+    """Parameters the engine's drafter module has that must come from the file (shared ones left out)."""
+    h = c["hidden_size"]
+    if method == "medusa":
+        p = {}
+        for k in range(c["num_heads"]):
+            for j in range(c["num_hidden_layers"]):
+                p[f"blocks.{k}.layers.{j}.weight"] = (h, h)
+                if c.get("medusa_fc_bias", False):
+                    p[f"blocks.{k}.layers.{j}.bias"] = (h,)
+            p[f"lm_heads.{k}.weight"] = (c["truncated_vocab_size"], h)
+        return p
+    if method == "eagle1":
+        p = {"model.fc.weight": (h, 2 * h)}
+        if engine == "sglang":
+            p["model.fc.bias"] = (h,)
+        for i in range(c["num_hidden_layers"]):
+            p.update(_llama_layer(c, f"model.layers.{i}", h, input_norm=i > 0, hidden_norm=False))
+        return p
+    n_aux = len(c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    p = {"model.fc.weight": (h, n_aux * c.get("target_hidden_size", h)), "model.norm.weight": (h,),
+         "lm_head.weight": (c["draft_vocab_size"], h)}
+    p.update(_llama_layer(c, "model.layers.0", 2 * h, input_norm=True, hidden_norm=True))
+    if engine == "vllm" and c["draft_vocab_size"] != target_vocab:
+        p["draft_id_to_target_id"] = (c["draft_vocab_size"],)
+    if engine == "sglang":
+        p["hot_token_id"] = (c["draft_vocab_size"],)  # built from d2t, which SGLang needs for a smaller vocabulary
+    return p
+
+
+_STACKED = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj",
+            ".gate_proj": ".gate_up_proj", ".up_proj": ".gate_up_proj"}
+
+
+def engine_load(method: str, engine: str, names: dict[str, tuple]) -> dict[str, tuple]:
+    """Apply the engine loader's name rules to the file's tensors; stacked shards sum their rows.
+
+    Returns {module parameter: shape}; raises like the loader would on a key with no destination.
+    """
+    loaded: dict[str, tuple] = {}
+    for name, shape in names.items():
+        if method == "medusa":
+            dest = name
+        elif "t2d" in name and method == "eagle3":
+            continue
+        elif name == "d2t" and method == "eagle3":
+            dest = "draft_id_to_target_id" if engine == "vllm" else "hot_token_id"
+        elif "lm_head" in name:
+            if method == "eagle1":
+                raise AssertionError(f"{engine} EAGLE-1 has no own lm_head: {name} would fail or be dropped")
+            dest = name
+        else:
+            dest = "model." + name.replace("midlayer.", "layers.0.")
+        for shard, stacked in _STACKED.items():
+            if shard + "." in dest:
+                dest = dest.replace(shard + ".", stacked + ".")
+                if dest in loaded:
+                    shape = (loaded[dest][0] + shape[0], *shape[1:])
+        loaded[dest] = tuple(shape)
+    return loaded
+
+
+def file_shapes(folder: Path) -> dict[str, tuple]:
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+# --------------------------------------------------------------------------- round trips
+
+CASES = [("medusa", "vllm"), ("eagle1", "vllm"), ("eagle1", "sglang"), ("eagle3", "vllm"), ("eagle3", "sglang")]
+
+
+@pytest.mark.parametrize("method,engine", CASES)
+def test_export_loads_like_the_engine(method, engine, target, target_dir, tmp_path):
+    head = make_head(method, target)
+    out = export_head(save_head(head, tmp_path), tmp_path / "out", engine=engine, target=str(target_dir))
+    config = json.loads((out / "config.json").read_text())
+    loaded = engine_load(method, engine, file_shapes(out))
+    assert loaded == engine_module_params(method, engine, config, V)
+
+
+@pytest.mark.parametrize("method,engine", CASES)
+def test_round_trip_values_and_config(method, engine, target, target_dir, tmp_path):
+    head = make_head(method, target)
+    out = export_head(save_head(head, tmp_path), tmp_path / "out", engine=engine, target=str(target_dir))
+    got, want = tensors(out), {k: v for k, v in head.state_dict().items()}
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [{("medusa", "vllm"): "MedusaModel", ("eagle1", "vllm"): "EagleLlamaForCausalLM",
+                                        ("eagle1", "sglang"): "LlamaForCausalLMEagle"}.get((method, engine),
+                                                                                           "LlamaForCausalLMEagle3")]
+    for name, t in got.items():
+        if name == "fc.bias":
+            assert engine == "sglang" and not t.any()  # SGLang's fc has a bias; the trained fc has none
+        elif name == "fc.weight" and method == "eagle3":
+            continue  # column blocks reordered: checked functionally below
+        else:
+            assert_close(t, want[name], rtol=0, atol=0, msg=name)
+    if method == "medusa":
+        assert config["model_type"] == "medusa" and config["num_heads"] == 3 and config["num_hidden_layers"] == 2
+        assert config["medusa_fc_bias"] is True and config["truncated_vocab_size"] == V
+        return
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(out)  # what both engines parse first
+    assert hf.model_type == "llama" and hf.hidden_size == H and hf.vocab_size == V and not hf.tie_word_embeddings
+    assert hf.num_hidden_layers == 1 and hf.rope_parameters["rope_theta"] == target.config.rope_parameters["rope_theta"]
+    if method == "eagle3":
+        _check_eagle3(head, got, hf, engine)
+
+
+def _check_eagle3(head, got, hf, engine):
+    ids = hf.eagle_config["eagle_aux_hidden_state_layer_ids"]
+    assert ids == ([0, 2, 3] if engine == "vllm" else [-1, 1, 2])  # SGLang ids count layer outputs
+    assert hf.draft_vocab_size == DV and hf.target_hidden_size == H
+    # The engine concatenates the captured states in ascending layer order: same fused input as the head's.
+    feats = {layer: torch.randn(2, 5, H) for layer in AUX}
+    ours = head.fuse(torch.cat([feats[i] for i in AUX], -1))
+    theirs = torch.cat([feats[i] for i in sorted(AUX)], -1) @ got["fc.weight"].T
+    assert_close(theirs, ours)
+    if engine == "vllm":
+        assert "d2t" in got and got["d2t"].dtype == torch.int64
+    target_ids = torch.arange(DV) + got["d2t"]
+    assert torch.equal(target_ids, head.t2d.nonzero().flatten())
+
+
+def test_both_engines_write_two_folders_and_medusa_only_vllm(target, target_dir, tmp_path):
+    out = export_head(save_head(make_head("eagle3", target), tmp_path), tmp_path / "e3", "both", str(target_dir))
+    assert sorted(p.name for p in out.iterdir()) == ["sglang", "vllm"]
+    assert "fc.bias" not in tensors(out / "vllm") and "d2t" in tensors(out / "sglang")
+    m = export_head(save_head(make_head("medusa", target), tmp_path / "m"), tmp_path / "med", "both", str(target_dir))
+    assert sorted(p.name for p in m.iterdir()) == ["vllm"]
+
+
+def test_full_size_draft_vocab_has_no_d2t_for_vllm(target, target_dir, tmp_path):
+    head = make_head("eagle3", target, draft_vocab=V)
+    out = export_head(save_head(head, tmp_path), tmp_path / "out", "both", str(target_dir))
+    assert "d2t" not in tensors(out / "vllm")  # vLLM has no draft map then: a d2t would be a load error
+    assert not tensors(out / "sglang")["d2t"].any()
+    config = json.loads((out / "vllm" / "config.json").read_text())
+    assert engine_load("eagle3", "vllm", file_shapes(out / "vllm")) == engine_module_params("eagle3", "vllm", config, V)
+
+
+def test_bfloat16_export_casts_floats_only(target, target_dir, tmp_path):
+    out = export_head(save_head(make_head("eagle3", target), tmp_path), tmp_path / "out", "vllm", str(target_dir),
+                      dtype="bfloat16")
+    got = tensors(out)
+    assert got["lm_head.weight"].dtype == torch.bfloat16 and got["d2t"].dtype == torch.int64
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_head_table_matches_the_head_classes(target):
+    """layouts.head_tensors is what the head classes really save (catches drift in specheads/heads)."""
+    for method, model in [("medusa", make_head("medusa", target)), ("eagle1", make_head("eagle1", target, layers=2)),
+                          ("eagle3", make_head("eagle3", target))]:
+        cfg = model.config.to_dict()
+        table = {k: s.shape for k, s in head_tensors(method, cfg).items()}
+        assert table == {k: tuple(v.shape) for k, v in model.state_dict().items()}, method
+
+
+# --------------------------------------------------------------------------- strictness
+
+
+def _rewrite(head: Path, edit) -> None:
+    t = tensors(head)
+    edit(t)
+    save_file(t, str(head / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.__setitem__("layers.0.extra.weight", torch.zeros(2)), "unknown key(s) ['layers.0.extra.weight']"),
+    (lambda t: t.pop("layers.0.mlp.up_proj.weight"), "missing key(s) ['layers.0.mlp.up_proj.weight']"),
+    (lambda t: t.__setitem__("fc.weight", torch.zeros(H, H)), "key 'fc.weight' has shape [64, 64], expected [64, 128]"),
+    (lambda t: t.__setitem__("fc.weight", t["fc.weight"].half()), "float tensors mix dtypes"),
+])
+def test_bad_head_keys_fail_naming_the_key(edit, message, target, target_dir, tmp_path):
+    head = save_head(make_head("eagle1", target), tmp_path)
+    _rewrite(head, edit)
+    with pytest.raises(ExportError) as e:
+        export_head(head, tmp_path / "out", "vllm", str(target_dir))
+    assert message in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_eagle3_errors(target, target_dir, tmp_path):
+    unset = _randomize(Eagle3Model(Eagle3Config.from_target(target, DV, aux_layers=AUX)))  # d2t/t2d never set
+    with pytest.raises(ExportError, match="d2t and t2d disagree"):
+        export_head(save_head(unset, tmp_path / "a"), tmp_path / "out", "vllm", str(target_dir))
+    repeated = make_head("eagle3", target, aux=(2, 2, 1))
+    with pytest.raises(ExportError, match="repeat a layer"):
+        export_head(save_head(repeated, tmp_path / "b"), tmp_path / "out", "vllm", str(target_dir))
+    beyond = make_head("eagle3", target, aux=(0, 2, 7))
+    with pytest.raises(ExportError, match=r"aux layers \[7\] do not exist"):
+        export_head(save_head(beyond, tmp_path / "c"), tmp_path / "out", "vllm", str(target_dir))
+
+
+def test_unsupported_requests_fail_clearly(target, target_dir, tmp_path):
+    medusa = save_head(make_head("medusa", target), tmp_path)
+    with pytest.raises(ExportError, match="sglang has no loader for medusa"):
+        export_head(medusa, tmp_path / "out", "sglang", str(target_dir))
+    with pytest.raises(ExportError, match="engine must be"):
+        export_head(medusa, tmp_path / "out", "tgi", str(target_dir))
+    with pytest.raises(ExportError, match="repo id"):
+        export_head(medusa, tmp_path / "out", "vllm", str(target_dir), push_to_hub="not a repo")
+    other = make_tiny_target("llama", vocab=V, hidden=32, layers=LAYERS)
+    other.model.save_pretrained(tmp_path / "other")
+    with pytest.raises(ExportError, match="hidden_size 64 != target"):
+        export_head(medusa, tmp_path / "out", "vllm", str(tmp_path / "other"))
+    with pytest.raises(ExportError, match="not a saved head folder"):
+        export_head(tmp_path, tmp_path / "out", "vllm", str(target_dir))
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- atomicity
+
+
+def test_failed_export_leaves_no_half_written_folder(target, target_dir, tmp_path, monkeypatch):
+    head = save_head(make_head("eagle3", target), tmp_path)
+    out = tmp_path / "exports" / "e3"
+    export_head(head, out, "both", str(target_dir))
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def fail_after_weights(sub, *args):
+        assert (sub / "model.safetensors").is_file()  # the failure strikes mid-export
+        raise OSError("disk full")
+
+    monkeypatch.setattr(export_mod, "_write_card", fail_after_weights)
+    with pytest.raises(OSError, match="disk full"):
+        export_head(head, out, "both", str(target_dir), dtype="bfloat16", overwrite=True)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # the old export is intact
+    with pytest.raises(OSError):
+        export_head(head, tmp_path / "exports" / "fresh", "vllm", str(target_dir))
+    assert sorted(os.listdir(out.parent)) == ["e3"]  # no temporary or partial folder left
+    with pytest.raises(ExportError, match="already exists"):
+        export_head(head, out, "both", str(target_dir))
+
+
+# --------------------------------------------------------------------------- Medusa-2 and the model card
+
+
+def test_medusa2_export_carries_the_adapted_target(target_dir, tmp_path):
+    from specheads.training.medusa_method import Medusa2Method
+
+    tgt = make_tiny_target("llama", vocab=V, hidden=H, layers=LAYERS)  # fresh: LoRA is injected in place
+    method = Medusa2Method(num_heads=2, lora_r=4)
+    model = method.build(tgt)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05)  # a real adaptation, so the merged target differs from the original
+    method.save(model, str(tmp_path / "head"), tgt)
+    out = export_head(tmp_path / "head", tmp_path / "out", "vllm", str(target_dir))
+    adapted = tensors(tmp_path / "head" / "target")
+    assert tensors(out / "target").keys() == adapted.keys()
+    for k, v in tensors(out / "target").items():
+        assert torch.equal(v, adapted[k]), k
+    original = tensors(target_dir)
+    assert any(not torch.equal(adapted[k], original[k]) for k in original if k in adapted)
+    card = (out / "README.md").read_text()
+    assert f"vllm serve {out}/target --speculative-config" in card and '"method": "medusa"' in card
+    assert json.loads((out / "config.json").read_text())["num_heads"] == 2
+
+
+def _report(path: Path) -> Path:
+    row = {"alpha": 0.61, "tau": 2.45, "alpha_by_position": [0.8, 0.6, 0.4], "tokens_per_s": 10.0}
+    report = {"target": "tiny", "methods": [{"name": "eagle3", "by_temperature": {"0.0": {"all": row, "code": row}}}]}
+    path.write_text(json.dumps(report))
+    return path
+
+
+def test_model_card_states_the_facts_and_commands(target, target_dir, tmp_path):
+    head = save_head(make_head("eagle3", target), tmp_path)
+    (tmp_path / "train_summary.json").write_text(json.dumps({"steps": 7, "train_tokens": 1234, "tau_estimate": 2.1}))
+    out = export_head(head, tmp_path / "out", "both", str(target_dir), eval_report=_report(tmp_path / "r.json"),
+                      data="ShareGPT, 600 chats")
+    vllm, sgl = (out / "vllm" / "README.md").read_text(), (out / "sglang" / "README.md").read_text()
+    assert "ShareGPT, 600 chats" in vllm and f"{DV} of {V} target tokens" in vllm
+    assert "inputs of target decoder layers [3, 0, 2]" in vllm and "vllm ids [0, 2, 3]" in vllm
+    assert "| eagle3 | 0.0 | all | 0.610 | 2.450 | 0.800, 0.600, 0.400 |" in vllm and "7 steps" in vllm
+    spec = {"method": "eagle3", "model": str(out / "vllm"), "num_speculative_tokens": 3}
+    assert f"vllm serve {target_dir.resolve()} --speculative-config '{json.dumps(spec)}'" in vllm
+    assert (f"python -m sglang.launch_server --model-path {target_dir.resolve()} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {out / 'sglang'} --speculative-num-steps 3") in sgl
+    assert "sglang ids [-1, 1, 2]" in sgl
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"methods": [{"name": "x"}]}))
+    with pytest.raises(ExportError, match="not an evaluate report.json"):
+        export_head(head, tmp_path / "out2", "vllm", str(target_dir), eval_report=bad)
+
+
+def test_export_recipe_composes_and_runs(target, target_dir, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    head = save_head(make_head("eagle1", target), tmp_path)
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    import runpy
+
+    recipe = runpy.run_path(str(conf.parent / "recipes" / "export.py"))
+    with initialize_config_dir(str(conf), version_base="1.3"):
+        cfg = compose("export", overrides=[f"head_dir={head}", f"out_dir={tmp_path / 'out'}", "engine=sglang",
+                                           "target=hf", f"target.name_or_path={target_dir}"])
+        assert cfg.push_to_hub is None and cfg.target.name_or_path == str(target_dir)
+        path = recipe["run"](cfg)
+        with pytest.raises(Exception, match="enginee"):
+            compose("export", overrides=["enginee=vllm"])
+    assert "fc.bias" in tensors(Path(path))
