@@ -389,3 +389,31 @@ def test_export_recipe_composes_and_runs(target, target_dir, tmp_path):
         with pytest.raises(Exception, match="enginee"):
             compose("export", overrides=["enginee=vllm"])
     assert "fc.bias" in tensors(Path(path))
+
+
+@pytest.mark.slow
+def test_smollm2_eagle3_export_through_the_cli(smollm2, tmp_path):
+    """The real target: default aux layers (2, 15, 27) -> vLLM ids as is, SGLang ids minus one; CLI end to end."""
+    import subprocess
+    import sys
+
+    head = Eagle3Model(Eagle3Config.from_target(smollm2, draft_vocab_size=2000))
+    counts = torch.arange(smollm2.vocab_size).flip(0)
+    head.set_draft_vocab(*build_draft_vocab(counts, 2000))
+    head = save_head(head, tmp_path)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    proc = subprocess.run([sys.executable, "-m", "specheads.cli", "export", f"head_dir={head}",
+                           f"out_dir={tmp_path / 'out'}", "dtype=bfloat16"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for engine, ids in (("vllm", [2, 15, 27]), ("sglang", [1, 14, 26])):
+        config = json.loads((tmp_path / "out" / engine / "config.json").read_text())
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ids
+        assert config["vocab_size"] == 49152 and config["draft_vocab_size"] == 2000 and config["hidden_size"] == 576
+        loaded = engine_load("eagle3", engine, file_shapes(tmp_path / "out" / engine))
+        assert loaded == engine_module_params("eagle3", engine, config, 49152)
+    bad = subprocess.run([sys.executable, "-m", "specheads.cli", "export", f"head_dir={tmp_path}",
+                          f"out_dir={tmp_path / 'out2'}"], cwd=repo, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "specheads export: error:" in bad.stderr and "not a saved head folder" in bad.stderr
