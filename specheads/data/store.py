@@ -106,7 +106,11 @@ def encode_hidden(name: str, x: torch.Tensor, dtype: str, groups: int = 1) -> di
     if dtype == "fp8_e4m3":
         q, scale = quantize_fp8(x, groups)
         return {name: q, f"{name}_scale": scale}
-    return {name: x.to(STORE_DTYPES[dtype]).contiguous()}
+    y = x.to(STORE_DTYPES[dtype]).contiguous()
+    if dtype == "float16" and torch.isinf(y).any():
+        raise StoreError(f"{name}: values up to {x.abs().max().item():.4g} overflow float16 (max 65504); "
+                         f"store bfloat16 or fp8_e4m3 (scaled) instead")
+    return {name: y}
 
 
 def decode_hidden(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

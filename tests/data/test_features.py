@@ -401,3 +401,11 @@ def test_spec_for_method_agrees_with_the_method_registry(name):
     assert ours.aux_layers == method.feature_spec.aux_layers and ours.online_only == method.feature_spec.online_only
     if not ours.online_only:
         assert ours.need_last == method.feature_spec.need_last
+
+
+def test_float16_overflow_is_refused_not_stored_as_inf():
+    from specheads.data.store import StoreError, encode_hidden
+
+    with pytest.raises(StoreError, match="overflow float16"):
+        encode_hidden("hidden_last", torch.tensor([[1.0, 7e4]]), "float16")
+    assert encode_hidden("hidden_last", torch.tensor([[1.0, 7e4]]), "bfloat16")["hidden_last"].isfinite().all()
