@@ -152,16 +152,22 @@ def target_info(target, head_cfg: dict) -> tuple[TargetInfo, str]:
         except OSError as e:
             raise ExportError(f"cannot read the config of target {target!r} ({path}): {e}") from e
         serve = str(Path(path).resolve()) if Path(path).is_dir() else path
-        return _info_from_config(target, config), serve
+        return _info_from_config(target, config, head_cfg), serve
     config = getattr(target, "config", target)
     name = getattr(target, "name", None) or getattr(config, "_name_or_path", None) or recorded or "target"
-    info = _info_from_config(name, config)
+    info = _info_from_config(name, config, head_cfg)
     if hasattr(target, "vocab_size") and hasattr(target, "lm_head"):
         info = TargetInfo(info.name, info.hidden_size, target.vocab_size, info.num_layers)
     return info, name
 
 
-def _info_from_config(name: str, config) -> TargetInfo:
+def _info_from_config(name: str, config, head_cfg: dict) -> TargetInfo:
+    from specheads.targets import config_hash
+
+    recorded = head_cfg.get("target_config_hash")
+    if recorded and recorded != config_hash(config):
+        log.warning("the heads record target config hash %s but %s hashes to %s: check that this is the target "
+                    "they were trained on", recorded, name, config_hash(config))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return TargetInfo(name, text.hidden_size, text.vocab_size, text.num_hidden_layers)
 
@@ -227,8 +233,9 @@ def export_head(head_dir: str | Path, out_dir: str | Path, engine: str = "both",
     target: the target's name/folder/hub id (or a Target/config) for size checks and the serve commands;
     eval_report: an evaluation ``report.json`` whose measured α/τ go into the model card;
     data: a line describing the training data for the card; dtype: cast float weights
-    (``float32``/``bfloat16``/``float16``; None keeps the head's); spec_tokens: draft tokens per step
-    in the serve commands (None: Medusa heads count, EAGLE 3); push_to_hub: a repo id to upload to
+    (``float32``/``bfloat16``/``float16``; None keeps the head's); spec_tokens: a chain of this many
+    draft tokens in the serve commands (None: the engine's measured profile in ``eval_report``, else
+    evaluate's defaults: vLLM 3 tokens, SGLang 5 steps x top-4, 8 tokens); push_to_hub: a repo id to upload to
     (one engine only) with ``huggingface_hub.upload_folder``.
     """
     head, out = Path(head_dir), Path(out_dir).resolve()
@@ -246,7 +253,7 @@ def export_head(head_dir: str | Path, out_dir: str | Path, engine: str = "both",
     info, serve_target = target_info(target, cfg)
     layouts = {e: _layout(method, e, cfg, info, head) for e in engines}
     adapted = _adapted_target(head, cfg, info)
-    report = load_eval_report(eval_report) if eval_report else None
+    report = load_eval_report(eval_report, method) if eval_report else None
     source = {}
     for f in files:
         source.update(load_file(str(f)))
@@ -359,39 +366,73 @@ class CardInputs:
     adapted: bool
 
 
-def load_eval_report(path: str | Path) -> list[dict]:
-    """Measured acceptance rows ``{method, temperature, domain, alpha, tau, alpha_by_position}`` of a report.json."""
+def load_eval_report(path: str | Path, method: str | None = None) -> list[dict]:
+    """Measured rows of an evaluate ``report.json`` for heads of ``method`` (all rows when None).
+
+    Each row: ``{name, drafter, profile, shape, temperature, domain, alpha, tau, alpha_by_position}``.
+    """
     path = Path(path)
     if not path.is_file():
         raise ExportError(f"eval report {path} not found (expected the evaluate stage's report.json)")
     try:
         report = json.loads(path.read_text())
-        rows = []
-        for m in report["methods"]:
-            for temp, domains in m["by_temperature"].items():
-                for domain, r in domains.items():
-                    rows.append({"method": m["name"], "temperature": temp, "domain": domain, "alpha": r.get("alpha"),
-                                 "tau": r.get("tau"), "alpha_by_position": r.get("alpha_by_position")})
+        rows = [{"name": m["name"], "drafter": m.get("drafter"), "profile": m.get("profile"), "shape": m.get("shape"),
+                 "temperature": temp, "domain": domain, "alpha": r.get("alpha"), "tau": r.get("tau"),
+                 "alpha_by_position": r.get("alpha_by_position")}
+                for m in report["methods"] for temp, domains in m["by_temperature"].items()
+                for domain, r in domains.items()]
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ExportError(f"eval report {path} is not an evaluate report.json (needs methods[].by_temperature"
                           f".<T>.<domain>.alpha/tau): {type(e).__name__} {e}") from e
-    if not rows:
-        raise ExportError(f"eval report {path} holds no measured method")
-    return rows
+    mine = [r for r in rows if method is None or r["drafter"] == method]
+    if not mine:
+        found = sorted({f"{r['name']} ({r['drafter']})" for r in rows})
+        raise ExportError(f"eval report {path} measured no {method} head (it holds {found}); "
+                          f"give the report of `specheads evaluate method={method}`")
+    return mine
+
+
+@dataclass
+class ServeParams:
+    """Draft settings of the serve commands: vLLM's chain length; SGLang's steps, top-k and tree size."""
+
+    tokens: int
+    steps: int
+    topk: int
+    draft_tokens: int
+    source: str
+
+
+def serve_params(method: str, cfg: dict, engine: str, report: list[dict] | None, spec_tokens: int | None) -> ServeParams:
+    """The measured serving profile of ``engine`` from the report when there is one, else evaluate's defaults."""
+    if spec_tokens is not None:
+        return ServeParams(spec_tokens, spec_tokens, 1, spec_tokens + 1, "given by spec_tokens (a chain)")
+    for r in report or ():
+        shape = r["shape"] or ""
+        if r["profile"] == engine and (m := re.fullmatch(r"chain(\d+)", shape)):
+            k = int(m.group(1))
+            return ServeParams(k, k, 1, k + 1, f"the measured {r['name']} profile ({shape})")
+        if r["profile"] == engine and (m := re.fullmatch(r"tree\(d(\d+),k(\d+),n(\d+)\)", shape)):
+            d, k, n = map(int, m.groups())
+            return ServeParams(d, d, k, n + 1, f"the measured {r['name']} profile ({shape})")
+    n = min(3, cfg["num_heads"]) if method == "medusa" else 3
+    if engine == "sglang":
+        return ServeParams(n, 5, 4, 8, "evaluate's default SGLang profile (not measured here)")
+    return ServeParams(n, n, 1, n + 1, "evaluate's default vLLM profile (not measured here)")
 
 
 def serve_commands(layout: Layout, card: CardInputs, folder: str) -> dict[str, str]:
     """The exact command lines that serve ``folder`` (the exported engine folder) with its target."""
     method, cfg = layout.method, card.cfg
-    n = card.spec_tokens or (cfg["num_heads"] if method == "medusa" else 3)
+    p = serve_params(method, cfg, layout.engine, card.report, card.spec_tokens)
     target = f"{folder}/{cfg['adapted_target']}" if card.adapted else card.serve_target
     if layout.engine == "vllm":
-        spec = {"method": _VLLM_METHOD[method], "model": folder, "num_speculative_tokens": n}
+        spec = {"method": _VLLM_METHOD[method], "model": folder, "num_speculative_tokens": p.tokens}
         return {"shell": f"vllm serve {target} --speculative-config '{json.dumps(spec)}'",
                 "python": f"LLM(model={target!r}, speculative_config={spec!r})"}
     shell = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm "
-             f"{_SGLANG_ALGO[method]} --speculative-draft-model-path {folder} --speculative-num-steps {n} "
-             f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {n + 1}")
+             f"{_SGLANG_ALGO[method]} --speculative-draft-model-path {folder} --speculative-num-steps {p.steps} "
+             f"--speculative-eagle-topk {p.topk} --speculative-num-draft-tokens {p.draft_tokens}")
     return {"shell": shell}
 
 
@@ -427,14 +468,17 @@ def _fmt(x) -> str:
     return "–" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
 
 
-def _acceptance(card: CardInputs) -> list[str]:
+def _acceptance(card: CardInputs, engine: str) -> list[str]:
     if not card.report:
         return ["Not measured: no evaluation report was given to the export (eval_report=.../report.json)."]
-    L = ["Measured by `specheads evaluate` (α = accepted ÷ tested drafts; τ = tokens per target forward, "
-         "bonus included).", "", "| method | T | domain | α | τ | α by draft position |", "|---|---|---|---|---|---|"]
+    L = ["Measured by `specheads evaluate` on this head (α = accepted ÷ tested drafts; τ = tokens per target "
+         f"forward, bonus included). Rows marked ◀ use the {engine} serving profile.", "",
+         "| drafting | shape | T | domain | α | τ | α by draft position |", "|---|---|---|---|---|---|---|"]
     for r in card.report:
         pos = ", ".join(_fmt(a) for a in (r["alpha_by_position"] or []))
-        L.append(f"| {r['method']} | {r['temperature']} | {r['domain']} | {_fmt(r['alpha'])} | {_fmt(r['tau'])} | {pos} |")
+        mark = " ◀" if r["profile"] == engine else ""
+        L.append(f"| {r['name']}{mark} | {r['shape']} | {r['temperature']} | {r['domain']} | {_fmt(r['alpha'])} | "
+                 f"{_fmt(r['tau'])} | {pos} |")
     return L
 
 
@@ -444,8 +488,9 @@ def card_text(layout: Layout, card: CardInputs, folder: str) -> str:
     L = ["---", f"tags: [speculative-decoding, {layout.method}, {layout.engine}, specheads]", "---", "",
          f"# {title} draft head for {card.target.name} ({layout.engine})", "", "| | |", "|---|---|"]
     L += [f"| {k} | {v} |" for k, v in _facts(layout, card)]
-    L += ["", "## Measured acceptance", ""] + _acceptance(card)
-    L += ["", f"## Serve it with {layout.engine}", ""]
+    L += ["", "## Measured acceptance", ""] + _acceptance(card, layout.engine)
+    p = serve_params(layout.method, card.cfg, layout.engine, card.report, card.spec_tokens)
+    L += ["", f"## Serve it with {layout.engine}", "", f"Draft settings: {p.source}.", ""]
     where = [("this folder", folder)] + ([("the Hub repo (download it first for a local path)", card.repo_id)]
                                           if card.repo_id else [])
     for label, path in where:

@@ -296,6 +296,18 @@ def test_unsupported_requests_fail_clearly(target, target_dir, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_target_identity(target, target_dir, tmp_path, caplog):
+    medusa = save_head(make_head("medusa", target), tmp_path)
+    other = make_tiny_target("llama", vocab=V, hidden=H, layers=LAYERS)
+    other.model.config.rms_norm_eps = 1e-3  # same sizes, a different model
+    other.model.save_pretrained(tmp_path / "other")
+    with caplog.at_level("WARNING"):
+        export_head(medusa, tmp_path / "a", "vllm", str(tmp_path / "other"))
+    assert "record target config hash" in caplog.text
+    out = export_head(medusa, tmp_path / "b", "vllm", target=None)  # sizes from the head, name as recorded
+    assert "# Medusa draft head for tiny-llama (vllm)" in (out / "README.md").read_text()
+
+
 # --------------------------------------------------------------------------- atomicity
 
 
@@ -347,8 +359,19 @@ def test_medusa2_export_carries_the_adapted_target(target_dir, tmp_path):
 
 
 def _report(path: Path) -> Path:
-    row = {"alpha": 0.61, "tau": 2.45, "alpha_by_position": [0.8, 0.6, 0.4], "tokens_per_s": 10.0}
-    report = {"target": "tiny", "methods": [{"name": "eagle3", "by_temperature": {"0.0": {"all": row, "code": row}}}]}
+    """An evaluate report.json: the head's tree, its two serving profiles and a baseline."""
+    def row(alpha, tau):
+        return {"alpha": alpha, "tau": tau, "alpha_by_position": [0.8, 0.6, 0.4], "tokens_per_s": 10.0}
+
+    def method(name, drafter, profile, shape, alpha):
+        return {"name": name, "drafter": drafter, "profile": profile, "shape": shape,
+                "by_temperature": {"0.0": {"all": row(alpha, 2.45), "code": row(0.5, 2.0)}}}
+
+    report = {"target": "tiny", "methods": [
+        method("eagle3-tree", "eagle3", None, "tree(d5,k4,n24)", 0.71),
+        method("eagle3-sglang", "eagle3", "sglang", "tree(d4,k2,n9)", 0.66),
+        method("eagle3-vllm", "eagle3", "vllm", "chain2", 0.61),
+        method("ngram-chain4", "ngram", None, "chain4", 0.11)]}
     path.write_text(json.dumps(report))
     return path
 
@@ -359,18 +382,24 @@ def test_model_card_states_the_facts_and_commands(target, target_dir, tmp_path):
     out = export_head(head, tmp_path / "out", "both", str(target_dir), eval_report=_report(tmp_path / "r.json"),
                       data="ShareGPT, 600 chats")
     vllm, sgl = (out / "vllm" / "README.md").read_text(), (out / "sglang" / "README.md").read_text()
-    assert "ShareGPT, 600 chats" in vllm and f"{DV} of {V} target tokens" in vllm
+    assert "ShareGPT, 600 chats" in vllm and f"{DV} of {V} target tokens" in vllm and "7 steps" in vllm
     assert "inputs of target decoder layers [3, 0, 2]" in vllm and "vllm ids [0, 2, 3]" in vllm
-    assert "| eagle3 | 0.0 | all | 0.610 | 2.450 | 0.800, 0.600, 0.400 |" in vllm and "7 steps" in vllm
-    spec = {"method": "eagle3", "model": str(out / "vllm"), "num_speculative_tokens": 3}
+    assert "| eagle3-vllm ◀ | chain2 | 0.0 | all | 0.610 | 2.450 | 0.800, 0.600, 0.400 |" in vllm
+    assert "| eagle3-sglang ◀ | tree(d4,k2,n9) |" in sgl and "ngram" not in vllm  # baselines are not this head
+    spec = {"method": "eagle3", "model": str(out / "vllm"), "num_speculative_tokens": 2}  # the measured profile
     assert f"vllm serve {target_dir.resolve()} --speculative-config '{json.dumps(spec)}'" in vllm
     assert (f"python -m sglang.launch_server --model-path {target_dir.resolve()} --speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path {out / 'sglang'} --speculative-num-steps 3") in sgl
+            f"--speculative-draft-model-path {out / 'sglang'} --speculative-num-steps 4 --speculative-eagle-topk 2 "
+            "--speculative-num-draft-tokens 10") in sgl
     assert "sglang ids [-1, 1, 2]" in sgl
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"methods": [{"name": "x"}]}))
     with pytest.raises(ExportError, match="not an evaluate report.json"):
         export_head(head, tmp_path / "out2", "vllm", str(target_dir), eval_report=bad)
+    medusa_report = tmp_path / "m.json"
+    medusa_report.write_text(json.dumps({"methods": [{"name": "medusa-tree", "drafter": "medusa", "by_temperature": {}}]}))
+    with pytest.raises(ExportError, match="measured no eagle3 head"):
+        export_head(head, tmp_path / "out2", "vllm", str(target_dir), eval_report=medusa_report)
 
 
 def test_export_recipe_composes_and_runs(target, target_dir, tmp_path):
