@@ -460,7 +460,7 @@ class FeatureDataset(Dataset):
         for s, rec in enumerate(self.records):
             check_shard_file(self.root, rec, full=False)
             start = 0
-            for sid, n in zip(rec.ids, rec.lengths):
+            for n in rec.lengths:
                 self.locations.append((s, start, start + n))
                 start += n
             self.ids += rec.ids

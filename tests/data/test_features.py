@@ -78,7 +78,13 @@ def test_compute_features_are_hf_hidden_states_post_norm_last(tiny_target):
     aux = torch.cat([ref.hidden_states[i] for i in SPEC.aux_layers], dim=-1)
     torch.testing.assert_close(out["hidden_aux"][0], aux[0])
     torch.testing.assert_close(out["hidden_last"][0], ref.hidden_states[-1][0])
-    # last is post-norm: the LM head applied to it gives the target's logits
+    # last is post-norm: the final norm of the last layer's output, and the LM head applied to it gives the logits
+    pre = {}
+    hook = tiny_target.layers[-1].register_forward_hook(lambda m, a, o: pre.setdefault("h", o[0] if isinstance(o, tuple) else o))
+    compute_features(tiny_target, {"input_ids": ids[:1]}, SPEC)
+    hook.remove()
+    torch.testing.assert_close(out["hidden_last"][0], tiny_target.decoder.norm(pre["h"])[0])
+    assert not torch.allclose(out["hidden_last"][0], pre["h"][0])
     torch.testing.assert_close(tiny_target.logits(out["hidden_last"])[1, :6], ref.logits[1, :6])
     assert out["hidden_last"].dtype == torch.float32 and out["hidden_aux"].shape == (2, 9, 3 * 64)
     assert out["hidden_last"][1, 6:].abs().sum() == 0 and out["hidden_aux"][1, 6:].abs().sum() == 0
