@@ -438,7 +438,8 @@ def serve_commands(layout: Layout, card: CardInputs, folder: str) -> dict[str, s
 
 def _facts(layout: Layout, card: CardInputs) -> list[tuple[str, str]]:
     cfg, t = card.cfg, card.target
-    rows = [("target", f"{t.name} (hidden {t.hidden_size}, vocab {t.vocab_size}"
+    served = f"served from `{card.serve_target}`, " if card.serve_target != t.name else ""
+    rows = [("target", f"{t.name} ({served}hidden {t.hidden_size}, vocab {t.vocab_size}"
              + (f", {t.num_layers} layers)" if t.num_layers else ")")),
             ("method", _TITLES[layout.method] + (" (Medusa-2: served with its adapted target, "
                                                   f"`{cfg['adapted_target']}/`)" if card.adapted else "")),
