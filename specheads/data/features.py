@@ -396,8 +396,10 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
             for b in plan[s]:
                 writer.add(compute_features(target, collate_features(tokens.rows(b)), spec))
             writer.finish(s, [ids[i] for i in shards[s]])
-    finally:
-        records = writer.close()
+    except BaseException:
+        writer.close(check=False)  # keep the shards finished so far; the original error propagates
+        raise
+    records = writer.close()
     seconds = time.perf_counter() - t0
     done_tokens = sum(r.num_tokens for r in records)
     manifest = finalize_store(root)

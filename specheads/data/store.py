@@ -290,18 +290,32 @@ class ShardWriter:
         self._thread.start()
 
     def add(self, batch: dict[str, torch.Tensor]) -> None:
-        """batch: attention_mask (B, T), input_ids, loss_mask (B, T), hidden_* (B, T, D) float."""
-        self._put(("add", batch))
+        """batch: attention_mask (B, T), input_ids, loss_mask (B, T), hidden_* (B, T, D) float, any device.
+
+        On a GPU the padding is dropped and the dtype cast (or fp8 quantization) done there, and the
+        result copied to pinned host memory without blocking; the writer waits for that copy. On the
+        CPU the whole encoding happens in the writer thread.
+        """
+        if batch["input_ids"].is_cuda:
+            rows = self._rows(batch)
+            host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+                    for k, v in rows.items()}
+            event = torch.cuda.Event()
+            event.record()
+            self._put(("rows", host, event))
+        else:
+            self._put(("batch", batch, None))
 
     def finish(self, index: int, ids: list[str]) -> None:
         """Write everything added since the last ``finish`` as shard ``index`` holding samples ``ids``."""
         self._put(("finish", index, list(ids)))
 
-    def close(self) -> list[ShardRecord]:
-        """Wait for pending writes; returns the records written (re-raises a writer error)."""
+    def close(self, check: bool = True) -> list[ShardRecord]:
+        """Wait for pending writes; returns the records written (``check``: re-raise a writer error)."""
         self._queue.put(None)
         self._thread.join()
-        self._raise()
+        if check:
+            self._raise()
         return self.records
 
     def _put(self, item) -> None:
@@ -317,23 +331,27 @@ class ShardWriter:
             if self.error is not None:
                 continue  # drain so the producer never blocks; the error surfaces on its next call
             try:
-                if item[0] == "add":
-                    self._encode(item[1])
-                else:
+                if item[0] == "finish":
                     self._write(item[1], item[2])
+                    continue
+                kind, data, event = item
+                if event is not None:
+                    event.synchronize()
+                for k, v in (self._rows(data) if kind == "batch" else data).items():
+                    self._parts.setdefault(k, []).append(v)
             except BaseException as e:  # noqa: BLE001 - handed to the producer thread
                 self.error = e
 
-    def _encode(self, batch: dict[str, torch.Tensor]) -> None:
-        keep = batch["attention_mask"].bool().cpu()
-        rows = {"input_ids": batch["input_ids"].cpu()[keep].to(torch.int32),
-                "loss_mask": batch["loss_mask"].cpu()[keep].to(torch.int8),
+    def _rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Padded batch -> real-token rows in the store's dtypes (on the batch's device)."""
+        keep = batch["attention_mask"].bool()
+        rows = {"input_ids": batch["input_ids"][keep].to(torch.int32),
+                "loss_mask": batch["loss_mask"][keep].to(torch.int8),
                 "lengths": keep.sum(dim=1).to(torch.int64)}
         for name, groups in (("hidden_last", 1), ("hidden_aux", self.aux_groups)):
             if name in batch:
-                rows.update(encode_hidden(name, batch[name].cpu()[keep], self.dtype, groups))
-        for k, v in rows.items():
-            self._parts.setdefault(k, []).append(v)
+                rows.update(encode_hidden(name, batch[name][keep], self.dtype, groups))
+        return rows
 
     def _write(self, index: int, ids: list[str]) -> None:
         parts, self._parts = self._parts, {}

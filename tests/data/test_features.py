@@ -415,3 +415,13 @@ def test_float16_overflow_is_refused_not_stored_as_inf():
     with pytest.raises(StoreError, match="overflow float16"):
         encode_hidden("hidden_last", torch.tensor([[1.0, 7e4]]), "float16")
     assert encode_hidden("hidden_last", torch.tensor([[1.0, 7e4]]), "bfloat16")["hidden_last"].isfinite().all()
+
+
+def test_writer_error_surfaces_in_the_collecting_call(prepared, tmp_path):
+    from specheads.data.store import StoreError
+
+    target = make_tiny_target("llama")
+    target.embed_tokens.weight.data *= 1e6  # residual stream far beyond float16's range
+    with pytest.raises(StoreError, match="overflow float16"):
+        collect(target, prepared, tmp_path / "s", dtype="float16")
+    assert not (tmp_path / "s" / MANIFEST).exists()
