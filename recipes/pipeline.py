@@ -1,4 +1,4 @@
-"""Recipe: the whole job (prepare -> collect -> train -> evaluate), each stage in its own process.
+"""Recipe: the whole job (prepare -> collect -> train -> evaluate -> export), each stage in its own process.
 
     specheads run [method=medusa1] [run_dir=runs/x] [stages.train='[train.max_steps=500]']
 """
@@ -24,13 +24,16 @@ def stage_commands(cfg: DictConfig) -> list[tuple[str, str, list[str]]]:
     prepared, features = run / "prepared", run / "features"
     train_out, report = run / "train" / cfg.method, run / "eval" / cfg.method
     data = ([f"features_dir={features}"] if cfg.offline else [f"prepared_dir={prepared}"])
+    eval_method = "medusa" if cfg.method.startswith("medusa") else cfg.method
     stages = [
         ("prepare", "prepare_data.py", [f"output_dir={prepared}"]),
         ("collect", "collect_hidden_states.py",
          [f"prepared_dir={prepared}", f"out_dir={features}", f"method={cfg.method}"]),
         ("train", "train.py", [f"method={cfg.method}", f"output_dir={train_out}", f"prepared_dir={prepared}", *data]),
-        ("evaluate", "evaluate.py", [f"head_dir={train_out / 'head'}", f"method={cfg.method}",
-                                     f"prepared_dir={prepared}", f"output_dir={report}"]),
+        ("evaluate", "evaluate.py", [f"method={eval_method}", f"head_dir={train_out}",
+                                     f"eval.chat_dir={prepared}", f"output_dir={report}"]),
+        ("export", "export.py", [f"head_dir={train_out / 'head'}", f"out_dir={run / 'export' / cfg.method}",
+                                 f"eval_report={report / 'report.json'}", "overwrite=true"]),
     ]
     if not cfg.offline:
         stages = [s for s in stages if s[0] != "collect"]
