@@ -35,6 +35,7 @@ class DataSchema:
     batch_size: Optional[int] = None
     eval_samples: int = 64
     eval_max_tokens: Optional[int] = 8192
+    max_length: Optional[int] = None
 
 
 @dataclass
@@ -153,8 +154,9 @@ def build_data(cfg: DictConfig, method, target) -> tuple[DatasetBatches, Dataset
         raise ValueError("give features_dir (offline store) or prepared_dir (online features)")
     n_eval = min(cfg.data.eval_samples, len(dataset) - 1)
     train_idx, eval_idx = split_rows(len(dataset), n_eval, cfg.seed)
-    train_src = DatasetBatches(dataset, cfg.data.max_tokens, cfg.data.batch_size, True, cfg.seed, train_idx)
-    eval_src = DatasetBatches(dataset, cfg.data.eval_max_tokens, None, False, cfg.seed, eval_idx) if n_eval else None
+    cut = cfg.data.max_length
+    train_src = DatasetBatches(dataset, cfg.data.max_tokens, cfg.data.batch_size, True, cfg.seed, train_idx, cut)
+    eval_src = DatasetBatches(dataset, cfg.data.eval_max_tokens, None, False, cfg.seed, eval_idx, cut) if n_eval else None
     return train_src, eval_src
 
 

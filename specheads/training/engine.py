@@ -145,16 +145,18 @@ class IterableSource:
 class DatasetBatches:
     """A ``BatchSource`` over a map-style dataset with ``lengths`` (``specheads.data.features``'
     ``FeatureDataset`` for a store, ``TokenDataset`` for prepared tokens): length-grouped batches
-    under a token budget, shuffled per epoch by ``(seed, epoch)``. ``indices`` selects a subset.
+    under a token budget, shuffled per epoch by ``(seed, epoch)``. ``indices`` selects a subset;
+    ``max_length`` cuts every sample to its first ``max_length`` tokens.
     Batches are yielded as loaders (zero-argument callables) so each process reads only its share.
     """
 
     def __init__(self, dataset, max_tokens: int | None = 4096, batch_size: int | None = None,
-                 shuffle: bool = True, seed: int = 0, indices: Sequence[int] | None = None):
+                 shuffle: bool = True, seed: int = 0, indices: Sequence[int] | None = None,
+                 max_length: int | None = None):
         self.dataset, self.max_tokens, self.batch_size = dataset, max_tokens, batch_size
-        self.shuffle, self.seed = shuffle, seed
+        self.shuffle, self.seed, self.max_length = shuffle, seed, max_length
         self.indices = list(range(len(dataset))) if indices is None else list(indices)
-        self.lengths = [dataset.lengths[i] for i in self.indices]
+        self.lengths = [min(dataset.lengths[i], max_length or dataset.lengths[i]) for i in self.indices]
         if not self.indices:
             raise ValueError("DatasetBatches over an empty selection: nothing to train or evaluate on")
 
@@ -177,6 +179,8 @@ class DatasetBatches:
 
         ds = self.dataset
         samples = ds.rows(rows) if hasattr(ds, "rows") else [ds[i] for i in rows]
+        if self.max_length:
+            samples = [{k: (v[: self.max_length] if torch.is_tensor(v) else v) for k, v in x.items()} for x in samples]
         return collate_features(samples)
 
 
@@ -494,7 +498,7 @@ def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, sch
         st.step += 1
         st.tokens += tokens
         st.train_s += time.perf_counter() - t0
-        record = {"loss": loss, "lr": scheduler.get_last_lr()[0], **metrics}
+        record = {"loss": loss, "lr": scheduler.get_last_lr()[0], "tokens": st.tokens, "train_s": st.train_s, **metrics}
         logger.log(st.step, record, to_wandb=st.step % max(1, cfg.log_every) == 0)
         logger.progress(st.step, loss, record["lr"])
         if eval_data is not None and cfg.eval_every and st.step % cfg.eval_every == 0 and st.step < cfg.max_steps:
