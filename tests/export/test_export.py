@@ -291,8 +291,11 @@ def test_unsupported_requests_fail_clearly(target, target_dir, tmp_path):
     other.model.save_pretrained(tmp_path / "other")
     with pytest.raises(ExportError, match="hidden_size 64 != target"):
         export_head(medusa, tmp_path / "out", "vllm", str(tmp_path / "other"))
+    with pytest.raises(ExportError, match="model_type 'llama'; a specheads head folder has one of"):
+        export_head(tmp_path / "other", tmp_path / "out", "vllm", str(target_dir))
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ExportError, match="not a saved head folder"):
-        export_head(tmp_path, tmp_path / "out", "vllm", str(target_dir))
+        export_head(tmp_path / "empty", tmp_path / "out", "vllm", str(target_dir))
     assert not (tmp_path / "out").exists()
 
 
@@ -379,8 +382,8 @@ def _report(path: Path) -> Path:
 def test_model_card_states_the_facts_and_commands(target, target_dir, tmp_path):
     head = save_head(make_head("eagle3", target), tmp_path)
     (tmp_path / "train_summary.json").write_text(json.dumps({"steps": 7, "train_tokens": 1234, "tau_estimate": 2.1}))
-    out = export_head(head, tmp_path / "out", "both", str(target_dir), eval_report=_report(tmp_path / "r.json"),
-                      data="ShareGPT, 600 chats")
+    out = export_head(tmp_path, tmp_path / "out", "both", str(target_dir), eval_report=_report(tmp_path / "r.json"),
+                      data="ShareGPT, 600 chats")  # the training output folder (holding head/) also works
     vllm, sgl = (out / "vllm" / "README.md").read_text(), (out / "sglang" / "README.md").read_text()
     assert "ShareGPT, 600 chats" in vllm and f"{DV} of {V} target tokens" in vllm and "7 steps" in vllm
     assert "inputs of target decoder layers [3, 0, 2]" in vllm and "vllm ids [0, 2, 3]" in vllm
@@ -392,6 +395,14 @@ def test_model_card_states_the_facts_and_commands(target, target_dir, tmp_path):
             f"--speculative-draft-model-path {out / 'sglang'} --speculative-num-steps 4 --speculative-eagle-topk 2 "
             "--speculative-num-draft-tokens 10") in sgl
     assert "sglang ids [-1, 1, 2]" in sgl
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    meta = {"target": "tiny", "num_samples": 976, "num_tokens": 1331771, "num_loss_tokens": 996587, "max_length": 2048,
+            "regenerated": False, "source": {"source": "sharegpt", "path": None, "split": "train"}}
+    (prepared / "specheads_meta.json").write_text(json.dumps(meta))
+    (tmp_path / "train_summary.json").write_text(json.dumps({"steps": 7, "prepared_dir": str(prepared)}))
+    card = (export_head(head, tmp_path / "out3", "vllm", str(target_dir)) / "README.md").read_text()
+    assert "| data | sharegpt (train split): 976 conversations, 1331771 tokens (996587 assistant)" in card
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"methods": [{"name": "x"}]}))
     with pytest.raises(ExportError, match="not an evaluate report.json"):
@@ -442,7 +453,8 @@ def test_smollm2_eagle3_export_through_the_cli(smollm2, tmp_path):
         assert config["vocab_size"] == 49152 and config["draft_vocab_size"] == 2000 and config["hidden_size"] == 576
         loaded = engine_load("eagle3", engine, file_shapes(tmp_path / "out" / engine))
         assert loaded == engine_module_params("eagle3", engine, config, 49152)
-    bad = subprocess.run([sys.executable, "-m", "specheads.cli", "export", f"head_dir={tmp_path}",
+    (tmp_path / "empty").mkdir()
+    bad = subprocess.run([sys.executable, "-m", "specheads.cli", "export", f"head_dir={tmp_path / 'empty'}",
                           f"out_dir={tmp_path / 'out2'}"], cwd=repo, env=env, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "specheads export: error:" in bad.stderr and "not a saved head folder" in bad.stderr
