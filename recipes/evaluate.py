@@ -93,7 +93,8 @@ def run(cfg: DictConfig) -> dict:
                       cfg.batch_prompts, cfg.seed)
     target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.device)
     with tqdm(desc="evaluate", unit="run") as bar:
-        report = evaluate(target, ecfg, progress=lambda msg: (bar.set_postfix_str(msg), bar.update(1)))
+        report = evaluate(target, ecfg, progress=lambda msg: (bar.set_postfix_str(msg), bar.update(1)),
+                          checkpoint=lambda partial: write_report(partial, cfg.output_dir))
     paths = write_report(report, cfg.output_dir)
     print(open(paths["markdown"]).read())
     print(f"report -> {paths['json']}, {paths['markdown']}")

@@ -74,9 +74,12 @@ class EvalConfig:
 Progress = Callable[[str], None]
 
 
-def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None) -> dict:
-    """The whole evaluation; returns the report dict (see ``report.py``)."""
+def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
+             checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """The whole evaluation; returns the report dict (see ``report.py``). ``checkpoint(report)`` is
+    called after the plain pass and after each method with the report so far."""
     progress = progress or (lambda msg: None)
+    checkpoint = checkpoint or (lambda r: None)
     prompts = load_benchmarks(cfg.benchmarks)
     eos = _eos_ids(target)
     runner = TargetRunner(target.model)
@@ -85,11 +88,14 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None) 
               "temperatures": list(cfg.temperatures), "target_params": _nparams(target.model),
               "plain": {d: s.to_dict() for d, s in by_domain(plain).items()}, "methods": []}
     plain_tokens = {p.id: r for p, r in zip(prompts, ids["tokens"])}
+    checkpoint(report)
     for spec in cfg.methods:
         drafter = build_drafter(spec, target, prompts, ids, cfg)
         row = _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_tokens, cfg, eos, progress)
         row["train_tau"] = train_tau(spec.head_dir)
         report["methods"].append(row)
+        report["recommendation"] = recommend(report, cfg.recommend_ks)
+        checkpoint(report)
     report["recommendation"] = recommend(report, cfg.recommend_ks)
     return report
 

@@ -1,0 +1,64 @@
+"""TargetRunner: tree forwards equal full recomputation; commits keep exactly the accepted path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoding_helpers import peaky_model
+from specheads.decoding.runner import TargetRunner
+
+# float64; logits are O(100) in these peaky models, and masked sums run in another order
+TOL = dict(atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_tree_logits_equal_full_forward_per_branch(attn):
+    m = peaky_model(attn=attn)
+    prompt = [3, 1, 4, 1, 5]
+    r = TargetRunner(m)
+    r.prefill([prompt])
+    # root (pending 5) + tree: a=7 (parent root), b=8 (root), c=9 (parent a), d=2 (parent c)
+    tok = torch.tensor([[5, 7, 8, 9, 2]])
+    par = torch.tensor([[-1, 0, 0, 1, 3]])
+    out = r.forward(tok, par)
+    with torch.no_grad():
+        for idx, path in {1: [7], 2: [8], 3: [7, 9], 4: [7, 9, 2]}.items():
+            full = m(torch.tensor([prompt + path])).logits[0, -1]
+            torch.testing.assert_close(out.logits[0, idx], full, **TOL)
+    r.commit([[0, 1, 3]])  # keep root, a, c
+    nxt = r.forward(torch.tensor([[6]]), torch.tensor([[-1]]))
+    with torch.no_grad():
+        want = m(torch.tensor([prompt + [7, 9, 6]])).logits[0, -1]
+    torch.testing.assert_close(nxt.logits[0, 0], want, **TOL)
+
+
+def test_batch_rows_with_holes_match_single_rows():
+    m = peaky_model()
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    r = TargetRunner(m)
+    r.prefill(prompts)
+    out = r.forward(torch.tensor([[6, 10, 11], [9, 12, 13]]), torch.tensor([[-1, 0, 1], [-1, 0, 0]]))
+    r.commit([[0, 1, 2], [0, 2]])  # row 1 keeps one entry fewer: a hole
+    assert r.num_tokens.tolist() == [8, 4]
+    nxt = r.forward(torch.tensor([[20], [21]]), torch.tensor([[-1], [-1]]))
+    with torch.no_grad():
+        a = m(torch.tensor([prompts[0] + [10, 11, 20]])).logits[0, -1]
+        b = m(torch.tensor([prompts[1] + [13, 21]])).logits[0, -1]
+    torch.testing.assert_close(nxt.logits[0, 0], a, **TOL)
+    torch.testing.assert_close(nxt.logits[1, 0], b, **TOL)
+    assert out.logits.shape == (2, 3, 64)
+
+
+def test_discard_and_bad_commit():
+    m = peaky_model()
+    r = TargetRunner(m)
+    r.prefill([[1, 2, 3]])
+    r.forward_chain([[3, 4, 5]])
+    r.discard()
+    assert r.cache.get_seq_length() == 2 and r.scratch_size == 0
+    r.forward_chain([[3]])
+    with pytest.raises(ValueError, match="outside"):
+        r.commit([[0, 1]])
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        r.prefill([[1]])

@@ -1,0 +1,81 @@
+"""End to end on a tiny random target with the real SmolLM2 tokenizer (chat template): every
+drafter family, lossless check, batching, report files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from specheads.decoding.drafters import TreeShape
+from specheads.evaluation.benchmarks import BenchmarkSpec
+from specheads.evaluation.report import write_report
+from specheads.evaluation.suite import EvalConfig, MethodSpec, ServingProfiles, evaluate, plan_methods
+from specheads.targets import Target
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_tokenizer):
+    model = make_tiny_model(vocab=len(smollm2_tokenizer), hidden=32, layers=2, seed=0)
+    return Target(model, smollm2_tokenizer, name="tiny-smollm2-vocab")
+
+
+@pytest.fixture(scope="module")
+def head_dirs(target, tmp_path_factory):
+    from specheads.heads.eagle import Eagle1Config, Eagle1Model
+    from specheads.heads.medusa import medusa_for_target
+
+    root = tmp_path_factory.mktemp("heads")
+    medusa_for_target(target, num_heads=3).save_pretrained(root / "medusa")
+    Eagle1Model(Eagle1Config.from_target(target)).save_pretrained(root / "eagle1")
+    (root / "train_summary.json").write_text(json.dumps({"tau_estimate": 1.7}))
+    return root
+
+
+def test_evaluate_every_family(target, head_dirs, tmp_path):
+    methods = [MethodSpec("ngram", "ngram", TreeShape("chain", k=3)),
+               MethodSpec("ee", "early_exit", TreeShape("chain", k=2), early_exit_layers=1),
+               MethodSpec("medusa", "medusa", TreeShape("static"), head_dir=str(head_dirs / "medusa"),
+                          medusa_tree_nodes=6),
+               MethodSpec("eagle1", "eagle1", TreeShape("dynamic", depth=2, topk=2, total_tokens=4),
+                          head_dir=str(head_dirs / "eagle1"))]
+    spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1, 2), humaneval=1, chat=0)
+    cfg = EvalConfig(methods, spec, max_new_tokens=6, temperatures=(0.0, 1.0), batch_sizes=(1, 3), batch_prompts=3)
+    # the full MT-bench list is long: keep two categories (both turns) and one HumanEval prompt
+    import specheads.evaluation.suite as suite
+
+    real = suite.load_benchmarks
+    suite.load_benchmarks = lambda s: [p for p in real(s) if p.domain in ("coding", "code")][:4]
+    try:
+        report = evaluate(target, cfg)
+    finally:
+        suite.load_benchmarks = real
+    assert report["num_prompts"] == 4
+    for m in report["methods"]:
+        assert m["lossless"]["exact"], m["name"]
+        assert m["batch"]["3"]["target_forwards_per_step"] == 1.0
+        assert m["batch"]["3"]["matches_batch1_plain"]
+        allrow = m["by_temperature"]["0.0"]["all"]
+        assert allrow["tau"] >= 1.0 and allrow["target_forwards"] > 0
+    assert report["methods"][2]["shape"].startswith("static(")
+    assert report["methods"][3]["train_tau"] == 1.7  # train_summary.json above the head folder
+    paths = write_report(report, tmp_path)
+    for key in ("json", "markdown", "alpha_by_domain", "alpha_by_position", "tau_speedup_vs_k"):
+        assert (tmp_path / paths[key].split("/")[-1]).exists()
+    md = (tmp_path / "report.md").read_text()
+    assert "Lossless check" in md and "| all |" in md
+
+
+def test_plan_methods_profiles(tmp_path):
+    ms = plan_methods("eagle3", str(tmp_path), ["ngram"], chain_k=5, serving=ServingProfiles(4, 6, 8, 32))
+    names = {m.name: m for m in ms}
+    assert names["eagle3-vllm"].shape.kind == "chain" and names["eagle3-vllm"].shape.k == 4
+    sg = names["eagle3-sglang"].shape
+    assert (sg.depth, sg.topk, sg.total_tokens) == (6, 8, 31)
+    assert names["ngram-chain5"].shape.k == 5
+    with pytest.raises(ValueError, match="needs head_dir"):
+        plan_methods("medusa", None)
+    with pytest.raises(ValueError, match="baseline 'foo'"):
+        plan_methods(None, None, ["foo"])
