@@ -225,68 +225,95 @@ def write_engine_folder(folder: Path, layout: Layout, tensors: dict[str, torch.T
 # --------------------------------------------------------------------------- the entry point
 
 
+@dataclass
+class ExportPlan:
+    """Everything checked and loaded before the first byte is written."""
+
+    head: Path
+    out: Path
+    method: str
+    layouts: dict[str, Layout]
+    source: dict[str, torch.Tensor]
+    dtype: torch.dtype
+    adapted: Path | None
+    card: "CardInputs"
+    nested: bool
+
+
 def export_head(head_dir: str | Path, out_dir: str | Path, engine: str = "both", target=None,
                 eval_report: str | Path | None = None, data: str | None = None, dtype: str | None = None,
                 spec_tokens: int | None = None, overwrite: bool = False, push_to_hub: str | None = None) -> Path:
     """Export ``head_dir`` for ``engine`` (``vllm``, ``sglang`` or ``both``) into ``out_dir``; returns ``out_dir``.
 
+    head_dir: the head folder, or the training output folder that holds ``head/``;
     target: the target's name/folder/hub id (or a Target/config) for size checks and the serve commands;
-    head_dir may also be the training output folder that holds ``head/``.
     eval_report: an evaluation ``report.json`` whose measured α/τ go into the model card;
     data: the training data for the card, a line of text or a prepared folder (described from its
     metadata; None: the train summary's ``prepared_dir`` if it records one); dtype: cast float weights
     (``float32``/``bfloat16``/``float16``; None keeps the head's); spec_tokens: a chain of this many
     draft tokens in the serve commands (None: the engine's measured profile in ``eval_report``, else
-    evaluate's defaults: vLLM 3 tokens, SGLang 5 steps x top-4, 8 tokens); push_to_hub: a repo id to upload to
+    evaluate's defaults: vLLM 3 tokens, SGLang 5 steps x top-4, 8 tokens); overwrite: replace an
+    existing ``out_dir`` (once the new one is complete); push_to_hub: a repo id to upload the folder to
     (one engine only) with ``huggingface_hub.upload_folder``.
     """
+    plan = plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spec_tokens, overwrite,
+                       push_to_hub)
+    write_export(plan)
+    log.info("exported %s head %s for %s -> %s", plan.method, plan.head, ", ".join(plan.layouts), plan.out)
+    if push_to_hub is not None:
+        push_folder(plan.out, push_to_hub)
+    return plan.out
+
+
+def plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spec_tokens, overwrite,
+                push_to_hub) -> ExportPlan:
+    """Read and check the head, the target, the report and the request; write nothing."""
     head, out = resolve_head_dir(head_dir), Path(out_dir).resolve()
     cfg, header, files = read_head(head)
     try:
         method = method_of(cfg)
+        float_code = check_tensors(header, head_tensors(method, cfg), f"head {head}")
     except LayoutError as e:
-        raise ExportError(f"{head}: {e}") from e
+        raise ExportError(f"head {head}: {e}") from e
     engines = _engines(method, engine)
     if push_to_hub is not None:
         _check_repo_id(push_to_hub, engines)
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists; pass overwrite=true to replace it")
-    try:
-        float_code = check_tensors(header, head_tensors(method, cfg), f"head {head}")
-    except LayoutError as e:
-        raise ExportError(f"head {head}: {e}") from e
     info, serve_target = target_info(target, cfg)
     layouts = {e: _layout(method, e, cfg, info, head) for e in engines}
     adapted = _adapted_target(head, cfg, info)
     report = load_eval_report(eval_report, method) if eval_report else None
-    source = {}
-    for f in files:
-        source.update(load_file(str(f)))
+    source = {k: v for f in files for k, v in load_file(str(f)).items()}
     if method == "eagle3":
         check_draft_vocab(source["d2t"], source["t2d"], f"head {head}")
-    out_dtype = _out_dtype(dtype, float_code)
     summary = _train_summary(head)
     card = CardInputs(method, cfg, info, serve_target, describe_data(data, summary), report, spec_tokens,
                       push_to_hub, summary, adapted is not None)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    return ExportPlan(head, out, method, layouts, source, _out_dtype(dtype, float_code), adapted, card,
+                      nested=engine == "both")
+
+
+def write_export(plan: ExportPlan) -> None:
+    """Write every engine folder into a temporary sibling of ``plan.out``, then rename it into place."""
+    tmp = plan.out.with_name(f".{plan.out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        for e, layout in layouts.items():
-            sub, final = (tmp / e, out / e) if engine == "both" else (tmp, out)
-            provenance = {"format": EXPORT_FORMAT, "method": method, "engine": e, "head_dir": str(head.resolve()),
-                          "target": info.name, "aux_layers": cfg.get("aux_layers"), "dtype": _DTYPE_NAMES[out_dtype]}
-            write_engine_folder(sub, layout, build_tensors(layout, source, out_dtype), out_dtype, provenance)
-            if adapted is not None:
-                shutil.copytree(adapted, sub / adapted.name)
-            _write_card(sub, layout, card, final)
-        _replace_dir(tmp, out)
+        for e, layout in plan.layouts.items():
+            sub, final = (tmp / e, plan.out / e) if plan.nested else (tmp, plan.out)
+            provenance = {"format": EXPORT_FORMAT, "method": plan.method, "engine": e,
+                          "head_dir": str(plan.head.resolve()), "target": plan.card.target.name,
+                          "aux_layers": plan.card.cfg.get("aux_layers"), "dtype": _DTYPE_NAMES[plan.dtype]}
+            tensors = build_tensors(layout, plan.source, plan.dtype)
+            write_engine_folder(sub, layout, tensors, plan.dtype, provenance)
+            if plan.adapted is not None:
+                # Copied, not hard-linked: save_pretrained rewrites files in place, which would change a link.
+                shutil.copytree(plan.adapted, sub / plan.adapted.name)
+            _write_card(sub, layout, plan.card, final)
+        _replace_dir(tmp, plan.out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("exported %s head %s for %s -> %s", method, head, ", ".join(engines), out)
-    if push_to_hub is not None:
-        push_folder(out, push_to_hub)
-    return out
 
 
 def _engines(method: str, engine: str) -> tuple[str, ...]:
