@@ -542,7 +542,10 @@ def _acceptance(card: CardInputs, engine: str) -> list[str]:
 def card_text(layout: Layout, card: CardInputs, folder: str) -> str:
     """The README.md of one exported engine folder."""
     title = _TITLES[layout.method]
-    L = ["---", f"tags: [speculative-decoding, {layout.method}, {layout.engine}, specheads]", "---", "",
+    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", card.serve_target) and not Path(card.serve_target).exists()
+    front = ([f"base_model: {card.serve_target}"] if hub_id else []) + \
+        [f"tags: [speculative-decoding, {layout.method}, {layout.engine}, specheads]"]
+    L = ["---", *front, "---", "",
          f"# {title} draft head for {card.target.name} ({layout.engine})", "", "| | |", "|---|---|"]
     L += [f"| {k} | {v} |" for k, v in _facts(layout, card)]
     L += ["", "## Measured acceptance", ""] + _acceptance(card, layout.engine)
