@@ -428,6 +428,8 @@ def test_export_recipe_composes_and_runs(target, target_dir, tmp_path):
         path = recipe["run"](cfg)
         with pytest.raises(Exception, match="enginee"):
             compose("export", overrides=["enginee=vllm"])
+        with pytest.raises(Exception, match="spec_tokens"):
+            compose("export", overrides=["spec_tokens=three"])
     assert "fc.bias" in tensors(Path(path))
 
 
