@@ -226,6 +226,16 @@ def test_full_size_draft_vocab_has_no_d2t_for_vllm(target, target_dir, tmp_path)
     assert engine_load("eagle3", "vllm", file_shapes(out / "vllm")) == engine_module_params("eagle3", "vllm", config, V)
 
 
+def test_sharded_head_folder(target, target_dir, tmp_path):
+    head = make_head("medusa", target)
+    head.save_pretrained(tmp_path / "head", max_shard_size="100KB")
+    assert (tmp_path / "head" / "model.safetensors.index.json").is_file()
+    out = export_head(tmp_path / "head", tmp_path / "out", "vllm", str(target_dir))
+    got = tensors(out)
+    assert got.keys() == head.state_dict().keys()
+    assert all(torch.equal(got[k], v) for k, v in head.state_dict().items())
+
+
 def test_bfloat16_export_casts_floats_only(target, target_dir, tmp_path):
     out = export_head(save_head(make_head("eagle3", target), tmp_path), tmp_path / "out", "vllm", str(target_dir),
                       dtype="bfloat16")
