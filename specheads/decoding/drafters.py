@@ -135,6 +135,7 @@ class ModelDrafter(Drafter):
         if any(a and len(s) <= len(c) for s, c, a in zip(seqs, self.cached, active)):
             raise RuntimeError("ModelDrafter: a sequence did not grow since the last proposal")
         root = self._sync(seqs, active)
+        self._slot = [dict() for _ in seqs]  # tree node id -> scratch entry, per row
         if self.shape.kind == "chain":
             trees = self._chains(root, temperature, generator)
         else:
@@ -159,8 +160,6 @@ class ModelDrafter(Drafter):
     def _expand(self, nodes, tokens, parents) -> torch.Tensor:
         """Feed one tree level; node n of row b becomes scratch entry ``self._slot[b][n]``."""
         B, m = len(nodes), max(len(n) for n in nodes)
-        if not hasattr(self, "_slot") or self.runner.scratch_size == 0:
-            self._slot = [dict() for _ in range(B)]
         s = self.runner.scratch_size
         tok = torch.zeros(B, m, dtype=torch.long)
         par = torch.full((B, m), -1, dtype=torch.long)

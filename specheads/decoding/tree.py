@@ -194,24 +194,6 @@ def _depth(pars: list[int], i: int) -> int:
     return d
 
 
-def sample_chain(first_logits: torch.Tensor, step: Callable[[int], torch.Tensor], k: int,
-                 temperature: float, generator: torch.Generator | None = None) -> DraftTree:
-    """A chain of k draft tokens: argmax at temperature 0, else sampled from softmax(logits / T).
-
-    first_logits: (V,) for the first position; step(token) -> (V,) logits after appending token.
-    q (k, V) is returned for sampled chains (one-hot rows at temperature 0).
-    """
-    toks, qs = [], []
-    logits = first_logits
-    for i in range(k):
-        q = probs(logits, temperature)
-        t = int(torch.multinomial(q, 1, generator=generator)) if temperature > 0 else int(q.argmax())
-        toks.append(t); qs.append(q)
-        if i + 1 < k:
-            logits = step(t)
-    return DraftTree.chain(toks, torch.stack(qs) if qs else None, draft_forwards=k)
-
-
 def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """softmax(logits / T) in float64; one-hot argmax at T = 0."""
     logits = logits.double()

@@ -157,7 +157,6 @@ def verify_typical(logits: torch.Tensor, tree: DraftTree, temperature: float,
     ent = -(p_all * torch.log(p_all.clamp_min(1e-30))).sum(-1)
     thresh = torch.minimum(torch.full_like(ent, eps), delta * torch.exp(-ent))
     toks, pars = tree.tokens.tolist(), tree.parents.tolist()
-    depth = tree.depths().tolist()
     ok = [bool(p_all[pars[i] + 1, toks[i]] > thresh[pars[i] + 1]) for i in range(tree.size)]
     best: list[int] = []
     for i in range(tree.size):
@@ -173,7 +172,6 @@ def verify_typical(logits: torch.Tensor, tree: DraftTree, temperature: float,
             _record(v, d, d <= len(best))
     last = best[-1] if best else -1
     v.bonus = _draw(p_all[last + 1], generator)
-    del depth
     return v
 
 

@@ -10,7 +10,6 @@ from specheads.decoding.drafters import TreeShape
 from specheads.decoding.generate import speculative_generate
 from specheads.decoding.head_drafters import EagleDrafter, MedusaDrafter
 from specheads.decoding.runner import TargetRunner
-from specheads.decoding.tree import chain_choices
 from specheads.targets import Target
 
 PROMPTS = [[5, 9, 13, 2, 7], [1, 2, 3, 1, 2, 3, 1, 2]]

@@ -21,7 +21,7 @@ from specheads.decoding import verify as verify_mod
 from specheads.decoding.drafters import ModelDrafter, TreeShape
 from specheads.decoding.generate import speculative_generate
 from specheads.decoding.runner import TargetRunner
-from specheads.decoding.verify import Verdict, verify
+from specheads.decoding.verify import verify
 
 V, N, PROMPT, THRESH = 6, 3000, [1, 2, 3, 4], 1e-4
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from conftest import make_tiny_model
 from specheads.decoding.drafters import TreeShape
