@@ -280,6 +280,8 @@ def plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spe
         _check_repo_id(push_to_hub, engines)
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists; pass overwrite=true to replace it")
+    if out == head.resolve() or out in head.resolve().parents:
+        raise ExportError(f"out_dir {out} would replace the head folder {head} it is exported from")
     info, serve_target = target_info(target, cfg)
     layouts = {e: _layout(method, e, cfg, info, head) for e in engines}
     adapted = _adapted_target(head, cfg, info)
@@ -347,9 +349,15 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     """Move ``tmp`` to ``out``; an existing ``out`` is replaced only once ``tmp`` is complete."""
     out.parent.mkdir(parents=True, exist_ok=True)
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
+    had_old = out.exists()
+    if had_old:
         os.replace(out, old)
-    os.replace(tmp, out)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if had_old:
+            os.replace(old, out)  # put the previous export back
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 

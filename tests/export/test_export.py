@@ -343,6 +343,9 @@ def test_failed_export_leaves_no_half_written_folder(target, target_dir, tmp_pat
     assert sorted(os.listdir(out.parent)) == ["e3"]  # no temporary or partial folder left
     with pytest.raises(ExportError, match="already exists"):
         export_head(head, out, "both", str(target_dir))
+    with pytest.raises(ExportError, match="would replace the head folder"):
+        export_head(head, tmp_path, "both", str(target_dir), overwrite=True)
+    assert (head / "model.safetensors").is_file()
 
 
 # --------------------------------------------------------------------------- Medusa-2 and the model card
