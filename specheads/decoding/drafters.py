@@ -149,7 +149,7 @@ class ModelDrafter(Drafter):
         toks, qs = [[] for _ in range(B)], [[] for _ in range(B)]
         logits = root_logits
         for i in range(k):
-            q = probs(logits, temperature)
+            q = probs(logits, temperature).cpu()
             t = (torch.multinomial(q, 1, generator=generator)[:, 0] if temperature > 0 else q.argmax(-1)).tolist()
             for b in range(B):
                 toks[b].append(t[b]); qs[b].append(q[b])

@@ -73,7 +73,7 @@ class MedusaDrafter(Drafter):
 
     @staticmethod
     def _chain(logits, temperature, generator) -> DraftTree:
-        q = probs(logits, temperature)
+        q = probs(logits, temperature).cpu()
         toks = torch.multinomial(q, 1, generator=generator)[:, 0] if temperature > 0 else q.argmax(-1)
         return DraftTree.chain(toks.tolist(), q, draft_forwards=1)
 

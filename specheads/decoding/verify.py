@@ -84,8 +84,8 @@ def verify_chain_sampling(logits: torch.Tensor, tree: DraftTree, temperature: fl
         raise ValueError("verify_chain_sampling needs a chain with draft probabilities q")
     if temperature <= 0:
         return verify_greedy(logits, tree)
-    p_all = probs(logits, temperature)
-    qs = _pad_vocab(tree.q.double(), p_all.shape[-1]) if tree.size else None
+    p_all = probs(logits, temperature).cpu()  # small; draws use a CPU generator
+    qs = _pad_vocab(tree.q.double().cpu(), p_all.shape[-1]) if tree.size else None
     v = Verdict([], 0)
     for i, x in enumerate(tree.tokens.tolist()):
         p, q = p_all[i], qs[i]
@@ -123,7 +123,7 @@ def verify_tree_sampling(logits: torch.Tensor, tree: DraftTree, temperature: flo
     _check(logits, tree)
     if temperature <= 0:
         return verify_greedy(logits, tree)
-    p_all = probs(logits, temperature)
+    p_all = probs(logits, temperature).cpu()  # small; draws use a CPU generator
     toks, pars = tree.tokens.tolist(), tree.parents.tolist()
     v = Verdict([], 0)
     node, depth = -1, 0
@@ -153,7 +153,7 @@ def verify_typical(logits: torch.Tensor, tree: DraftTree, temperature: float,
     _check(logits, tree)
     if temperature <= 0:
         return verify_greedy(logits, tree)
-    p_all = probs(logits, temperature)
+    p_all = probs(logits, temperature).cpu()  # small; draws use a CPU generator
     ent = -(p_all * torch.log(p_all.clamp_min(1e-30))).sum(-1)
     thresh = torch.minimum(torch.full_like(ent, eps), delta * torch.exp(-ent))
     toks, pars = tree.tokens.tolist(), tree.parents.tolist()

@@ -208,6 +208,7 @@ def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg:
         from specheads.heads.medusa import MedusaHeads
 
         heads = MedusaHeads.from_pretrained(head).to(target.device).eval()
+        _check_medusa_target(heads, head, target)
         shape = spec.shape
         if shape.kind == "static" and not shape.choices:
             acc = medusa_rank_accuracy(heads, target, ids["prompt_ids"], ids["tokens"])
@@ -224,6 +225,16 @@ def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg:
         from specheads.heads.eagle3 import Eagle3Model as cls
     model = cls.from_pretrained(head).to(target.device).eval().attach(target)
     return EagleDrafter(model, spec.shape, spec.drafter)
+
+
+def _check_medusa_target(heads, head_dir: str, target: Target) -> None:
+    """Medusa-2 heads must be verified by the target they were trained with (saved beside them)."""
+    adapted = getattr(heads.config, "adapted_target", None)
+    if adapted:
+        want = (Path(head_dir) / adapted).resolve()
+        if Path(str(target.name)).resolve() != want:
+            raise ValueError(f"these Medusa-2 heads were trained with an adapted target at {want}; evaluate them "
+                             f"with target.name_or_path={want} (got target '{target.name}')")
 
 
 def _two_model(spec, target) -> Drafter:
