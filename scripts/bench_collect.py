@@ -5,12 +5,14 @@
         --samples 512 --max-length 2048 --batch-tokens 16384
 
 1. throughput: the same length-sorted batches that collection plans go through (a) a bare decoder
-   forward (no hooks, no copies, nothing written) and (b) ``collect_hidden_states`` into a fresh
-   store (forward + feature capture + dtype conversion + hashing + writing). Reported as tokens/s
-   and the ratio (b)/(a) (goal >= 0.9); the bare pass runs before and after to expose machine noise.
+   forward (no hooks, no copies, nothing written) and (b) a whole ``collect_hidden_states`` call into
+   a fresh store (planning, forward + feature capture, dtype conversion, hashing, writing, manifest;
+   without the optional one-batch time estimate). Reported as tokens/s and the ratio (a)/(b) of
+   times (goal >= 0.9), by wall time (fastest of the repeats) and by this process's CPU time.
 2. dtypes: float32 features computed once, written as a store in each dtype; bytes/token on disk,
    relative error of the read-back features, and the fidelity of the target distribution that
-   EAGLE-3 recomputes from the stored last state (KL to the float32 logits, top-1 agreement).
+   EAGLE-3 recomputes from the stored last state (KL to the float32 logits, top-1 agreement), and
+   with --train-steps the loss of a short Medusa-1 training on each dtype's store.
 Prints a JSON report (and writes it with --json).
 """
 
@@ -47,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", help="store dtype of the timed collection")
     p.add_argument("--compare-dtypes", default="float32,bfloat16,float16,fp8_e4m3",
                    help="store dtypes for the bytes/token and fidelity table ('' to skip)")
+    p.add_argument("--train-steps", type=int, default=0,
+                   help="also train a 2-head Medusa-1 this many steps on each dtype's store and report the loss")
     p.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per forward")
     p.add_argument("--repeats", type=int, default=2, help="alternating bare/collect rounds (fastest kept)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -73,48 +77,50 @@ def planned_batches(tokens: TokenDataset, opts: CollectOptions, bpt: int) -> lis
 
 
 @torch.no_grad()
-def bare_pass(target, batches) -> float:
-    """Seconds for a plain decoder forward over the batches (the floor collection is measured against)."""
+def bare_pass(target, batches) -> tuple[float, float]:
+    """(wall, CPU) seconds of a plain decoder forward over the batches (the floor collection is measured against)."""
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     sync()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for b in batches:
         target.decoder(input_ids=b["input_ids"].to(target.device),
                        attention_mask=b["attention_mask"].to(target.device), use_cache=False)
     sync()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def throughput(target, dataset, spec, opts, work: Path, repeats: int) -> dict:
-    """Bare pass and collection alternated ``repeats`` times; the fastest of each is compared
-    (on a shared machine the minimum is the least disturbed measurement)."""
+    """Bare pass and collection alternated ``repeats`` times; the fastest of each is compared (on a
+    shared machine the minimum is the least disturbed). CPU seconds (all threads of this process,
+    the writer's included) are reported too: other processes inflate wall time, not this one's CPU time."""
     tokens = TokenDataset(dataset)
     bpt = bytes_per_token(target.hidden_size, len(spec.aux_layers), spec.need_last, opts.dtype)
     batches = planned_batches(tokens, opts, bpt)
     n_tokens = sum(tokens.lengths)
     bare_pass(target, batches[:1])  # warm-up
-    bare, loop, wall = [], [], []
+    bare, coll = [], []
     for r in range(repeats):
         bare.append(bare_pass(target, batches))
-        t0 = time.perf_counter()
-        summary = collect_hidden_states(target, dataset, spec, work / f"timed-{opts.dtype}-{r}", opts)
-        wall.append(time.perf_counter() - t0)
-        loop.append(summary["seconds"])
+        t0, c0 = time.perf_counter(), time.process_time()
+        collect_hidden_states(target, dataset, spec, work / f"timed-{opts.dtype}-{r}", opts)
+        coll.append((time.perf_counter() - t0, time.process_time() - c0))
     bare.append(bare_pass(target, batches))
+    best_bare, best_coll = min(w for w, _ in bare), min(w for w, _ in coll)
     return {
         "samples": len(tokens), "tokens": n_tokens, "padded_tokens": sum(b["input_ids"].numel() for b in batches),
         "batches": len(batches), "repeats": repeats,
-        "bare_forward_s": [round(x, 2) for x in bare], "collect_loop_s": [round(x, 2) for x in loop],
-        "collect_wall_s": [round(x, 2) for x in wall],
-        "bare_tokens_per_s": round(n_tokens / min(bare), 1),
-        "collect_tokens_per_s": round(n_tokens / min(loop), 1),
-        "ratio_collect_vs_bare": round(min(bare) / min(loop), 3),
-        "ratio_incl_planning_and_estimate": round(min(bare) / min(wall), 3),
+        "bare_wall_s": [round(w, 2) for w, _ in bare], "collect_wall_s": [round(w, 2) for w, _ in coll],
+        "bare_cpu_s": [round(c, 2) for _, c in bare], "collect_cpu_s": [round(c, 2) for _, c in coll],
+        "bare_tokens_per_s": round(n_tokens / best_bare, 1),
+        "collect_tokens_per_s": round(n_tokens / best_coll, 1),
+        "ratio_wall": round(best_bare / best_coll, 3),
+        "ratio_cpu": round(min(c for _, c in bare) / min(c for _, c in coll), 3),
     }
 
 
 @torch.no_grad()
-def dtype_table(target, dataset, spec, dtypes: list[str], opts: CollectOptions, work: Path) -> dict:
+def dtype_table(target, dataset, spec, dtypes: list[str], opts: CollectOptions, work: Path,
+                train_steps: int = 0) -> dict:
     """Write the same float32 features in each dtype; bytes/token and read-back fidelity per dtype."""
     tokens = TokenDataset(dataset)
     order = sorted(range(len(tokens)), key=lambda i: (tokens.lengths[i], i))
@@ -133,7 +139,36 @@ def dtype_table(target, dataset, spec, dtypes: list[str], opts: CollectOptions, 
         root = work / f"table-{dtype}"
         store_from_features(root, target, spec, dtype, feats, ids)
         table[dtype] = fidelity(target, FeatureDataset(root), ref, tokens)
+        if train_steps:
+            table[dtype]["medusa1_train_loss"] = short_training(target, FeatureDataset(root), opts, train_steps)
     return table
+
+
+def short_training(target, ds: FeatureDataset, opts: CollectOptions, steps: int) -> dict:
+    """Train a 2-head Medusa-1 (the real method and loss) for ``steps`` AdamW steps on this store's
+    features, same seed and batches for every dtype; loss at the start, the end, and its last-5 mean."""
+    from specheads.training.engine import build_method
+
+    torch.manual_seed(0)
+    method = build_method("medusa1", num_heads=2)
+    model = method.build(target).train()
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    order = sorted(range(len(ds)), key=lambda i: (ds.lengths[i], ds.ids[i]))
+    batches = [collate_features([ds[i] for i in b])
+               for b in length_batches(order, ds.lengths, opts.batch_tokens, opts.max_batch_size)]
+    with torch.enable_grad():  # called from the no-grad dtype table
+        losses = [train_step(method, model, optim, batches[step % len(batches)], target) for step in range(steps)]
+    return {"first": round(losses[0], 4), "last": round(losses[-1], 4),
+            "last5_mean": round(sum(losses[-5:]) / len(losses[-5:]), 4)}
+
+
+def train_step(method, model, optim, batch, target) -> float:
+    batch = {k: v.to(target.device) for k, v in batch.items()}
+    loss = method.loss(model, batch, target).loss
+    optim.zero_grad()
+    loss.backward()
+    optim.step()
+    return float(loss)
 
 
 def store_from_features(root: Path, target, spec, dtype: str, feats, ids) -> None:
@@ -193,7 +228,8 @@ def main(argv=None) -> dict:
     check_prepared_matches(meta, target)
     dataset = dataset.select(pick_rows(dataset, args.samples, args.max_length))
     spec = spec_for_method(args.method, target.num_layers)
-    opts = CollectOptions(dtype=canonical_dtype(args.dtype), batch_tokens=args.batch_tokens, check_disk=True)
+    # the timed calls do everything collection does except the optional one-batch time estimate
+    opts = CollectOptions(dtype=canonical_dtype(args.dtype), batch_tokens=args.batch_tokens, estimate_time=False)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_collect_"))
     shutil.rmtree(work, ignore_errors=True)
     try:
@@ -203,7 +239,7 @@ def main(argv=None) -> dict:
                   "throughput": throughput(target, dataset, spec, opts, work, args.repeats)}
         dtypes = [canonical_dtype(d) for d in args.compare_dtypes.split(",") if d]
         if dtypes:
-            report["dtypes"] = dtype_table(target, dataset, spec, dtypes, opts, work)
+            report["dtypes"] = dtype_table(target, dataset, spec, dtypes, opts, work, args.train_steps)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

@@ -227,7 +227,8 @@ class CollectOptions:
     shard_bytes: target size of one shard (sets tokens per shard); shard_samples: cap on samples per shard;
     batch_tokens / max_batch_size: padded tokens / samples per forward; rank / world_size: this
     process's share (shards rank, rank+W, ...); check_disk: refuse when the disk lacks room;
-    verify_done: re-hash finished shards on a re-run (else only their size is checked).
+    verify_done: re-hash finished shards on a re-run (else only their size is checked);
+    estimate_time: time one small forward first to log the expected collection time.
     """
 
     dtype: str = "bfloat16"
@@ -239,6 +240,7 @@ class CollectOptions:
     world_size: int = 1
     check_disk: bool = True
     verify_done: bool = True
+    estimate_time: bool = True
 
 
 def plan_shards(lengths: Sequence[int], shard_tokens: int, shard_samples: int) -> list[list[int]]:
@@ -348,9 +350,9 @@ def _estimate(target, spec, tokens: TokenDataset, batches: list[list[int]], todo
              header["num_tokens"] * header["bytes_per_token"] / 2**30, opts.rank, opts.world_size, needed / 2**30)
     if opts.check_disk:
         check_disk_space(root, needed)
-    if not batches:
+    if not batches or not opts.estimate_time:
         return
-    probe = batches[len(batches) // 2]
+    probe = batches[len(batches) // 2][:4]  # a few mid-length samples: cheap, and time scales with tokens
     batch = collate_features(tokens.rows(probe))
     t0 = time.perf_counter()
     compute_features(target, batch, spec)

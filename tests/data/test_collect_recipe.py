@@ -88,3 +88,20 @@ def test_rerun_skips_and_mismatched_tokenizer_is_refused(tiny_setup, tmp_path):
         assert proc.returncode != 0 and "another tokenizer" in proc.stderr
     finally:
         meta_path.write_text(json.dumps(meta))
+
+
+def test_bench_collect_reports_ratio_and_dtypes(tiny_setup, tmp_path):
+    model_dir, prepared = tiny_setup
+    out = tmp_path / "bench.json"
+    run([sys.executable, "scripts/bench_collect.py", "--target", str(model_dir), "--prepared", str(prepared),
+         "--samples", "12", "--max-length", "32", "--batch-tokens", "64", "--repeats", "1", "--train-steps", "3",
+         "--json", str(out)])
+    report = json.loads(out.read_text())
+    tp = report["throughput"]
+    assert tp["samples"] == 12 and tp["tokens"] > 0 and tp["ratio_wall"] > 0 and tp["ratio_cpu"] > 0
+    d = report["dtypes"]
+    assert d["float32"]["rel_err_hidden_last"] == 0 and d["float32"]["target_top1_agreement"] == 1
+    assert d["fp8_e4m3"]["bytes_per_token_payload"] < 0.55 * d["bfloat16"]["bytes_per_token_payload"]
+    assert 0 < d["bfloat16"]["rel_err_hidden_aux"] < d["fp8_e4m3"]["rel_err_hidden_aux"] < 0.05
+    losses = d["bfloat16"]["medusa1_train_loss"]
+    assert losses["first"] > 0 and abs(losses["last"] - d["float32"]["medusa1_train_loss"]["last"]) < 0.05
