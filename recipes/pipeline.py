@@ -33,7 +33,7 @@ def stage_commands(cfg: DictConfig) -> list[tuple[str, str, list[str]]]:
         ("evaluate", "evaluate.py", [f"method={eval_method}", f"head_dir={train_out}",
                                      f"eval.chat_dir={prepared}", f"output_dir={report}"]),
         ("export", "export.py", [f"head_dir={train_out / 'head'}", f"out_dir={run / 'export' / cfg.method}",
-                                 f"eval_report={report / 'report.json'}", "overwrite=true"]),
+                                 f"eval_report={report / 'report.json'}", f"data={prepared}", "overwrite=true"]),
     ]
     if not cfg.offline:
         stages = [s for s in stages if s[0] != "collect"]

@@ -70,10 +70,17 @@ def cache_root() -> Path:
 
 
 def default_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
-    """Low, middle and high fusion layers (inputs of decoder layers, see the module docstring)."""
-    if num_layers < 4:
-        # Tiny test models: keep three distinct, valid layer inputs.
-        return (0, num_layers // 2, num_layers - 1)
+    """Low, middle and high fusion layers (inputs of decoder layers, see the module docstring).
+
+    Always three distinct, ascending layers: (2, N//2, N-3) from 7 layers up (the EAGLE-3 default);
+    smaller test models get (1, N//2, N-1), and 3 layers (0, 1, 2).
+    """
+    if num_layers < 3:
+        raise ValueError(f"EAGLE-3 fuses three distinct layers; a target with {num_layers} layers has too few")
+    if num_layers == 3:
+        return (0, 1, 2)
+    if num_layers < 7:
+        return (1, num_layers // 2, num_layers - 1)
     return (2, num_layers // 2, num_layers - 3)
 
 

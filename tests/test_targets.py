@@ -28,6 +28,11 @@ def test_aux_layer_out_of_range_is_refused(tiny_target):
 def test_default_layers():
     assert default_eagle3_layers(30) == (2, 15, 27)
     assert default_eagle3_layers(32) == (2, 16, 29)
+    for n in range(3, 40):  # distinct and ascending, so engines capture as many states as fc expects
+        low, mid, high = default_eagle3_layers(n)
+        assert 0 <= low < mid < high < n
+    with pytest.raises(ValueError, match="too few"):
+        default_eagle3_layers(2)
 
 
 def test_config_hash_ignores_name_but_not_shape(tiny_target):
