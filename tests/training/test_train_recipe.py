@@ -104,3 +104,20 @@ def test_launcher_files_are_valid_accelerate_configs():
         assert c.distributed_type.value in ("MULTI_GPU", "DEEPSPEED")
         if name.startswith("deepspeed"):
             assert c.deepspeed_config["zero_stage"] == int(name[-1])
+
+
+def test_recipe_reads_an_offline_feature_store(setup, tmp_path):
+    from specheads.data.features import CollectOptions, collect_hidden_states
+    from specheads.data.prepare import load_prepared
+    from specheads.targets import load_target
+    from specheads.training.method import FeatureSpec
+
+    model_dir, prepared = setup
+    store = tmp_path / "features"
+    collect_hidden_states(load_target(str(model_dir)), load_prepared(prepared)[0], FeatureSpec(need_last=True),
+                          store, CollectOptions(dtype="float32", estimate_time=False, check_disk=False))
+    out = tmp_path / "run"
+    cfg = compose(*base(model_dir, prepared, out), f"features_dir={store}", "method.num_heads=2",
+                  "optim.warmup_steps=0", "optim.lr=0.01")
+    summary = load_recipe().run(cfg)
+    assert summary["steps"] == 3 and 0 <= summary["eval"]["head0_top1_acc"] <= 1
