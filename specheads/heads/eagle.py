@@ -155,7 +155,7 @@ class Eagle1Method:
     def evaluate(self, model: Eagle1Model, batch: dict, target: Target) -> dict[str, float]:
         """Top-1 agreement with the target argmax at each of ``eval_steps`` unrolled steps (sums and counts)."""
         argmax = target_argmax(target.logits, batch["hidden_last"], self.target_chunk)
-        return unrolled_accuracy(model, model.fuse(batch["hidden_last"]), batch, argmax, self.eval_steps)
+        return unrolled_accuracy(model, model.fuse(batch["hidden_last"]), batch, argmax, self.eval_steps, self.head_chunk)
 
     @staticmethod
     def summarize(metrics: dict[str, float]) -> dict[str, float]:

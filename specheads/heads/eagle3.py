@@ -16,6 +16,14 @@ Drafting API (docs/architecture.md)::
 
 The input at position ``t`` is (feature at ``t``, token ``ids[t+1]``) and the drafter's position id
 is ``t``; a token drafted ``i`` steps later uses position ``t+i``.
+
+Tree drafting with the cache (``specheads.heads.layers``): ``cache = model.new_cache()``; feed
+the prompt's (feature, next token) pairs with ``attn_mask=None`` (causal); then for each tree
+level pass the new nodes as ``q`` queries with a ``(B, q, len(cache) + q)`` bool mask that is
+True on the committed prefix, on the node's ancestors already in the cache and on itself (the
+same token can sit at the same position in two branches). After verification keep the accepted
+entries with ``cache.select(index)`` (``(S',)`` or per-row ``(B, S')``) or ``cache.crop(n)``.
+A query row must see at least one key (a fully masked row yields NaN for that row only).
 """
 
 from __future__ import annotations
@@ -148,7 +156,7 @@ class Eagle3Method:
     def __init__(self, draft_vocab_size: int = 32000, vocab_data: str | None = None,
                  vocab_max_samples: int | None = None, aux_layers=None, ttt_steps: int = 7,
                  step_decay: float = 0.8, target_chunk: int = 1024, head_chunk: int = 2048,
-                 init_lm_head_from_target: bool = True):
+                 init_lm_head_from_target: bool = False):
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         self.draft_vocab_size = draft_vocab_size
@@ -223,7 +231,7 @@ class Eagle3Method:
     def evaluate(self, model: Eagle3Model, batch: dict, target: Target) -> dict[str, float]:
         """Per-step top-1 agreement with the target argmax on all assistant tokens (sums and counts)."""
         argmax = target_argmax(target.logits, batch["hidden_last"], self.target_chunk)
-        return unrolled_accuracy(model, model.fuse(batch["hidden_aux"]), batch, argmax, self.ttt_steps)
+        return unrolled_accuracy(model, model.fuse(batch["hidden_aux"]), batch, argmax, self.ttt_steps, self.head_chunk)
 
     @staticmethod
     def summarize(metrics: dict[str, float]) -> dict[str, float]:

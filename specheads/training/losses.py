@@ -42,9 +42,11 @@ def target_probs(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torc
 @torch.no_grad()
 def target_argmax(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                   chunk: int = 1024) -> torch.Tensor:
-    """(B, T, H) post-norm hidden -> (B, T) target argmax, ``chunk`` rows of logits at a time."""
+    """(..., H) hidden -> (...) argmax of ``logits_fn`` (e.g. ``target.logits``), ``chunk`` rows at a time."""
     flat = hidden.reshape(-1, hidden.shape[-1])
-    out = torch.cat([logits_fn(flat[s:s + chunk]).argmax(-1) for s in range(0, flat.shape[0], chunk)])
+    out = torch.empty(flat.shape[0], dtype=torch.long, device=hidden.device)
+    for s in range(0, flat.shape[0], chunk):
+        out[s:s + chunk] = logits_fn(flat[s:s + chunk]).argmax(-1)
     return out.view(hidden.shape[:-1])
 
 

@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 
 from specheads.heads.layers import UnrollCache
-from specheads.training.losses import soft_cross_entropy
+from specheads.training.losses import soft_cross_entropy, target_argmax
 
 
 def shift_tokens(input_ids: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
@@ -114,22 +114,23 @@ def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: 
 
 
 @torch.no_grad()
-def unrolled_accuracy(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], target_argmax: torch.Tensor,
-                      steps: int) -> dict[str, float]:
+def unrolled_accuracy(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], reference: torch.Tensor,
+                      steps: int, chunk: int = 1024) -> dict[str, float]:
     """Top-1 agreement with the target's argmax at each unrolled step, over all ``step_rows``.
 
-    target_argmax: (B, T) the target's full-vocabulary argmax (its prediction of ids[t+1]).
+    reference: (B, T) the target's full-vocabulary argmax (its prediction of ids[t+1]);
+    draft logits are computed ``chunk`` rows at a time.
     A target token outside the draft vocabulary counts as a miss. Returns sums
     ``step{i}_correct / step{i}_total`` (step i alone, earlier inputs teacher-forced) and
     ``joint{i}_correct / joint{i}_total`` (steps 0..i all right at the same position).
     """
     out: dict[str, float] = {}
-    all_right = torch.ones_like(target_argmax, dtype=torch.bool)
+    all_right = torch.ones_like(reference, dtype=torch.bool)
     for i, h_out in unroll(model, hidden, batch["input_ids"], steps):
-        T = target_argmax.shape[1]
-        pred = model.to_target_ids(model.logits(h_out[:, : T - 1 - i]).argmax(-1))  # (B, T-1-i)
+        T = reference.shape[1]
+        pred = model.to_target_ids(target_argmax(model.logits, h_out[:, : T - 1 - i], chunk))  # (B, T-1-i)
         right = torch.zeros_like(all_right)
-        right[:, : T - 1 - i] = pred == target_argmax[:, 1 + i:]
+        right[:, : T - 1 - i] = pred == reference[:, 1 + i:]
         all_right &= right
         b, t = step_rows(batch, i)
         out[f"step{i}_correct"] = float(right[b, t].sum())

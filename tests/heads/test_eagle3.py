@@ -36,7 +36,7 @@ def _rows(seed=1, n=6):
 
 
 def test_parameter_layout_matches_vllm_eagle3(target):
-    model = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows()).build(target)
+    model = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), init_lm_head_from_target=True).build(target)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     assert shapes == {
         "fc.weight": (H, 3 * H), "d2t": (DV,), "t2d": (V,), "norm.weight": (H,), "lm_head.weight": (DV, H),
@@ -47,7 +47,7 @@ def test_parameter_layout_matches_vllm_eagle3(target):
         "midlayer.mlp.gate_proj.weight": (2 * H, H), "midlayer.mlp.up_proj.weight": (2 * H, H),
         "midlayer.mlp.down_proj.weight": (H, 2 * H),
     }
-    # lm_head starts from the target's rows of the draft vocabulary.
+    # init_lm_head_from_target: lm_head starts from the target's rows of the draft vocabulary.
     assert_close(model.lm_head.weight, target.lm_head.weight[model.t2d])
 
 
