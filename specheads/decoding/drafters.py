@@ -116,9 +116,12 @@ class ModelDrafter(Drafter):
             raise ValueError("a model drafter builds chains or dynamic trees, not static Medusa trees")
 
     def start(self, prompts, feats):
+        """Prefill the draft cache with every prompt but its last (pending) token."""
         self.batch_size = len(prompts)
         self.runner.reset(len(prompts))
-        self.cached = [[] for _ in prompts]
+        self.runner.forward_chain([list(p[:-1]) for p in prompts], logits=False)
+        self.runner.commit([list(range(len(p) - 1)) for p in prompts])
+        self.cached = [list(p[:-1]) for p in prompts]
 
     def _sync(self, seqs, active) -> torch.Tensor:
         """Feed each row's not-yet-cached tokens (committing them); return (B, V) root logits."""
