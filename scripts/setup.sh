@@ -37,8 +37,8 @@ CONSTRAINT="$VENV/specheads-constraints.txt"
 echo "torch==$TORCH_VERSION" > "$CONSTRAINT"
 export PIP_CONSTRAINT="$CONSTRAINT"
 
-echo "[setup] installing specheads[dev] (torch pinned at $TORCH_VERSION)"
-pip install -q -e ".[dev]"
+echo "[setup] installing specheads[dev,kernels] (torch pinned at $TORCH_VERSION)"
+pip install -q -e ".[dev,kernels]"
 if ! python -c "import deepspeed" 2>/dev/null; then
   echo "[setup] installing deepspeed (built against torch $TORCH_VERSION, no prebuilt ops)"
   DS_BUILD_OPS=0 pip install -q --no-build-isolation "deepspeed>=0.15"
