@@ -221,16 +221,16 @@ def micro_batches(source: BatchSource, epoch: int, pos: int, world: int = 1, ran
 
 
 def prepare_batch(batch: dict[str, torch.Tensor], target: Target, spec: FeatureSpec, device) -> dict[str, torch.Tensor]:
-    """Move a batch to ``device``, cast stored features to the target's dtype, compute missing features
-    online with ``specheads.data.features.add_features`` (the function collection uses)."""
+    """Move a batch to ``device``, cast stored features to float32 (what online features are),
+    compute missing features with ``specheads.data.features.add_features`` (the function collection uses)."""
     from specheads.data.features import add_features
 
     out = {}
     for k, v in batch.items():
         if isinstance(v, torch.Tensor):
             v = v.to(device, non_blocking=True)
-            if k.startswith("hidden_") and v.is_floating_point() and v.dtype != target.dtype:
-                v = v.to(target.dtype)
+            if k.startswith("hidden_") and v.is_floating_point() and v.dtype != torch.float32:
+                v = v.float()
         out[k] = v
     return add_features(out, target, spec)
 

@@ -44,6 +44,7 @@ def head_losses(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tenso
     mean over its labels. Returns (Σ_k decay^k CE_k, {head{k}_loss, head{k}_acc} detached).
     """
     T = input_ids.shape[1]
+    hidden = hidden.to(heads.lm_heads[0].weight.dtype)
     total = hidden.new_zeros((), dtype=torch.float32)
     stats: dict[str, torch.Tensor] = {}
     for k in range(heads.num_heads):
@@ -67,6 +68,7 @@ def head_counts(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tenso
     """Held-out sums per head: top-1 / top-k correct and totals, plus ``chain{k}``: positions where
     heads 0..k are all top-1 right, over positions where all their labels count."""
     B, T = input_ids.shape
+    hidden = hidden.to(heads.lm_heads[0].weight.dtype)
     out: dict[str, float] = {}
     chain_right = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
     chain_ok = torch.ones_like(chain_right)
@@ -139,7 +141,7 @@ class Medusa1Method:
         hidden, ok = batch["hidden_last"], label_mask(batch)
         out = model(hidden, batch["input_ids"], ok, evaluate=True)
         pos = _next_token_positions(ok)
-        base = target.logits(hidden[pos]).argmax(-1) == batch["input_ids"][:, 1:][ok[:, 1:]]
+        base = target.logits(hidden[pos].to(target.dtype)).argmax(-1) == batch["input_ids"][:, 1:][ok[:, 1:]]
         out["target_top1_correct"], out["target_top1_total"] = float(base.sum()), float(base.numel())
         return out
 
@@ -201,7 +203,7 @@ class Medusa2Model(nn.Module):
 
     def _next_token_logits(self, h, input_ids, ok):
         pos = _next_token_positions(ok)
-        return self.base().lm_head(h[pos]).float(), input_ids[:, 1:][ok[:, 1:]], pos
+        return self.base().lm_head(h[pos]).float(), input_ids[:, 1:][ok[:, 1:]], pos  # (N, V), (N,), (B, T)
 
     def _target_term(self, h, input_ids, attention_mask, ok) -> torch.Tensor:
         logits, y, pos = self._next_token_logits(h, input_ids, ok)

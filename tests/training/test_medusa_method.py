@@ -89,3 +89,13 @@ def test_medusa2_rejects_bad_settings():
         Medusa2Method(adapter="qlora")
     with pytest.raises(ValueError, match="target_loss"):
         Medusa2Method(target_loss="mse")
+
+
+@pytest.mark.parametrize("method", [Medusa1Method(num_heads=2), Medusa2Method(num_heads=2, lora_r=2)])
+def test_bfloat16_target_trains_float32_heads(tmp_path, method):
+    from conftest import make_tiny_target
+
+    target = make_tiny_target("llama", hidden=32, layers=2, vocab=256, dtype=torch.bfloat16)
+    s = _run(method, tmp_path, 2, target)
+    assert s["steps"] == 2 and 0 <= s["eval"]["head0_top1_acc"] <= 1
+    assert MedusaHeads.from_pretrained(tmp_path / "head").lm_heads[0].weight.dtype == torch.float32
