@@ -91,11 +91,14 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     checkpoint(report)
     for spec in cfg.methods:
         drafter = build_drafter(spec, target, prompts, ids, cfg)
-        row = _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_tokens, cfg, eos, progress)
-        row["train_tau"] = train_tau(spec.head_dir)
-        report["methods"].append(row)
-        report["recommendation"] = recommend(report, cfg.recommend_ks)
-        checkpoint(report)
+        def partial(row, done=len(report["methods"])):
+            row["train_tau"] = train_tau(spec.head_dir)
+            report["methods"][done:] = [row]
+            report["recommendation"] = recommend(report, cfg.recommend_ks)
+            checkpoint(report)
+
+        partial(_eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_tokens, cfg, eos,
+                             progress, partial))
     report["recommendation"] = recommend(report, cfg.recommend_ks)
     return report
 
@@ -120,7 +123,9 @@ def _run(p: EvalPrompt, res: GenerationResult, b: int = 0) -> Run:
                res.target_time, res.draft_time)
 
 
-def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_tokens, cfg, eos, progress) -> dict:
+def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_tokens, cfg, eos, progress,
+                 partial=lambda row: None) -> dict:
+    """One method at every temperature, then batches; ``partial(row)`` after each part."""
     out = {"name": spec.name, "drafter": spec.drafter, "shape": spec.shape.label(), "verify": spec.verify,
            "lossless_verify": LOSSLESS.get(spec.verify, True), "profile": spec.profile,
            "draft_params_per_forward": drafter.params_per_forward, "by_temperature": {}}
@@ -147,6 +152,7 @@ def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_token
         out["by_temperature"][str(T)] = doms
         if T == 0:
             out["lossless"] = {"checked": len(prompts), "mismatches": mism, "exact": not mism}
+        partial(out)
     out["batch"] = _batch_speed(spec, drafter, runner, ids, plain_tokens, prompts, cfg, eos, progress)
     return out
 
