@@ -245,6 +245,7 @@ for fn, sig, const in jobs:
 """
 
 
+@pytest.mark.slow  # ~12 s: a fresh interpreter plus LLVM and ptxas
 @needs_triton
 def test_kernels_compile_for_sm90():
     """Lower every kernel to a Hopper cubin with Triton's own toolchain, no GPU needed: catches what
