@@ -90,7 +90,7 @@ def bare_pass(target, batches) -> tuple[float, float]:
 
 
 def throughput(target, dataset, spec, opts, work: Path, repeats: int) -> dict:
-    """Bare pass and collection alternated ``repeats`` times; the fastest of each is compared (on a
+    """Bare pass and collection alternated ``repeats`` times (ABBA order); the fastest of each is compared (on a
     shared machine the minimum is the least disturbed). CPU seconds (all threads of this process,
     the writer's included) are reported too: other processes inflate wall time, not this one's CPU time."""
     tokens = TokenDataset(dataset)
@@ -99,12 +99,19 @@ def throughput(target, dataset, spec, opts, work: Path, repeats: int) -> dict:
     n_tokens = sum(tokens.lengths)
     bare_pass(target, batches[:1])  # warm-up
     bare, coll = [], []
-    for r in range(repeats):
-        bare.append(bare_pass(target, batches))
+
+    def timed_collect(r: int) -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()
         collect_hidden_states(target, dataset, spec, work / f"timed-{opts.dtype}-{r}", opts)
-        coll.append((time.perf_counter() - t0, time.process_time() - c0))
-    bare.append(bare_pass(target, batches))
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    for r in range(repeats):  # A B B A ...: neither side always runs first
+        if r % 2 == 0:
+            bare.append(bare_pass(target, batches))
+            coll.append(timed_collect(r))
+        else:
+            coll.append(timed_collect(r))
+            bare.append(bare_pass(target, batches))
     best_bare, best_coll = min(w for w, _ in bare), min(w for w, _ in coll)
     return {
         "samples": len(tokens), "tokens": n_tokens, "padded_tokens": sum(b["input_ids"].numel() for b in batches),
@@ -168,7 +175,7 @@ def train_step(method, model, optim, batch, target) -> float:
     optim.zero_grad()
     loss.backward()
     optim.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def store_from_features(root: Path, target, spec, dtype: str, feats, ids) -> None:

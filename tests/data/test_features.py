@@ -425,3 +425,15 @@ def test_writer_error_surfaces_in_the_collecting_call(prepared, tmp_path):
     with pytest.raises(StoreError, match="overflow float16"):
         collect(target, prepared, tmp_path / "s", dtype="float16")
     assert not (tmp_path / "s" / MANIFEST).exists()
+
+
+def test_loader_workers_reopen_shards_and_give_the_same_batches(tiny_target, prepared, tmp_path):
+    collect(tiny_target, prepared, tmp_path / "s")
+    ds = FeatureDataset(tmp_path / "s", SPEC, tiny_target)
+    ds[0]  # an open shard handle must not travel to the workers
+    serial = list(feature_loader(ds, max_tokens=64, seed=3))
+    parallel = list(feature_loader(ds, max_tokens=64, seed=3, num_workers=2))
+    assert len(serial) == len(parallel)
+    for a, b in zip(serial, parallel):
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
