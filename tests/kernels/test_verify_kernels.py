@@ -180,11 +180,18 @@ def _same(a, b):
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("V,n,ties", [(37, 7, True), (1000, 13, False), (37, 0, False), (1000, 1, True)])
-def test_greedy_kernel_equals_reference(dtype, V, n, ties):
+@pytest.mark.parametrize("chunk", [16, 4096])
+def test_greedy_kernel_equals_reference(dtype, V, n, ties, chunk):
+    """Small chunks split each row (3 or 4 chunks), so ties straddle chunk boundaries."""
+    chunk = 256 if chunk == 16 and V > 100 else chunk  # the interpreter runs each program in Python
+    from specheads.kernels.verify_greedy import verify_greedy_triton
     logits, tokens, parents, _ = random_batch(V + n, 7, n, V, ties)
     logits = logits.to(dtype)  # the reference sees the same rounded logits
     args = (logits.to(DEV), tokens.to(DEV), parents.to(DEV))
-    _same(verify_greedy_batched(*args, backend="triton"), verify_greedy_reference(*args))
+    ref = verify_greedy_reference(*args)
+    _same(verify_greedy_triton(*args, chunk=chunk), ref)
+    if chunk == 4096:
+        _same(verify_greedy_batched(*args, backend="triton"), ref)
 
 
 @needs_triton
@@ -229,15 +236,15 @@ COMPILE_SM90 = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from specheads.kernels import tree_sampling as ts, verify_greedy as vg
-ptr = lambda t: {a: "*" + t for a in ("tokens_ptr", "parents_ptr", "accept_ptr", "path_ptr", "bonus_ptr",
-                                      "best_ptr")} if t == "i64" else {}
-f64 = {a: "*fp64" for a in ("temp_ptr", "max_ptr", "sum_ptr", "u_ptr")}
-jobs = [(vg._row_argmax, {"logits_ptr": "*bf16"}, {"BLOCK": 1024}),
-        (vg._greedy_walk, {}, {"NPAD": 64}),
+ptrs = {a: "*i64" for a in ("tokens_ptr", "parents_ptr", "accept_ptr", "path_ptr", "bonus_ptr")}
+ptrs.update({a: "*fp64" for a in ("temp_ptr", "max_ptr", "sum_ptr", "u_ptr")})
+ptrs.update(pval_ptr="*fp32", pidx_ptr="*i32")
+jobs = [(vg._split_argmax, {"logits_ptr": "*bf16"}, {"CHUNK": 4096, "BLOCK": 1024}),
+        (vg._greedy_walk, {}, {"NPAD": 64, "SPAD": 32}),
         (ts._row_stats, {"logits_ptr": "*fp16"}, {"BLOCK": 1024}),
         (ts._tree_walk, {"logits_ptr": "*bf16"}, {"NPAD": 64, "BLOCK": 1024, "BLOCK_R": 128})]
 for fn, sig, const in jobs:
-    full = {a: sig.get(a) or ptr("i64").get(a) or f64.get(a) or ("constexpr" if a in const else "i32")
+    full = {a: sig.get(a) or ptrs.get(a) or ("constexpr" if a in const else "i32")
             for a in fn.arg_names}
     out = compile(ASTSource(fn, full, const), target=GPUTarget("cuda", 90, 32))
     assert len(out.asm["cubin"]) > 0
