@@ -235,3 +235,22 @@ def verify_tree_sampling_batched(logits: torch.Tensor, tokens: torch.Tensor, par
         return verify_tree_sampling_reference(logits, tokens, parents, temperature, uniforms)
     from specheads.kernels.tree_sampling import verify_tree_sampling_triton
     return verify_tree_sampling_triton(logits, tokens, parents, temperature, uniforms)
+
+
+# ------------------------------------------------------------------ verify.py's per-tree signatures
+
+def verify_greedy_fused(logits: torch.Tensor, tree: DraftTree, backend: str = "auto") -> Verdict:
+    """``verify_greedy(logits (n+1, V), tree)`` through the batched dispatcher (B = 1)."""
+    out = verify_greedy_batched(logits[None], tree.tokens[None].to(logits.device),
+                                tree.parents[None].to(logits.device), backend)
+    return to_verdicts(*out, tree.parents[None].to(logits.device))[0]
+
+
+def verify_tree_sampling_fused(logits: torch.Tensor, tree: DraftTree, temperature: float,
+                               generator: torch.Generator | None = None, backend: str = "auto") -> Verdict:
+    """``verify_tree_sampling`` through the batched dispatcher (B = 1); same law, and its draws are
+    the inverse-CDF draws of ``torch.rand(1, n+1, generator=generator, dtype=float64)``."""
+    parents = tree.parents[None].to(logits.device)
+    out = verify_tree_sampling_batched(logits[None], tree.tokens[None].to(logits.device), parents,
+                                       temperature, generator=generator, backend=backend)
+    return to_verdicts(*out, parents)[0]

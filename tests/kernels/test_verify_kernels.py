@@ -22,7 +22,8 @@ if not CUDA:
 from specheads.decoding import verify as verify_mod  # noqa: E402
 from specheads.decoding.batched_verify import (PAD, inverse_cdf, pack_trees, to_verdicts,  # noqa: E402
                                                verify_greedy_batched, verify_greedy_reference,
-                                               verify_tree_sampling_batched,
+                                               verify_greedy_fused, verify_tree_sampling_batched,
+                                               verify_tree_sampling_fused,
                                                verify_tree_sampling_reference)
 from specheads.decoding.tree import DraftTree  # noqa: E402
 from specheads.kernels import INSTALL_HINT, require_triton, triton_available  # noqa: E402
@@ -114,6 +115,18 @@ def test_sampling_reference_equals_verify_tree_sampling(seed, temperature, monke
         monkeypatch.setattr(verify_mod, "_draw", draws_from(u[b]))
         assert got[b] == verify_mod.verify_tree_sampling(logits[b, :tree.size + 1], tree, temperature), (seed, b)
     assert out[0].sum() > 0 and (out[0] < (parents != PAD).sum(1)).any()  # accepts and rejects
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_per_tree_wrappers_keep_verify_signatures(backend, monkeypatch):
+    logits, _, _, trees = random_batch(11, 6, 9, 37)
+    for b, tree in enumerate(trees):
+        row = logits[b, :tree.size + 1]
+        assert verify_greedy_fused(row.to(DEV), tree, backend) == verify_mod.verify_greedy(row, tree)
+        got = verify_tree_sampling_fused(row.to(DEV), tree, 0.9, torch.Generator().manual_seed(b), backend)
+        monkeypatch.setattr(verify_mod, "_draw", draws_from(
+            torch.rand(1, tree.size + 1, generator=torch.Generator().manual_seed(b), dtype=torch.float64)[0]))
+        assert got == verify_mod.verify_tree_sampling(row, tree, 0.9)
 
 
 def test_sampling_at_temperature_zero_is_greedy():
