@@ -285,20 +285,30 @@ def estimate_tau(metrics: dict[str, float]) -> tuple[float | None, str]:
 
 @torch.no_grad()
 def evaluate(method: Method, model: nn.Module, target: Target, source: BatchSource, accelerator) -> dict[str, float]:
-    """Held-out metrics: ``Method.evaluate`` sums over this rank's share, reduced over processes."""
+    """Held-out metrics: ``Method.evaluate`` sums over this rank's batches (every ``world``-th, a
+    ragged tail included), summed over processes. The unwrapped module is used, so ranks need not
+    run in lockstep; under ZeRO-3 (whose forward gathers parameters) they do, and a ragged tail is dropped."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    unwrapped = accelerator.unwrap_model(model)
     was_training = model.training
     model.eval()
+    ds = getattr(accelerator.state, "deepspeed_plugin", None)
+    if ds is not None and ds.zero_stage == 3:
+        batches = (b for _, _, b in itertools.takewhile(lambda x: x[0] == 0, micro_batches(source, 0, 0, world, rank)))
+    else:
+        batches = (b() if callable(b) else b for i, b in enumerate(source.batches(0)) if i % world == rank)
     sums: dict[str, float] = {}
-    for _, _, batch in itertools.takewhile(lambda x: x[0] == 0, micro_batches(
-            source, 0, 0, accelerator.num_processes, accelerator.process_index)):
+    for batch in batches:
         batch = prepare_batch(batch, target, method.feature_spec, accelerator.device)
         with accelerator.autocast():
-            for k, v in method.evaluate(model, batch, target).items():
+            for k, v in method.evaluate(unwrapped, batch, target).items():
                 sums[k] = sums.get(k, 0.0) + float(v)
-    if accelerator.num_processes > 1 and sums:
-        keys = sorted(sums)
-        t = accelerator.reduce(torch.tensor([sums[k] for k in keys], device=accelerator.device, dtype=torch.float64), "sum")
-        sums = dict(zip(keys, t.tolist()))
+    if world > 1:
+        from accelerate.utils import gather_object
+
+        keys = sorted(set(gather_object(list(sums))))
+        t = torch.tensor([sums.get(k, 0.0) for k in keys], device=accelerator.device, dtype=torch.float64)
+        sums = dict(zip(keys, accelerator.reduce(t, "sum").tolist()))
     model.train(was_training)
     metrics = summarize_counts(sums)
     if hasattr(method, "summarize"):
@@ -400,7 +410,10 @@ def make_accelerator(cfg: TrainConfig, method: Method | None = None):
     if mp not in ("no", "bf16", "fp16"):
         raise ValueError(f"mixed_precision must be no, bf16, fp16 or auto, got {cfg.mixed_precision!r}")
     ddp = DistributedDataParallelKwargs(find_unused_parameters=bool(getattr(method, "find_unused_parameters", False)))
-    acc = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mp, kwargs_handlers=[ddp])
+    # Several CPU processes (torchrun / accelerate launch --cpu) need cpu=True for Accelerate to use gloo.
+    cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    acc = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mp, kwargs_handlers=[ddp],
+                      cpu=cpu)
     ds = getattr(acc.state, "deepspeed_plugin", None)
     if ds is not None:  # without a prepared dataloader DeepSpeed cannot fill these "auto" values itself
         ds.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size

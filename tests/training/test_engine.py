@@ -140,3 +140,18 @@ def test_sigkill_then_resume_gives_bitwise_equal_losses(tmp_path):
     assert sorted(want) == list(range(1, 11))
     assert got == want  # floats compared exactly
     assert all(math.isfinite(v) for v in got.values())
+
+
+@pytest.mark.slow
+def test_two_cpu_processes_under_torchrun(tmp_path):
+    """Data sharded over 2 gloo processes, losses reduced, checkpoint with both RNG states, ragged eval."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29541", str(HELPER), str(tmp_path), "4", "0"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "train_summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["steps"] == 4
+    assert 0 <= summary["eval"]["head0_top1_acc"] <= 1
+    ckpt = tmp_path / "checkpoints" / "step_0000004"
+    assert (ckpt / "random_states_0.pkl").exists() and (ckpt / "random_states_1.pkl").exists()
