@@ -121,7 +121,7 @@ def _tree_walk(logits_ptr, temp_ptr, max_ptr, sum_ptr, u_ptr, tokens_ptr, parent
             hit = tl.min(tl.where(kid_toks == x, offs, n), 0)
             ok = hit < n
             r = x
-            if (not ok) and (tl.max(kid_toks, 0) >= 0):  # rejected: draw from the rest
+            if (hit >= n) & (tl.max(kid_toks, 0) >= 0):  # rejected: draw from the rest
                 rest = tl.maximum(mass - _kid_masses(base, T, M, kid_toks, S, CHUNK, NPAD, SPAD), 0.0)
                 if tl.sum(rest, 0) > 0:
                     u2 = tl.load(u_ptr + b * (n + 1) + d + 1)
