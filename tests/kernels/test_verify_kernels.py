@@ -149,6 +149,21 @@ def test_sampling_first_draw_follows_the_target():
     assert (freq - p).abs().max() < 4 * (0.25 / 4000) ** 0.5  # 4 sigma of a binomial proportion
 
 
+def test_sampling_walk_is_lossless_for_the_first_token():
+    """Accepted child or bonus, the first emitted token follows the target's root row exactly."""
+    B, V, T = 6000, 5, 1.3
+    logits = torch.tensor([[0.5, -0.2, 1.0, 0.0, 0.3]] * 4).expand(B, 4, V).contiguous()
+    tokens = torch.tensor([[0, 3, 1]]).expand(B, 3)
+    parents = torch.tensor([[-1, -1, 0]]).expand(B, 3)
+    acc, path, bonus = verify_tree_sampling_batched(logits, tokens, parents, T,
+                                                    generator=torch.Generator().manual_seed(5))
+    first = torch.where(acc > 0, tokens.gather(1, path[:, :1].clamp(min=0)).squeeze(1), bonus)
+    freq = torch.bincount(first, minlength=V).double() / B
+    p = torch.softmax(logits[0, 0].double() / T, -1)
+    assert (freq - p).abs().max() < 4 * (0.25 / B) ** 0.5
+    assert 0 < (acc > 0).double().mean() < 1
+
+
 # ------------------------------------------------------------------ bad input
 
 def test_bad_shapes_and_values_are_named():
