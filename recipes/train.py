@@ -20,6 +20,8 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from specheads.errors import user_errors
+
 from specheads.training.engine import (DatasetBatches, OptimConfig, TrainConfig, build_method, make_accelerator,
                                        split_rows, train)
 
@@ -41,6 +43,7 @@ class DataSchema:
 @dataclass
 class LoopSchema:
     max_steps: int = 1000
+    max_minutes: Optional[float] = None
     grad_accum: int = 1
     max_grad_norm: Optional[float] = 1.0
     mixed_precision: str = "auto"
@@ -168,13 +171,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     method = build_method(mcfg.pop("name"), **mcfg)
     acc = make_accelerator(tcfg, method)
     target = load_target(cfg.target.name_or_path, cfg.target.dtype, acc.device)
+    if hasattr(method, "bind"):  # methods whose features depend on the target (EAGLE-3's layer ids)
+        method.bind(target)
     train_src, eval_src = build_data(cfg, method, target)
     return train(method, target, train_src, tcfg, ocfg, eval_src, acc)
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    summary = run(cfg)
+    with user_errors("train"):
+        summary = run(cfg)
     print(json.dumps({k: summary[k] for k in ("method", "steps", "final_loss", "tau_estimate", "tokens_per_s",
                                              "head_dir")}, indent=1))
 

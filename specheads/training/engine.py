@@ -94,6 +94,7 @@ class TrainConfig:
     run_name: str | None = None
     progress: bool = True
     micro_batch_size: int = 1  # only told to DeepSpeed, which wants it in its config
+    max_minutes: float | None = None  # time budget: stop (checkpoint, evaluate, save) once training took this long
 
 
 # --------------------------------------------------------------------------- methods
@@ -503,6 +504,11 @@ def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, sch
     last_eval: dict[str, float] | None = None
     model.train()
     while st.step < cfg.max_steps:
+        if cfg.max_minutes is not None and st.train_s >= 60 * cfg.max_minutes:
+            log.info("time budget of %.1f min reached at step %d of %d; stopping there", cfg.max_minutes,
+                     st.step, cfg.max_steps)
+            save_checkpoint(acc, ckpt_root, st.step, _ckpt_state(st), cfg.keep_checkpoints)
+            break
         if hasattr(method, "on_step_start"):
             method.on_step_start(st.step)
         t0 = time.perf_counter()

@@ -155,3 +155,11 @@ def test_two_cpu_processes_under_torchrun(tmp_path):
     assert 0 <= summary["eval"]["head0_top1_acc"] <= 1
     ckpt = tmp_path / "checkpoints" / "step_0000004"
     assert (ckpt / "random_states_0.pkl").exists() and (ckpt / "random_states_1.pkl").exists()
+
+
+def test_time_budget_stops_early_and_still_saves_the_head(tmp_path):
+    train_src, held = sources()
+    s = train(Medusa1Method(num_heads=2), _tiny(), train_src, _cfg(tmp_path, max_steps=500, max_minutes=0.002),
+              OptimConfig(lr=3e-2), held)
+    assert 0 < s["steps"] < 500, "the budget (0.12 s) must stop the run long before 500 steps"
+    assert (tmp_path / "head").exists() and sorted(read_losses(tmp_path)) == list(range(1, s["steps"] + 1))
