@@ -13,7 +13,7 @@ import pytest
 
 from specheads.data.features import FeatureDataset
 from specheads.data.store import verify_store
-from specheads.targets import load_target, tokenizer_fingerprint
+from specheads.targets import default_eagle3_layers, load_target, tokenizer_fingerprint
 from tests.conftest import make_tiny_model
 from tests.data.test_features import make_prepared, shard_digests
 
@@ -62,7 +62,7 @@ def test_one_process_and_two_processes_write_the_same_store(tiny_setup, tmp_path
 
     m1, m2 = verify_store(tmp_path / "one"), verify_store(tmp_path / "two")
     assert m1["shards"] == m2["shards"] and shard_digests(tmp_path / "one") == shard_digests(tmp_path / "two")
-    assert m1["aux_layers"] == [2, 3, 3] and m1["has_last"]  # default_eagle3_layers(6)
+    assert m1["aux_layers"] == list(default_eagle3_layers(6)) and m1["has_last"]
     per_rank = [{i for s in m2["shards"][r::2] for i in s["ids"]} for r in (0, 1)]
     assert not per_rank[0] & per_rank[1] and len(per_rank[0] | per_rank[1]) == 30
     assert all(10 <= len(ids) <= 20 for ids in per_rank)
