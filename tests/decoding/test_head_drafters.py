@@ -17,7 +17,7 @@ PROMPTS = [[5, 9, 13, 2, 7], [1, 2, 3, 1, 2, 3, 1, 2]]
 
 @pytest.fixture(scope="module")
 def target():
-    return Target(peaky_model(), name="tiny")
+    return Target(peaky_model(layers=4), name="tiny")  # EAGLE-3 fuses three distinct layers
 
 
 def _medusa(target):
