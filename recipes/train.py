@@ -155,7 +155,8 @@ def build_data(cfg: DictConfig, method, target) -> tuple[DatasetBatches, Dataset
         dataset = TokenDataset(rows)
     else:
         raise ValueError("give features_dir (offline store) or prepared_dir (online features)")
-    n_eval = min(cfg.data.eval_samples, len(dataset) - 1)
+    # Hold out at most a tenth of a small set, so training keeps most of the data.
+    n_eval = min(cfg.data.eval_samples, len(dataset) // 10)
     train_idx, eval_idx = split_rows(len(dataset), n_eval, cfg.seed)
     cut = cfg.data.max_length
     train_src = DatasetBatches(dataset, cfg.data.max_tokens, cfg.data.batch_size, True, cfg.seed, train_idx, cut)

@@ -274,11 +274,12 @@ def _indexed(metrics: dict[str, float], pattern: str) -> list[float]:
 
 def estimate_tau(metrics: dict[str, float]) -> tuple[float | None, str]:
     """(τ estimate, basis) from summarized held-out metrics; basis names what it was built from."""
-    chain = _indexed(metrics, r"chain(\d+)_acc")
-    if chain:
-        return chain_tau(chain, conditional=True), "chain: per-position joint accuracy of drafts 0..k (conditional)"
+    for prefix in ("chain", "joint"):  # Medusa: chain{k}; EAGLE unroll: joint{k}
+        chain = _indexed(metrics, prefix + r"(\d+)_acc")
+        if chain:
+            return chain_tau(chain, conditional=True), f"{prefix}: per-position joint accuracy of drafts 0..k (conditional)"
     for prefix in ("head", "step"):
-        marg = _indexed(metrics, prefix + r"(\d+)_top1_acc")
+        marg = _indexed(metrics, prefix + r"(\d+)_(?:top1_)?acc")
         if marg:
             return chain_tau(marg, conditional=False), f"product of marginal {prefix} top-1 accuracies"
     return None, "no per-draft accuracies reported"
