@@ -1,6 +1,6 @@
 """Recipe: evaluate drafters on a target with real (tree) speculative decoding.
 
-    python recipes/evaluate.py [method=eagle3 head_dir=runs/x/train] [eval=full] [output_dir=...]
+    python recipes/evaluate.py [head_method=eagle3 head_dir=runs/x/train] [eval=full] [output_dir=...]
     specheads evaluate ...            (same overrides)
 """
 
@@ -48,7 +48,7 @@ class EvaluateSchema:
     target: Any = MISSING
     eval: EvalSetSchema = field(default_factory=EvalSetSchema)
     output_dir: str = MISSING
-    method: Optional[str] = None
+    head_method: Optional[str] = None
     head_dir: Optional[str] = None
     baselines: list = field(default_factory=lambda: ["ngram", "early_exit"])
     two_model: Optional[str] = None
@@ -84,7 +84,7 @@ def run(cfg: DictConfig) -> dict:
     ev["mtbench_turns"] = tuple(ev["mtbench_turns"])
     if ev["chat"] != 0 and not ev["chat_dir"]:
         log.warning("no eval.chat_dir given: the chat domain is left out")
-    methods = plan_methods(cfg.method, cfg.head_dir, list(cfg.baselines), cfg.chain_k,
+    methods = plan_methods(cfg.head_method, cfg.head_dir, list(cfg.baselines), cfg.chain_k,
                            TreeShape("dynamic", **cfg.tree), ServingProfiles(**cfg.serving),
                            cfg.early_exit_layers, cfg.ngram_max, cfg.two_model,
                            OmegaConf.to_container(cfg.medusa_choices) if cfg.medusa_choices else None,

@@ -25,7 +25,7 @@ class ExportRecipeConfig:
     out_dir: str = MISSING
     engine: str = "both"
     eval_report: Optional[str] = None
-    data: Optional[str] = None
+    training_data: Optional[str] = None
     dtype: Optional[str] = None
     spec_tokens: Optional[int] = None
     overwrite: bool = False
@@ -37,7 +37,7 @@ ConfigStore.instance().store(name="export_schema", node=ExportRecipeConfig)
 
 def run(cfg: DictConfig) -> str:
     path = export_head(cfg.head_dir, cfg.out_dir, engine=cfg.engine, target=cfg.target.name_or_path,
-                       eval_report=cfg.eval_report, data=cfg.data, dtype=cfg.dtype, spec_tokens=cfg.spec_tokens,
+                       eval_report=cfg.eval_report, data=cfg.training_data, dtype=cfg.dtype, spec_tokens=cfg.spec_tokens,
                        overwrite=cfg.overwrite, push_to_hub=cfg.push_to_hub)
     print(f"exported {cfg.head_dir} -> {path} (model card: README.md in each engine folder)")
     return str(path)

@@ -1,6 +1,6 @@
 """Recipe: the whole job (prepare -> collect -> train -> evaluate -> export), each stage in its own process.
 
-    specheads run [method=medusa1] [run_dir=runs/x] [stages.train='[train.max_steps=500]']
+    specheads run [head=medusa1] [run_dir=runs/x] [stages.train='[train.max_steps=500]']
 """
 
 import json
@@ -22,22 +22,24 @@ def stage_commands(cfg: DictConfig) -> list[tuple[str, str, list[str]]]:
     run = Path(cfg.run_dir)
     target = [f"target.{k}={v}" for k, v in cfg.target.items()]
     prepared, features = run / "prepared", run / "features"
-    train_out, report = run / "train" / cfg.method, run / "eval" / cfg.method
+    train_out, report = run / "train" / cfg.head, run / "eval" / cfg.head
     data = ([f"features_dir={features}"] if cfg.offline else [f"prepared_dir={prepared}"])
-    eval_method = "medusa" if cfg.method.startswith("medusa") else cfg.method
+    eval_method = "medusa" if cfg.head.startswith("medusa") else cfg.head
     stages = [
         ("prepare", "prepare_data.py", [f"output_dir={prepared}"]),
         ("collect", "collect_hidden_states.py",
-         [f"prepared_dir={prepared}", f"out_dir={features}", f"method={cfg.method}"]),
-        ("train", "train.py", [f"method={cfg.method}", f"output_dir={train_out}", f"prepared_dir={prepared}", *data]),
-        ("evaluate", "evaluate.py", [f"method={eval_method}", f"head_dir={train_out}",
+         [f"prepared_dir={prepared}", f"out_dir={features}", f"method={cfg.head}"]),
+        ("train", "train.py", [f"method={cfg.head}", f"output_dir={train_out}", f"prepared_dir={prepared}", *data]),
+        ("evaluate", "evaluate.py", [f"head_method={eval_method}", f"head_dir={train_out}",
                                      f"eval.chat_dir={prepared}", f"output_dir={report}"]),
-        ("export", "export.py", [f"head_dir={train_out / 'head'}", f"out_dir={run / 'export' / cfg.method}",
-                                 f"eval_report={report / 'report.json'}", f"data={prepared}", "overwrite=true"]),
+        ("export", "export.py", [f"head_dir={train_out / 'head'}", f"out_dir={run / 'export' / cfg.head}",
+                                 f"eval_report={report / 'report.json'}", f"training_data={prepared}", "overwrite=true"]),
     ]
     if not cfg.offline:
         stages = [s for s in stages if s[0] != "collect"]
-    return [(name, recipe, target + args + list(cfg.stages[name])) for name, recipe, args in stages]
+    extra = {name: list(cfg.stages[name]) for name, _, _ in stages}
+    extra["train"] += list(cfg.head_overrides.get(cfg.head, []))
+    return [(name, recipe, target + args + extra[name]) for name, recipe, args in stages]
 
 
 def run_stage(name: str, recipe: str, overrides: list[str], done_dir: Path) -> None:
@@ -65,7 +67,7 @@ def main(cfg: DictConfig) -> None:
     for name, recipe, overrides in stage_commands(cfg):
         if cfg.only in (None, name):
             run_stage(name, recipe, overrides, done_dir)
-    report = Path(cfg.run_dir) / "eval" / cfg.method / "report.md"
+    report = Path(cfg.run_dir) / "eval" / cfg.head / "report.md"
     if report.exists():
         print(report.read_text())
     log.info("pipeline finished in %.1f min; run folder: %s", (time.time() - t0) / 60, cfg.run_dir)

@@ -452,7 +452,7 @@ def load_eval_report(path: str | Path, method: str | None = None) -> list[dict]:
     if not mine:
         found = sorted({f"{r['name']} ({r['drafter']})" for r in rows})
         raise ExportError(f"eval report {path} measured no {method} head (it holds {found}); "
-                          f"give the report of `specheads evaluate method={method}`")
+                          f"give the report of `specheads evaluate head_method={method}`")
     return mine
 
 
