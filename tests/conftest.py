@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
+# Without a GPU, Triton kernels run in its CPU interpreter. The switch is read when triton is first
+# imported, which any earlier test (or library) may do, so it is set here, before everything else.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 
