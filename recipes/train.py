@@ -1,6 +1,6 @@
 """Recipe: train a draft head (Medusa-1/2, EAGLE-1/3) with the shared engine.
 
-    python recipes/train.py method=medusa1 prepared_dir=/work/data/prepared_sharegpt output_dir=runs/m1
+    python recipes/train.py method=medusa1 prepared_dir=runs/default/prepared output_dir=runs/m1
     python recipes/train.py method=eagle3 features_dir=runs/x/features      (offline feature store)
     accelerate launch --config_file conf/launcher/deepspeed_zero2.yaml recipes/train.py method=medusa2 ...
     specheads train ...                                                      (same overrides)

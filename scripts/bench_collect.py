@@ -1,6 +1,6 @@
 """Benchmark hidden-state collection against a bare forward pass, and the store's dtypes.
 
-    python scripts/bench_collect.py --prepared /work/data/prepared_sharegpt --samples 16 --max-length 256
+    python scripts/bench_collect.py --prepared runs/default/prepared --samples 16 --max-length 256
     python scripts/bench_collect.py --target /models/Llama-3.1-8B-Instruct --device cuda --dtype-target bfloat16 \
         --samples 512 --max-length 2048 --batch-tokens 16384
 

@@ -1,7 +1,7 @@
 """Benchmark training throughput and peak memory per method on this machine (run by hand).
 
     python scripts/bench_train.py --methods medusa1 medusa2 eagle1 eagle3 \
-        --target smollm2 --prepared /work/data/prepared_sharegpt --steps 8 --max-tokens 2048
+        --target smollm2 --prepared runs/default/prepared --steps 8 --max-tokens 2048
     python scripts/bench_train.py --methods medusa1 eagle3 --target tiny \
         --arg eagle3:vocab_data={prepared}                                 # tiny random Llama, synthetic data
 

@@ -6,15 +6,12 @@ same held-out labels ``ids[t+2]``; the drafter also sees the target's features, 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from specheads.heads.eagle3 import Eagle3Method
 from specheads.training.ttt import step_rows
 
-PREPARED = Path("/work/data/prepared_sharegpt")
 T, BATCH, TRAIN_BATCHES, HELD, EPOCHS = 192, 4, 4, 8, 8
 
 
@@ -32,15 +29,25 @@ def _batch(target, method, ids, mask):
             "hidden_aux": torch.cat(f.aux, -1)}
 
 
+@pytest.fixture(scope="module")
+def prepared_sharegpt(tmp_path_factory, smollm2):
+    """The packaged ShareGPT's first 300 usable chats, prepared for SmolLM2 (a few seconds)."""
+    from specheads.data.prepare import PrepareConfig, prepare
+    from specheads.targets import Target
+
+    out = tmp_path_factory.mktemp("data") / "prepared"
+    prepare(Target.tokenizer_only(smollm2.tokenizer, "smollm2"), PrepareConfig(num_samples=300, max_length=512), out)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.skipif(not PREPARED.exists(), reason=f"{PREPARED} (the prepared ShareGPT set) is absent")
-def test_trained_step0_beats_bigram(smollm2):
+def test_trained_step0_beats_bigram(smollm2, prepared_sharegpt):
     from specheads.data.prepare import load_prepared
     from specheads.training.baselines import bigram_accuracy
 
     torch.manual_seed(0)
-    data, _ = load_prepared(str(PREPARED))
+    data, _ = load_prepared(str(prepared_sharegpt))
     n = len(data)
     train_rows, held_rows = data.select(range(n - 64)), data.select(range(n - 64, n))
     method = Eagle3Method(draft_vocab_size=2048, vocab_data=train_rows, ttt_steps=1)
