@@ -18,7 +18,7 @@ from specheads.decoding.drafters import TreeShape
 from specheads.errors import user_errors
 from specheads.evaluation.benchmarks import BenchmarkSpec
 from specheads.evaluation.report import write_report
-from specheads.evaluation.suite import EvalConfig, ServingProfiles, evaluate, plan_methods
+from specheads.evaluation.suite import EvalConfig, ServingProfiles, evaluate, plan_methods, verifier_for
 from specheads.targets import load_target
 
 log = logging.getLogger("specheads.evaluate")
@@ -91,7 +91,13 @@ def run(cfg: DictConfig) -> dict:
                            cfg.medusa_tree_nodes, cfg.verify)
     ecfg = EvalConfig(methods, BenchmarkSpec(**ev), max_new, tuple(cfg.temperatures), tuple(cfg.batch_sizes),
                       cfg.batch_prompts, cfg.seed)
-    target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.device)
+    target_path = cfg.target.name_or_path
+    adapted = verifier_for(cfg.head_method, cfg.head_dir)
+    if adapted:
+        log.info("Medusa-2 head: its adapted target %s is the verifier (plain decoding and the lossless check "
+                 "run on it; the original %s is not used)", adapted, target_path)
+        target_path = adapted
+    target = load_target(target_path, cfg.target.dtype, cfg.target.device)
     with tqdm(desc="evaluate", unit="run") as bar:
         report = evaluate(target, ecfg, progress=lambda msg: (bar.set_postfix_str(msg), bar.update(1)),
                           checkpoint=lambda partial: write_report(partial, cfg.output_dir))

@@ -82,6 +82,7 @@ class Medusa1Schema:
     fc_bias: bool = True
     loss_decay: float = 0.8
     top_k: int = 5
+    train_lm_heads: bool = True
 
 
 @dataclass

@@ -243,6 +243,23 @@ def _check_medusa_target(heads, head_dir: str, target: Target) -> None:
                              f"with target.name_or_path={want} (got target '{target.name}')")
 
 
+def verifier_for(head_method: str | None, head_dir: str | None) -> str | None:
+    """The target a head must be verified by, when the head dictates it: Medusa-2 heads carry their
+    adapted target (``<head>/target``), which replaces the original from then on (plain decoding and
+    the lossless check run on it too). None for every other head."""
+    if head_method != "medusa" or not head_dir:
+        return None
+    head = Path(resolve_head_dir(head_dir))
+    adapted = json.loads((head / "config.json").read_text()).get("adapted_target")
+    if not adapted:
+        return None
+    path = head / adapted
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"the Medusa-2 head {head} names its adapted target '{adapted}/' but {path} "
+                                f"holds no model (config.json missing); re-save it with `specheads train`")
+    return str(path.resolve())
+
+
 def _two_model(spec, target) -> Drafter:
     from specheads.targets import load_target
 

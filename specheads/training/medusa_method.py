@@ -124,12 +124,16 @@ class Medusa1Method:
     feature_spec = FeatureSpec(need_last=True)
 
     def __init__(self, num_heads: int = 5, num_layers: int = 1, fc_bias: bool = True,
-                 loss_decay: float = 0.8, top_k: int = 5):
+                 loss_decay: float = 0.8, top_k: int = 5, train_lm_heads: bool = True):
         self.num_heads, self.num_layers, self.fc_bias = num_heads, num_layers, fc_bias
         self.loss_decay, self.top_k = loss_decay, top_k
+        self.train_lm_heads = train_lm_heads
 
     def build(self, target: Target) -> nn.Module:
         heads = medusa_for_target(target, self.num_heads, self.num_layers, self.fc_bias)
+        # Frozen output layers (copies of the target's LM head): only the residual blocks learn, which
+        # skips the largest weight gradients and optimizer state; the exported layout is unchanged.
+        heads.lm_heads.requires_grad_(self.train_lm_heads)
         return MedusaObjective(heads, self.loss_decay, self.top_k)
 
     def loss(self, model, batch, target) -> StepOutput:
@@ -240,7 +244,7 @@ class Medusa2Method:
                  top_k: int = 5, adapter: str = "lora", lora_r: int = 16, lora_alpha: int = 32,
                  lora_dropout: float = 0.0, lora_target_modules: str | list[str] = "all-linear",
                  target_loss: str = "kl", target_weight: float = 1.0, heads_weight: float = 1.0,
-                 kl_temperature: float = 1.0, heads_warmup_steps: int = 0):
+                 kl_temperature: float = 1.0, heads_warmup_steps: int = 0, train_lm_heads: bool = True):
         if adapter not in ("lora", "full"):
             raise ValueError(f"medusa2 adapter must be 'lora' or 'full', got {adapter!r}")
         if target_loss not in ("kl", "lm"):
@@ -252,6 +256,7 @@ class Medusa2Method:
                          else list(lora_target_modules))
         self.target_loss, self.target_weight, self.heads_weight = target_loss, target_weight, heads_weight
         self.kl_temperature, self.heads_warmup_steps = kl_temperature, heads_warmup_steps
+        self.train_lm_heads = train_lm_heads
         self.step = 0
 
     def on_step_start(self, step: int) -> None:
@@ -260,6 +265,7 @@ class Medusa2Method:
     def build(self, target: Target) -> nn.Module:
         """Injects LoRA into ``target.model`` in place (adapters on = adapted, off = original)."""
         heads = medusa_for_target(target, self.num_heads, self.num_layers, self.fc_bias)
+        heads.lm_heads.requires_grad_(self.train_lm_heads)
         reference = None
         if self.adapter == "lora":
             from peft import LoraConfig, get_peft_model

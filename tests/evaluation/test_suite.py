@@ -78,3 +78,18 @@ def test_plan_methods_profiles(tmp_path):
         plan_methods("medusa", None)
     with pytest.raises(ValueError, match="baseline 'foo'"):
         plan_methods(None, None, ["foo"])
+
+
+def test_verifier_for_medusa2_heads_is_their_adapted_target(target, head_dirs, tmp_path):
+    from specheads.evaluation.suite import verifier_for
+    from specheads.heads.medusa import MedusaHeads
+
+    assert verifier_for("medusa", str(head_dirs / "medusa")) is None  # Medusa-1: the original target
+    assert verifier_for("eagle1", str(head_dirs / "eagle1")) is None
+    heads = MedusaHeads.from_pretrained(head_dirs / "medusa")
+    heads.config.adapted_target = "target"
+    heads.save_pretrained(tmp_path / "m2")
+    with pytest.raises(FileNotFoundError, match="adapted target 'target/'"):
+        verifier_for("medusa", str(tmp_path / "m2"))
+    target.model.save_pretrained(tmp_path / "m2" / "target")
+    assert verifier_for("medusa", str(tmp_path / "m2")) == str((tmp_path / "m2" / "target").resolve())

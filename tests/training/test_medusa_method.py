@@ -99,3 +99,17 @@ def test_bfloat16_target_trains_float32_heads(tmp_path, method):
     s = _run(method, tmp_path, 2, target)
     assert s["steps"] == 2 and 0 <= s["eval"]["head0_top1_acc"] <= 1
     assert MedusaHeads.from_pretrained(tmp_path / "head").lm_heads[0].weight.dtype == torch.float32
+
+
+def test_frozen_output_layers_stay_equal_to_the_target_lm_head(tmp_path):
+    """train_lm_heads=False: only the residual blocks learn; the saved output layers are still the
+    target's LM head (so the exported layout is unchanged)."""
+    target = _tiny()
+    _run(Medusa1Method(num_heads=2, train_lm_heads=False), tmp_path, 4, target)
+    heads = MedusaHeads.from_pretrained(tmp_path / "head")
+    for k in range(2):
+        torch.testing.assert_close(heads.lm_heads[k].weight, target.lm_head.weight, rtol=0, atol=0)
+    assert any(float(b.detach().abs().max()) > 0 for n, b in heads.blocks.named_parameters() if "weight" in n)
+    _run(Medusa1Method(num_heads=2), tmp_path / "trained", 4, _tiny())
+    moved = MedusaHeads.from_pretrained(tmp_path / "trained" / "head")
+    assert not torch.equal(moved.lm_heads[0].weight, target.lm_head.weight)
