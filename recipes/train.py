@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, List, Optional
 
 import hydra
@@ -176,7 +177,26 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if hasattr(method, "bind"):  # methods whose features depend on the target (EAGLE-3's layer ids)
         method.bind(target)
     train_src, eval_src = build_data(cfg, method, target)
-    return train(method, target, train_src, tcfg, ocfg, eval_src, acc)
+    summary = train(method, target, train_src, tcfg, ocfg, eval_src, acc)
+    if eval_src is not None and acc.is_main_process:
+        add_bigram_baselines(summary, train_src, eval_src, cfg)
+    return summary
+
+
+def add_bigram_baselines(summary: dict[str, Any], train_src, eval_src, cfg: DictConfig) -> None:
+    """Bigram baselines fitted on the same training rows, scored on the same held-out rows, beside the
+    head's own accuracy against the data tokens; rewrites train_summary.json."""
+    from specheads.data.store import atomic_write_json
+    from specheads.training.baselines import bigram_report
+
+    base = bigram_report(train_src.dataset, train_src.indices, eval_src.indices, max_length=cfg.data.max_length)
+    summary["baselines"] = base
+    ev = summary.get("eval") or {}
+    head = ev.get("data0_acc", ev.get("head0_top1_acc"))
+    if head is not None:
+        summary["beats_bigram"] = bool(head > base["bigram_d1_acc"])
+        log.info("held-out top-1 against the data: head %.4f vs bigram %.4f (same rows)", head, base["bigram_d1_acc"])
+    atomic_write_json(Path(cfg.output_dir) / "train_summary.json", summary)
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")

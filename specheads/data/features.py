@@ -216,6 +216,11 @@ class TokenDataset(Dataset):
         return [{"id": str(ids[j]), "input_ids": torch.tensor(cols["input_ids"][j], dtype=torch.long),
                  "loss_mask": torch.tensor(cols["loss_mask"][j], dtype=torch.long)} for j in range(len(indices))]
 
+    def token_rows(self, indices: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """(input_ids, loss_mask) lists of the samples ``indices`` (for count baselines)."""
+        cols = self.dataset[list(indices)]
+        return cols["input_ids"], cols["loss_mask"]
+
 
 # --------------------------------------------------------------------------- collection
 
@@ -485,6 +490,16 @@ class FeatureDataset(Dataset):
             check_shard_file(self.root, rec, full=self.verify)
             self._handles[s] = safe_open(str(self.root / rec.file), framework="pt")
         return self._handles[s]
+
+    def token_rows(self, indices: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """(input_ids, loss_mask) lists of the samples ``indices``, features left unread."""
+        ids, masks = [], []
+        for i in indices:
+            s, a, b = self.locations[i]
+            f = self._shard(s)
+            ids.append(f.get_slice("input_ids")[a:b].tolist())
+            masks.append(f.get_slice("loss_mask")[a:b].tolist())
+        return ids, masks
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         s, a, b = self.locations[i]

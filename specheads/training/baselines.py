@@ -78,3 +78,25 @@ def bigram_accuracy(train_rows, held_rows, distance: int = 1) -> float:
     model = BigramBaseline(distance).fit(*cols(train_rows))
     correct, total = model.accuracy(*cols(held_rows))
     return correct / total if total else float("nan")
+
+
+def bigram_report(dataset, train_idx, held_idx, distances=(1, 2, 3), max_length: int | None = None) -> dict[str, float]:
+    """Held-out top-1 accuracy of bigram baselines fitted on the training rows of ``dataset``.
+
+    dataset: anything with ``token_rows(indices) -> (input_ids lists, loss_mask lists)`` (a
+    ``TokenDataset`` or ``FeatureDataset``); rows are cut to ``max_length`` as training cuts them.
+    Returns ``{"bigram_d{d}_acc": ...}`` for each distance (d = 1: the last token known when a draft
+    of ``ids[t+2]`` is made; Medusa head k / EAGLE step k compare with ``d = k + 1``).
+    """
+    def cut(rows):
+        ids, masks = rows
+        if max_length:
+            ids, masks = [r[:max_length] for r in ids], [m[:max_length] for m in masks]
+        return ids, masks
+
+    train_rows, held_rows = cut(dataset.token_rows(train_idx)), cut(dataset.token_rows(held_idx))
+    out = {}
+    for d in distances:
+        correct, total = BigramBaseline(d).fit(*train_rows).accuracy(*held_rows)
+        out[f"bigram_d{d}_acc"] = correct / total if total else float("nan")
+    return out

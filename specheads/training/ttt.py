@@ -122,7 +122,8 @@ def unrolled_accuracy(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor
     draft logits are computed ``chunk`` rows at a time.
     A target token outside the draft vocabulary counts as a miss. Returns sums
     ``step{i}_correct / step{i}_total`` (step i alone, earlier inputs teacher-forced) and
-    ``joint{i}_correct / joint{i}_total`` (steps 0..i all right at the same position).
+    ``joint{i}_correct / joint{i}_total`` (steps 0..i all right at the same position) and
+    ``data{i}_correct / data{i}_total`` (step i's prediction equals the data token ``ids[t+2+i]``).
     """
     out: dict[str, float] = {}
     all_right = torch.ones_like(reference, dtype=torch.bool)
@@ -134,6 +135,13 @@ def unrolled_accuracy(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor
         all_right &= right
         b, t = step_rows(batch, i)
         out[f"step{i}_correct"] = float(right[b, t].sum())
+        # Against the data token itself (what a count baseline such as a bigram is scored on).
+        ids = batch["input_ids"]
+        data = torch.zeros_like(all_right)
+        if T - 2 - i > 0:
+            data[:, : T - 2 - i] = pred[:, : T - 2 - i] == ids[:, 2 + i:]
+        out[f"data{i}_correct"] = float(data[b, t].sum())
+        out[f"data{i}_total"] = float(b.numel())
         out[f"step{i}_total"] = float(b.numel())
         out[f"joint{i}_correct"] = float(all_right[b, t].sum())
         out[f"joint{i}_total"] = float(b.numel())

@@ -70,6 +70,10 @@ def test_recipe_trains_each_medusa_method(setup, tmp_path, method):
     assert summary["steps"] == 3 and summary["method"] == method
     written = json.loads((tmp_path / "train_summary.json").read_text())
     assert written["tau_estimate"] >= 1 and "head1_top1_acc" in written["eval"]
+    # Bigram baselines from the same split, written beside the head's accuracy.
+    assert set(written["baselines"]) == {"bigram_d1_acc", "bigram_d2_acc", "bigram_d3_acc"}
+    assert 0 <= written["baselines"]["bigram_d1_acc"] <= 1
+    assert written["beats_bigram"] == (written["eval"]["head0_top1_acc"] > written["baselines"]["bigram_d1_acc"])
     assert (tmp_path / "head" / "config.json").exists() and (tmp_path / "checkpoints" / "step_0000003").is_dir()
     if method == "medusa2":
         assert (tmp_path / "head" / "target" / "config.json").exists()
@@ -121,3 +125,14 @@ def test_recipe_reads_an_offline_feature_store(setup, tmp_path):
                   "optim.warmup_steps=0", "optim.lr=0.01")
     summary = load_recipe().run(cfg)
     assert summary["steps"] == 3 and 0 <= summary["eval"]["head0_top1_acc"] <= 1
+    # The store's token rows (features unread) are the prepared rows they were collected from.
+    from specheads.data.features import FeatureDataset, TokenDataset
+    from specheads.training.baselines import bigram_report
+    from specheads.training.engine import split_rows
+
+    fd, td = FeatureDataset(store), TokenDataset(load_prepared(prepared)[0])
+    where = {str(i): k for k, i in enumerate(td.dataset["id"])}
+    tr, held = split_rows(len(fd), min(8, len(fd) // 10), 0)
+    as_prepared = bigram_report(td, [where[fd.ids[i]] for i in tr], [where[fd.ids[i]] for i in held])
+    assert summary["baselines"] == as_prepared
+    assert fd.token_rows(held)[0] == td.token_rows([where[fd.ids[i]] for i in held])[0]

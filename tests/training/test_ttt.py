@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.testing import assert_close
 
 from specheads.heads.eagle import Eagle1Config, Eagle1Model
@@ -127,3 +128,41 @@ def test_unrolled_accuracy_counts_and_tau():
     assert s["step0_acc"] == 1.0
     assert s["tau_estimate"] == pytest.approx(tau_estimate([1.0, s["step1_acc"], s["step2_acc"]]))
     assert tau_estimate([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+
+
+class _Oracle:
+    """A drafter whose step-i guess at t is ``plan[b, t + 2 + i]`` (token ids as one-hot logits)."""
+
+    num_draft_layers = 1
+
+    def __init__(self, plan, vocab):
+        self.plan, self.vocab = plan, vocab
+
+    def decode(self, hidden, input_ids, position_ids, attn_mask=None, cache=None):
+        nxt = torch.zeros_like(input_ids)
+        n = input_ids.shape[1]
+        shift = int(position_ids[0, 0]) + 2
+        nxt[:, : max(n - shift, 0)] = self.plan[:, shift:]
+        return F.one_hot(nxt, self.vocab).float()
+
+    def logits(self, h):
+        return h
+
+    def to_target_ids(self, ids):
+        return ids
+
+
+def test_unrolled_accuracy_against_data_tokens():
+    """data{i}: step i at t scored against ids[t+2+i]; a guess plan equal to the data on row 0 and
+    wrong on row 1 gives exactly row 0's assistant positions."""
+    V = 50
+    ids = torch.randint(1, V, (2, T))
+    plan = ids.clone()
+    plan[1] = 0  # row 1: never the data token (ids >= 1)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # row 0: the first 5 tokens are not trained
+    batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": torch.ones_like(ids)}
+    m = unrolled_accuracy(_Oracle(plan, V), torch.zeros(2, T, 4), batch, torch.zeros_like(ids), 2)
+    assert m["data0_total"] == (T - 5) + (T - 2)
+    assert m["data0_correct"] == T - 5
+    assert m["data1_correct"] == T - 5 and m["data1_total"] == (T - 5) + (T - 3)
