@@ -6,7 +6,7 @@
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import hydra
 import torch
@@ -50,6 +50,7 @@ class EvaluateSchema:
     output_dir: str = MISSING
     head_method: Optional[str] = None
     head_dir: Optional[str] = None
+    heads: Dict[str, str] = field(default_factory=dict)
     baselines: list = field(default_factory=lambda: ["ngram", "early_exit"])
     two_model: Optional[str] = None
     chain_k: int = 4
@@ -88,11 +89,23 @@ def run(cfg: DictConfig) -> dict:
                            TreeShape("dynamic", **cfg.tree), ServingProfiles(**cfg.serving),
                            cfg.early_exit_layers, cfg.ngram_max, cfg.two_model,
                            OmegaConf.to_container(cfg.medusa_choices) if cfg.medusa_choices else None,
-                           cfg.medusa_tree_nodes, cfg.verify)
+                           cfg.medusa_tree_nodes, cfg.verify, allow_empty=bool(cfg.heads))
+    for name, path in (cfg.heads or {}).items():  # more heads in the same report (one plain pass for all)
+        if name == cfg.head_method:
+            raise ValueError(f"heads.{name} repeats head_method={name}: give each drafter family once")
+        methods[:0] = plan_methods(name, path, [], cfg.chain_k, TreeShape("dynamic", **cfg.tree),
+                                   ServingProfiles(**cfg.serving), medusa_choices=(
+                                       OmegaConf.to_container(cfg.medusa_choices) if cfg.medusa_choices else None),
+                                   medusa_tree_nodes=cfg.medusa_tree_nodes, verify=cfg.verify, allow_empty=True)
     ecfg = EvalConfig(methods, BenchmarkSpec(**ev), max_new, tuple(cfg.temperatures), tuple(cfg.batch_sizes),
                       cfg.batch_prompts, cfg.seed)
     target_path = cfg.target.name_or_path
     adapted = verifier_for(cfg.head_method, cfg.head_dir)
+    for name, path in (cfg.heads or {}).items():
+        other = verifier_for(name, path)
+        if other and other != adapted:
+            raise ValueError(f"heads.{name} ({path}) is a Medusa-2 head verified by its own adapted target; "
+                             f"evaluate it on its own (head_method=medusa head_dir={path})")
     if adapted:
         log.info("Medusa-2 head: its adapted target %s is the verifier (plain decoding and the lossless check "
                  "run on it; the original %s is not used)", adapted, target_path)

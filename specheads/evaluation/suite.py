@@ -351,7 +351,8 @@ class ServingProfiles:
 def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "early_exit"),
                  chain_k: int = 4, tree: TreeShape | None = None, serving: ServingProfiles | None = None,
                  early_exit_layers: int = 8, ngram_max: int = 3, two_model: str | None = None,
-                 medusa_choices=None, medusa_tree_nodes: int = 24, verify: str = "auto") -> list[MethodSpec]:
+                 medusa_choices=None, medusa_tree_nodes: int = 24, verify: str = "auto",
+                 allow_empty: bool = False) -> list[MethodSpec]:
     """The method list for an evaluation: the head's own tree, its serving profiles, and baselines."""
     tree = tree or TreeShape("dynamic", depth=5, topk=4, total_tokens=24)
     serving = serving or ServingProfiles()
@@ -383,6 +384,6 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
             out.append(MethodSpec(f"two_model-chain{chain_k}", "two_model", chain, verify, draft_model=two_model))
         else:
             raise ValueError(f"baseline '{b}': use ngram, early_exit or two_model")
-    if not out:
+    if not out and not allow_empty:
         raise ValueError("nothing to evaluate: give method + head_dir, or baselines")
     return out

@@ -31,3 +31,29 @@ def test_typo_is_an_error():
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         with pytest.raises(Exception, match="chain_kk"):
             compose("evaluate", ["chain_kk=3"])
+
+
+def test_more_heads_in_one_report(tmp_path):
+    """heads.<family>=<dir> adds that head's methods before the main head's; baselines stay last."""
+    mod = _load_recipe()
+    for fam in ("medusa", "eagle1"):
+        (tmp_path / fam).mkdir()
+        (tmp_path / fam / "config.json").write_text("{}")
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("evaluate", [f"+heads.medusa={tmp_path / 'medusa'}", f"+heads.eagle1={tmp_path / 'eagle1'}",
+                                   "baselines=[ngram]"])
+    assert dict(cfg.heads) == {"medusa": str(tmp_path / "medusa"), "eagle1": str(tmp_path / "eagle1")}
+    captured = {}
+
+    class Planned(Exception):
+        pass
+
+    def fake_evaluate(target, ecfg, **kw):
+        captured["cfg"] = ecfg
+        raise Planned
+
+    mod.evaluate, mod.load_target = fake_evaluate, lambda *a, **k: None
+    with pytest.raises(Planned):
+        mod.run(cfg)
+    names = [m.name for m in captured["cfg"].methods]
+    assert names == ["eagle1-tree", "eagle1-sglang", "eagle1-vllm", "medusa-tree", "medusa-vllm", "ngram-chain4"]
