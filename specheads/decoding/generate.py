@@ -63,8 +63,14 @@ class GenerationResult:
 def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts: Sequence[Sequence[int]],
                          max_new_tokens: int, temperature: float = 0.0, method: str = "auto",
                          eos_ids: Sequence[int] = (), generator: torch.Generator | None = None,
-                         verify_fn: VerifyFn = verify) -> GenerationResult:
-    """Decode a batch of prompts with ``drafter`` (None = plain decoding). Returns new tokens and stats."""
+                         verify_fn: VerifyFn = verify, verify_backend: str | None = None) -> GenerationResult:
+    """Decode a batch of prompts with ``drafter`` (None = plain decoding). Returns new tokens and stats.
+
+    verify_backend: None verifies row by row with ``verify_fn`` (the exact references); ``auto``,
+    ``torch`` or ``triton`` verifies greedy steps (T = 0) of the whole batch in one call of
+    ``verify_greedy_batched`` (``auto`` = the fused Triton kernel on CUDA, else the batched
+    reference). Sampling steps always go row by row through ``verify_fn``.
+    """
     drafter = drafter or NoDrafter()
     runner.aux_layers = tuple(drafter.aux_layers)
     t_start = time.perf_counter()
@@ -89,11 +95,14 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts:
         target_time += t2 - t1
         sizes.append(sum(1 + trees[b].size for b in range(len(seqs)) if active[b]))
         keeps, news = [], []
+        batched = _verify_batch(out.logits, trees, active, verify_backend) \
+            if verify_backend and (temperature <= 0 or method == "greedy") else None
         for b, tree in enumerate(trees):
             if not active[b]:
                 keeps.append([]); news.append([])
                 continue
-            v = verify_fn(method, out.logits[b, : tree.size + 1], tree, temperature, generator)
+            v = batched[b] if batched is not None else \
+                verify_fn(method, out.logits[b, : tree.size + 1], tree, temperature, generator)
             stats[b].add(v, tree)
             keeps.append([0] + [i + 1 for i in v.path])
             news.append([int(tree.tokens[i]) for i in v.path] + [v.bonus])
@@ -135,6 +144,17 @@ def _verify_forward(runner: TargetRunner, seqs, trees: list[DraftTree], active: 
         live[b, : n + 1] = True
     dev = runner.device
     return runner.forward(tok.to(dev), par.to(dev), live.to(dev))
+
+
+def _verify_batch(logits: torch.Tensor, trees: list[DraftTree], active: list[bool], backend: str):
+    """Greedy verdicts of every row in one batched call (inactive rows are empty trees, ignored)."""
+    from specheads.decoding.batched_verify import pack_trees, to_verdicts, verify_greedy_batched
+
+    n = logits.shape[1] - 1
+    tokens, parents = pack_trees([t if active[b] else DraftTree.empty() for b, t in enumerate(trees)], n)
+    tokens, parents = tokens.to(logits.device), parents.to(logits.device)
+    out = verify_greedy_batched(logits, tokens, parents, backend, check=False)
+    return to_verdicts(*out, parents)
 
 
 def _rows(t: torch.Tensor | None, b: int, idx: list[int]) -> torch.Tensor | None:

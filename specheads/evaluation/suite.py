@@ -183,8 +183,11 @@ def _batch_speed(spec, drafter, runner, ids, plain_tokens, prompts, cfg, eos, pr
         exact = True
         for start in range(0, len(pids), bs):
             chunk = pids[start:start + bs]
-            a = speculative_generate(runner, None, chunk, cfg.max_new_tokens, 0.0, "greedy", eos)
-            b = speculative_generate(runner, drafter, chunk, cfg.max_new_tokens, 0.0, "greedy", eos)
+            # Batches verify in one call per step (the fused kernel on a GPU, the batched reference here).
+            a = speculative_generate(runner, None, chunk, cfg.max_new_tokens, 0.0, "greedy", eos,
+                                     verify_backend="auto")
+            b = speculative_generate(runner, drafter, chunk, cfg.max_new_tokens, 0.0, "greedy", eos,
+                                     verify_backend="auto")
             t_plain += a.wall_time - a.prefill_time; t_spec += b.wall_time - b.prefill_time
             n_plain += sum(map(len, a.tokens)); n_spec += sum(map(len, b.tokens))
             fw += b.target_forwards; steps += len(b.batch_forward_sizes)

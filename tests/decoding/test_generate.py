@@ -88,3 +88,30 @@ def test_batch_uses_one_target_forward_per_step(target):
     res = speculative_generate(runner, ModelDrafter(target, TreeShape("chain", k=2)), PROMPTS, 9)
     assert res.target_forwards == max(s.steps for s in res.stats)
     assert runner.forward_calls == res.target_forwards + 1  # + prefill
+
+
+def test_batched_greedy_verification_equals_row_by_row(target, reference):
+    """verify_backend='torch': one batched verification call per step gives the same tokens and the
+    same per-depth counts as the per-row references, for chains, trees and a drafter that is always wrong."""
+    import specheads.decoding.batched_verify as bv
+
+    calls = []
+    real = bv.verify_greedy_batched
+
+    def counting(*a, **k):
+        calls.append(a[0].shape[0])
+        return real(*a, **k)
+
+    bv.verify_greedy_batched = counting
+    try:
+        for drafter in [ModelDrafter(target, SHAPES[1], "self"), EarlyExitDrafter(target, 1, SHAPES[3]),
+                        WrongDrafter(target, 3)]:
+            a = speculative_generate(TargetRunner(target), drafter, PROMPTS, 16)
+            calls.clear()
+            b = speculative_generate(TargetRunner(target), drafter, PROMPTS, 16, verify_backend="torch")
+            assert b.tokens == a.tokens == reference
+            assert [(s.tested, s.accepted, s.emitted) for s in b.stats] == \
+                [(s.tested, s.accepted, s.emitted) for s in a.stats]
+            assert len(calls) == b.target_forwards and set(calls) == {len(PROMPTS)}
+    finally:
+        bv.verify_greedy_batched = real
