@@ -39,9 +39,42 @@ def markdown(report: dict) -> str:
              "tokens/s on the same engine (prefill excluded).", "", f"_{GPU_MODEL}_", ""]
     plain = report["plain"]["all"]
     lines += [f"Plain decoding: {_f(plain['tokens_per_s'], 1)} tokens/s.", ""]
+    if report["methods"]:
+        lines += summary_md(report)
     for m in report["methods"]:
         lines += _method_md(m, report)
     return "\n".join(lines) + "\n"
+
+
+def summary_md(report: dict) -> list[str]:
+    """Every method on one line (all prompts), then τ per domain with one column per method."""
+    methods = report["methods"]
+    temps = [str(t) for t in report["temperatures"]]
+    L = ["## Summary", "", "| method | " + " | ".join(f"α T={t} | τ T={t}" for t in temps) +
+         " | speed-up (CPU) | GPU speed-up (pred) | lossless | eval s |",
+         "|" + "---|" * (1 + 2 * len(temps) + 4)]
+    for m in methods:
+        cells = []
+        for t in temps:
+            r = m["by_temperature"].get(t, {}).get("all", {})
+            cells += [_f(r.get("alpha")), _f(r.get("tau"))]
+        r0 = m["by_temperature"].get(temps[0], {}).get("all", {})
+        ll = m.get("lossless")
+        exact = "–" if not ll else ("exact" if ll["exact"] else f"{len(ll['mismatches'])} mismatches")
+        L.append(f"| {m['name']} | " + " | ".join(cells) + f" | {_f(r0.get('speedup'))} | "
+                 f"{_f(r0.get('gpu_speedup_pred'))} | {exact} | {_f(m.get('eval_seconds'), 0)} |")
+    L.append("")
+    for t in temps:
+        domains = list(next((m["by_temperature"][t] for m in methods if t in m["by_temperature"]), {}))
+        if not domains:
+            continue
+        L += [f"τ per domain at T={t}:", "", "| domain | " + " | ".join(m["name"] for m in methods) + " |",
+              "|" + "---|" * (1 + len(methods))]
+        for d in domains:
+            L.append(f"| {d} | " + " | ".join(_f(m["by_temperature"].get(t, {}).get(d, {}).get("tau"))
+                                               for m in methods) + " |")
+        L.append("")
+    return L
 
 
 def _method_md(m: dict, report: dict) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -83,10 +84,13 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     prompts = load_benchmarks(cfg.benchmarks)
     eos = _eos_ids(target)
     runner = TargetRunner(target.model)
+    t0 = time.perf_counter()
     ids, plain = _plain_pass(target, runner, prompts, cfg, eos, progress)
+    plain_seconds = time.perf_counter() - t0
     report = {"target": target.name, "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
               "temperatures": list(cfg.temperatures), "target_params": _nparams(target.model),
-              "plain": {d: s.to_dict() for d, s in by_domain(plain).items()}, "methods": []}
+              "plain": {d: s.to_dict() for d, s in by_domain(plain).items()}, "plain_seconds": plain_seconds,
+              "methods": []}
     plain_tokens = {p.id: r for p, r in zip(prompts, ids["tokens"])}
     checkpoint(report)
     for spec in cfg.methods:
@@ -131,6 +135,7 @@ def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_token
            "draft_params_per_forward": drafter.params_per_forward, "by_temperature": {}}
     c_gpu = drafter.params_per_forward / _nparams(target.model)
     out["c_gpu"] = c_gpu
+    t_start = time.perf_counter()
     plain_dom = by_domain(plain)
     for T in cfg.temperatures:
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -152,8 +157,10 @@ def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_token
         out["by_temperature"][str(T)] = doms
         if T == 0:
             out["lossless"] = {"checked": len(prompts), "mismatches": mism, "exact": not mism}
+        out["eval_seconds"] = time.perf_counter() - t_start
         partial(out)
     out["batch"] = _batch_speed(spec, drafter, runner, ids, plain_tokens, prompts, cfg, eos, progress)
+    out["eval_seconds"] = time.perf_counter() - t_start
     return out
 
 

@@ -65,6 +65,15 @@ def test_evaluate_every_family(target, head_dirs, tmp_path):
         assert (tmp_path / paths[key].split("/")[-1]).exists()
     md = (tmp_path / "report.md").read_text()
     assert "Lossless check" in md and "| all |" in md
+    # The summary: one line per method, then τ per domain with one column per method.
+    summary = md.split("## Summary")[1].split("\n## ")[0]
+    for m in report["methods"]:
+        assert f"| {m['name']} | " in summary and m["eval_seconds"] > 0
+    tau_rows = [line for line in summary.splitlines() if line.startswith("| coding |")]
+    assert len(tau_rows) == 2  # T=0 and T=1
+    want = " | ".join(f"{m['by_temperature']['0.0']['coding']['tau']:.2f}" for m in report["methods"])
+    assert tau_rows[0] == f"| coding | {want} |"
+    assert report["plain_seconds"] > 0
 
 
 def test_plan_methods_profiles(tmp_path):
