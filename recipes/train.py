@@ -55,6 +55,9 @@ class LoopSchema:
     keep_checkpoints: int = 2
     resume: str = "auto"
     progress: bool = True
+    measure_prompts: int = 4
+    measure_k: int = 3
+    measure_tokens: int = 32
 
 
 @dataclass

@@ -249,6 +249,18 @@ class Target:
         return TargetFeatures(aux=tuple(captured[i] for i in aux_layers), last=last)
 
 
+def eos_token_ids(target: "Target") -> list[int]:
+    """Every end-of-sequence id the target's generation config, model config or tokenizer names."""
+    ids = set()
+    for src in (getattr(target.model, "generation_config", None), target.config, target.tokenizer):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, (list, tuple)):
+            ids.update(int(x) for x in e)
+    return sorted(ids)
+
+
 @contextmanager
 def capture_layer_inputs(layers: nn.ModuleList, layer_ids: Sequence[int]) -> Iterator[dict[int, torch.Tensor]]:
     """Forward pre-hooks recording the hidden-state input of each chosen decoder layer."""

@@ -25,7 +25,7 @@ from specheads.decoding.verify import LOSSLESS
 from specheads.evaluation.benchmarks import BenchmarkSpec, EvalPrompt, encode, load_benchmarks
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup
 from specheads.evaluation.recommend import recommend
-from specheads.targets import Target
+from specheads.targets import Target, eos_token_ids
 
 log = logging.getLogger(__name__)
 DRAFTERS = ("ngram", "early_exit", "two_model", "medusa", "eagle1", "eagle3")
@@ -326,14 +326,7 @@ def medusa_rank_accuracy(heads, target: Target, prompts: list[list[int]], answer
 
 
 def _eos_ids(target: Target) -> list[int]:
-    ids = set()
-    for src in (getattr(target.model, "generation_config", None), target.config, target.tokenizer):
-        e = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(e, int):
-            ids.add(e)
-        elif isinstance(e, (list, tuple)):
-            ids.update(int(x) for x in e)
-    return sorted(ids)
+    return eos_token_ids(target)
 
 
 def _nparams(model) -> int:

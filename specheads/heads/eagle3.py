@@ -238,6 +238,13 @@ class Eagle3Method:
         """Engine hook: ``tau_estimate`` from the per-step accuracies (and ``tau_joint``)."""
         return summarize_steps(metrics)
 
+    @staticmethod
+    def drafter(model, shape):
+        """The drafter the evaluator uses (measured acceptance during training)."""
+        from specheads.decoding.head_drafters import EagleDrafter
+
+        return EagleDrafter(getattr(model, "module", model), shape, "eagle3")
+
     def save(self, model: Eagle3Model, out_dir: str, target: Target) -> None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out_dir)

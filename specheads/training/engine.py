@@ -95,6 +95,11 @@ class TrainConfig:
     progress: bool = True
     micro_batch_size: int = 1  # only told to DeepSpeed, which wants it in its config
     max_minutes: float | None = None  # time budget: stop (checkpoint, evaluate, save) once training took this long
+    # Measured acceptance at each held-out evaluation: decode this many held-out prompts with the head
+    # (greedy, top-1 chain of measure_k drafts, measure_tokens new tokens); 0 turns it off.
+    measure_prompts: int = 4
+    measure_k: int = 3
+    measure_tokens: int = 32
 
 
 # --------------------------------------------------------------------------- methods
@@ -286,10 +291,12 @@ def estimate_tau(metrics: dict[str, float]) -> tuple[float | None, str]:
 
 
 @torch.no_grad()
-def evaluate(method: Method, model: nn.Module, target: Target, source: BatchSource, accelerator) -> dict[str, float]:
+def evaluate(method: Method, model: nn.Module, target: Target, source: BatchSource, accelerator,
+             measure: dict | None = None) -> dict[str, float]:
     """Held-out metrics: ``Method.evaluate`` sums over this rank's batches (every ``world``-th, a
     ragged tail included), summed over processes. The unwrapped module is used, so ranks need not
-    run in lockstep; under ZeRO-3 (whose forward gathers parameters) they do, and a ragged tail is dropped."""
+    run in lockstep; under ZeRO-3 (whose forward gathers parameters) they do, and a ragged tail is dropped.
+    ``measure``: {prompts, k, tokens} for the measured acceptance of a real chain draft (``_measured``)."""
     world, rank = accelerator.num_processes, accelerator.process_index
     unwrapped = accelerator.unwrap_model(model)
     was_training = model.training
@@ -319,7 +326,26 @@ def evaluate(method: Method, model: nn.Module, target: Target, source: BatchSour
     if tau is not None:
         metrics["tau_estimate"] = tau
     metrics["_tau_basis"] = basis
+    metrics.update(_measured(method, unwrapped, target, source, accelerator, measure or {}, metrics))
     return metrics
+
+
+def _measured(method, model, target, source, accelerator, measure: dict, metrics: dict) -> dict[str, float]:
+    """Measured τ of a real chain draft on a few held-out prompts, beside the estimate for that chain
+    (main process; skipped under ZeRO-3, whose sharded weights cannot decode on one rank)."""
+    from specheads.training.acceptance import estimate_for_chain, held_out_prompts, measure_acceptance
+
+    n = measure.get("prompts", 0)
+    ds = getattr(accelerator.state, "deepspeed_plugin", None)
+    if not n or not hasattr(method, "drafter") or not accelerator.is_main_process or (ds and ds.zero_stage == 3):
+        return {}
+    prompts = held_out_prompts(source.batches(0), n)
+    out = measure_acceptance(method, model, target, prompts, measure["k"], measure["tokens"])
+    est = estimate_for_chain(metrics, int(out.get("measured_k", measure["k"])))
+    if out and est is not None:
+        out["tau_estimate_chain"] = est
+        out["tau_gap"] = out["measured_tau"] - est
+    return out
 
 
 # --------------------------------------------------------------------------- logging
@@ -522,11 +548,15 @@ def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, sch
         logger.log(st.step, record, to_wandb=st.step % max(1, cfg.log_every) == 0)
         logger.progress(st.step, loss, record["lr"])
         if eval_data is not None and cfg.eval_every and st.step % cfg.eval_every == 0 and st.step < cfg.max_steps:
-            last_eval = evaluate(method, model, target, eval_data, acc)
+            last_eval = evaluate(method, model, target, eval_data, acc, _measure_opts(cfg))
             logger.log(st.step, {f"eval/{k}": v for k, v in last_eval.items()})
         if (cfg.save_every and st.step % cfg.save_every == 0) or st.step == cfg.max_steps:
             save_checkpoint(acc, ckpt_root, st.step, _ckpt_state(st), cfg.keep_checkpoints)
     return last_eval
+
+
+def _measure_opts(cfg: TrainConfig) -> dict[str, int]:
+    return {"prompts": cfg.measure_prompts, "k": cfg.measure_k, "tokens": cfg.measure_tokens}
 
 
 def _ckpt_state(st: _State) -> dict[str, Any]:
@@ -564,7 +594,7 @@ def _optimizer_step(method, model, target, stream, cfg, acc, optimizer, params, 
 
 def _finish(method, model, target, eval_data, cfg, acc, st, last_eval, resumed, out: Path) -> dict[str, Any]:
     if eval_data is not None:
-        last_eval = evaluate(method, model, target, eval_data, acc)
+        last_eval = evaluate(method, model, target, eval_data, acc, _measure_opts(cfg))
         if acc.is_main_process:
             log.info("held-out after step %d: %s", st.step,
                      {k: round(v, 4) for k, v in last_eval.items() if isinstance(v, float)})

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specheads.decoding.drafters import TreeShape
 from specheads.heads.medusa import MedusaHeads, medusa_for_target
 from specheads.targets import Target
 from specheads.training.method import FeatureSpec, StepOutput
@@ -151,6 +152,15 @@ class Medusa1Method:
 
     def save(self, model, out_dir: str, target: Target) -> None:
         _heads(model).save_pretrained(out_dir)
+
+    @staticmethod
+    def drafter(model, shape):
+        """The heads as the evaluator's drafter (measured acceptance during training); a chain is
+        capped at the number of heads."""
+        from specheads.decoding.head_drafters import MedusaDrafter
+
+        heads = _heads(model)
+        return MedusaDrafter(heads, TreeShape("chain", k=min(shape.k, heads.config.num_heads)))
 
 
 def _heads(model: nn.Module) -> MedusaHeads:
@@ -285,6 +295,14 @@ class Medusa2Method:
     @torch.no_grad()
     def evaluate(self, model, batch, target) -> dict[str, float]:
         return model(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], mode="eval")
+
+    @staticmethod
+    def drafter(model, shape):
+        """The heads as a drafter; ``target.model`` (adapted in place) verifies them."""
+        from specheads.decoding.head_drafters import MedusaDrafter
+
+        heads = getattr(model, "module", model).heads
+        return MedusaDrafter(heads, TreeShape("chain", k=min(shape.k, heads.config.num_heads)))
 
     def summarize(self, metrics: dict[str, float]) -> dict[str, float]:
         out = {}

@@ -1,0 +1,85 @@
+"""Measured acceptance during training: the head drafts for real on the target, beside the estimate.
+
+At each held-out evaluation the engine can decode a few held-out prompts with the head being trained,
+through the evaluator's engine (``specheads.decoding``: KV-cached target, one verification forward
+per step, greedy verification), as a top-1 chain of ``k`` drafts. The measured τ (tokens per target
+forward, bonus included) is logged beside the τ that the held-out accuracies of the first ``k``
+drafts imply, and the gap between them, so users learn how far the cheap estimate can be trusted.
+
+A method supports this by providing ``drafter(model, shape) -> Drafter``; the target verifies
+(for Medusa-2, the target being adapted: its LoRA weights are live in ``target.model``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+
+from specheads.decoding.drafters import TreeShape
+from specheads.decoding.generate import speculative_generate
+from specheads.decoding.runner import TargetRunner
+from specheads.targets import Target, eos_token_ids
+
+
+def held_out_prompts(batches: Iterable, n: int, max_prompt_tokens: int = 384) -> list[list[int]]:
+    """Up to ``n`` prompts: each held-out row up to its first assistant (loss-masked) token, the
+    assistant header included, cut to its last ``max_prompt_tokens`` tokens."""
+    out: list[list[int]] = []
+    for batch in batches:
+        batch = batch() if callable(batch) else batch
+        for ids, mask, att in zip(batch["input_ids"], batch["loss_mask"], batch["attention_mask"]):
+            first = ((mask > 0) & (att > 0)).nonzero()
+            if len(first) and int(first[0]) >= 2:
+                out.append(ids[: int(first[0])].tolist()[-max_prompt_tokens:])
+            if len(out) >= n:
+                return out
+    return out
+
+
+def estimate_for_chain(metrics: dict[str, float], k: int) -> float | None:
+    """τ a top-1 chain of ``k`` drafts would reach from held-out accuracies: joint accuracies of
+    drafts 0..i (EAGLE ``joint{i}_acc``, Medusa ``chain{i}_acc``) when present, else products of
+    the marginal ones."""
+    for name, conditional in (("joint", True), ("chain", True), ("step", False), ("head", False)):
+        pattern = re.compile(name + r"(\d+)_(?:top1_)?acc$")
+        found = {int(m.group(1)): v for key, v in metrics.items() if (m := pattern.match(key))}
+        if found and all(i in found for i in range(min(k, len(found)))):
+            tau, run = 1.0, 1.0
+            for i in range(min(k, len(found))):
+                run = found[i] if conditional else run * found[i]
+                tau += run
+            return tau
+    return None
+
+
+@torch.no_grad()
+def measure_acceptance(method, model, target: Target, prompts: list[list[int]], k: int = 3,
+                       max_new_tokens: int = 32) -> dict[str, float]:
+    """Greedy chain-of-``k`` speculative decoding of ``prompts`` (batch 1 each) with the head.
+
+    Returns ``measured_tau`` (tokens per target forward), ``measured_alpha`` (accepted ÷ tested
+    drafts), ``measured_prompts`` and ``measured_k``; empty when there is nothing to decode.
+    """
+    if not prompts or not hasattr(method, "drafter"):
+        return {}
+    was_training = model.training
+    model.eval()
+    try:
+        drafter = method.drafter(model, TreeShape("chain", k=k))
+        runner = TargetRunner(target.model)
+        eos = eos_token_ids(target)
+        emitted = steps = tested = accepted = 0
+        for p in prompts:
+            res = speculative_generate(runner, drafter, [p], max_new_tokens, 0.0, "greedy", eos)
+            s = res.stats[0]
+            emitted, steps = emitted + s.emitted, steps + s.steps
+            tested, accepted = tested + sum(s.tested), accepted + sum(s.accepted)
+    finally:
+        model.train(was_training)
+    if not steps:
+        return {}
+    return {"measured_tau": emitted / steps, "measured_alpha": accepted / tested if tested else 0.0,
+            "measured_prompts": float(len(prompts)), "measured_k": float(getattr(drafter, "shape", TreeShape("chain", k=k)).k)}
+

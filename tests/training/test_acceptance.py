@@ -1,0 +1,63 @@
+"""Measured acceptance during training: held-out prompts, the chain estimate, and the engine hook."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import progression_rows, sources
+from specheads.training.acceptance import estimate_for_chain, held_out_prompts, measure_acceptance
+
+
+def test_held_out_prompts_stop_at_the_first_assistant_token():
+    _, held = sources()
+    prompts = held_out_prompts(held.batches(0), 5)
+    rows = progression_rows(64)
+    by_start = {tuple(ids[:4]): ids for ids in rows["input_ids"][48:]}
+    assert len(prompts) == 5
+    for p in prompts:
+        assert len(p) == 4 and tuple(p) in by_start  # the 4 unmasked tokens of a held-out row
+    assert held_out_prompts(held.batches(0), 3, max_prompt_tokens=2)[0] == prompts[0][-2:]
+
+
+def test_estimate_for_chain_prefers_joint_accuracies():
+    joint = {"joint0_acc": 0.5, "joint1_acc": 0.2, "joint2_acc": 0.1, "step0_acc": 0.5, "step1_acc": 0.4}
+    assert estimate_for_chain(joint, 2) == pytest.approx(1 + 0.5 + 0.2)
+    assert estimate_for_chain(joint, 9) == pytest.approx(1.8)  # capped at the drafts measured
+    marginal = {"head0_top1_acc": 0.5, "head1_top1_acc": 0.5, "head0_top5_acc": 0.9}
+    assert estimate_for_chain(marginal, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert estimate_for_chain({"loss": 1.0}, 2) is None
+
+
+def test_engine_logs_measured_tau_equal_to_decoding_with_the_saved_head(tmp_path):
+    from conftest import make_tiny_target
+    from specheads.decoding.drafters import TreeShape
+    from specheads.decoding.generate import speculative_generate
+    from specheads.decoding.head_drafters import MedusaDrafter
+    from specheads.decoding.runner import TargetRunner
+    from specheads.heads.medusa import MedusaHeads
+    from specheads.targets import eos_token_ids
+    from specheads.training.engine import OptimConfig, TrainConfig, train
+    from specheads.training.medusa_method import Medusa1Method
+
+    target = make_tiny_target("llama", hidden=32, layers=2, vocab=256)
+    train_src, held = sources()
+    cfg = TrainConfig(output_dir=str(tmp_path), max_steps=4, save_every=0, eval_every=0, wandb_mode="disabled",
+                      progress=False, measure_prompts=3, measure_k=2, measure_tokens=10)
+    summary = train(Medusa1Method(num_heads=2), target, train_src, cfg, OptimConfig(lr=1e-2), held)
+    ev = summary["eval"]
+    assert ev["measured_k"] == 2 and ev["measured_prompts"] == 3
+    assert 1.0 <= ev["measured_tau"] <= 3.0
+    assert ev["tau_gap"] == pytest.approx(ev["measured_tau"] - ev["tau_estimate_chain"])
+    # The same decoding done independently with the saved head gives the same τ.
+    heads = MedusaHeads.from_pretrained(tmp_path / "head").eval()
+    runner, emitted, steps = TargetRunner(target.model), 0, 0
+    for p in held_out_prompts(held.batches(0), 3):
+        res = speculative_generate(runner, MedusaDrafter(heads, TreeShape("chain", k=2)), [p], 10, 0.0,
+                                   "greedy", eos_token_ids(target))
+        emitted, steps = emitted + res.stats[0].emitted, steps + res.stats[0].steps
+    assert ev["measured_tau"] == pytest.approx(emitted / steps)
+
+
+def test_measure_acceptance_needs_a_drafter_hook():
+    assert measure_acceptance(object(), torch.nn.Linear(1, 1), None, [[1, 2, 3]]) == {}
