@@ -163,10 +163,26 @@ def build_data(cfg: DictConfig, method, target) -> tuple[DatasetBatches, Dataset
     # Hold out at most a tenth of a small set, so training keeps most of the data.
     n_eval = min(cfg.data.eval_samples, len(dataset) // 10)
     train_idx, eval_idx = split_rows(len(dataset), n_eval, cfg.seed)
+    train_idx, eval_idx = keep_chat_heldout_out(dataset, train_idx, eval_idx)
     cut = cfg.data.max_length
     train_src = DatasetBatches(dataset, cfg.data.max_tokens, cfg.data.batch_size, True, cfg.seed, train_idx, cut)
     eval_src = DatasetBatches(dataset, cfg.data.eval_max_tokens, None, False, cfg.seed, eval_idx, cut) if n_eval else None
     return train_src, eval_src
+
+
+def keep_chat_heldout_out(dataset, train_idx: list[int], eval_idx: list[int]) -> tuple[list[int], list[int]]:
+    """Move the evaluator's held-out chat rows (``chat_heldout_ids``) from training to held-out, so the
+    chat domain of ``specheads evaluate`` is never trained on."""
+    from specheads.evaluation.benchmarks import chat_heldout_ids
+
+    ids = dataset.ids if hasattr(dataset, "ids") else [str(x) for x in dataset.dataset["id"]] \
+        if dataset.has_ids else [str(i) for i in range(len(dataset))]
+    held = chat_heldout_ids(list(map(str, ids)))
+    moved = [i for i in train_idx if str(ids[i]) in held]
+    if not moved:
+        return train_idx, eval_idx
+    log.info("%d row(s) of the evaluator's held-out chat slice moved out of training", len(moved))
+    return [i for i in train_idx if str(ids[i]) not in held], sorted(set(eval_idx) | set(moved))
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:

@@ -77,14 +77,21 @@ def load_humaneval(limit: int | None = 4, path: str | Path | None = None) -> lis
     return out
 
 
+def chat_heldout_ids(sample_ids: list[str]) -> set[str]:
+    """The held-out chat slice: the last 1% (at least one) of the sample ids, sorted as strings.
+    Training never trains on these rows (``recipes/train.py`` moves them to its held-out split)."""
+    ids = sorted(sample_ids)
+    return set(ids[len(ids) - max(1, math.ceil(len(ids) / 100)):]) if ids else set()
+
+
 def load_chat_heldout(prepared_dir: str | Path, limit: int | None = 4) -> list[EvalPrompt]:
     """Held-out chat: the last 1% of a prepared dataset's ids (sorted), each cut at its first
     assistant token (the prompt is the conversation up to the first assistant turn)."""
     from specheads.data.prepare import load_prepared
 
     ds, _ = load_prepared(prepared_dir)
-    ids = sorted(range(len(ds)), key=lambda i: str(ds[i]["id"]))
-    held = ids[len(ids) - max(1, math.ceil(len(ids) / 100)):]
+    keep = chat_heldout_ids([str(x) for x in ds["id"]])
+    held = sorted((i for i in range(len(ds)) if str(ds[i]["id"]) in keep), key=lambda i: str(ds[i]["id"]))
     out = []
     for i in held:
         row = ds[i]

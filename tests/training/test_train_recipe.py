@@ -136,3 +136,16 @@ def test_recipe_reads_an_offline_feature_store(setup, tmp_path):
     as_prepared = bigram_report(td, [where[fd.ids[i]] for i in tr], [where[fd.ids[i]] for i in held])
     assert summary["baselines"] == as_prepared
     assert fd.token_rows(held)[0] == td.token_rows([where[fd.ids[i]] for i in held])[0]
+
+
+def test_the_evaluators_chat_slice_is_never_trained_on():
+    from engine_helpers import token_dataset
+    from specheads.evaluation.benchmarks import chat_heldout_ids
+
+    ds = token_dataset(250)  # ids s0..s249: the last 1% as sorted strings is 3 rows
+    held_ids = chat_heldout_ids([f"s{i}" for i in range(250)])
+    assert held_ids == {"s97", "s98", "s99"}
+    rows = [int(i[1:]) for i in held_ids]
+    train_idx, eval_idx = load_recipe().keep_chat_heldout_out(ds, list(range(240)), list(range(240, 250)))
+    assert not set(rows) & set(train_idx) and set(rows) <= set(eval_idx)
+    assert len(train_idx) == 237 and len(eval_idx) == 13
