@@ -26,14 +26,14 @@ log = logging.getLogger("specheads.evaluate")
 
 @dataclass
 class EvalSetSchema:
-    mtbench_per_category: Optional[int] = 2
+    mtbench_per_category: Optional[int] = 1
     mtbench_turns: list = field(default_factory=lambda: [1, 2])
-    humaneval: Optional[int] = 4
-    chat: Optional[int] = 4
+    humaneval: Optional[int] = 2
+    chat: Optional[int] = 2
     chat_dir: Optional[str] = None
     jsonl: Optional[str] = None
     jsonl_limit: Optional[int] = None
-    max_new_tokens: int = 64
+    max_new_tokens: int = 32
 
 
 @dataclass

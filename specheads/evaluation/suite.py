@@ -349,6 +349,7 @@ class ServingProfiles:
     sglang_steps: int = 5
     sglang_topk: int = 4
     sglang_num_draft_tokens: int = 8
+    engines: list = field(default_factory=lambda: ["vllm", "sglang"])  # the profiles to run
 
 
 def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "early_exit"),
@@ -359,6 +360,9 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
     """The method list for an evaluation: the head's own tree, its serving profiles, and baselines."""
     tree = tree or TreeShape("dynamic", depth=5, topk=4, total_tokens=24)
     serving = serving or ServingProfiles()
+    unknown = set(serving.engines) - {"vllm", "sglang"}
+    if unknown:
+        raise ValueError(f"serving.engines: unknown profile(s) {sorted(unknown)}; use vllm and/or sglang")
     out: list[MethodSpec] = []
     if method:
         if not head_dir:
@@ -370,12 +374,14 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                                   medusa_tree_nodes=medusa_tree_nodes))
         elif method in ("eagle1", "eagle3"):
             out.append(MethodSpec(f"{method}-tree", method, tree, verify, head_dir=head_dir))
-            sgl = TreeShape("dynamic", depth=serving.sglang_steps, topk=serving.sglang_topk,
-                            total_tokens=serving.sglang_num_draft_tokens - 1)
-            out.append(MethodSpec(f"{method}-sglang", method, sgl, verify, head_dir=head_dir, profile="sglang"))
+            if "sglang" in serving.engines:
+                sgl = TreeShape("dynamic", depth=serving.sglang_steps, topk=serving.sglang_topk,
+                                total_tokens=serving.sglang_num_draft_tokens - 1)
+                out.append(MethodSpec(f"{method}-sglang", method, sgl, verify, head_dir=head_dir, profile="sglang"))
         else:
             raise ValueError(f"method '{method}': use medusa, eagle1 or eagle3 (or none for baselines only)")
-        out.append(MethodSpec(f"{method}-vllm", method, vllm, verify, head_dir=head_dir, profile="vllm"))
+        if "vllm" in serving.engines:
+            out.append(MethodSpec(f"{method}-vllm", method, vllm, verify, head_dir=head_dir, profile="vllm"))
     chain = TreeShape("chain", k=chain_k)
     for b in baselines or ():
         if b == "ngram":

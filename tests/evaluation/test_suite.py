@@ -83,6 +83,10 @@ def test_plan_methods_profiles(tmp_path):
     sg = names["eagle3-sglang"].shape
     assert (sg.depth, sg.topk, sg.total_tokens) == (6, 8, 31)
     assert names["ngram-chain5"].shape.k == 5
+    only_vllm = [m.name for m in plan_methods("eagle1", str(tmp_path), [], serving=ServingProfiles(engines=["vllm"]))]
+    assert only_vllm == ["eagle1-tree", "eagle1-vllm"]
+    with pytest.raises(ValueError, match="unknown profile"):
+        plan_methods("eagle1", str(tmp_path), [], serving=ServingProfiles(engines=["trtllm"]))
     with pytest.raises(ValueError, match="needs head_dir"):
         plan_methods("medusa", None)
     with pytest.raises(ValueError, match="baseline 'foo'"):
