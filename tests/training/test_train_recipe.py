@@ -132,7 +132,7 @@ def test_recipe_reads_an_offline_feature_store(setup, tmp_path):
 
     fd, td = FeatureDataset(store), TokenDataset(load_prepared(prepared)[0])
     where = {str(i): k for k, i in enumerate(td.dataset["id"])}
-    tr, held = split_rows(len(fd), min(8, len(fd) // 10), 0)
+    tr, held = load_recipe().keep_chat_heldout_out(fd, *split_rows(len(fd), min(8, len(fd) // 10), 0))
     as_prepared = bigram_report(td, [where[fd.ids[i]] for i in tr], [where[fd.ids[i]] for i in held])
     assert summary["baselines"] == as_prepared
     assert fd.token_rows(held)[0] == td.token_rows([where[fd.ids[i]] for i in held])[0]
