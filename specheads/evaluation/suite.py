@@ -82,7 +82,7 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     progress = progress or (lambda msg: None)
     checkpoint = checkpoint or (lambda r: None)
     prompts = load_benchmarks(cfg.benchmarks)
-    eos = _eos_ids(target)
+    eos = eos_token_ids(target)
     runner = TargetRunner(target.model)
     t0 = time.perf_counter()
     ids, plain = _plain_pass(target, runner, prompts, cfg, eos, progress)
@@ -323,10 +323,6 @@ def medusa_rank_accuracy(heads, target: Target, prompts: list[list[int]], answer
                 hits[d] += (top[d, t] == want[:, None]).double().sum(0).cpu()
                 total[d] += len(t)
     return (hits / total.clamp(min=1)[:, None]).tolist()
-
-
-def _eos_ids(target: Target) -> list[int]:
-    return eos_token_ids(target)
 
 
 def _nparams(model) -> int:

@@ -12,7 +12,6 @@ A method supports this by providing ``drafter(model, shape) -> Drafter``; the ta
 
 from __future__ import annotations
 
-import re
 from typing import Iterable
 
 import torch
@@ -41,16 +40,13 @@ def held_out_prompts(batches: Iterable, n: int, max_prompt_tokens: int = 384) ->
 def estimate_for_chain(metrics: dict[str, float], k: int) -> float | None:
     """τ a top-1 chain of ``k`` drafts would reach from held-out accuracies: joint accuracies of
     drafts 0..i (EAGLE ``joint{i}_acc``, Medusa ``chain{i}_acc``) when present, else products of
-    the marginal ones."""
+    the marginal ones (``engine.chain_tau`` over the first ``k`` drafts measured)."""
+    from specheads.training.engine import _indexed, chain_tau
+
     for name, conditional in (("joint", True), ("chain", True), ("step", False), ("head", False)):
-        pattern = re.compile(name + r"(\d+)_(?:top1_)?acc$")
-        found = {int(m.group(1)): v for key, v in metrics.items() if (m := pattern.match(key))}
-        if found and all(i in found for i in range(min(k, len(found)))):
-            tau, run = 1.0, 1.0
-            for i in range(min(k, len(found))):
-                run = found[i] if conditional else run * found[i]
-                tau += run
-            return tau
+        found = _indexed(metrics, name + r"(\d+)_(?:top1_)?acc")
+        if found:
+            return chain_tau(found[:k], conditional)
     return None
 
 
