@@ -6,8 +6,9 @@
 Rows of ``--prepared`` whose ids also appear in ``--skip`` (the training set) are left out; the
 rest are cut to ``--max-length`` tokens, as training cut them. Each head is scored with its
 training method's held-out evaluation (``Method.evaluate``, online features from the target):
-Medusa head k top-1 against the data token, EAGLE step k against the target's argmax and against the
-data token (``data{k}_acc``). Bigram baselines are fitted on every row of ``--skip`` (the data the
+Medusa head k top-1 against the data token and against the target's greedy token
+(``head{k}_argmax_acc``), EAGLE step k against the target's argmax and against the data token
+(``data{k}_acc``). Bigram baselines are fitted on every row of ``--skip`` (the data the
 heads were trained on, so the baselines see at least as much) and scored on the same rows. The larger
 held-out set makes the head-vs-bigram difference less noisy than the training run's small held-out
 split; the standard error of each accuracy is printed beside it. Prints one JSON object.

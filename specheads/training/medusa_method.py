@@ -27,6 +27,7 @@ from torch import nn
 from specheads.decoding.drafters import TreeShape
 from specheads.heads.medusa import MedusaHeads, medusa_for_target
 from specheads.targets import Target
+from specheads.training.losses import target_argmax
 from specheads.training.method import FeatureSpec, StepOutput
 
 ADAPTED_TARGET_DIR = "target"
@@ -65,9 +66,14 @@ def head_losses(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tenso
 
 @torch.no_grad()
 def head_counts(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tensor, labels_ok: torch.Tensor,
-                top_k: int) -> dict[str, float]:
+                top_k: int, greedy_next: torch.Tensor | None = None) -> dict[str, float]:
     """Held-out sums per head: top-1 / top-k correct and totals, plus ``chain{k}``: positions where
-    heads 0..k are all top-1 right, over positions where all their labels count."""
+    heads 0..k are all top-1 right, over positions where all their labels count.
+
+    greedy_next: optional (B, T) long, ``greedy_next[:, j]`` = the target's argmax at ``j - 1`` (its
+    greedy choice for token ``j`` after the data prefix). Adds ``head{k}_argmax``: head k's top-1 at
+    ``t`` against ``greedy_next[:, t+k+2]``, the token greedy verification would compare it with
+    (on data the target wrote itself this equals the data token)."""
     B, T = input_ids.shape
     hidden = hidden.to(heads.lm_heads[0].weight.dtype)
     out: dict[str, float] = {}
@@ -78,20 +84,34 @@ def head_counts(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tenso
         ok = torch.zeros_like(chain_ok)
         ok[:, : max(0, T - s)] = labels_ok[:, s:]
         right = torch.zeros_like(ok)
+        out[f"head{k}_top{top_k}_correct"] = 0.0
+        if greedy_next is not None:
+            out[f"head{k}_argmax_correct"] = 0.0
+            out[f"head{k}_argmax_total"] = float(ok.sum())
         if ok.any():
             logits = heads.head_logits(hidden[ok], k).float()
+            pred = logits.argmax(-1)
             y = input_ids[:, s:][ok[:, : T - s]]
-            right[ok] = logits.argmax(-1) == y
+            right[ok] = pred == y
             kk = min(top_k, logits.shape[-1])
             out[f"head{k}_top{top_k}_correct"] = float((logits.topk(kk, -1).indices == y[:, None]).any(-1).sum())
-        else:
-            out[f"head{k}_top{top_k}_correct"] = 0.0
+            if greedy_next is not None:
+                out[f"head{k}_argmax_correct"] = float((pred == greedy_next[:, s:][ok[:, : T - s]]).sum())
         out[f"head{k}_top1_correct"] = float(right.sum())
         out[f"head{k}_top1_total"] = out[f"head{k}_top{top_k}_total"] = float(ok.sum())
         chain_ok &= ok
         chain_right &= right
         out[f"chain{k}_correct"] = float((chain_right & chain_ok).sum())
         out[f"chain{k}_total"] = float(chain_ok.sum())
+    return out
+
+
+@torch.no_grad()
+def greedy_next_tokens(target: Target, hidden: torch.Tensor, labels_ok: torch.Tensor) -> torch.Tensor:
+    """(B, T) long: at each label ``j`` the target's argmax at ``j - 1`` (its greedy token ``j``), -1 elsewhere."""
+    pos = _next_token_positions(labels_ok)
+    out = torch.full(labels_ok.shape, -1, dtype=torch.long, device=hidden.device)
+    out[:, 1:][labels_ok[:, 1:]] = target_argmax(target.logits, hidden[pos].to(target.dtype))
     return out
 
 
@@ -112,9 +132,9 @@ class MedusaObjective(nn.Module):
         super().__init__()
         self.heads, self.decay, self.top_k = heads, decay, top_k
 
-    def forward(self, hidden_last, input_ids, labels_ok, evaluate: bool = False):
+    def forward(self, hidden_last, input_ids, labels_ok, evaluate: bool = False, greedy_next=None):
         if evaluate:
-            return head_counts(self.heads, hidden_last, input_ids, labels_ok, self.top_k)
+            return head_counts(self.heads, hidden_last, input_ids, labels_ok, self.top_k, greedy_next)
         return head_losses(self.heads, hidden_last, input_ids, labels_ok, self.decay)
 
 
@@ -144,9 +164,9 @@ class Medusa1Method:
     @torch.no_grad()
     def evaluate(self, model, batch, target) -> dict[str, float]:
         hidden, ok = batch["hidden_last"], label_mask(batch)
-        out = model(hidden, batch["input_ids"], ok, evaluate=True)
-        pos = _next_token_positions(ok)
-        base = target.logits(hidden[pos].to(target.dtype)).argmax(-1) == batch["input_ids"][:, 1:][ok[:, 1:]]
+        greedy_next = greedy_next_tokens(target, hidden, ok)
+        out = model(hidden, batch["input_ids"], ok, evaluate=True, greedy_next=greedy_next)
+        base = greedy_next[:, 1:][ok[:, 1:]] == batch["input_ids"][:, 1:][ok[:, 1:]]
         out["target_top1_correct"], out["target_top1_total"] = float(base.sum()), float(base.numel())
         return out
 

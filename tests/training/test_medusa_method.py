@@ -5,7 +5,8 @@ import torch.nn.functional as F
 from engine_helpers import sources
 from specheads.heads.medusa import MedusaHeads, medusa_for_target
 from specheads.training.engine import OptimConfig, TrainConfig, train
-from specheads.training.medusa_method import Medusa1Method, Medusa2Method, head_counts, head_losses
+from specheads.training.medusa_method import (Medusa1Method, Medusa2Method, greedy_next_tokens, head_counts,
+                                              head_losses, label_mask)
 
 
 def _tiny(seed=0):
@@ -41,6 +42,47 @@ def test_held_out_counts_and_chain_are_joint():
     assert c["head1_top1_total"] == c["chain1_total"] == 10
     assert c["chain1_correct"] == c["head1_top1_correct"]  # head 0 always right -> chain = head 1
     assert c["head1_top3_correct"] >= c["head1_top1_correct"]
+
+
+def test_argmax_accuracy_scores_heads_against_the_targets_greedy_tokens():
+    """On data the target wrote greedily, head k's argmax accuracy equals its data accuracy; on other
+    data it is scored against the target's own next-token choices, not the data."""
+    target = _tiny()
+    heads = medusa_for_target(target, num_heads=2)
+    hidden = torch.randn(2, 8, 32)
+    ok = torch.ones(2, 8, dtype=torch.bool)
+    ok[1, 6:] = False
+    nxt = greedy_next_tokens(target, hidden, ok)
+    greedy = target.logits(hidden).argmax(-1)
+    assert torch.equal(nxt[:, 1:][ok[:, 1:]], greedy[:, :-1][ok[:, 1:]])
+    assert (nxt[:, 0] == -1).all() and (nxt[1, 6:] == -1).all()
+    data = torch.randint(0, 256, (2, 8))
+    c = head_counts(heads, hidden, data, ok, top_k=3, greedy_next=nxt)
+    # fresh heads are the target's LM head: head k at t predicts greedy[t], compared with greedy[t+k+1]
+    for k in range(2):
+        s = k + 2
+        rows = ok[:, s:]
+        want = (greedy[:, : 8 - s] == greedy[:, s - 1: 7])[rows]
+        assert c[f"head{k}_argmax_correct"] == float(want.sum())
+        assert c[f"head{k}_argmax_total"] == float(rows.sum())
+    greedy_data = torch.zeros(2, 8, dtype=torch.long)
+    greedy_data[:, 1:] = greedy[:, :-1]  # the target's greedy continuation as the data
+    c = head_counts(heads, hidden, greedy_data, ok, top_k=3, greedy_next=nxt)
+    assert c["head0_argmax_correct"] == c["head0_top1_correct"]
+
+
+def test_medusa1_evaluate_reports_target_accuracy_and_argmax_counts():
+    target = _tiny()
+    method = Medusa1Method(num_heads=2)
+    model = method.build(target)
+    ids = torch.randint(0, 256, (2, 7))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids),
+             "hidden_last": torch.randn(2, 7, 32)}
+    out = method.evaluate(model, batch, target)
+    want = target.logits(batch["hidden_last"]).argmax(-1)[:, :-1] == ids[:, 1:]
+    assert out["target_top1_correct"] == float(want.sum()) and out["target_top1_total"] == 12
+    assert out["head0_argmax_total"] == 10 and out["head1_argmax_total"] == 8
+    assert label_mask(batch).all()
 
 
 def _run(method, out, steps, target, lr=1e-2):
