@@ -30,6 +30,7 @@ FORMAT = "specheads.prepared/1"
 META_FILE = "specheads_meta.json"
 NO_LOSS_TOKENS = "no assistant token within max_length"
 TEMPLATE_REFUSED = "chat template not prefix-stable"
+NO_REGENERATED_ANSWER = "no regenerated answer (prompt over regenerate.max_prompt_tokens, or empty answer)"
 
 
 class DataMismatchError(SpecheadsError, ValueError):
@@ -63,10 +64,13 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
         iter_conversations(cfg.source, cfg.path, cfg.split, report, cfg.domain), cfg.num_samples))
     if not convs:
         raise ValueError(f"no usable conversation in source '{cfg.source}' {cfg.path or ''}: {report.summary()}")
-    if cfg.regenerate is not None:
-        convs = regenerate(target, convs, out_dir.with_name(out_dir.name + ".regen.jsonl"), cfg.regenerate)
-    rows: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": [], "domain": []}
     later = Counter()
+    if cfg.regenerate is not None:
+        asked = len(convs)
+        convs = regenerate(target, convs, out_dir.with_name(out_dir.name + ".regen.jsonl"), cfg.regenerate)
+        if asked > len(convs):
+            later[NO_REGENERATED_ANSWER] += asked - len(convs)
+    rows: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": [], "domain": []}
     truncated = 0
     for conv in convs:
         try:
@@ -93,8 +97,9 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
         "seconds": round(time.time() - t0, 1), "config": _config_key(cfg),
     }
     _write(rows, meta, out_dir)
-    log.info("prepared %d conversations (%d tokens, %d truncated to %d) in %.1f s; %s",
-             meta["num_samples"], meta["num_tokens"], truncated, cfg.max_length, meta["seconds"], report.summary())
+    log.info("prepared %d conversations (%d tokens, %d truncated to %d) in %.1f s; %s%s",
+             meta["num_samples"], meta["num_tokens"], truncated, cfg.max_length, meta["seconds"], report.summary(),
+             "".join(f"; dropped {n} ({why})" for why, n in later.items()))
     return meta
 
 

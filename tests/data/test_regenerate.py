@@ -55,3 +55,16 @@ def test_long_prompt_ends_chat_and_corrupt_journal_is_named(tiny_chat_target, tm
     bad.write_text('{"id": "a", "messages": []}\nnot json\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         read_journal(bad)
+
+
+def test_prepare_counts_chats_that_regeneration_left_without_an_answer(tiny_chat_target, tmp_path):
+    from specheads.data.prepare import NO_REGENERATED_ANSWER, PrepareConfig, prepare
+
+    rows = [{"messages": [{"role": "user", "content": "x " * (200 if i == 1 else 3)},
+                          {"role": "assistant", "content": "a"}]} for i in range(3)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    regen = RegenerateConfig(batch_size=4, max_new_tokens=3, max_turns=1, max_prompt_tokens=40)
+    meta = prepare(tiny_chat_target, PrepareConfig(source="jsonl", path=str(tmp_path / "c.jsonl"), num_samples=None,
+                                                   regenerate=regen), tmp_path / "out")
+    assert meta["num_samples"] == 2
+    assert meta["skipped"][NO_REGENERATED_ANSWER] == 1
