@@ -87,6 +87,7 @@ class Medusa1Schema:
     loss_decay: float = 0.8
     top_k: int = 5
     train_lm_heads: bool = True
+    labels: str = "data"
 
 
 @dataclass

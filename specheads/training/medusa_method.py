@@ -17,7 +17,9 @@ The trainable modules compute their loss inside ``forward`` so DDP/DeepSpeed wra
 from __future__ import annotations
 
 import copy
+import functools
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +29,7 @@ from torch import nn
 from specheads.decoding.drafters import TreeShape
 from specheads.heads.medusa import MedusaHeads, medusa_for_target
 from specheads.targets import Target
-from specheads.training.losses import target_argmax
+from specheads.training.losses import soft_cross_entropy, target_argmax, target_probs
 from specheads.training.method import FeatureSpec, StepOutput
 
 ADAPTED_TARGET_DIR = "target"
@@ -38,12 +40,35 @@ def label_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (batch["loss_mask"] > 0) & (batch["attention_mask"] > 0)
 
 
+@dataclass
+class Teacher:
+    """The frozen target's next-token distribution at chosen positions (self-distillation labels).
+
+    probs: (N, V) float32, row ``row_of[b, p]`` = p_target(token p+1 | ids[..p]); row_of: (B, T) long, -1
+    where not computed (positions whose next token is not a counted label)."""
+
+    probs: torch.Tensor
+    row_of: torch.Tensor
+
+
+@torch.no_grad()
+def teacher_rows(target: Target, hidden: torch.Tensor, labels_ok: torch.Tensor, chunk: int = 1024) -> Teacher:
+    """The target's distribution at every position whose next token is a counted label."""
+    pos = _next_token_positions(labels_ok)
+    probs, _ = target_probs(target.logits, hidden[pos].to(target.dtype), None, chunk)
+    row_of = torch.full(labels_ok.shape, -1, dtype=torch.long, device=hidden.device)
+    row_of[pos] = torch.arange(probs.shape[0], device=hidden.device)
+    return Teacher(probs, row_of)
+
+
 def head_losses(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tensor, labels_ok: torch.Tensor,
-                decay: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                decay: float, teacher: Teacher | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted Medusa loss. hidden (B, T, H), input_ids (B, T), labels_ok (B, T) bool.
 
-    Head k at position t is scored against ids[t+k+2] where labels_ok[t+k+2]; each head's CE is a
-    mean over its labels. Returns (Σ_k decay^k CE_k, {head{k}_loss, head{k}_acc} detached).
+    Head k at position t is trained where labels_ok[t+k+2]: against ids[t+k+2] (CE), or with a
+    ``teacher`` against the target's distribution of that token after the data prefix (soft CE with
+    row t+k+1; Medusa's self-distillation). Each head's loss is a mean over its labels. Returns
+    (Σ_k decay^k loss_k, {head{k}_loss, head{k}_acc (top-1 against the data token)} detached).
     """
     T = input_ids.shape[1]
     hidden = hidden.to(heads.lm_heads[0].weight.dtype)
@@ -55,12 +80,18 @@ def head_losses(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tenso
             break
         ok = labels_ok[:, s:]
         h, y = hidden[:, : T - s][ok], input_ids[:, s:][ok]
-        logits = heads.head_logits(h, k).float()
-        ce = F.cross_entropy(logits, y, reduction="sum") / max(1, y.numel())
+        if teacher is None:
+            logits = heads.head_logits(h, k).float()
+            loss_sum = F.cross_entropy(logits, y, reduction="sum")
+            pred = logits.detach().argmax(-1)
+        else:
+            rows = teacher.row_of[:, s - 1: T - 1][ok]
+            loss_sum, pred = soft_cross_entropy(functools.partial(heads.head_logits, k=k), h, teacher.probs[rows])
+        ce = loss_sum / max(1, y.numel())
         total = total + (decay ** k) * ce
         stats[f"head{k}_loss"] = ce.detach()
         if y.numel():
-            stats[f"head{k}_acc"] = (logits.detach().argmax(-1) == y).float().mean()
+            stats[f"head{k}_acc"] = (pred == y).float().mean()
     return total, stats
 
 
@@ -132,10 +163,10 @@ class MedusaObjective(nn.Module):
         super().__init__()
         self.heads, self.decay, self.top_k = heads, decay, top_k
 
-    def forward(self, hidden_last, input_ids, labels_ok, evaluate: bool = False, greedy_next=None):
+    def forward(self, hidden_last, input_ids, labels_ok, evaluate: bool = False, greedy_next=None, teacher=None):
         if evaluate:
             return head_counts(self.heads, hidden_last, input_ids, labels_ok, self.top_k, greedy_next)
-        return head_losses(self.heads, hidden_last, input_ids, labels_ok, self.decay)
+        return head_losses(self.heads, hidden_last, input_ids, labels_ok, self.decay, teacher)
 
 
 class Medusa1Method:
@@ -145,10 +176,15 @@ class Medusa1Method:
     feature_spec = FeatureSpec(need_last=True)
 
     def __init__(self, num_heads: int = 5, num_layers: int = 1, fc_bias: bool = True,
-                 loss_decay: float = 0.8, top_k: int = 5, train_lm_heads: bool = True):
+                 loss_decay: float = 0.8, top_k: int = 5, train_lm_heads: bool = True, labels: str = "data"):
+        """labels: ``data`` trains head k on the dataset's token t+k+2 (CE); ``target`` on the frozen
+        target's own distribution of that token after the data prefix (soft CE: self-distillation
+        without regenerating the data; the target's LM head runs once more per position)."""
+        if labels not in ("data", "target"):
+            raise ValueError(f"medusa1 labels must be 'data' or 'target', got {labels!r}")
         self.num_heads, self.num_layers, self.fc_bias = num_heads, num_layers, fc_bias
         self.loss_decay, self.top_k = loss_decay, top_k
-        self.train_lm_heads = train_lm_heads
+        self.train_lm_heads, self.labels = train_lm_heads, labels
 
     def build(self, target: Target) -> nn.Module:
         heads = medusa_for_target(target, self.num_heads, self.num_layers, self.fc_bias)
@@ -158,7 +194,9 @@ class Medusa1Method:
         return MedusaObjective(heads, self.loss_decay, self.top_k)
 
     def loss(self, model, batch, target) -> StepOutput:
-        loss, stats = model(batch["hidden_last"], batch["input_ids"], label_mask(batch))
+        ok = label_mask(batch)
+        teacher = teacher_rows(target, batch["hidden_last"], ok) if self.labels == "target" else None
+        loss, stats = model(batch["hidden_last"], batch["input_ids"], ok, teacher=teacher)
         return StepOutput(loss, {k: float(v) for k, v in stats.items()})
 
     @torch.no_grad()
@@ -274,7 +312,11 @@ class Medusa2Method:
                  top_k: int = 5, adapter: str = "lora", lora_r: int = 16, lora_alpha: int = 32,
                  lora_dropout: float = 0.0, lora_target_modules: str | list[str] = "all-linear",
                  target_loss: str = "kl", target_weight: float = 1.0, heads_weight: float = 1.0,
-                 kl_temperature: float = 1.0, heads_warmup_steps: int = 0, train_lm_heads: bool = True):
+                 kl_temperature: float = 1.0, heads_warmup_steps: int = 0, train_lm_heads: bool = True,
+                 labels: str = "data"):
+        if labels != "data":
+            raise ValueError(f"medusa2 trains its heads on the data tokens (labels=data), got labels={labels!r}: "
+                             "the target they would distil from is itself being trained")
         if adapter not in ("lora", "full"):
             raise ValueError(f"medusa2 adapter must be 'lora' or 'full', got {adapter!r}")
         if target_loss not in ("kl", "lm"):

@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from engine_helpers import sources
 from specheads.heads.medusa import MedusaHeads, medusa_for_target
 from specheads.training.engine import OptimConfig, TrainConfig, train
-from specheads.training.medusa_method import (Medusa1Method, Medusa2Method, greedy_next_tokens, head_counts,
-                                              head_losses, label_mask)
+from specheads.training.medusa_method import (Medusa1Method, Medusa2Method, Teacher, greedy_next_tokens, head_counts,
+                                              head_losses, label_mask, teacher_rows)
 
 
 def _tiny(seed=0):
@@ -83,6 +83,40 @@ def test_medusa1_evaluate_reports_target_accuracy_and_argmax_counts():
     assert out["target_top1_correct"] == float(want.sum()) and out["target_top1_total"] == 12
     assert out["head0_argmax_total"] == 10 and out["head1_argmax_total"] == 8
     assert label_mask(batch).all()
+
+
+def test_teacher_rows_align_head_k_with_the_targets_distribution_of_token_t_plus_k_plus_2():
+    target = _tiny()
+    heads = medusa_for_target(target, num_heads=2)
+    ids = torch.randint(0, 256, (2, 7))
+    ok = torch.ones(2, 7, dtype=torch.bool)
+    ok[0, :3] = False
+    hidden = torch.randn(2, 7, 32)
+    t = teacher_rows(target, hidden, ok)
+    b, p = (t.row_of >= 0).nonzero(as_tuple=True)
+    assert torch.equal(ok[b, p + 1], torch.ones_like(b, dtype=torch.bool)) and len(b) == int(ok[:, 1:].sum())
+    torch.testing.assert_close(t.probs[t.row_of[b, p]], torch.softmax(target.logits(hidden[b, p]), -1))
+    # One-hot teacher rows holding the data token make the soft loss the data CE, term for term.
+    onehot = torch.zeros_like(t.probs)
+    onehot[t.row_of[b, p], ids[b, p + 1]] = 1.0
+    soft, soft_stats = head_losses(heads, hidden, ids, ok, 0.8, Teacher(onehot, t.row_of))
+    hard, hard_stats = head_losses(heads, hidden, ids, ok, 0.8)
+    torch.testing.assert_close(soft, hard)
+    torch.testing.assert_close(soft_stats["head1_loss"], hard_stats["head1_loss"])
+    # With the target's own distribution, the loss differs and still has gradients for the blocks.
+    loss, _ = head_losses(heads, hidden, ids, ok, 0.8, t)
+    assert not torch.isclose(loss, hard)
+    loss.backward()
+    assert heads.blocks[1].layers[0].weight.grad.abs().sum() > 0
+
+
+def test_medusa1_labels_option_trains_and_rejects_bad_values(tmp_path):
+    s = _run(Medusa1Method(num_heads=2, labels="target"), tmp_path, 3, _tiny())
+    assert s["steps"] == 3 and s["eval"]["head0_argmax_acc"] >= 0
+    with pytest.raises(ValueError, match="labels must be 'data' or 'target'"):
+        Medusa1Method(labels="soft")
+    with pytest.raises(ValueError, match="labels=data"):
+        Medusa2Method(labels="target")
 
 
 def _run(method, out, steps, target, lr=1e-2):
