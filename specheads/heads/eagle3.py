@@ -154,7 +154,7 @@ class Eagle3Method:
     name = "eagle3"
 
     def __init__(self, draft_vocab_size: int = 32000, vocab_data: str | None = None,
-                 vocab_max_samples: int | None = None, aux_layers=None, ttt_steps: int = 7,
+                 vocab_max_samples: int | None = None, aux_layers=None, ttt_steps: int = 3,
                  step_decay: float = 0.8, target_chunk: int = 1024, head_chunk: int = 2048,
                  init_lm_head_from_target: bool = False):
         if ttt_steps < 1:
