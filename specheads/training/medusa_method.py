@@ -1,7 +1,8 @@
 """Medusa-1 and Medusa-2 as ``Method``s for the training engine.
 
 Medusa-1: the target is frozen; heads train on its post-norm last hidden state (offline or online).
-Loss = Σ_k decay^k · CE(head k at t, ids[t+k+2]) over labels with ``loss_mask == 1``.
+Loss = Σ_k decay^k · CE(head k at t, ids[t+k+2]) over labels with ``loss_mask == 1``; with
+``labels=target`` the label is the target's own distribution of that token (soft CE, self-distillation).
 
 Medusa-2: heads and target train together, the target through LoRA (peft) or full fine-tuning.
 Its own predictions are kept by a self-distillation KL(original ‖ adapted) on the next token
