@@ -16,8 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from specheads.data.features import CollectOptions, collect_hidden_states
 from specheads.data.prepare import check_prepared_matches, load_prepared
 from specheads.targets import load_target
-from specheads.training.engine import build_method
-from specheads.training.method import FeatureSpec
+from specheads.methods import build_method
+from specheads.methods.base import FeatureSpec
 from train import register_configs  # the method/ group's schemas (conf/method/medusa*.yaml extend them)
 
 register_configs()

@@ -23,8 +23,11 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from specheads.errors import user_errors
 
-from specheads.training.engine import (DatasetBatches, OptimConfig, TrainConfig, build_method, make_accelerator,
-                                       split_rows, train)
+from specheads.methods import build_method
+from specheads.training.accelerator import make_accelerator
+from specheads.training.batches import DatasetBatches, split_rows
+from specheads.training.config import OptimConfig, TrainConfig
+from specheads.training.engine import train
 
 log = logging.getLogger("specheads.train")
 

@@ -154,7 +154,7 @@ def dtype_table(target, dataset, spec, dtypes: list[str], opts: CollectOptions, 
 def short_training(target, ds: FeatureDataset, opts: CollectOptions, steps: int) -> dict:
     """Train a 2-head Medusa-1 (the real method and loss) for ``steps`` AdamW steps on this store's
     features, same seed and batches for every dtype; loss at the start, the end, and its last-5 mean."""
-    from specheads.training.engine import build_method
+    from specheads.methods import build_method
 
     torch.manual_seed(0)
     method = build_method("medusa1", num_heads=2)

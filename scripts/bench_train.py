@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _data(args):
     from specheads.data.features import TokenDataset
     from specheads.data.prepare import load_prepared
-    from specheads.training.engine import DatasetBatches
+    from specheads.training.batches import DatasetBatches
 
     rows, _ = load_prepared(args.prepared)
     return DatasetBatches(TokenDataset(rows), max_tokens=args.max_tokens, seed=0)
@@ -93,7 +93,9 @@ def run_one(args) -> dict:
     """Train ``args.one`` for warmup + steps; tokens/s over the timed steps only."""
     import torch
 
-    from specheads.training.engine import OptimConfig, TrainConfig, build_method, train
+    from specheads.methods import build_method
+    from specheads.training.config import OptimConfig, TrainConfig
+    from specheads.training.engine import train
 
     if args.threads:
         torch.set_num_threads(args.threads)

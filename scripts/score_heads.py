@@ -42,21 +42,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_head(method_name: str, folder: str, target):
     """(method, model) for a saved head, built as training built it."""
     from specheads.evaluation.suite import resolve_head_dir
-    from specheads.training.engine import build_method
+    from specheads.methods import build_method
 
     head = resolve_head_dir(folder)
     if method_name == "medusa1":
-        from specheads.heads.medusa import MedusaHeads
-        from specheads.training.medusa_method import MedusaObjective
+        from specheads.models.medusa import MedusaHeads
 
         heads = MedusaHeads.from_pretrained(head).to(target.device).eval()
-        return build_method("medusa1", num_heads=heads.config.num_heads), MedusaObjective(heads, 0.8, 5)
+        return build_method("medusa1", num_heads=heads.config.num_heads), heads
     if method_name == "eagle1":
-        from specheads.heads.eagle import Eagle1Model
+        from specheads.models.eagle1 import Eagle1Model
 
         return build_method("eagle1"), Eagle1Model.from_pretrained(head).to(target.device).eval().attach(target)
     if method_name == "eagle3":
-        from specheads.heads.eagle3 import Eagle3Model
+        from specheads.models.eagle3 import Eagle3Model
 
         model = Eagle3Model.from_pretrained(head).to(target.device).eval().attach(target)
         method = build_method("eagle3", draft_vocab_size=model.config.draft_vocab_size,
@@ -71,7 +70,11 @@ def main(argv=None) -> dict:
     from specheads.data.prepare import load_prepared
     from specheads.targets import load_target
     from specheads.training.baselines import BigramBaseline
-    from specheads.training.engine import DatasetBatches, TrainConfig, evaluate, make_accelerator
+    from specheads.training.accelerator import make_accelerator
+    from specheads.training.batches import DatasetBatches
+    from specheads.training.config import TrainConfig
+    from specheads.methods import TrainingModule
+    from specheads.training.heldout import evaluate
 
     target = load_target(args.target)
     rows, _ = load_prepared(args.prepared)
@@ -97,7 +100,7 @@ def main(argv=None) -> dict:
     for spec in args.head:
         name, _, folder = spec.partition("=")
         method, model = load_head(name, folder, target)
-        metrics = evaluate(method, model, target, source, acc)
+        metrics = evaluate(method, TrainingModule(method, model, target), target, source, acc)
         out["heads"][name] = {k: round(v, 4) for k, v in metrics.items() if isinstance(v, float) and k.endswith("_acc")}
         print(f"{name}: {json.dumps(out['heads'][name])}", file=sys.stderr)
     print(json.dumps(out, indent=1))

@@ -32,7 +32,7 @@ from specheads.data.store import (
     read_manifest, read_record, remove_stale_temps,
 )
 from specheads.targets import Target, default_eagle3_layers
-from specheads.training.method import FeatureSpec
+from specheads.methods.base import FeatureSpec
 
 log = logging.getLogger(__name__)
 

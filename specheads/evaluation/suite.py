@@ -221,7 +221,7 @@ def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg:
     head = resolve_head_dir(spec.head_dir)
     if spec.drafter == "medusa":
         from specheads.decoding.head_drafters import MedusaDrafter
-        from specheads.heads.medusa import MedusaHeads
+        from specheads.models.medusa import MedusaHeads
 
         heads = MedusaHeads.from_pretrained(head).to(target.device).eval()
         _check_medusa_target(heads, head, target)
@@ -236,9 +236,9 @@ def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg:
     from specheads.decoding.head_drafters import EagleDrafter
 
     if spec.drafter == "eagle1":
-        from specheads.heads.eagle import Eagle1Model as cls
+        from specheads.models.eagle1 import Eagle1Model as cls
     else:
-        from specheads.heads.eagle3 import Eagle3Model as cls
+        from specheads.models.eagle3 import Eagle3Model as cls
     model = cls.from_pretrained(head).to(target.device).eval().attach(target)
     return EagleDrafter(model, spec.shape, spec.drafter)
 

@@ -41,7 +41,7 @@ def estimate_for_chain(metrics: dict[str, float], k: int) -> float | None:
     """τ a top-1 chain of ``k`` drafts would reach from held-out accuracies: joint accuracies of
     drafts 0..i (EAGLE ``joint{i}_acc``, Medusa ``chain{i}_acc``) when present, else products of
     the marginal ones (``engine.chain_tau`` over the first ``k`` drafts measured)."""
-    from specheads.training.engine import _indexed, chain_tau
+    from specheads.training.heldout import _indexed, chain_tau
 
     for name, conditional in (("joint", True), ("chain", True), ("step", False), ("head", False)):
         found = _indexed(metrics, name + r"(\d+)_(?:top1_)?acc")

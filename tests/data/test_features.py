@@ -25,7 +25,7 @@ from specheads.data.store import (
     dequantize_fp8, quantize_fp8, read_manifest, record_file, verify_store,
 )
 from specheads.targets import Target
-from specheads.training.method import FeatureSpec
+from specheads.methods.base import FeatureSpec
 from tests.conftest import make_tiny_model, make_tiny_target
 
 REPO = Path(__file__).resolve().parents[2]
@@ -228,7 +228,7 @@ KILL_SCRIPT = textwrap.dedent("""
     from tests.conftest import make_tiny_target
     from specheads.data.features import CollectOptions, collect_hidden_states
     from specheads.data.prepare import load_prepared
-    from specheads.training.method import FeatureSpec
+    from specheads.methods.base import FeatureSpec
 
     logging.basicConfig(level=logging.INFO)
     prepared, out, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -397,7 +397,7 @@ def test_missing_store_error_is_clear(tmp_path):
 
 @pytest.mark.parametrize("name", ["medusa1", "medusa2", "eagle1", "eagle3"])
 def test_spec_for_method_agrees_with_the_method_registry(name):
-    from specheads.training.engine import build_method
+    from specheads.methods import build_method
 
     target = make_tiny_target("llama", layers=6)
     method = build_method(name)

@@ -21,7 +21,7 @@ def target():
 
 
 def _medusa(target):
-    from specheads.heads.medusa import medusa_for_target
+    from specheads.models.medusa import medusa_for_target
 
     heads = medusa_for_target(target, num_heads=3).double()
     torch.manual_seed(1)
@@ -35,12 +35,12 @@ def _medusa(target):
 def _eagle(target, kind):
     torch.manual_seed(2)
     if kind == "eagle1":
-        from specheads.heads.eagle import Eagle1Config, Eagle1Model
+        from specheads.models.eagle1 import Eagle1Config, Eagle1Model
 
         m = Eagle1Model(Eagle1Config.from_target(target)).double().attach(target)
     else:
-        from specheads.heads.eagle3 import Eagle3Config, Eagle3Model
-        from specheads.heads.vocab import build_draft_vocab
+        from specheads.models.eagle3 import Eagle3Config, Eagle3Model
+        from specheads.models.vocab import build_draft_vocab
 
         m = Eagle3Model(Eagle3Config.from_target(target, draft_vocab_size=40)).double().attach(target)
         counts = torch.arange(target.vocab_size).flip(0).double() + (torch.arange(target.vocab_size) % 3) * 50

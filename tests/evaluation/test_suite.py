@@ -23,8 +23,8 @@ def target(smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def head_dirs(target, tmp_path_factory):
-    from specheads.heads.eagle import Eagle1Config, Eagle1Model
-    from specheads.heads.medusa import medusa_for_target
+    from specheads.models.eagle1 import Eagle1Config, Eagle1Model
+    from specheads.models.medusa import medusa_for_target
 
     root = tmp_path_factory.mktemp("heads")
     medusa_for_target(target, num_heads=3).save_pretrained(root / "medusa")
@@ -95,7 +95,7 @@ def test_plan_methods_profiles(tmp_path):
 
 def test_verifier_for_medusa2_heads_is_their_adapted_target(target, head_dirs, tmp_path):
     from specheads.evaluation.suite import verifier_for
-    from specheads.heads.medusa import MedusaHeads
+    from specheads.models.medusa import MedusaHeads
 
     assert verifier_for("medusa", str(head_dirs / "medusa")) is None  # Medusa-1: the original target
     assert verifier_for("eagle1", str(head_dirs / "eagle1")) is None

@@ -14,10 +14,10 @@ from torch.testing import assert_close
 
 from specheads.export import ExportError, export_head, head_tensors
 from specheads.export import export as export_mod
-from specheads.heads.eagle import Eagle1Config, Eagle1Model
-from specheads.heads.eagle3 import Eagle3Config, Eagle3Model
-from specheads.heads.medusa import medusa_for_target
-from specheads.heads.vocab import build_draft_vocab
+from specheads.models.eagle1 import Eagle1Config, Eagle1Model
+from specheads.models.eagle3 import Eagle3Config, Eagle3Model
+from specheads.models.medusa import medusa_for_target
+from specheads.models.vocab import build_draft_vocab
 from tests.conftest import make_tiny_target
 
 V, H, LAYERS, DV = 256, 64, 4, 100
@@ -352,7 +352,7 @@ def test_failed_export_leaves_no_half_written_folder(target, target_dir, tmp_pat
 
 
 def test_medusa2_export_carries_the_adapted_target(target_dir, tmp_path):
-    from specheads.training.medusa_method import Medusa2Method
+    from specheads.methods.medusa import Medusa2Method
 
     tgt = make_tiny_target("llama", vocab=V, hidden=H, layers=LAYERS)  # fresh: LoRA is injected in place
     method = Medusa2Method(num_heads=2, lora_r=4)

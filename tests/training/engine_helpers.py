@@ -44,7 +44,7 @@ def token_dataset(n: int, seed: int = 0, **kw):
 
 def sources(n_train: int = 48, n_eval: int = 16, max_tokens: int = 192, seed: int = 0):
     """(train, held-out) ``DatasetBatches`` over disjoint synthetic rows."""
-    from specheads.training.engine import DatasetBatches
+    from specheads.training.batches import DatasetBatches
 
     ds = token_dataset(n_train + n_eval, seed=seed)
     train = DatasetBatches(ds, max_tokens=max_tokens, seed=seed, indices=range(n_train))
@@ -66,8 +66,9 @@ class SlowSource:
 
 def main(out_dir: str, max_steps: int, sleep: float) -> None:
     from conftest import make_tiny_target
-    from specheads.training.engine import OptimConfig, TrainConfig, train
-    from specheads.training.medusa_method import Medusa1Method
+    from specheads.training.config import OptimConfig, TrainConfig
+    from specheads.training.engine import train
+    from specheads.methods.medusa import Medusa1Method
 
     torch.set_num_threads(1)
     target = make_tiny_target("llama", hidden=32, layers=2, vocab=256)

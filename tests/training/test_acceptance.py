@@ -35,10 +35,11 @@ def test_engine_logs_measured_tau_equal_to_decoding_with_the_saved_head(tmp_path
     from specheads.decoding.generate import speculative_generate
     from specheads.decoding.head_drafters import MedusaDrafter
     from specheads.decoding.runner import TargetRunner
-    from specheads.heads.medusa import MedusaHeads
+    from specheads.models.medusa import MedusaHeads
     from specheads.targets import eos_token_ids
-    from specheads.training.engine import OptimConfig, TrainConfig, train
-    from specheads.training.medusa_method import Medusa1Method
+    from specheads.training.config import OptimConfig, TrainConfig
+    from specheads.training.engine import train
+    from specheads.methods.medusa import Medusa1Method
 
     target = make_tiny_target("llama", hidden=32, layers=2, vocab=256)
     train_src, held = sources()

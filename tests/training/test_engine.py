@@ -11,11 +11,15 @@ import pytest
 import torch
 
 from engine_helpers import sources
-from specheads.heads.medusa import MedusaHeads
-from specheads.training.engine import (NonFiniteLossError, OptimConfig, TrainConfig, build_method, chain_tau,
-                                       estimate_tau, prepare_batch, read_losses, summarize_counts, train)
-from specheads.training.medusa_method import Medusa1Method
-from specheads.training.method import FeatureSpec
+from specheads.models.medusa import MedusaHeads
+from specheads.methods import build_method
+from specheads.training.batches import prepare_batch
+from specheads.training.config import NonFiniteLossError, OptimConfig, TrainConfig
+from specheads.training.engine import train
+from specheads.training.heldout import chain_tau, estimate_tau, summarize_counts
+from specheads.training.run_log import read_losses
+from specheads.methods.medusa import Medusa1Method
+from specheads.methods.base import FeatureSpec
 
 HELPER = Path(__file__).with_name("engine_helpers.py")
 

@@ -114,7 +114,7 @@ def test_recipe_reads_an_offline_feature_store(setup, tmp_path):
     from specheads.data.features import CollectOptions, collect_hidden_states
     from specheads.data.prepare import load_prepared
     from specheads.targets import load_target
-    from specheads.training.method import FeatureSpec
+    from specheads.methods.base import FeatureSpec
 
     model_dir, prepared = setup
     store = tmp_path / "features"
@@ -128,7 +128,7 @@ def test_recipe_reads_an_offline_feature_store(setup, tmp_path):
     # The store's token rows (features unread) are the prepared rows they were collected from.
     from specheads.data.features import FeatureDataset, TokenDataset
     from specheads.training.baselines import bigram_report
-    from specheads.training.engine import split_rows
+    from specheads.training.batches import split_rows
 
     fd, td = FeatureDataset(store), TokenDataset(load_prepared(prepared)[0])
     where = {str(i): k for k, i in enumerate(td.dataset["id"])}

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from specheads.heads.eagle import Eagle1Config, Eagle1Method, Eagle1Model
+from specheads.methods.eagle1 import Eagle1Method
+from specheads.models.eagle1 import Eagle1Config, Eagle1Model
 from tests.conftest import make_tiny_target
 
 V, H = 150, 64

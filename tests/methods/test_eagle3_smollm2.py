@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specheads.heads.eagle3 import Eagle3Method
-from specheads.training.ttt import step_rows
+from specheads.methods.eagle3 import Eagle3Method
+from specheads.methods.ttt import step_rows
 
 T, BATCH, TRAIN_BATCHES, HELD, EPOCHS = 192, 4, 4, 8, 8
 

@@ -12,7 +12,8 @@ metrics add the target's drift: ``drift_kl`` (nats/token) and perplexity of the 
 original target on the held-out assistant tokens. ``save`` writes the heads and, in ``target/``
 beside their files, the merged adapted target that must verify them.
 
-The trainable modules compute their loss inside ``forward`` so DDP/DeepSpeed wrappers see every call.
+The engine runs ``loss`` / ``evaluate`` inside ``TrainingModule.forward`` (``specheads.methods.base``),
+so DDP/DeepSpeed/FSDP wrappers see every call.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from specheads.decoding.drafters import TreeShape
-from specheads.heads.medusa import MedusaHeads, medusa_for_target
+from specheads.models.medusa import MedusaHeads, medusa_for_target
 from specheads.targets import Target
-from specheads.training.losses import soft_cross_entropy, target_argmax, target_probs
-from specheads.training.method import FeatureSpec, StepOutput
+from specheads.methods.losses import soft_cross_entropy, target_argmax, target_probs
+from specheads.methods.base import FeatureSpec, StepOutput
 
 ADAPTED_TARGET_DIR = "target"
 
@@ -157,19 +158,6 @@ def _next_token_positions(labels_ok: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- Medusa-1
 
 
-class MedusaObjective(nn.Module):
-    """Frozen-target Medusa training module: heads + loss in one forward."""
-
-    def __init__(self, heads: MedusaHeads, decay: float, top_k: int):
-        super().__init__()
-        self.heads, self.decay, self.top_k = heads, decay, top_k
-
-    def forward(self, hidden_last, input_ids, labels_ok, evaluate: bool = False, greedy_next=None, teacher=None):
-        if evaluate:
-            return head_counts(self.heads, hidden_last, input_ids, labels_ok, self.top_k, greedy_next)
-        return head_losses(self.heads, hidden_last, input_ids, labels_ok, self.decay, teacher)
-
-
 class Medusa1Method:
     """Medusa-1: K heads on the frozen target's last hidden state."""
 
@@ -192,25 +180,25 @@ class Medusa1Method:
         # Frozen output layers (copies of the target's LM head): only the residual blocks learn, which
         # skips the largest weight gradients and optimizer state; the exported layout is unchanged.
         heads.lm_heads.requires_grad_(self.train_lm_heads)
-        return MedusaObjective(heads, self.loss_decay, self.top_k)
+        return heads
 
     def loss(self, model, batch, target) -> StepOutput:
         ok = label_mask(batch)
         teacher = teacher_rows(target, batch["hidden_last"], ok) if self.labels == "target" else None
-        loss, stats = model(batch["hidden_last"], batch["input_ids"], ok, teacher=teacher)
+        loss, stats = head_losses(model, batch["hidden_last"], batch["input_ids"], ok, self.loss_decay, teacher)
         return StepOutput(loss, {k: float(v) for k, v in stats.items()})
 
     @torch.no_grad()
     def evaluate(self, model, batch, target) -> dict[str, float]:
         hidden, ok = batch["hidden_last"], label_mask(batch)
         greedy_next = greedy_next_tokens(target, hidden, ok)
-        out = model(hidden, batch["input_ids"], ok, evaluate=True, greedy_next=greedy_next)
+        out = head_counts(model, hidden, batch["input_ids"], ok, self.top_k, greedy_next)
         base = greedy_next[:, 1:][ok[:, 1:]] == batch["input_ids"][:, 1:][ok[:, 1:]]
         out["target_top1_correct"], out["target_top1_total"] = float(base.sum()), float(base.numel())
         return out
 
     def save(self, model, out_dir: str, target: Target) -> None:
-        _heads(model).save_pretrained(out_dir)
+        model.save_pretrained(out_dir)
 
     @staticmethod
     def drafter(model, shape):
@@ -218,12 +206,8 @@ class Medusa1Method:
         capped at the number of heads."""
         from specheads.decoding.head_drafters import MedusaDrafter
 
-        heads = _heads(model)
+        heads = model
         return MedusaDrafter(heads, TreeShape("chain", k=min(shape.k, heads.config.num_heads)))
-
-
-def _heads(model: nn.Module) -> MedusaHeads:
-    return getattr(model, "module", model).heads
 
 
 # --------------------------------------------------------------------------- Medusa-2
@@ -364,7 +348,7 @@ class Medusa2Method:
         """The heads as a drafter; ``target.model`` (adapted in place) verifies them."""
         from specheads.decoding.head_drafters import MedusaDrafter
 
-        heads = getattr(model, "module", model).heads
+        heads = model.heads
         return MedusaDrafter(heads, TreeShape("chain", k=min(shape.k, heads.config.num_heads)))
 
     def summarize(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -376,7 +360,7 @@ class Medusa2Method:
 
     def save(self, model, out_dir: str, target: Target) -> None:
         """Heads into ``out_dir``; the merged adapted target (plain HF folder) into ``out_dir/target``."""
-        m = getattr(model, "module", model)
+        m = model
         heads = m.heads
         heads.config.adapted_target = ADAPTED_TARGET_DIR
         heads.save_pretrained(out_dir)

@@ -1,8 +1,14 @@
-"""The contract between the training engine and a head family.
+"""The contract between the training engine and a head family, and the module the engine trains.
 
 The engine (``specheads.training.engine``) knows nothing about Medusa or EAGLE: it asks a
 ``Method`` which features it needs, for the trainable module, for a loss on a batch and for
-held-out metrics, and how to save the result. Each family implements one ``Method``.
+held-out metrics, and how to save the result. Each family implements one ``Method``
+(``specheads.methods.<family>``); the models themselves (``specheads.models``) know nothing of training.
+
+``TrainingModule`` is what the engine hands to Accelerate: its ``forward`` runs the method's whole
+loss (or held-out) computation, so whatever wrapper Accelerate puts around it (DDP, DeepSpeed
+ZeRO-2/3, FSDP) sees every parameter use inside its own ``forward``: DDP averages the gradients,
+ZeRO-3 and FSDP gather the shards the computation touches.
 """
 
 from __future__ import annotations
@@ -62,3 +68,25 @@ class Method(Protocol):
 
     def save(self, model: nn.Module, out_dir: str, target: Target) -> None:
         """Write the trained head as a ``save_pretrained`` folder (loadable by ``from_pretrained``)."""
+
+
+class TrainingModule(nn.Module):
+    """``model`` (the method's trainable module) plus the method's loss, as one ``forward``.
+
+    ``forward(batch)`` -> ``StepOutput`` (``Method.loss``); ``forward(batch, evaluate=True)`` ->
+    held-out sums (``Method.evaluate``). The frozen target is held outside ``parameters()`` (it is
+    not trained, so no wrapper shards or syncs it); a method that trains the target (Medusa-2) puts
+    it inside ``model``.
+    """
+
+    def __init__(self, method: Method, model: nn.Module, target: Target):
+        super().__init__()
+        self.model = model
+        self.__dict__["method"] = method
+        self.__dict__["target"] = target
+
+    def forward(self, batch: dict[str, torch.Tensor], evaluate: bool = False):
+        if evaluate:
+            with torch.no_grad():
+                return self.method.evaluate(self.model, batch, self.target)
+        return self.method.loss(self.model, batch, self.target)

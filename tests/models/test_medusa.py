@@ -2,7 +2,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specheads.heads.medusa import MedusaConfig, MedusaHeads, medusa_for_target
+from specheads.models.medusa import MedusaConfig, MedusaHeads, medusa_for_target
 
 
 def test_fresh_heads_are_identity_blocks_with_the_target_lm_head(tiny_target):

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from specheads.heads.eagle import Eagle1Config, Eagle1Model
-from specheads.heads.eagle3 import Eagle3Config, Eagle3Model
-from specheads.heads.layers import unrolled_attention
-from specheads.training.ttt import (shift_tokens, step_rows, summarize_steps, tau_estimate, unroll,
+from specheads.models.eagle1 import Eagle1Config, Eagle1Model
+from specheads.models.eagle3 import Eagle3Config, Eagle3Model
+from specheads.models.layers import unrolled_attention
+from specheads.methods.ttt import (shift_tokens, step_rows, summarize_steps, tau_estimate, unroll,
                                     unrolled_accuracy)
 from tests.conftest import make_tiny_target
 

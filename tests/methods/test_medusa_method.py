@@ -3,9 +3,10 @@ import torch
 import torch.nn.functional as F
 
 from engine_helpers import sources
-from specheads.heads.medusa import MedusaHeads, medusa_for_target
-from specheads.training.engine import OptimConfig, TrainConfig, train
-from specheads.training.medusa_method import (Medusa1Method, Medusa2Method, Teacher, greedy_next_tokens, head_counts,
+from specheads.models.medusa import MedusaHeads, medusa_for_target
+from specheads.training.config import OptimConfig, TrainConfig
+from specheads.training.engine import train
+from specheads.methods.medusa import (Medusa1Method, Medusa2Method, Teacher, greedy_next_tokens, head_counts,
                                               head_losses, label_mask, teacher_rows)
 
 

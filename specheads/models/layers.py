@@ -8,7 +8,7 @@ grouped-query attention, SwiGLU MLP) with two differences that drafting needs:
 * keys and values live in a plain ``KVCache`` that can be cropped and index-selected, so the
   accepted branch of a tree can be kept and the rest dropped.
 
-The same layer runs the training-time test (``specheads.training.ttt``) through an
+The same layer runs the training-time test (``specheads.methods.ttt``) through an
 ``UnrollCache``: step 0 of the unroll attends causally to itself, and step ``i`` additionally
 attends, at each position ``t``, to the keys that steps ``1..i`` produced at that same ``t``.
 That attention is computed as one causal block plus ``i`` diagonal columns, never as a dense

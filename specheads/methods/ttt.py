@@ -7,7 +7,7 @@ step ``i-1`` output at ``t`` (pre-norm), the teacher-forced token ``ids[t+1+i]``
 
 Attention (the pattern a chain draft rooted at ``t`` sees at inference): step ``i`` at ``t``
 attends causally to the step-0 keys of positions ``<= t`` and to the keys that steps ``1..i``
-produced at ``t`` itself (``specheads.heads.layers.UnrollCache``).
+produced at ``t`` itself (``specheads.models.layers.UnrollCache``).
 
 A drafter used here provides ``decode(hidden, input_ids, position_ids, attn_mask, cache) -> h_out``,
 ``logits(h_out) -> draft logits``, ``to_target_ids(draft_ids) -> target ids`` and
@@ -21,8 +21,8 @@ from typing import Iterator
 
 import torch
 
-from specheads.heads.layers import UnrollCache
-from specheads.training.losses import soft_cross_entropy, target_argmax
+from specheads.models.layers import UnrollCache
+from specheads.methods.losses import soft_cross_entropy, target_argmax
 
 
 def shift_tokens(input_ids: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specheads.heads.vocab import build_draft_vocab, count_loss_tokens, coverage, draft_to_target
+from specheads.models.vocab import build_draft_vocab, count_loss_tokens, coverage, draft_to_target
 
 
 def _check(d2t, t2d, target_vocab):

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from specheads.heads.layers import DraftDecoderLayer, KVCache, RotaryEmbedding, causal_mask
-from specheads.heads.eagle import Eagle1Config
+from specheads.models.layers import DraftDecoderLayer, KVCache, RotaryEmbedding, causal_mask
+from specheads.models.eagle1 import Eagle1Config
 from tests.conftest import make_tiny_target
 
 

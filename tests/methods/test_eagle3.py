@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from specheads.heads.eagle3 import Eagle3Config, Eagle3Method, Eagle3Model
+from specheads.methods.eagle3 import Eagle3Method
+from specheads.models.eagle3 import Eagle3Config, Eagle3Model
 from tests.conftest import make_tiny_target
 
 V, H, DV = 200, 64, 40

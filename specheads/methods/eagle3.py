@@ -1,0 +1,133 @@
+"""EAGLE-3 as a training method: training-time test over ``ttt_steps`` with soft CE on the draft vocabulary.
+
+The model (``specheads.models.eagle3.Eagle3Model``) is pure; this module picks the draft vocabulary,
+holds the loss, held-out metrics, drafter factory and save. The engine runs ``loss`` inside
+``TrainingModule.forward``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from specheads.methods.base import FeatureSpec, StepOutput
+from specheads.methods.losses import target_argmax, target_probs
+from specheads.methods.ttt import TargetRows, summarize_steps, ttt_loss, unrolled_accuracy
+from specheads.models.eagle3 import Eagle3Config, Eagle3Model
+from specheads.models.vocab import build_draft_vocab, count_loss_tokens, coverage
+from specheads.targets import Target, default_eagle3_layers
+
+log = logging.getLogger(__name__)
+
+
+class Eagle3Method:
+    """EAGLE-3 training: training-time test over ``ttt_steps`` steps, soft CE on the draft vocabulary.
+
+    draft_vocab_size: draft vocabulary (capped at the target's); vocab_data: prepared dataset whose
+    loss-masked token counts pick it (required unless ``build`` gets a model with its vocab set);
+    vocab_max_samples: count at most this many conversations; aux_layers: None = the default
+    (2, N//2, N-3); ttt_steps / step_decay: unroll length and step-loss weights decay**i;
+    target_chunk / head_chunk: rows per chunk for the target's and the drafter's logits;
+    init_lm_head_from_target: start lm_head from the target's rows of the draft vocabulary.
+    """
+
+    name = "eagle3"
+
+    def __init__(self, draft_vocab_size: int = 32000, vocab_data: str | None = None,
+                 vocab_max_samples: int | None = None, aux_layers=None, ttt_steps: int = 3,
+                 step_decay: float = 0.8, target_chunk: int = 1024, head_chunk: int = 2048,
+                 init_lm_head_from_target: bool = False):
+        if ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
+        self.draft_vocab_size = draft_vocab_size
+        self.vocab_data = vocab_data
+        self.vocab_max_samples = vocab_max_samples
+        self.aux_layers = None if aux_layers is None else tuple(int(i) for i in aux_layers)
+        self.ttt_steps, self.step_decay = ttt_steps, step_decay
+        self.target_chunk, self.head_chunk = target_chunk, head_chunk
+        self.init_lm_head_from_target = init_lm_head_from_target
+        self._num_target_layers: int | None = None
+
+    @property
+    def feature_spec(self) -> FeatureSpec:
+        """Needs the target's layer count when ``aux_layers`` is unset: call ``bind(target)`` or ``build`` first."""
+        if self.aux_layers is None:
+            if self._num_target_layers is None:
+                raise RuntimeError("Eagle3Method.feature_spec: aux_layers is unset; call bind(target) or build(target) first")
+            return FeatureSpec(aux_layers=default_eagle3_layers(self._num_target_layers), need_last=True)
+        return FeatureSpec(aux_layers=self.aux_layers, need_last=True)
+
+    def bind(self, target: Target) -> "Eagle3Method":
+        self._num_target_layers = target.num_layers
+        return self
+
+    def build(self, target: Target) -> Eagle3Model:
+        self.bind(target)
+        config = Eagle3Config.from_target(target, self.draft_vocab_size, self.feature_spec.aux_layers)
+        model = Eagle3Model(config).to(target.device).attach(target)
+        if self.vocab_data is None:
+            raise ValueError("Eagle3Method needs vocab_data (a prepared dataset) to pick the draft vocabulary: "
+                             "set method.vocab_data=<path>")
+        counts = count_loss_tokens(self.vocab_data, target.vocab_size, self.vocab_max_samples)
+        d2t, t2d = build_draft_vocab(counts, config.draft_vocab_size)
+        log.info("draft vocabulary %d covers %.2f%% of loss tokens", config.draft_vocab_size, 100 * coverage(counts, t2d))
+        model.set_draft_vocab(d2t.to(target.device), t2d.to(target.device))
+        if self.init_lm_head_from_target:
+            self._init_lm_head(model, target)
+        return model
+
+    @staticmethod
+    def _init_lm_head(model: Eagle3Model, target: Target) -> None:
+        ids = model.t2d.nonzero().squeeze(-1)
+        with torch.no_grad():
+            model.lm_head.weight.copy_(target.lm_head.weight.index_select(0, ids).to(model.lm_head.weight))
+
+    # -- training
+    def target_rows(self, model: Eagle3Model, batch: dict, target: Target) -> TargetRows:
+        """The target's distribution (on the draft vocabulary) at rows ``s`` with ``ids[s+1]`` trained."""
+        last = batch["hidden_last"]
+        B, T, _ = last.shape
+        need = torch.zeros(B, T, dtype=torch.bool, device=last.device)
+        need[:, : T - 1] = (batch["loss_mask"][:, 1:] > 0) & (batch["attention_mask"][:, 1:] > 0)
+        columns = model.t2d.nonzero().squeeze(-1)
+        probs, argmax_rows = target_probs(target.logits, last[need], columns, self.target_chunk)
+        argmax = torch.zeros(B, T, dtype=torch.long, device=last.device)
+        argmax[need] = argmax_rows
+        row_of = torch.full((B, T), -1, dtype=torch.long, device=last.device)
+        row_of[need] = torch.arange(probs.shape[0], device=last.device)
+        return TargetRows(probs=probs, argmax=argmax, row_of=row_of, in_vocab=model.t2d[argmax] & need)
+
+    def loss(self, model: Eagle3Model, batch: dict, target: Target) -> StepOutput:
+        rows = self.target_rows(model, batch, target)
+        h0 = model.fuse(batch["hidden_aux"])
+        loss, stats = ttt_loss(model, h0, batch, rows, self.ttt_steps, self.step_decay, self.head_chunk)
+        metrics = {}
+        for i, s in enumerate(stats):
+            metrics[f"step{i}_loss"] = float(s.loss)
+            metrics[f"step{i}_acc"] = s.correct / s.total if s.total else 0.0
+        return StepOutput(loss=loss, metrics=metrics)
+
+    @torch.no_grad()
+    def evaluate(self, model: Eagle3Model, batch: dict, target: Target) -> dict[str, float]:
+        """Per-step top-1 agreement with the target argmax on all assistant tokens (sums and counts)."""
+        argmax = target_argmax(target.logits, batch["hidden_last"], self.target_chunk)
+        return unrolled_accuracy(model, model.fuse(batch["hidden_aux"]), batch, argmax, self.ttt_steps, self.head_chunk)
+
+    @staticmethod
+    def summarize(metrics: dict[str, float]) -> dict[str, float]:
+        """Engine hook: ``tau_estimate`` from the per-step accuracies (and ``tau_joint``)."""
+        return summarize_steps(metrics)
+
+    @staticmethod
+    def drafter(model, shape):
+        """The drafter the evaluator uses (measured acceptance during training)."""
+        from specheads.decoding.head_drafters import EagleDrafter
+
+        return EagleDrafter(model, shape, "eagle3")
+
+    def save(self, model: Eagle3Model, out_dir: str, target: Target) -> None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir)
+

@@ -1,0 +1,131 @@
+"""EAGLE-3: a one-layer drafter over fused low/mid/high target features, with its own draft vocabulary.
+
+Model (parameter names as vLLM's ``LlamaForCausalLMEagle3`` / vLLM-speculators load them):
+``fc.weight`` (H, 3H) fuses ``hidden_aux``; ``midlayer`` is a ``DraftDecoderLayer`` whose attention
+reads ``[input_layernorm(embed(ids)); hidden_norm(hidden)]`` (2H); ``norm`` then ``lm_head``
+(V_draft, H) give draft logits; ``d2t``/``t2d`` map draft ids to target ids
+(``specheads.models.vocab``). The token embedding is the target's, frozen and not saved: call
+``model.attach(target)`` after ``from_pretrained``.
+
+Drafting API (docs/architecture.md)::
+
+    h0 = model.fuse(hidden_aux)                                 # (B, q, 3H) -> (B, q, H)
+    h_out, logits = model.step(h0, input_ids, position_ids, attn_mask, cache)
+    target_ids = model.to_target_ids(logits.argmax(-1))
+    # the next step feeds h_out back as `hidden` (pre-norm output)
+
+The input at position ``t`` is (feature at ``t``, token ``ids[t+1]``) and the drafter's position id
+is ``t``; a token drafted ``i`` steps later uses position ``t+i``.
+
+Tree drafting with the cache (``specheads.models.layers``): ``cache = model.new_cache()``; feed
+the prompt's (feature, next token) pairs with ``attn_mask=None`` (causal); then for each tree
+level pass the new nodes as ``q`` queries with a ``(B, q, len(cache) + q)`` bool mask that is
+True on the committed prefix, on the node's ancestors already in the cache and on itself (the
+same token can sit at the same position in two branches). After verification keep the accepted
+entries with ``cache.select(index)`` (``(S',)`` or per-row ``(B, S')``) or ``cache.crop(n)``.
+A query row must see at least one key (a fully masked row yields NaN for that row only).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, PreTrainedModel
+
+from specheads.models.layers import (DraftDecoderLayer, KVCache, RMSNorm, RotaryEmbedding, UnrollCache,
+                                    draft_fields_from_target)
+from specheads.targets import Target, default_eagle3_layers
+
+class Eagle3Config(LlamaConfig):
+    """A one-layer Llama config plus the EAGLE-3 fields.
+
+    draft_vocab_size: rows of lm_head; target_hidden_size: width of each fused target feature;
+    aux_layers: target layer inputs fused by fc (see specheads.targets); target: the target's name.
+    """
+
+    model_type = "specheads_eagle3"
+    draft_vocab_size: int = 32000
+    target_hidden_size: int | None = None
+    aux_layers: list[int] | None = None
+    target: str | None = None
+
+    @classmethod
+    def from_target(cls, target: Target, draft_vocab_size: int, aux_layers=None) -> "Eagle3Config":
+        aux = list(aux_layers) if aux_layers is not None else list(default_eagle3_layers(target.num_layers))
+        return cls(num_hidden_layers=1, draft_vocab_size=min(draft_vocab_size, target.vocab_size),
+                   target_hidden_size=target.hidden_size, aux_layers=aux, target=target.name,
+                   tie_word_embeddings=False, **draft_fields_from_target(target.config))
+
+
+class Eagle3Model(PreTrainedModel):
+    config_class = Eagle3Config
+    base_model_prefix = "eagle3"
+    _supports_sdpa = True
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__(config)
+        H = config.hidden_size
+        n_aux = len(config.aux_layers or (0, 0, 0))
+        self.fc = nn.Linear(n_aux * (config.target_hidden_size or H), H, bias=False)
+        self.midlayer = DraftDecoderLayer(config, layer=0, embeds_input=True)
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.__dict__["_embed"] = None  # the target's embedding: used, never registered or saved
+        self.post_init()
+
+    num_draft_layers = 1
+
+    # -- wiring to the target
+    def attach(self, target: Target) -> "Eagle3Model":
+        """Use the target's (frozen) token embedding. Checks that the target matches the config."""
+        if target.hidden_size != self.config.hidden_size or target.vocab_size != self.config.vocab_size:
+            raise ValueError(f"target {target.name} (hidden {target.hidden_size}, vocab {target.vocab_size}) does not "
+                             f"match this EAGLE-3 head (hidden {self.config.hidden_size}, vocab {self.config.vocab_size})")
+        self.__dict__["_embed"] = target.embed_tokens
+        return self
+
+    def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not fit "
+                             f"({self.config.draft_vocab_size},) / ({self.config.vocab_size},)")
+        if int(t2d.sum()) != d2t.numel():
+            raise ValueError(f"t2d marks {int(t2d.sum())} ids but d2t has {d2t.numel()}")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self._embed is None:
+            raise RuntimeError("Eagle3Model has no token embedding: call model.attach(target) first")
+        return self._embed(input_ids).to(self.fc.weight.dtype)
+
+    # -- drafting API
+    def fuse(self, hidden_aux: torch.Tensor) -> torch.Tensor:
+        """(B, q, n_aux * H_target) target features -> (B, q, H) drafter input."""
+        return self.fc(hidden_aux.to(self.fc.weight.dtype))
+
+    def decode(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+               attn_mask: torch.Tensor | None = None, cache: KVCache | UnrollCache | None = None) -> torch.Tensor:
+        """One drafter layer: (B, q, H) hidden, (B, q) ids and positions -> (B, q, H) pre-norm output.
+
+        attn_mask: (B, q, len(cache) + q) bool, True = attend; None = whole cache + causal.
+        """
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        return self.midlayer(hidden, cos, sin, attn_mask, cache, embeds=self.embed(input_ids))
+
+    def logits(self, h_out: torch.Tensor) -> torch.Tensor:
+        """(..., H) pre-norm output -> (..., V_draft) draft logits."""
+        return self.lm_head(self.norm(h_out))
+
+    def step(self, hidden, input_ids, position_ids, attn_mask=None, cache=None):
+        """``decode`` then ``logits``: returns (h_out (B, q, H), logits (B, q, V_draft))."""
+        h_out = self.decode(hidden, input_ids, position_ids, attn_mask, cache)
+        return h_out, self.logits(h_out)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.num_draft_layers)

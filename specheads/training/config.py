@@ -1,0 +1,54 @@
+"""Training settings as typed dataclasses (the recipe turns its Hydra config into these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite; the run stops without saving."""
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass
+class OptimConfig:
+    """AdamW + warm-up/cosine schedule. Weight decay applies to matrices only (not biases/norms)."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    schedule: str = "cosine"
+
+
+@dataclass
+class TrainConfig:
+    """How long and how to train; steps are optimizer steps (``grad_accum`` micro-batches each)."""
+
+    output_dir: str
+    max_steps: int = 1000
+    grad_accum: int = 1
+    max_grad_norm: float | None = 1.0
+    mixed_precision: str = "no"  # no | bf16 | fp16 | auto (bf16 where the GPU has it)
+    seed: int = 0
+    deterministic: bool = True
+    log_every: int = 10
+    eval_every: int = 0  # 0: only after the last step
+    save_every: int = 100  # 0: only after the last step
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # auto (latest checkpoint if any) | never | a checkpoint folder
+    wandb_mode: str = "offline"  # offline | online | disabled; WANDB_MODE in the environment wins
+    wandb_project: str = "specheads"
+    run_name: str | None = None
+    progress: bool = True
+    micro_batch_size: int = 1  # only told to DeepSpeed, which wants it in its config
+    max_minutes: float | None = None  # time budget: stop (checkpoint, evaluate, save) once training took this long
+    # Measured acceptance at each held-out evaluation: decode this many held-out prompts with the head
+    # (greedy, top-1 chain of measure_k drafts, measure_tokens new tokens); 0 turns it off.
+    measure_prompts: int = 4
+    measure_k: int = 3
+    measure_tokens: int = 32

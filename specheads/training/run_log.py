@@ -1,0 +1,83 @@
+"""Run logs: wandb (offline by default), ``metrics.jsonl`` and a progress bar, on the main process only."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from specheads.training.config import TrainConfig
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class RunLogger:
+    """wandb (main process; offline unless told otherwise), ``metrics.jsonl`` and a tqdm bar."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, accelerator, method_name: str, start_step: int):
+        self.main = accelerator.is_main_process
+        self.run = self.bar = None
+        self.jsonl = out / METRICS_FILE
+        if not self.main:
+            return
+        _truncate_jsonl(self.jsonl, start_step)
+        mode = os.environ.get("WANDB_MODE", cfg.wandb_mode)
+        if mode != "disabled":
+            self.run = _init_wandb(cfg, out, mode, method_name)
+        if cfg.progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=cfg.max_steps, initial=start_step, desc=f"train {method_name}", dynamic_ncols=True)
+
+    def log(self, step: int, record: dict[str, float], to_wandb: bool = True) -> None:
+        if not self.main:
+            return
+        clean = {k: v for k, v in record.items() if not k.startswith("_")}
+        with open(self.jsonl, "a") as f:
+            f.write(json.dumps({"step": step, **clean}) + "\n")
+        if self.run is not None and to_wandb:
+            self.run.log(clean, step=step)
+
+    def progress(self, step: int, loss: float, lr: float) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.run is not None:
+            if summary:
+                self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
+            self.run.finish()
+
+
+def _init_wandb(cfg: TrainConfig, out: Path, mode: str, method_name: str):
+    import wandb
+
+    id_file = out / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
+    id_file.write_text(run_id)
+    return wandb.init(project=cfg.wandb_project, name=cfg.run_name or f"{method_name}-{out.name}", id=run_id,
+                      resume="allow", mode=mode, dir=str(out), config={"train": asdict(cfg), "method": method_name})
+
+
+def _truncate_jsonl(path: Path, last_step: int) -> None:
+    """Drop records past the step we resume from (they came from the killed run)."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= last_step]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def read_losses(output_dir: str | Path) -> dict[int, float]:
+    """Step -> training loss from a run's ``metrics.jsonl``."""
+    out = {}
+    for ln in (Path(output_dir) / METRICS_FILE).read_text().splitlines():
+        rec = json.loads(ln)
+        if "loss" in rec:
+            out[rec["step"]] = rec["loss"]
+    return out
