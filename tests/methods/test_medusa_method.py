@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_helpers import sources
+from tests.training.engine_helpers import sources
 from specheads.models.medusa import MedusaHeads, medusa_for_target
 from specheads.training.config import OptimConfig, TrainConfig
 from specheads.training.engine import train
