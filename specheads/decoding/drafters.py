@@ -60,6 +60,10 @@ class Drafter:
     def observe(self, row: int, tokens: list[int], hidden_last, hidden_aux) -> None:
         pass
 
+    def observe_forward(self, row: int, logits: torch.Tensor, tree: DraftTree) -> None:
+        """The verification forward's logits for ``row`` (root, the tree's nodes, then its extra nodes),
+        before anything is committed; drafters that feed extra nodes (lookahead) read them here."""
+
     def propose(self, seqs: list[list[int]], active: list[bool], temperature: float,
                 generator: torch.Generator | None) -> list[DraftTree]:
         return [DraftTree.empty() for _ in seqs]

@@ -93,7 +93,10 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts:
         t2 = time.perf_counter()
         draft_time += t1 - t0
         target_time += t2 - t1
-        sizes.append(sum(1 + trees[b].size for b in range(len(seqs)) if active[b]))
+        sizes.append(sum(1 + trees[b].fed for b in range(len(seqs)) if active[b]))
+        for b, tree in enumerate(trees):
+            if active[b] and tree.fed > tree.size:
+                drafter.observe_forward(b, out.logits[b, : tree.fed + 1], tree)
         keeps, news = [], []
         batched = _verify_batch(out.logits, trees, active, verify_backend) \
             if verify_backend and (temperature <= 0 or method == "greedy") else None
@@ -128,19 +131,20 @@ def plain_generate(runner: TargetRunner, prompts: Sequence[Sequence[int]], max_n
 
 
 def _verify_forward(runner: TargetRunner, seqs, trees: list[DraftTree], active: list[bool]):
-    """One target forward over [pending] + tree for every row (inactive rows are padding)."""
+    """One target forward over [pending] + tree (+ its extra nodes) for every row (inactive rows are padding)."""
     B = len(seqs)
-    q = 1 + max((t.size for b, t in enumerate(trees) if active[b]), default=0)
+    q = 1 + max((t.fed for b, t in enumerate(trees) if active[b]), default=0)
     tok = torch.zeros(B, q, dtype=torch.long)
     par = torch.full((B, q), -1, dtype=torch.long)
     live = torch.zeros(B, q, dtype=torch.bool)
     for b, tree in enumerate(trees):
         if not active[b]:
             continue
-        n = tree.size
+        n = tree.fed
+        tokens, parents = tree.fed_tokens_parents()
         tok[b, 0] = seqs[b][-1]
-        tok[b, 1: n + 1] = tree.tokens
-        par[b, 1: n + 1] = tree.parents + 1
+        tok[b, 1: n + 1] = tokens
+        par[b, 1: n + 1] = parents + 1
         live[b, : n + 1] = True
     dev = runner.device
     return runner.forward(tok.to(dev), par.to(dev), live.to(dev))
@@ -150,7 +154,8 @@ def _verify_batch(logits: torch.Tensor, trees: list[DraftTree], active: list[boo
     """Greedy verdicts of every row in one batched call (inactive rows are empty trees, ignored)."""
     from specheads.decoding.batched_verify import pack_trees, to_verdicts, verify_greedy_batched
 
-    n = logits.shape[1] - 1
+    n = max((t.size for b, t in enumerate(trees) if active[b]), default=0)
+    logits = logits[:, : n + 1]  # extra (never verified) nodes come after the draft nodes
     tokens, parents = pack_trees([t if active[b] else DraftTree.empty() for b, t in enumerate(trees)], n)
     tokens, parents = tokens.to(logits.device), parents.to(logits.device)
     out = verify_greedy_batched(logits, tokens, parents, backend, check=False)

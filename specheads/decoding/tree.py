@@ -4,6 +4,12 @@ A ``DraftTree`` holds n draft nodes in topological order. Node ``i`` has token `
 parent ``parents[i]`` (an earlier node, or ``-1`` for the *root*: the pending last token of the
 sequence, which the verifier feeds first). Siblings carry distinct tokens. For sampled chains,
 ``q[i]`` (V,) is the draft distribution ``tokens[i]`` was drawn from (needed by the p/q test).
+
+A drafter may also ask for ``m`` *extra* nodes (``extra_tokens``, ``extra_parents``) in the same
+target forward: fed after the n draft nodes, never verified, never committed; their parents index
+the combined list (draft nodes 0..n-1, then extras n..n+m-1; -1 = the root). Lookahead decoding's
+Jacobi window rides along this way (``lookahead.py``); the drafter reads their logits back through
+``Drafter.observe_forward``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ class DraftTree:
     parents: torch.Tensor
     q: torch.Tensor | None = None
     draft_forwards: int = 0
+    extra_tokens: torch.Tensor | None = None
+    extra_parents: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1:
@@ -31,6 +39,25 @@ class DraftTree:
         n = len(self.tokens)
         if n and (self.parents >= torch.arange(n)).any():
             raise ValueError("DraftTree: every parent must come before its child (topological order)")
+        if (self.extra_tokens is None) != (self.extra_parents is None):
+            raise ValueError("DraftTree: extra_tokens and extra_parents go together")
+        if self.extra_tokens is not None:
+            m = len(self.extra_tokens)
+            if self.extra_tokens.shape != self.extra_parents.shape or self.extra_tokens.dim() != 1:
+                raise ValueError("DraftTree: extra_tokens and extra_parents must be equal 1-D shapes")
+            if m and ((self.extra_parents >= n + torch.arange(m)) | (self.extra_parents < -1)).any():
+                raise ValueError("DraftTree: every extra node's parent must come before it")
+
+    @property
+    def fed(self) -> int:
+        """Nodes fed to the target after the root: the n draft nodes plus the extra ones."""
+        return self.size + (0 if self.extra_tokens is None else len(self.extra_tokens))
+
+    def fed_tokens_parents(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fed,) tokens and parents of draft nodes then extra nodes (parents index this list, -1 = root)."""
+        if self.extra_tokens is None:
+            return self.tokens, self.parents
+        return torch.cat([self.tokens, self.extra_tokens]), torch.cat([self.parents, self.extra_parents])
 
     @property
     def size(self) -> int:
