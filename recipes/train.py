@@ -189,6 +189,26 @@ def keep_chat_heldout_out(dataset, train_idx: list[int], eval_idx: list[int]) ->
     return [i for i in train_idx if str(ids[i]) not in held], sorted(set(eval_idx) | set(moved))
 
 
+def set_vocab_rows(method, cfg: DictConfig, train_src) -> None:
+    """A method that picks a vocabulary from data (EAGLE-3's ``vocab_data``) counts the training rows
+    only: when ``vocab_data`` is the prepared set the training rows come from (``prepared_dir``, or
+    the one the feature store was collected from), it gets their ids as ``vocab_rows``, so held-out
+    rows and the evaluator's chat rows never shape the draft vocabulary."""
+    data = getattr(method, "vocab_data", None)
+    if getattr(method, "vocab_rows", "unset") is not None or not isinstance(data, (str, Path)):
+        return
+    dataset = train_src.dataset
+    sources = [cfg.prepared_dir, ((getattr(dataset, "manifest", None) or {}).get("source") or {}).get("prepared_dir")]
+    if Path(data).resolve() not in {Path(s).resolve() for s in sources if s}:
+        log.warning("vocab_data %s is not the training data; its rows are all counted for the draft vocabulary", data)
+        return
+    ids = dataset.ids if hasattr(dataset, "ids") else [str(x) for x in dataset.dataset["id"]] \
+        if dataset.has_ids else [str(i) for i in range(len(dataset))]
+    method.vocab_rows = [str(ids[i]) for i in train_src.indices]
+    log.info("draft vocabulary counted over the %d training rows (%d rows held out)",
+             len(method.vocab_rows), len(ids) - len(method.vocab_rows))
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Compose -> build -> train; returns the train summary."""
     from specheads.targets import load_target
@@ -200,6 +220,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if hasattr(method, "bind"):  # methods whose features depend on the target (EAGLE-3's layer ids)
         method.bind(target)
     train_src, eval_src = build_data(cfg, method, target)
+    set_vocab_rows(method, cfg, train_src)
     summary = train(method, target, train_src, tcfg, ocfg, eval_src, acc)
     if eval_src is not None and acc.is_main_process:
         add_bigram_baselines(summary, train_src, eval_src, cfg)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# One basis for every head: drafts scored against the target's greedy token after the held-out data prefix.
+TRAIN_TAU_LABEL = "Training-time τ estimate (vs target greedy)"
 GPU_MODEL = ("GPU speed-up predicted as τ / (1 + c_GPU · F): batch-1 decoding is memory-bound, a forward costs "
              "time in proportion to the weights it reads, verifying a tree of up to ~64 tokens costs about one "
              "plain forward; c_GPU = draft parameters read per draft forward ÷ target parameters, F = draft "
@@ -116,7 +118,7 @@ def _method_md(m: dict, report: dict) -> list[str]:
     if rec:
         L += _recommend_md(rec, m)
     if m.get("train_tau") is not None:
-        L += [f"Training-time τ estimate {_f(m['train_tau'])} vs measured τ (T=0, all) {_f(t0['all']['tau'])}.", ""]
+        L += [f"{TRAIN_TAU_LABEL} {_f(m['train_tau'])} vs measured τ (T=0, all) {_f(t0['all']['tau'])}.", ""]
     return L
 
 

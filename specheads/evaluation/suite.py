@@ -20,7 +20,7 @@ import torch
 from specheads.decoding.drafters import Drafter, EarlyExitDrafter, ModelDrafter, NgramDrafter, TreeShape
 from specheads.decoding.generate import GenerationResult, speculative_generate
 from specheads.decoding.runner import TargetRunner
-from specheads.decoding.tree import choices_from_accuracies, normalize_choices
+from specheads.decoding.tree import normalize_choices
 from specheads.decoding.verify import LOSSLESS
 from specheads.evaluation.benchmarks import BenchmarkSpec, EvalPrompt, encode, load_benchmarks
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup
@@ -50,6 +50,7 @@ class MethodSpec:
     head_dir: str | None = None
     medusa_tree_nodes: int = 24
     profile: str | None = None
+    tree_source: str | None = None  # where a static Medusa tree came from (set by build_drafter)
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
@@ -97,6 +98,8 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
         drafter = build_drafter(spec, target, prompts, ids, cfg)
         def partial(row, done=len(report["methods"])):
             row["train_tau"] = train_tau(spec.head_dir)
+            if spec.tree_source:
+                row["tree_source"] = spec.tree_source
             report["methods"][done:] = [row]
             report["recommendation"] = recommend(report, cfg.recommend_ks)
             checkpoint(report)
@@ -227,11 +230,15 @@ def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg:
         _check_medusa_target(heads, head, target)
         shape = spec.shape
         if shape.kind == "static" and not shape.choices:
-            acc = medusa_rank_accuracy(heads, target, ids["prompt_ids"], ids["tokens"])
-            shape = TreeShape("static", choices=tuple(choices_from_accuracies(acc, spec.medusa_tree_nodes)))
-            spec.shape = shape
+            # The head's own training-time calibration (or a fixed default): never fitted on the prompts scored.
+            from specheads.methods.medusa import tree_for_head
+
+            choices, spec.tree_source = tree_for_head(head, heads.config.num_heads, spec.medusa_tree_nodes)
+            shape = spec.shape = TreeShape("static", choices=tuple(choices))
+            log.info("%s: static tree of %d nodes from %s", spec.name, len(choices), spec.tree_source)
         elif shape.kind == "static":
             shape = TreeShape("static", choices=tuple(normalize_choices(shape.choices)))
+            spec.tree_source = spec.tree_source or "medusa_choices (given)"
         return MedusaDrafter(heads, shape)
     from specheads.decoding.head_drafters import EagleDrafter
 
@@ -292,37 +299,22 @@ def resolve_head_dir(path: str) -> str:
 
 
 def train_tau(head_dir: str | None) -> float | None:
-    """τ estimated at training time (``train_summary.json`` next to or above the head), if any."""
+    """τ estimated at training time (``train_summary.json`` next to or above the head), if any, scored
+    against the target's greedy tokens (EAGLE always was; Medusa heads trained before their summary
+    says ``tau_vs_target_greedy`` scored the data tokens instead, so they get None)."""
     if not head_dir:
         return None
     for d in (Path(head_dir), Path(head_dir).parent):
         f = d / "train_summary.json"
         if f.exists():
-            return json.loads(f.read_text()).get("tau_estimate")
+            summary = json.loads(f.read_text())
+            if str(summary.get("method", "")).startswith("medusa") and \
+                    not (summary.get("eval") or {}).get("tau_vs_target_greedy"):
+                log.warning("%s: its training-time τ was scored against the data tokens (trained before the "
+                            "target-greedy basis); not reported. Retrain to get it.", f)
+                return None
+            return summary.get("tau_estimate")
     return None
-
-
-@torch.no_grad()
-def medusa_rank_accuracy(heads, target: Target, prompts: list[list[int]], answers: list[list[int]],
-                         ranks: int = 8, limit: int = 8) -> list[list[float]]:
-    """acc[d][r]: how often head d's rank-r candidate equals the target's greedy token d+2 ahead,
-    over the answer positions of (prompt + plain greedy answer) sequences."""
-    K = heads.config.num_heads
-    hits = torch.zeros(K, ranks, dtype=torch.float64)
-    total = torch.zeros(K, dtype=torch.float64)
-    for p, a in list(zip(prompts, answers))[:limit]:
-        seq = torch.tensor([list(p) + list(a)], device=target.device)
-        last = target.forward_features(seq).last
-        logits = heads(last.to(next(heads.parameters()).dtype))[:, 0]  # (K, T, V)
-        top = logits.topk(ranks, -1).indices
-        start = len(p) - 2
-        for d in range(K):
-            t = torch.arange(start, seq.shape[1] - d - 2, device=seq.device)
-            if len(t):
-                want = seq[0, t + d + 2]
-                hits[d] += (top[d, t] == want[:, None]).double().sum(0).cpu()
-                total[d] += len(t)
-    return (hits / total.clamp(min=1)[:, None]).tolist()
 
 
 def _nparams(model) -> int:

@@ -308,6 +308,8 @@ def write_export(plan: ExportPlan) -> None:
                           "aux_layers": plan.card.cfg.get("aux_layers"), "dtype": _DTYPE_NAMES[plan.dtype]}
             tensors = build_tensors(layout, plan.source, plan.dtype)
             write_engine_folder(sub, layout, tensors, plan.dtype, provenance)
+            if plan.method == "medusa":
+                _copy_medusa_tree(plan.head, sub)
             if plan.adapted is not None:
                 # Copied, not hard-linked: save_pretrained rewrites files in place, which would change a link.
                 shutil.copytree(plan.adapted, sub / plan.adapted.name)
@@ -316,6 +318,22 @@ def write_export(plan: ExportPlan) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _copy_medusa_tree(head: Path, sub: Path) -> None:
+    """The head's training-time static tree (``medusa_tree.json``: rank accuracies and
+    ``medusa_choices``), checked, beside the exported weights; a warning when the head has none."""
+    from specheads.methods.medusa import TREE_FILE, read_medusa_tree
+
+    try:
+        tree = read_medusa_tree(head)
+    except (ValueError, json.JSONDecodeError) as e:
+        raise ExportError(f"head {head}: {e}") from e
+    if tree is None:
+        log.warning("head %s has no %s (no held-out calibration at training time): exported without a tree",
+                    head, TREE_FILE)
+        return
+    shutil.copyfile(head / TREE_FILE, sub / TREE_FILE)
 
 
 def _engines(method: str, engine: str) -> tuple[str, ...]:

@@ -27,7 +27,10 @@ class Eagle3Method:
 
     draft_vocab_size: draft vocabulary (capped at the target's); vocab_data: prepared dataset whose
     loss-masked token counts pick it (required unless ``build`` gets a model with its vocab set);
-    vocab_max_samples: count at most this many conversations; aux_layers: None = the default
+    vocab_max_samples: count at most this many conversations; vocab_rows: ids of the rows of
+    ``vocab_data`` to count (the training rows: ``recipes/train.py`` sets them from its split, so
+    held-out and evaluation chat rows never pick the vocabulary; None counts every row, with a
+    warning); aux_layers: None = the default
     (2, N//2, N-3); ttt_steps / step_decay: unroll length and step-loss weights decay**i;
     target_chunk / head_chunk: rows per chunk for the target's and the drafter's logits;
     init_lm_head_from_target: start lm_head from the target's rows of the draft vocabulary.
@@ -38,12 +41,13 @@ class Eagle3Method:
     def __init__(self, draft_vocab_size: int = 32000, vocab_data: str | None = None,
                  vocab_max_samples: int | None = None, aux_layers=None, ttt_steps: int = 3,
                  step_decay: float = 0.8, target_chunk: int = 1024, head_chunk: int = 2048,
-                 init_lm_head_from_target: bool = False):
+                 init_lm_head_from_target: bool = False, vocab_rows=None):
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         self.draft_vocab_size = draft_vocab_size
         self.vocab_data = vocab_data
         self.vocab_max_samples = vocab_max_samples
+        self.vocab_rows = None if vocab_rows is None else [str(r) for r in vocab_rows]
         self.aux_layers = None if aux_layers is None else tuple(int(i) for i in aux_layers)
         self.ttt_steps, self.step_decay = ttt_steps, step_decay
         self.target_chunk, self.head_chunk = target_chunk, head_chunk
@@ -70,7 +74,14 @@ class Eagle3Method:
         if self.vocab_data is None:
             raise ValueError("Eagle3Method needs vocab_data (a prepared dataset) to pick the draft vocabulary: "
                              "set method.vocab_data=<path>")
-        counts = count_loss_tokens(self.vocab_data, target.vocab_size, self.vocab_max_samples)
+        if self.vocab_rows is None:
+            log.warning("draft vocabulary counted over every row of vocab_data (no vocab_rows given): rows "
+                        "held out from training count too")
+        counts = count_loss_tokens(self.vocab_data, target.vocab_size, self.vocab_max_samples, self.vocab_rows)
+        if not int(counts.sum()):
+            raise ValueError(f"Eagle3Method: no loss-masked token to count in vocab_data"
+                             + (f" among its {len(self.vocab_rows)} vocab_rows (do their ids match the data's?)"
+                                if self.vocab_rows is not None else ""))
         d2t, t2d = build_draft_vocab(counts, config.draft_vocab_size)
         log.info("draft vocabulary %d covers %.2f%% of loss tokens", config.draft_vocab_size, 100 * coverage(counts, t2d))
         model.set_draft_vocab(d2t.to(target.device), t2d.to(target.device))

@@ -12,6 +12,13 @@ metrics add the target's drift: ``drift_kl`` (nats/token) and perplexity of the 
 original target on the held-out assistant tokens. ``save`` writes the heads and, in ``target/``
 beside their files, the merged adapted target that must verify them.
 
+Held-out metrics score the heads against the target's greedy token after the data prefix (what
+greedy verification compares a draft with): ``chain{k}`` (heads 0..k all right, the training-time
+τ estimate) and ``head{k}_rank{r}`` (head k's rank-r candidate is that token). The latter calibrate
+the static Medusa tree on held-out *training* rows: ``save`` writes it as ``medusa_tree.json``
+beside the heads (``write_medusa_tree``), and the evaluator and the export use that file, so the
+tree is never fitted on the prompts being scored.
+
 The engine runs ``loss`` / ``evaluate`` inside ``TrainingModule.forward`` (``specheads.methods.base``),
 so DDP/DeepSpeed/FSDP wrappers see every call.
 """
@@ -20,9 +27,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
+import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +46,17 @@ from specheads.methods.losses import soft_cross_entropy, target_argmax, target_p
 from specheads.methods.base import FeatureSpec, StepOutput
 
 ADAPTED_TARGET_DIR = "target"
+TREE_FILE = "medusa_tree.json"
+TREE_FORMAT = "specheads.medusa_tree/1"
+TREE_RANKS = 8  # candidates per head whose held-out accuracy is measured (the tree's widest fan-out)
+TREE_NODES = 24  # nodes of the saved tree (evaluate's medusa_tree_nodes default)
+# The fallback when a head carries no calibrated tree: Medusa's tree-building rule applied to fixed
+# prior accuracies (head d's top-1 PRIOR_TOP1[d], rank r a further PRIOR_RANK_DECAY**r), shaped like
+# the paper's default trees (widest at depth 1, mostly rank-0 paths deeper). Fitted to no data at all.
+PRIOR_TOP1 = (0.60, 0.40, 0.30, 0.25, 0.20)
+PRIOR_RANK_DECAY = 0.45
+
+log = logging.getLogger(__name__)
 
 
 def label_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -99,14 +121,18 @@ def head_losses(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tenso
 
 @torch.no_grad()
 def head_counts(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tensor, labels_ok: torch.Tensor,
-                top_k: int, greedy_next: torch.Tensor | None = None) -> dict[str, float]:
-    """Held-out sums per head: top-1 / top-k correct and totals, plus ``chain{k}``: positions where
-    heads 0..k are all top-1 right, over positions where all their labels count.
+                top_k: int, greedy_next: torch.Tensor | None = None, ranks: int = 0) -> dict[str, float]:
+    """Held-out sums per head: top-1 / top-k correct against the data token and totals, plus
+    ``chain{k}``: positions where heads 0..k are all top-1 right, over positions where all their labels count.
 
     greedy_next: optional (B, T) long, ``greedy_next[:, j]`` = the target's argmax at ``j - 1`` (its
     greedy choice for token ``j`` after the data prefix). Adds ``head{k}_argmax``: head k's top-1 at
     ``t`` against ``greedy_next[:, t+k+2]``, the token greedy verification would compare it with
-    (on data the target wrote itself this equals the data token)."""
+    (on data the target wrote itself this equals the data token); ``chain{k}`` is then scored against
+    these greedy tokens too (so the τ estimate has the basis EAGLE's ``joint{k}`` has), and with
+    ``ranks`` > 0 ``head{k}_rank{r}`` (r < ranks): head k's rank-r candidate is the greedy token (the
+    per-rank accuracies Medusa builds its static tree from). Without ``greedy_next`` the chain is
+    scored against the data tokens."""
     B, T = input_ids.shape
     hidden = hidden.to(heads.lm_heads[0].weight.dtype)
     out: dict[str, float] = {}
@@ -117,10 +143,15 @@ def head_counts(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tenso
         ok = torch.zeros_like(chain_ok)
         ok[:, : max(0, T - s)] = labels_ok[:, s:]
         right = torch.zeros_like(ok)
+        greedy_right = torch.zeros_like(ok)
         out[f"head{k}_top{top_k}_correct"] = 0.0
+        n_ok = float(ok.sum())
         if greedy_next is not None:
             out[f"head{k}_argmax_correct"] = 0.0
-            out[f"head{k}_argmax_total"] = float(ok.sum())
+            out[f"head{k}_argmax_total"] = n_ok
+            for r in range(ranks):
+                out[f"head{k}_rank{r}_correct"] = 0.0
+                out[f"head{k}_rank{r}_total"] = n_ok
         if ok.any():
             logits = heads.head_logits(hidden[ok], k).float()
             pred = logits.argmax(-1)
@@ -129,11 +160,18 @@ def head_counts(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tenso
             kk = min(top_k, logits.shape[-1])
             out[f"head{k}_top{top_k}_correct"] = float((logits.topk(kk, -1).indices == y[:, None]).any(-1).sum())
             if greedy_next is not None:
-                out[f"head{k}_argmax_correct"] = float((pred == greedy_next[:, s:][ok[:, : T - s]]).sum())
+                g = greedy_next[:, s:][ok[:, : T - s]]
+                greedy_right[ok] = pred == g
+                out[f"head{k}_argmax_correct"] = float(greedy_right.sum())
+                if ranks:
+                    rr = min(ranks, logits.shape[-1])
+                    hits = (logits.topk(rr, -1).indices == g[:, None]).sum(0)
+                    for r in range(rr):
+                        out[f"head{k}_rank{r}_correct"] = float(hits[r])
         out[f"head{k}_top1_correct"] = float(right.sum())
-        out[f"head{k}_top1_total"] = out[f"head{k}_top{top_k}_total"] = float(ok.sum())
+        out[f"head{k}_top1_total"] = out[f"head{k}_top{top_k}_total"] = n_ok
         chain_ok &= ok
-        chain_right &= right
+        chain_right &= greedy_right if greedy_next is not None else right
         out[f"chain{k}_correct"] = float((chain_right & chain_ok).sum())
         out[f"chain{k}_total"] = float(chain_ok.sum())
     return out
@@ -155,6 +193,96 @@ def _next_token_positions(labels_ok: torch.Tensor) -> torch.Tensor:
     return pos
 
 
+def greedy_from_logits(logits: torch.Tensor, labels_ok: torch.Tensor) -> torch.Tensor:
+    """``greedy_next_tokens`` from next-token logits already computed at ``_next_token_positions``."""
+    out = torch.full(labels_ok.shape, -1, dtype=torch.long, device=labels_ok.device)
+    out[:, 1:][labels_ok[:, 1:]] = logits.argmax(-1)
+    return out
+
+
+# --------------------------------------------------------------------------- the static tree
+
+
+def rank_accuracy(metrics: dict[str, float], num_heads: int, ranks: int) -> list[list[float]] | None:
+    """acc[k][r] = held-out ``head{k}_rank{r}_acc`` (NaN, from heads with no counted label, as 0);
+    None when the metrics hold no rank accuracies."""
+    if "head0_rank0_acc" not in metrics:
+        return None
+    acc = []
+    for k in range(num_heads):
+        row = [metrics.get(f"head{k}_rank{r}_acc", 0.0) for r in range(ranks)]
+        acc.append([a if a == a else 0.0 for a in row])
+    return acc
+
+
+def write_medusa_tree(head_dir: str | os.PathLike, acc: Sequence[Sequence[float]], num_nodes: int = TREE_NODES,
+                      calibrated_on: str = "held-out training rows") -> dict:
+    """``medusa_tree.json`` beside the heads: the per-head rank accuracies and the tree of
+    ``num_nodes`` choices they give (``choices_from_accuracies``, Medusa's rule)."""
+    from specheads.decoding.tree import choices_from_accuracies
+
+    acc = [[float(a) for a in row] for row in acc]
+    tree = {"format": TREE_FORMAT, "calibrated_on": calibrated_on,
+            "basis": "head k's rank-r candidate equals the target's greedy token k+2 ahead (after the data prefix)",
+            "rank_accuracy": acc, "num_nodes": num_nodes,
+            "medusa_choices": [list(c) for c in choices_from_accuracies(acc, num_nodes)]}
+    path = Path(head_dir) / TREE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(tree, indent=1) + "\n")
+    os.replace(tmp, path)
+    return tree
+
+
+def read_medusa_tree(head_dir: str | os.PathLike) -> dict | None:
+    """The head's ``medusa_tree.json``, or None when it has none."""
+    path = Path(head_dir) / TREE_FILE
+    if not path.is_file():
+        return None
+    tree = json.loads(path.read_text())
+    if tree.get("format") != TREE_FORMAT or not (tree.get("rank_accuracy") or tree.get("medusa_choices")):
+        raise ValueError(f"{path} is not a {TREE_FORMAT} file (needs rank_accuracy or medusa_choices)")
+    return tree
+
+
+def default_choices(num_heads: int, num_nodes: int = TREE_NODES) -> list[tuple[int, ...]]:
+    """The uncalibrated fallback tree: Medusa's rule on the fixed prior accuracies (``PRIOR_TOP1``)."""
+    from specheads.decoding.tree import choices_from_accuracies
+
+    top1 = [PRIOR_TOP1[min(d, len(PRIOR_TOP1) - 1)] for d in range(num_heads)]
+    acc = [[a * PRIOR_RANK_DECAY ** r for r in range(TREE_RANKS)] for a in top1]
+    return choices_from_accuracies(acc, num_nodes)
+
+
+def tree_for_head(head_dir: str | os.PathLike, num_heads: int, num_nodes: int) -> tuple[list[tuple[int, ...]], str]:
+    """(static tree choices, where they come from) for a saved head, fitted on nothing being scored:
+    the head's training-time calibration (``medusa_tree.json``: rebuilt at ``num_nodes`` from its rank
+    accuracies), else the uncalibrated default (``default_choices``, with a warning)."""
+    from specheads.decoding.tree import choices_from_accuracies, normalize_choices
+
+    tree = read_medusa_tree(head_dir)
+    if tree is None:
+        log.warning("Medusa head %s has no %s (a training-time tree calibration): using the uncalibrated "
+                    "default tree. Retrain with held-out rows (data.eval_samples > 0) to calibrate it, or "
+                    "pass medusa_choices.", head_dir, TREE_FILE)
+        return default_choices(num_heads, num_nodes), "default (uncalibrated prior)"
+    where = f"{TREE_FILE} ({tree.get('calibrated_on', 'training time')})"
+    if tree.get("rank_accuracy"):
+        acc = tree["rank_accuracy"][:num_heads]
+        return choices_from_accuracies(acc, num_nodes), where
+    choices = [tuple(c) for c in tree["medusa_choices"] if len(c) <= num_heads]
+    return normalize_choices(choices), where
+
+
+def save_tree(method, out_dir: str) -> None:
+    """``medusa_tree.json`` from the method's latest held-out rank accuracies (none without held-out rows)."""
+    if method.tree_accuracy is None:
+        log.warning("no held-out evaluation ran, so %s is not written: the evaluator will use the "
+                    "uncalibrated default tree for this head (train with data.eval_samples > 0)", TREE_FILE)
+        return
+    write_medusa_tree(out_dir, method.tree_accuracy, method.tree_nodes)
+
+
 # --------------------------------------------------------------------------- Medusa-1
 
 
@@ -165,15 +293,20 @@ class Medusa1Method:
     feature_spec = FeatureSpec(need_last=True)
 
     def __init__(self, num_heads: int = 5, num_layers: int = 1, fc_bias: bool = True,
-                 loss_decay: float = 0.8, top_k: int = 5, train_lm_heads: bool = True, labels: str = "data"):
+                 loss_decay: float = 0.8, top_k: int = 5, train_lm_heads: bool = True, labels: str = "data",
+                 tree_ranks: int = TREE_RANKS, tree_nodes: int = TREE_NODES):
         """labels: ``data`` trains head k on the dataset's token t+k+2 (CE); ``target`` on the frozen
         target's own distribution of that token after the data prefix (soft CE: self-distillation
-        without regenerating the data; the target's LM head runs once more per position)."""
+        without regenerating the data; the target's LM head runs once more per position).
+        tree_ranks / tree_nodes: candidates per head measured on the held-out rows, and nodes of the
+        static tree saved from them (``medusa_tree.json``)."""
         if labels not in ("data", "target"):
             raise ValueError(f"medusa1 labels must be 'data' or 'target', got {labels!r}")
         self.num_heads, self.num_layers, self.fc_bias = num_heads, num_layers, fc_bias
         self.loss_decay, self.top_k = loss_decay, top_k
         self.train_lm_heads, self.labels = train_lm_heads, labels
+        self.tree_ranks, self.tree_nodes = tree_ranks, tree_nodes
+        self.tree_accuracy: list[list[float]] | None = None  # from the latest held-out evaluation
 
     def build(self, target: Target) -> nn.Module:
         heads = medusa_for_target(target, self.num_heads, self.num_layers, self.fc_bias)
@@ -192,13 +325,19 @@ class Medusa1Method:
     def evaluate(self, model, batch, target) -> dict[str, float]:
         hidden, ok = batch["hidden_last"], label_mask(batch)
         greedy_next = greedy_next_tokens(target, hidden, ok)
-        out = head_counts(model, hidden, batch["input_ids"], ok, self.top_k, greedy_next)
+        out = head_counts(model, hidden, batch["input_ids"], ok, self.top_k, greedy_next, self.tree_ranks)
         base = greedy_next[:, 1:][ok[:, 1:]] == batch["input_ids"][:, 1:][ok[:, 1:]]
         out["target_top1_correct"], out["target_top1_total"] = float(base.sum()), float(base.numel())
         return out
 
+    def summarize(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Engine hook: keeps the held-out rank accuracies for ``save``'s tree; marks the τ basis."""
+        self.tree_accuracy = rank_accuracy(metrics, self.num_heads, self.tree_ranks) or self.tree_accuracy
+        return {"tau_vs_target_greedy": 1.0}
+
     def save(self, model, out_dir: str, target: Target) -> None:
         model.save_pretrained(out_dir)
+        save_tree(self, out_dir)
 
     @staticmethod
     def drafter(model, shape):
@@ -250,8 +389,10 @@ class Medusa2Model(nn.Module):
             return head_losses(self.heads, h, input_ids, ok, self.cfg.loss_decay)
         h = self.hidden(input_ids, attention_mask)
         if mode == "eval":
-            out = head_counts(self.heads, h, input_ids, ok, self.cfg.top_k)
-            out.update(self._drift_sums(h, input_ids, attention_mask, ok))
+            logits, y, pos = self._next_token_logits(h, input_ids, ok)
+            greedy_next = greedy_from_logits(logits, ok)  # the adapted target's greedy tokens
+            out = head_counts(self.heads, h, input_ids, ok, self.cfg.top_k, greedy_next, self.cfg.tree_ranks)
+            out.update(self._drift_sums(h, input_ids, attention_mask, ok, (logits, y, pos)))
             return out
         loss, stats = head_losses(self.heads, h, input_ids, ok, self.cfg.loss_decay)
         keep = self._target_term(h, input_ids, attention_mask, ok)
@@ -273,8 +414,8 @@ class Medusa2Model(nn.Module):
         return kl * t * t / n
 
     @torch.no_grad()
-    def _drift_sums(self, h, input_ids, attention_mask, ok) -> dict[str, float]:
-        logits, y, pos = self._next_token_logits(h, input_ids, ok)
+    def _drift_sums(self, h, input_ids, attention_mask, ok, next_logits=None) -> dict[str, float]:
+        logits, y, pos = next_logits or self._next_token_logits(h, input_ids, ok)
         ref = self.base().lm_head(self.reference_hidden(input_ids, attention_mask)[pos]).float()
         lp, lq = F.log_softmax(logits, -1), F.log_softmax(ref, -1)
         n = float(y.numel())
@@ -298,7 +439,7 @@ class Medusa2Method:
                  lora_dropout: float = 0.0, lora_target_modules: str | list[str] = "all-linear",
                  target_loss: str = "kl", target_weight: float = 1.0, heads_weight: float = 1.0,
                  kl_temperature: float = 1.0, heads_warmup_steps: int = 0, train_lm_heads: bool = True,
-                 labels: str = "data"):
+                 labels: str = "data", tree_ranks: int = TREE_RANKS, tree_nodes: int = TREE_NODES):
         if labels != "data":
             raise ValueError(f"medusa2 trains its heads on the data tokens (labels=data), got labels={labels!r}: "
                              "the target they would distil from is itself being trained")
@@ -314,6 +455,8 @@ class Medusa2Method:
         self.target_loss, self.target_weight, self.heads_weight = target_loss, target_weight, heads_weight
         self.kl_temperature, self.heads_warmup_steps = kl_temperature, heads_warmup_steps
         self.train_lm_heads = train_lm_heads
+        self.tree_ranks, self.tree_nodes = tree_ranks, tree_nodes
+        self.tree_accuracy: list[list[float]] | None = None  # from the latest held-out evaluation
         self.step = 0
 
     def on_step_start(self, step: int) -> None:
@@ -352,10 +495,11 @@ class Medusa2Method:
         return MedusaDrafter(heads, TreeShape("chain", k=min(shape.k, heads.config.num_heads)))
 
     def summarize(self, metrics: dict[str, float]) -> dict[str, float]:
-        out = {}
+        out = {"tau_vs_target_greedy": 1.0}
         for key in ("nll", "original_nll"):
             if key in metrics:
                 out[key.replace("nll", "ppl")] = math.exp(metrics[key])
+        self.tree_accuracy = rank_accuracy(metrics, self.num_heads, self.tree_ranks) or self.tree_accuracy
         return out
 
     def save(self, model, out_dir: str, target: Target) -> None:
@@ -364,6 +508,7 @@ class Medusa2Method:
         heads = m.heads
         heads.config.adapted_target = ADAPTED_TARGET_DIR
         heads.save_pretrained(out_dir)
+        save_tree(self, out_dir)
         merged = copy.deepcopy(m.lm)
         merged = merged.merge_and_unload() if hasattr(merged, "merge_and_unload") else merged
         merged.requires_grad_(False).save_pretrained(Path(out_dir) / ADAPTED_TARGET_DIR)

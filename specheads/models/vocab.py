@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Iterable
+from typing import Collection, Iterable
 
 import numpy as np
 import torch
@@ -18,27 +18,36 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def count_loss_tokens(dataset, vocab_size: int, max_samples: int | None = None) -> torch.Tensor:
+def count_loss_tokens(dataset, vocab_size: int, max_samples: int | None = None,
+                      rows: Collection[str] | None = None) -> torch.Tensor:
     """Count target ids at loss-masked positions of a prepared dataset (or a path to one).
 
     dataset: a ``datasets.Dataset`` with ``input_ids`` and ``loss_mask`` columns, an iterable of
-    such rows, or the folder of a prepared dataset. Returns counts (vocab_size,) int64.
+    such rows, or the folder of a prepared dataset. rows: count only the rows whose ``id`` (or, for
+    rows without one, position as a string) is in it, e.g. the training rows, so held-out and
+    evaluation rows never shape the vocabulary; None counts every row. max_samples: at most this
+    many counted rows. Returns counts (vocab_size,) int64.
     """
     if isinstance(dataset, (str, Path)):
         from specheads.data.prepare import load_prepared
 
         dataset, _ = load_prepared(str(dataset))
+    keep = None if rows is None else {str(r) for r in rows}
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for n, row in enumerate(_rows(dataset)):
+    n = 0
+    for i, row in enumerate(_rows(dataset)):
+        if keep is not None and str(row.get("id", i)) not in keep:
+            continue
         if max_samples is not None and n >= max_samples:
             break
+        n += 1
         ids = np.asarray(row["input_ids"], dtype=np.int64)
         mask = np.asarray(row["loss_mask"], dtype=bool)
         if ids.shape != mask.shape:
-            raise ValueError(f"row {n}: input_ids {ids.shape} and loss_mask {mask.shape} differ in length")
+            raise ValueError(f"row {i}: input_ids {ids.shape} and loss_mask {mask.shape} differ in length")
         sel = ids[mask]
         if sel.size and (sel.min() < 0 or sel.max() >= vocab_size):
-            raise ValueError(f"row {n}: token id {int(sel.max())} outside the target vocabulary of {vocab_size}")
+            raise ValueError(f"row {i}: token id {int(sel.max())} outside the target vocabulary of {vocab_size}")
         counts += np.bincount(sel, minlength=vocab_size)
     return torch.from_numpy(counts)
 
@@ -46,8 +55,11 @@ def count_loss_tokens(dataset, vocab_size: int, max_samples: int | None = None) 
 def _rows(dataset) -> Iterable[dict]:
     if hasattr(dataset, "select_columns"):
         # Arrow batches are far faster than row dicts on large datasets.
-        for batch in dataset.select_columns(["input_ids", "loss_mask"]).iter(batch_size=256):
-            yield from ({"input_ids": i, "loss_mask": m} for i, m in zip(batch["input_ids"], batch["loss_mask"]))
+        cols = ["input_ids", "loss_mask"] + (["id"] if "id" in dataset.column_names else [])
+        for batch in dataset.select_columns(cols).iter(batch_size=256):
+            ids = batch.get("id") or [None] * len(batch["input_ids"])
+            for i, m, r in zip(batch["input_ids"], batch["loss_mask"], ids):
+                yield {"input_ids": i, "loss_mask": m} if r is None else {"input_ids": i, "loss_mask": m, "id": r}
     else:
         yield from dataset
 

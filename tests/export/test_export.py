@@ -473,3 +473,18 @@ def test_smollm2_eagle3_export_through_the_cli(smollm2, tmp_path):
                           f"out_dir={tmp_path / 'out2'}"], cwd=repo, env=env, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "specheads export: error:" in bad.stderr and "not a saved head folder" in bad.stderr
+
+
+def test_medusa_export_carries_the_training_time_tree(target, target_dir, tmp_path, caplog):
+    """The static tree calibrated at training time (``medusa_tree.json``) travels with the heads."""
+    from specheads.methods.medusa import TREE_FILE, read_medusa_tree, write_medusa_tree
+
+    head = save_head(make_head("medusa", target), tmp_path)
+    plain = export_head(head, tmp_path / "plain", "vllm", str(target_dir))
+    assert not (plain / TREE_FILE).exists() and "has no medusa_tree.json" in caplog.text
+    saved = write_medusa_tree(head, [[0.6, 0.2], [0.4, 0.1], [0.3, 0.05]], num_nodes=5)
+    out = export_head(head, tmp_path / "out", "both", str(target_dir))
+    assert read_medusa_tree(out / "vllm") == saved and len(saved["medusa_choices"]) == 5
+    (head / TREE_FILE).write_text('{"format": "something else"}')
+    with pytest.raises(ExportError, match="not a specheads.medusa_tree/1 file"):
+        export_head(head, tmp_path / "bad", "vllm", str(target_dir))

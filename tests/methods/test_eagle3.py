@@ -139,3 +139,64 @@ def test_few_steps_reduce_loss(target):
         first = first if first is not None else float(out.loss.detach())
     assert float(out.loss.detach()) < 0.8 * first
     assert set(out.metrics) == {f"step{i}_{k}" for i in range(3) for k in ("loss", "acc")}
+
+
+# --------------------------------------------------------------------------- the draft vocabulary: training rows only
+
+
+def _unique_token_rows(n: int, common: int = 20, first_unique: int = 100) -> dict[str, list]:
+    """Row i: the ``common`` ids 0..common-1 (the assistant turn, counted everywhere) and one id of its
+    own, ``first_unique + i``; a 2-token user turn in front (not counted)."""
+    ids = [[1, 2] + list(range(common)) + [first_unique + i] for i in range(n)]
+    return {"id": [f"r{i}" for i in range(n)], "input_ids": ids,
+            "loss_mask": [[0, 0] + [1] * (common + 1) for _ in range(n)], "domain": ["synthetic"] * n}
+
+
+def test_vocab_rows_limit_the_count_to_those_rows(target):
+    rows = _unique_token_rows(8)
+    data = [{"id": i, "input_ids": x, "loss_mask": m} for i, x, m in zip(rows["id"], rows["input_ids"], rows["loss_mask"])]
+    model = Eagle3Method(draft_vocab_size=23, vocab_data=data, vocab_rows=["r1", "r4", "r6"]).build(target)
+    picked = set(model.t2d.nonzero().flatten().tolist())
+    assert picked == set(range(20)) | {101, 104, 106}  # no token only the other rows hold
+    with pytest.raises(ValueError, match="no loss-masked token"):
+        Eagle3Method(draft_vocab_size=23, vocab_data=data, vocab_rows=["nope"]).build(target)
+
+
+def test_recipe_counts_the_draft_vocabulary_over_training_rows_only(target, tmp_path):
+    """recipes/train.py knows the train/held-out split and hands EAGLE-3 the training rows: a token
+    that only held-out rows contain never enters the draft vocabulary."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from specheads.data.prepare import write_prepared
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("train_recipe_vocab", repo / "recipes" / "train.py")
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules["train_recipe_vocab"] = recipe
+    spec.loader.exec_module(recipe)
+
+    n = 40
+    write_prepared(_unique_token_rows(n), {"target": "tiny", "tokenizer_fingerprint": None, "max_length": 64},
+                   tmp_path / "prepared")
+    cfg = OmegaConf.create({"features_dir": None, "prepared_dir": str(tmp_path / "prepared"), "seed": 0,
+                            "data": {"eval_samples": 8, "max_tokens": 256, "batch_size": None,
+                                     "eval_max_tokens": 256, "max_length": None}})
+    method = Eagle3Method(vocab_data=str(tmp_path / "prepared"))
+    train_src, eval_src = recipe.build_data(cfg, method, target)
+    recipe.set_vocab_rows(method, cfg, train_src)
+    assert sorted(method.vocab_rows) == sorted(f"r{i}" for i in train_src.indices)
+    method.draft_vocab_size = 20 + len(train_src.indices)
+    model = method.build(target)
+    held_only = [100 + i for i in eval_src.indices]
+    trained = [100 + i for i in train_src.indices]
+    # 4 held out by the split, plus any row of the evaluator's chat slice (moved out of training)
+    assert len(held_only) >= 4 and not model.t2d[held_only].any()
+    assert model.t2d[trained].all() and model.t2d[:20].all()
+    # vocab_data that is not the training data is counted whole (and said so)
+    other = Eagle3Method(vocab_data=str(tmp_path / "elsewhere"))
+    recipe.set_vocab_rows(other, cfg, train_src)
+    assert other.vocab_rows is None

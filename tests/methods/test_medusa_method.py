@@ -6,8 +6,9 @@ from tests.training.engine_helpers import sources
 from specheads.models.medusa import MedusaHeads, medusa_for_target
 from specheads.training.config import OptimConfig, TrainConfig
 from specheads.training.engine import train
-from specheads.methods.medusa import (Medusa1Method, Medusa2Method, Teacher, greedy_next_tokens, head_counts,
-                                              head_losses, label_mask, teacher_rows)
+from specheads.methods.medusa import (TREE_FILE, Medusa1Method, Medusa2Method, Teacher, greedy_next_tokens,
+                                     head_counts, head_losses, label_mask, read_medusa_tree, teacher_rows,
+                                     tree_for_head)
 
 
 def _tiny(seed=0):
@@ -159,6 +160,10 @@ def test_medusa2_save_writes_heads_and_merged_target(tmp_path):
         assert not torch.allclose(original, adapted, atol=1e-5)
     assert not any("lora" in n for n, _ in merged.named_parameters())
     assert s["eval"]["drift_kl"] >= 0
+    # The static tree is calibrated against the adapted target's greedy tokens and saved with the heads.
+    tree = read_medusa_tree(head_dir)
+    assert len(tree["rank_accuracy"]) == 2 and tree["rank_accuracy"][0][0] == s["eval"]["head0_rank0_acc"]
+    assert s["eval"]["tau_vs_target_greedy"] == 1.0
 
 
 def test_medusa2_rejects_bad_settings():
@@ -190,3 +195,87 @@ def test_frozen_output_layers_stay_equal_to_the_target_lm_head(tmp_path):
     _run(Medusa1Method(num_heads=2), tmp_path / "trained", 4, _tiny())
     moved = MedusaHeads.from_pretrained(tmp_path / "trained" / "head")
     assert not torch.equal(moved.lm_heads[0].weight, target.lm_head.weight)
+
+
+# --------------------------------------------------------------------------- one basis: the target's greedy token
+
+
+def _off_greedy_batch(target, B=2, T=9):
+    """Data on which fresh heads (= the target's LM head) are right at every data label but mostly
+    wrong against the target's greedy tokens: head 0 at t predicts greedy[t], and the data token
+    t+2 is greedy[t], while the greedy token t+2 is greedy[t+1]."""
+    hidden = torch.randn(B, T, 32, generator=torch.Generator().manual_seed(3))
+    greedy = target.logits(hidden).argmax(-1)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    ids[:, 2:] = greedy[:, :-2]
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids),
+             "hidden_last": hidden}
+    return batch, greedy
+
+
+def test_chain_estimate_is_scored_against_the_targets_greedy_token():
+    """The τ estimate's chain{k} (heads 0..k all right) compares with what greedy verification
+    compares with, the target's argmax, not the data token (EAGLE's joint{k} basis)."""
+    target = _tiny()
+    method = Medusa1Method(num_heads=2)
+    model = method.build(target)
+    batch, greedy = _off_greedy_batch(target)
+    out = method.evaluate(model, batch, target)
+    assert out["head0_top1_correct"] == out["head0_top1_total"] == 14  # right against the data everywhere
+    want0 = greedy[:, :7] == greedy[:, 1:8]  # head 0 at t: greedy[t] vs the greedy token t+2 = greedy[t+1]
+    assert out["chain0_correct"] == out["head0_argmax_correct"] == float(want0.sum()) < 14
+    want1 = want0[:, :6] & (greedy[:, :6] == greedy[:, 2:8])
+    assert out["chain1_correct"] == float(want1.sum()) and out["chain1_total"] == 12
+    assert method.summarize({})["tau_vs_target_greedy"] == 1.0
+
+
+def test_rank_counts_are_each_ranks_hits_on_the_greedy_token():
+    target = _tiny()
+    heads = medusa_for_target(target, num_heads=2)
+    with torch.no_grad():
+        heads.blocks[1].layers[0].weight.normal_(0, 0.5)  # head 1 differs from the target
+    hidden = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(5))
+    ok = torch.ones(2, 10, dtype=torch.bool)
+    ok[0, 8:] = False
+    data = torch.randint(0, 256, (2, 10))
+    nxt = greedy_next_tokens(target, hidden, ok)
+    c = head_counts(heads, hidden, data, ok, top_k=3, greedy_next=nxt, ranks=4)
+    for k in range(2):
+        s = k + 2
+        rows = ok[:, s:]
+        top = heads.head_logits(hidden[:, : 10 - s][rows], k).topk(4, -1).indices
+        g = nxt[:, s:][rows]
+        for r in range(4):
+            assert c[f"head{k}_rank{r}_correct"] == float((top[:, r] == g).sum()), (k, r)
+            assert c[f"head{k}_rank{r}_total"] == float(rows.sum())
+        assert c[f"head{k}_rank0_correct"] == c[f"head{k}_argmax_correct"]
+
+
+def test_training_saves_a_tree_calibrated_on_held_out_rows(tmp_path):
+    """The static tree comes from held-out *training* rows at save time, beside the heads; the
+    evaluator rebuilds it from those accuracies at any node budget, fitting nothing itself."""
+    from specheads.decoding.tree import choices_from_accuracies
+
+    s = _run(Medusa1Method(num_heads=2, tree_nodes=6), tmp_path, 3, _tiny())
+    tree = read_medusa_tree(tmp_path / "head")
+    acc = [[s["eval"][f"head{k}_rank{r}_acc"] for r in range(8)] for k in range(2)]
+    assert tree["rank_accuracy"] == acc and tree["calibrated_on"] == "held-out training rows"
+    assert [tuple(c) for c in tree["medusa_choices"]] == choices_from_accuracies(acc, 6)
+    choices, source = tree_for_head(tmp_path / "head", 2, 10)
+    assert choices == choices_from_accuracies(acc, 10) and TREE_FILE in source
+    assert s["eval"]["tau_vs_target_greedy"] == 1.0
+    # the τ estimate comes from the greedy-basis chain
+    c = [s["eval"]["chain0_acc"], s["eval"]["chain1_acc"]]
+    assert s["tau_estimate"] == pytest.approx(1 + c[0] + c[1])
+
+
+def test_no_held_out_rows_no_tree_and_a_default_shape(tmp_path):
+    from specheads.methods.medusa import default_choices
+
+    method = Medusa1Method(num_heads=3)
+    target = _tiny()
+    method.save(method.build(target), str(tmp_path), target)  # never evaluated
+    assert not (tmp_path / TREE_FILE).exists()
+    choices, source = tree_for_head(tmp_path, 3, 12)
+    assert choices == default_choices(3, 12) and source.startswith("default")
+    assert len(choices) == 12 and max(map(len, choices)) <= 3
