@@ -18,7 +18,12 @@ from specheads.data.prepare import check_prepared_matches, load_prepared
 from specheads.targets import load_target
 from specheads.methods import build_method
 from specheads.methods.base import FeatureSpec
-from train import register_configs  # the method/ group's schemas (conf/method/medusa*.yaml extend them)
+try:  # the method/ group's schemas (conf/method/medusa*.yaml extend them)
+    from specheads.recipes.train import register_configs
+except ModuleNotFoundError as e:  # an install older than the packaged recipes: recipes/ is sys.path[0]
+    if e.name not in ("specheads.recipes", "specheads.recipes.train"):
+        raise
+    from train import register_configs
 
 register_configs()
 

@@ -14,7 +14,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("specheads.run")
-RECIPES = Path(__file__).resolve().parent
+# Stages run as modules (`python -m specheads.recipes.<stage>`), found through the installed package
+# (a clone's editable install or site-packages) and run in the current directory.
+RECIPES_PACKAGE = "specheads.recipes"
 
 
 def stage_commands(cfg: DictConfig) -> list[tuple[str, str, list[str]]]:
@@ -49,7 +51,7 @@ def run_stage(name: str, recipe: str, overrides: list[str], done_dir: Path) -> N
         return
     log.info("[%s] %s %s", name, recipe, " ".join(overrides))
     t0 = time.time()
-    res = subprocess.run([sys.executable, str(RECIPES / recipe), *overrides])
+    res = subprocess.run([sys.executable, "-m", f"{RECIPES_PACKAGE}.{Path(recipe).stem}", *overrides])
     if res.returncode != 0:
         raise SystemExit(f"specheads run: stage '{name}' failed (exit {res.returncode}); fix the cause and "
                          "re-run the same command: finished stages are skipped, this one resumes")

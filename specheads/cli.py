@@ -6,13 +6,20 @@
     specheads evaluate
     specheads export
     specheads run            # the whole pipeline on the embedded default (see recipes/pipeline.py)
+    specheads --conf-dir     # where the shipped Hydra configs are (e.g. conf/launcher/*.yaml for accelerate)
+
+Each verb runs the module ``specheads.recipes.<recipe>``, as ``python -m specheads.recipes.<recipe>``
+would, from any directory; outputs go under the current directory.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import runpy
 import sys
 from pathlib import Path
+
+from specheads import paths
 
 VERBS = {
     "prepare": "prepare_data.py",
@@ -25,11 +32,10 @@ VERBS = {
 
 
 def recipes_dir() -> Path:
-    here = Path(__file__).resolve().parent.parent / "recipes"
-    if not here.is_dir():
-        raise SystemExit(f"specheads: recipes/ not found beside the package ({here}); "
-                         "install specheads from a clone with `pip install -e .`")
-    return here
+    try:
+        return paths.recipes_dir()
+    except RuntimeError as e:
+        raise SystemExit(f"specheads: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,15 +44,24 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         print("verbs: " + ", ".join(VERBS))
         raise SystemExit(0 if argv else 2)
+    if argv[0] == "--conf-dir":
+        try:
+            print(paths.conf_dir())
+        except RuntimeError as e:
+            raise SystemExit(f"specheads: {e}") from None
+        raise SystemExit(0)
     verb, overrides = argv[0], argv[1:]
     if verb not in VERBS:
         raise SystemExit(f"specheads: unknown verb '{verb}'; choose one of: {', '.join(VERBS)}")
-    recipe = recipes_dir() / VERBS[verb]
-    if not recipe.exists():
-        raise SystemExit(f"specheads: the recipe for '{verb}' ({recipe.name}) is not in this version")
-    sys.argv = [str(recipe), *overrides]
-    sys.path.insert(0, str(recipe.parent))
-    runpy.run_path(str(recipe), run_name="__main__")
+    recipes_dir()  # a clear message when specheads.recipes is missing (an install older than the packaging)
+    module = paths.recipe_module(VERBS[verb])
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise SystemExit(f"specheads: the recipe for '{verb}' ({VERBS[verb]}) is not in this version")
+    sys.argv = [spec.origin, *overrides]
+    # as `python -m specheads.recipes.<recipe>`: __name__ == "__main__", Hydra resolves
+    # config_path="../conf" against the recipe's file, wherever the package is installed
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

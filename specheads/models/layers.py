@@ -23,8 +23,28 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import transformers
+from packaging.version import Version
 from torch import nn
-from transformers.activations import ACT2FN
+
+# The drafters copy the target's RoPE settings through `config.rope_parameters`, a field that first
+# appeared in transformers 5.0; 4.x ignores it (its Llama reads rope_theta / rope_scaling), so a draft
+# would silently train and serve with other RoPE settings than its target. Refuse such a version.
+MIN_TRANSFORMERS = "5.0"
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """Raise ``ImportError`` when ``transformers`` (or ``version``) predates ``rope_parameters``."""
+    version = transformers.__version__ if version is None else version
+    if Version(Version(version).base_version) < Version(MIN_TRANSFORMERS):  # 5.0.0rc1, 5.1.0.dev0 pass
+        raise ImportError(f"specheads needs transformers>={MIN_TRANSFORMERS} (found {version}): the draft heads copy "
+                          "the target's RoPE settings through `config.rope_parameters`, which older versions "
+                          f"ignore. Upgrade with: pip install 'transformers>={MIN_TRANSFORMERS}'")
+
+
+check_transformers_version()
+
+from transformers.activations import ACT2FN  # noqa: E402  (after the version check: 4.x must fail above)
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 RMSNorm = LlamaRMSNorm
@@ -40,6 +60,7 @@ def draft_fields_from_target(target_config) -> dict:
     fields = {k: getattr(target_config, k) for k in _COPIED_FIELDS if getattr(target_config, k, None) is not None}
     if getattr(target_config, "head_dim", None) is None:
         fields["head_dim"] = target_config.hidden_size // target_config.num_attention_heads
+    check_transformers_version()
     rope = getattr(target_config, "rope_parameters", None)
     if rope is None:
         rope = {"rope_type": "default", "rope_theta": getattr(target_config, "rope_theta", 10000.0)}
