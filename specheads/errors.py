@@ -1,8 +1,11 @@
-"""User-facing errors: what was wrong and where, without a bare traceback.
+"""User errors: the input, settings or environment is at fault, not specheads.
 
-Library code raises ``SpecheadsError`` subclasses (or ``FileNotFoundError`` / ``ValueError`` with a
-message naming the file and the fix); recipes wrap their body in ``user_errors()`` so such an error
-ends the run with one clear line and exit status 2. Set SPECHEADS_TRACEBACK=1 to see the stack.
+Library code raises a ``UserError`` (or a subclass: ``SourceError``, ``TemplateError``,
+``DataMismatchError``, ``CorruptShardError``, ``ExportError``, ...) where the user's input is wrong,
+with a message naming the file or setting and what to do. Recipes wrap their body in
+``user_errors()``: a ``UserError`` ends the run with one line on stderr and exit status 2; every
+other exception is a bug (or an unforeseen failure) and keeps its full traceback. Set
+``SPECHEADS_TRACEBACK=1`` to see the stack of a user error too.
 """
 
 from __future__ import annotations
@@ -12,16 +15,35 @@ import sys
 from contextlib import contextmanager
 
 
-class SpecheadsError(Exception):
-    """Base class of errors caused by the user's input or environment, not by a bug."""
+class UserError(Exception):
+    """Base class of errors caused by the user's input, settings or environment, not by a bug."""
+
+
+SpecheadsError = UserError
+"""The earlier name of ``UserError`` (subclasses in the library still use it)."""
+
+
+class ConfigError(UserError, ValueError):
+    """A setting has a value that cannot work (the message names the setting and the accepted values)."""
+
+
+class InputNotFoundError(UserError, FileNotFoundError):
+    """A file or folder the stage reads does not exist (the message says which stage writes it)."""
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (a multi-line message is joined with '; ')."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return "; ".join(lines) or type(error).__name__
 
 
 @contextmanager
 def user_errors(stage: str):
+    """Show a ``UserError`` raised inside as ``specheads <stage>: error: <message>`` and exit 2."""
     try:
         yield
-    except (SpecheadsError, FileNotFoundError, ValueError, OSError) as e:
+    except UserError as e:
         if os.environ.get("SPECHEADS_TRACEBACK"):
             raise
-        print(f"specheads {stage}: error: {e}", file=sys.stderr)
+        print(f"specheads {stage}: error: {one_line(e)}", file=sys.stderr)
         raise SystemExit(2) from None

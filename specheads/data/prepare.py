@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specheads.data.regenerate import RegenerateConfig, regenerate
-from specheads.data.render import TemplateError, chat_template_sha, render
+from specheads.data.regenerate import RegenerateConfig, count_truncated, regenerate
+from specheads.data.render import TemplateError, ToolTurnError, assistant_spans, chat_template_sha, render
 from specheads.data.sources import SkipReport, iter_conversations
-from specheads.errors import SpecheadsError
+from specheads.errors import InputNotFoundError, UserError
 from specheads.targets import Target, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -31,10 +31,16 @@ META_FILE = "specheads_meta.json"
 NO_LOSS_TOKENS = "no assistant token within max_length"
 TEMPLATE_REFUSED = "chat template not prefix-stable"
 NO_REGENERATED_ANSWER = "no regenerated answer (prompt over regenerate.max_prompt_tokens, or empty answer)"
+TOOL_TURN_NOT_RENDERED = "tool turn the chat template does not render"
+REGENERATE_VERSION = 2  # 2: regenerated answers are the target's token ids (1 decoded and re-tokenized them)
 
 
-class DataMismatchError(SpecheadsError, ValueError):
+class DataMismatchError(UserError, ValueError):
     """Prepared data (or features) made for another tokenizer / target / setting."""
+
+
+class PrepareError(UserError, ValueError):
+    """Nothing usable came out of the source (the message says what was skipped and why)."""
 
 
 @dataclass
@@ -63,18 +69,22 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
     convs = list(itertools.islice(
         iter_conversations(cfg.source, cfg.path, cfg.split, report, cfg.domain), cfg.num_samples))
     if not convs:
-        raise ValueError(f"no usable conversation in source '{cfg.source}' {cfg.path or ''}: {report.summary()}")
+        raise PrepareError(f"no usable conversation in source '{cfg.source}' {cfg.path or ''}: {report.summary()}")
     later = Counter()
     if cfg.regenerate is not None:
+        convs = [c for c in convs if _renders(c, tok, later)]  # regenerate only chats the template can render
         asked = len(convs)
         convs = regenerate(target, convs, out_dir.with_name(out_dir.name + ".regen.jsonl"), cfg.regenerate)
         if asked > len(convs):
             later[NO_REGENERATED_ANSWER] += asked - len(convs)
     rows: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": [], "domain": []}
-    truncated = 0
+    truncated = cut_answers = 0
     for conv in convs:
         try:
             r = render(conv, tok, cfg.max_length)
+        except ToolTurnError:
+            later[TOOL_TURN_NOT_RENDERED] += 1
+            continue
         except TemplateError:
             later[TEMPLATE_REFUSED] += 1
             continue
@@ -82,10 +92,11 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
             later[NO_LOSS_TOKENS] += 1
             continue
         truncated += r.truncated
+        cut_answers += count_truncated([conv])
         for k, v in (("id", conv.id), ("input_ids", r.input_ids), ("loss_mask", r.loss_mask), ("domain", conv.domain)):
             rows[k].append(v)
     if not rows["id"]:
-        raise ValueError(f"every conversation was dropped while rendering: {dict(later)}")
+        raise PrepareError(f"every conversation was dropped while rendering: {dict(later)}")
     meta = {
         "format": FORMAT, "target": target.name, "tokenizer_fingerprint": tokenizer_fingerprint(tok),
         "chat_template_sha": chat_template_sha(tok), "max_length": cfg.max_length,
@@ -94,13 +105,31 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
         "source": {"source": cfg.source, "path": cfg.path, "split": cfg.split, **report.to_dict()},
         "skipped": dict(report.counts + later), "regenerated": cfg.regenerate is not None,
         "regenerate": asdict(cfg.regenerate) if cfg.regenerate else None,
+        "regenerate_version": REGENERATE_VERSION if cfg.regenerate else None,
+        # regenerated chats ending with an answer cut at max_new_tokens (kept open: no end-of-turn token)
+        "regenerated_truncated": cut_answers if cfg.regenerate else None,
         "seconds": round(time.time() - t0, 1), "config": _config_key(cfg),
     }
     _write(rows, meta, out_dir)
     log.info("prepared %d conversations (%d tokens, %d truncated to %d) in %.1f s; %s%s",
              meta["num_samples"], meta["num_tokens"], truncated, cfg.max_length, meta["seconds"], report.summary(),
              "".join(f"; dropped {n} ({why})" for why, n in later.items()))
+    if cut_answers:
+        log.info("%d regenerated chats end with an answer cut at regenerate.max_new_tokens (kept without an "
+                 "end-of-turn token; counted as regenerated_truncated in %s)", cut_answers, META_FILE)
     return meta
+
+
+def _renders(conv, tok, later: Counter) -> bool:
+    """Whether the chat template renders the chat with an exact mask (else the reason is counted)."""
+    try:
+        assistant_spans(conv, tok)
+        return True
+    except ToolTurnError:
+        later[TOOL_TURN_NOT_RENDERED] += 1
+    except TemplateError:
+        later[TEMPLATE_REFUSED] += 1
+    return False
 
 
 def _config_key(cfg: PrepareConfig) -> dict[str, Any]:
@@ -117,7 +146,8 @@ def prepared_is_current(out_dir: str | Path, cfg: PrepareConfig, target: Target)
     except json.JSONDecodeError:
         return False
     return (meta.get("config") == _config_key(cfg)
-            and meta.get("tokenizer_fingerprint") == tokenizer_fingerprint(target.tokenizer))
+            and meta.get("tokenizer_fingerprint") == tokenizer_fingerprint(target.tokenizer)
+            and (cfg.regenerate is None or meta.get("regenerate_version") == REGENERATE_VERSION))
 
 
 def _write(rows: dict[str, list], meta: dict[str, Any], out_dir: Path) -> None:
@@ -147,7 +177,7 @@ def load_prepared(path: str | Path):
     path = Path(path)
     meta_path = path / META_FILE
     if not meta_path.exists():
-        raise FileNotFoundError(f"{path} is not a prepared dataset (no {META_FILE}); run `specheads prepare` first")
+        raise InputNotFoundError(f"{path} is not a prepared dataset (no {META_FILE}); run `specheads prepare` first")
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != FORMAT:
         raise DataMismatchError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")

@@ -5,21 +5,32 @@ dataset's prompts) matches what they must predict at serving time. Generation is
 conversations (left padding), turn by turn, and resumable: every finished conversation is appended
 to a JSONL journal with fsync; a re-run reads the journal, drops a torn last line, and continues
 with the conversations not yet in it.
+
+Answers are the target's tokens exactly: each regenerated turn keeps the generated ``token_ids`` (the
+end-of-turn token excluded; the chat template closes the turn with it), the prompt of a later turn
+is built from those ids (``render.render_exact``), and the prepared row holds the same ids. An
+answer that reached ``max_new_tokens`` without the end-of-turn token is kept as the chat's last turn,
+marked ``truncated``: it is never closed as if the target had finished it, and it is counted
+(``regenerated_truncated`` in specheads_meta.json, and the log). Journal records carry a key of the
+settings and target; records made with other ones (or by a version that kept only text) are redone.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
 
 import torch
 from tqdm import tqdm
 
+from specheads.data.render import TemplateError, render_exact
 from specheads.data.sources import Conversation
+from specheads.errors import UserError
 from specheads.targets import Target
 
 log = logging.getLogger(__name__)
@@ -39,9 +50,25 @@ class RegenerateConfig:
     seed: int = 0
 
 
-def read_journal(path: Path) -> dict[str, Conversation]:
-    """Finished conversations from a journal; a torn final line (crash mid-write) is cut off."""
+class JournalError(UserError, ValueError):
+    """The regeneration journal holds a line that is not a record (the message names the file and line)."""
+
+
+def settings_key(target: Target, cfg: RegenerateConfig) -> str:
+    """What a journaled answer depends on: the generation settings and the target (batch size aside)."""
+    settings = {k: v for k, v in asdict(cfg).items() if k != "batch_size"}
+    ident = {"settings": settings, "target": target.name, "tokenizer": target.tokenizer_fingerprint(),
+             "config": target.config_hash() if target.model is not None else None, "format": 2}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_journal(path: Path, key: str | None = None) -> dict[str, Conversation]:
+    """Finished conversations from a journal; a torn final line (crash mid-write) is cut off.
+
+    ``key``: keep only records made with these settings (``settings_key``); others are redone.
+    """
     done: dict[str, Conversation] = {}
+    other = 0
     if not path.exists():
         return done
     raw = path.read_bytes()
@@ -53,62 +80,95 @@ def read_journal(path: Path) -> dict[str, Conversation]:
     for lineno, line in enumerate(raw[:good_end].decode("utf-8").splitlines(), 1):
         try:
             rec = json.loads(line)
+            if key is not None and rec.get("key") != key:
+                other += 1
+                continue
             done[rec["id"]] = Conversation(rec["id"], rec["messages"], rec.get("domain", "chat"))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{path}:{lineno}: corrupt journal line ({e}); delete the file to start over") from e
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise JournalError(f"{path}:{lineno}: corrupt journal line ({e}); delete the file to start over") from e
+    if other:
+        log.info("%s: %d record(s) made with other regeneration settings, another target or an older version "
+                 "are not reused", path, other)
     return done
 
 
-def _append(f, conv: Conversation) -> None:
-    f.write(json.dumps({"id": conv.id, "messages": conv.messages, "domain": conv.domain}) + "\n")
+def _append(f, conv: Conversation, key: str) -> None:
+    f.write(json.dumps({"id": conv.id, "messages": conv.messages, "domain": conv.domain, "key": key}) + "\n")
     f.flush()
     os.fsync(f.fileno())
 
 
 @torch.no_grad()
-def _generate(target: Target, prompts: list[str], cfg: RegenerateConfig, generator_seed: int) -> list[str]:
+def _generate(target: Target, prompts: list[list[int]], cfg: RegenerateConfig,
+              generator_seed: int) -> list[tuple[list[int], bool]]:
+    """(generated ids up to, not including, the end-of-turn token; finished) per prompt (token ids).
+
+    ``finished`` is False for an answer cut at ``max_new_tokens`` (no end-of-turn token generated).
+    """
     tok = target.tokenizer
-    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
-              truncation=True, max_length=cfg.max_prompt_tokens).to(target.device)
+    width = max(map(len, prompts))
+    pad = tok.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=target.device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device)
     sample = cfg.temperature > 0
     if sample:
         torch.manual_seed(generator_seed)
     out = target.model.generate(
-        **enc, max_new_tokens=cfg.max_new_tokens, do_sample=sample,
+        input_ids=input_ids, attention_mask=attention, max_new_tokens=cfg.max_new_tokens, do_sample=sample,
         temperature=cfg.temperature if sample else None, top_p=cfg.top_p if sample else None,
-        top_k=None, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        top_k=None, pad_token_id=pad, eos_token_id=tok.eos_token_id,
     )
-    new = out[:, enc["input_ids"].shape[1]:]
-    return [tok.decode(row, skip_special_tokens=True).strip() for row in new]
+    answers = []
+    for row in out[:, width:].tolist():
+        if tok.eos_token_id in row:  # finished: what follows the end-of-turn token is padding
+            answers.append((row[: row.index(tok.eos_token_id)], True))
+        else:  # generate ran every row to max_new_tokens: all of them are generated tokens
+            answers.append((row[: cfg.max_new_tokens], False))
+    return answers
 
 
 def _regenerate_batch(target: Target, batch: list[Conversation], cfg: RegenerateConfig, seed: int) -> list[Conversation]:
-    """Regenerate up to cfg.max_turns assistant turns of each conversation, turn by turn."""
+    """Regenerate up to cfg.max_turns assistant turns of each conversation, turn by turn.
+
+    A chat keeps its messages up to its last regenerated answer; a prompt over ``max_prompt_tokens``,
+    an empty answer or a cut one (kept, marked ``truncated``) ends it.
+    """
     tok = target.tokenizer
     work = [[dict(m) for m in c.messages] for c in batch]
-    cut = [None] * len(batch)  # where each chat ends after regeneration
+    end = [0] * len(batch)  # each chat keeps work[j][:end[j]]
+    stopped = [False] * len(batch)
     for turn in range(cfg.max_turns):
         todo, prompts = [], []
         for j, msgs in enumerate(work):
             idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-            if turn >= len(idx) or cut[j] is not None and cut[j] <= idx[turn]:
+            if stopped[j] or turn >= len(idx):
                 continue
-            prompt = tok.apply_chat_template(msgs[: idx[turn]], tokenize=False, add_generation_prompt=True)
-            if len(tok(prompt, add_special_tokens=False)["input_ids"]) > cfg.max_prompt_tokens:
-                cut[j] = idx[turn]
+            # the prompt holds the earlier regenerated turns as their own token ids
+            try:
+                prompt, _ = render_exact(msgs[: idx[turn]], tok, add_generation_prompt=True, conv_id=batch[j].id)
+            except TemplateError as e:
+                log.warning("conversation %s: no prompt for turn %d (%s); the chat ends before it", batch[j].id, turn, e)
+                stopped[j] = True
+                continue
+            if len(prompt) > cfg.max_prompt_tokens:
+                stopped[j] = True
                 continue
             todo.append((j, idx[turn]))
             prompts.append(prompt)
         if not todo:
             break
         answers = _generate(target, prompts, cfg, seed * 1000 + turn)
-        for (j, i), answer in zip(todo, answers):
-            if answer:
-                work[j][i]["content"] = answer
-                cut[j] = i + 1
-            else:
-                cut[j] = i  # an empty answer ends the chat before this turn
-    return [Conversation(c.id, msgs[: cut[j] or 0], c.domain) for j, (c, msgs) in enumerate(zip(batch, work))]
+        for (j, i), (ids, finished) in zip(todo, answers):
+            text = tok.decode(ids)
+            if not text.strip():
+                stopped[j] = True  # an empty answer ends the chat before this turn
+                continue
+            work[j][i] = {"role": "assistant", "content": text, "token_ids": ids}
+            end[j] = i + 1
+            if not finished:  # cut at max_new_tokens: the chat ends with this open turn, never closed
+                work[j][i]["truncated"] = True
+                stopped[j] = True
+    return [Conversation(c.id, msgs[: end[j]], c.domain) for j, (c, msgs) in enumerate(zip(batch, work))]
 
 
 def regenerate(target: Target, conversations: Iterable[Conversation], journal: str | Path,
@@ -116,16 +176,19 @@ def regenerate(target: Target, conversations: Iterable[Conversation], journal: s
     """Regenerate answers for every conversation, resuming from ``journal``.
 
     Returns the conversations in input order; ones whose regenerated chat holds no assistant
-    answer (prompt too long, empty answer) are left out and counted in the log.
+    answer (prompt too long, empty answer) are left out and counted in the log. A chat whose last
+    answer was cut at ``max_new_tokens`` ends with that turn marked ``truncated`` (see
+    ``count_truncated``).
     """
     if target.tokenizer is None:
-        raise ValueError("answer regeneration needs the target's tokenizer")
+        raise UserError("answer regeneration needs the target's tokenizer")
     if target.tokenizer.pad_token is None:
         target.tokenizer.pad_token = target.tokenizer.eos_token
     target.tokenizer.padding_side = "left"
     journal = Path(journal)
     journal.parent.mkdir(parents=True, exist_ok=True)
-    done = read_journal(journal)
+    key = settings_key(target, cfg)
+    done = read_journal(journal, key)
     convs = list(conversations)
     todo = [c for c in convs if c.id not in done]
     if done:
@@ -136,10 +199,20 @@ def regenerate(target: Target, conversations: Iterable[Conversation], journal: s
             batch = todo[b: b + cfg.batch_size]
             for conv in _regenerate_batch(target, batch, cfg, cfg.seed + b):
                 done[conv.id] = conv
-                _append(f, conv)
+                _append(f, conv, key)
             bar.update(len(batch))
     result = [done[c.id] for c in convs if any(m["role"] == "assistant" for m in done[c.id].messages)]
     if len(result) < len(convs):
         log.warning("regeneration left %d conversations without an answer (prompt too long or empty answer)",
                     len(convs) - len(result))
+    cut = count_truncated(result)
+    if cut:
+        log.warning("%d of %d regenerated chats end with an answer cut at regenerate.max_new_tokens=%d; they are "
+                    "kept as the target wrote them, without an end-of-turn token (raise max_new_tokens for "
+                    "finished answers)", cut, len(result), cfg.max_new_tokens)
     return result
+
+
+def count_truncated(conversations: Iterable[Conversation]) -> int:
+    """Chats whose last answer was cut at the length cap."""
+    return sum(1 for c in conversations if any(m.get("truncated") for m in c.messages))

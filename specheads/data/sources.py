@@ -6,6 +6,7 @@ Every reader yields normalized ``Conversation`` objects and counts what it skipp
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from collections import Counter
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from specheads.errors import SpecheadsError
+from specheads.errors import UserError
 from specheads.targets import asset_path
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,12 @@ ROLE_MAP = {
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
     "bard": "assistant", "model": "assistant",
     "system": "system",
+    # tool results (function calling): OpenAI `tool` / legacy `function`, Llama 3.1 `ipython`, ShareGPT-style
+    # `observation`. Kept when the target's chat template renders them (see specheads.data.render).
+    "tool": "tool", "function": "tool", "ipython": "tool", "observation": "tool",
 }
+TOOL_KEYS = ("name", "tool_call_id")  # carried over from a tool turn (some templates print or require them)
+UTF8_BOM = b"\xef\xbb\xbf"
 
 # Skip reasons (the keys of SkipReport.counts).
 EMPTY_TURN = "empty turn"
@@ -36,14 +42,16 @@ NOT_CONVERSATION = "not a conversation"
 INVALID_JSON = "invalid JSON line"
 
 
-class SourceError(SpecheadsError, ValueError):
+class SourceError(UserError, ValueError):
     """A conversation source cannot be read at all (wrong format, empty, missing)."""
 
 
 @dataclass
 class Conversation:
-    """messages: [{"role": "system"|"user"|"assistant", "content": str}], starting with a user turn
-    (after an optional system turn) and holding at least one assistant turn."""
+    """messages: [{"role": "system"|"user"|"assistant"|"tool", "content": str}], starting with a user turn
+    (after an optional system turn) and holding at least one assistant turn. A regenerated assistant turn
+    also holds ``token_ids`` (the target's own tokens, exactly) and ``truncated`` (cut at the length cap,
+    so not closed with the end-of-turn token); see specheads.data.regenerate."""
 
     id: str
     messages: list[dict[str, str]]
@@ -99,10 +107,15 @@ def normalize(record: Any, index: int, report: SkipReport, default_domain: str =
         if role is None:
             report.skip(UNKNOWN_ROLE, f"{where}: role {raw_role!r}")
             return None
+        if role == "tool" and isinstance(content, (dict, list)):
+            content = json.dumps(content, ensure_ascii=False)  # a structured tool result, as the model reads it
         if not isinstance(content, str) or not content.strip():
             report.skip(EMPTY_TURN, where)
             return None
-        messages.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        if role == "tool":
+            message.update({k: str(turn[k]) for k in TOOL_KEYS if turn.get(k) is not None})
+        messages.append(message)
     messages = _drop_leading_assistant(messages)
     if not any(m["role"] == "assistant" for m in messages):
         report.skip(NO_ASSISTANT, where)
@@ -126,18 +139,23 @@ def read_sharegpt_json(path: str | Path, report: SkipReport) -> Iterator[Any]:
     """Stream the records of a JSON array file without loading it whole.
 
     A file cut off mid-record yields every whole record, then notes where it stopped in
-    ``report.stopped_early`` (the packaged ShareGPT file is such a file).
+    ``report.stopped_early`` (the packaged ShareGPT file is such a file). A UTF-8 byte-order mark
+    (Windows editors write one) is skipped.
     """
     import ijson
 
     path = Path(path)
     _check_file(path)
     with path.open("rb") as f:
-        first = f.read(64).lstrip()
+        head = f.read(64)
+        start = len(UTF8_BOM) if head.startswith(UTF8_BOM) else 0
+        if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+            raise SourceError(f"{path} is UTF-16 text; save it as UTF-8 (the JSON standard's encoding)")
+        first = head[start:].lstrip()
         if not first.startswith(b"["):
             raise SourceError(f"{path}: not a JSON array of conversations (starts with {first[:20]!r}); "
                               "for one JSON object per line use a .jsonl file")
-        f.seek(0)
+        f.seek(start)
         items = ijson.items(f, "item", use_float=True)
         n = 0
         try:
@@ -156,15 +174,21 @@ def read_jsonl(path: str | Path, report: SkipReport) -> Iterator[Any]:
     """One JSON object per line, each with ``messages`` (role/content) or ``conversations`` (from/value)."""
     path = Path(path)
     _check_file(path)
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                report.read += 1
-                report.skip(INVALID_JSON, f"{path.name}:{lineno}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    lineno = 0
+    # utf-8-sig: a leading byte-order mark is skipped
+    with opener(path, "rt", encoding="utf-8-sig") as f:
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    report.read += 1
+                    report.skip(INVALID_JSON, f"{path.name}:{lineno}")
+        except UnicodeDecodeError as e:
+            raise SourceError(f"{path}: not UTF-8 text ({e.reason}, after line {lineno}); save the file as UTF-8") from e
 
 
 def read_hf_dataset(name_or_path: str, split: str = "train") -> Iterator[Any]:
@@ -179,7 +203,12 @@ def read_hf_dataset(name_or_path: str, split: str = "train") -> Iterator[Any]:
                 raise SourceError(f"{p}: no split '{split}' (has {list(ds)})")
             ds = ds[split]
     else:
-        ds = datasets.load_dataset(name_or_path, split=split)
+        try:
+            ds = datasets.load_dataset(name_or_path, split=split)
+        except (OSError, ValueError) as e:  # not found, unreachable, no such split
+            raise SourceError(f"cannot load the dataset '{name_or_path}' (split '{split}'): {e}; give a "
+                              "`save_to_disk` folder, or a dataset name cached on or reachable from this "
+                              "machine") from e
     yield from ds
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from specheads.data.prepare import DataMismatchError
+from specheads.errors import UserError
 
 STORE_FORMAT = "specheads.features/1"
 MANIFEST = "manifest.json"
@@ -50,8 +51,9 @@ class StoreError(RuntimeError):
     """A feature store is missing, incomplete or unusable."""
 
 
-class CorruptShardError(StoreError):
-    """A shard's bytes do not match its recorded size or checksum (the message names the file)."""
+class CorruptShardError(StoreError, UserError):
+    """A shard's bytes do not match its recorded size or checksum (the message names the file and the fix:
+    re-run the collection, which re-checks every shard and redoes only the bad ones)."""
 
 
 class StoreMismatchError(StoreError, DataMismatchError):
@@ -194,20 +196,25 @@ def write_shard(root: Path, index: int, tensors: dict[str, torch.Tensor], ids: l
     return record
 
 
+REDO_SHARD = ("re-run `specheads collect` with the same settings: it re-checks every shard, redoes only the bad "
+              "ones and keeps the rest (or delete the file first)")
+
+
 def check_shard_file(root: Path, record: ShardRecord, full: bool = True) -> None:
     """Raise ``CorruptShardError`` naming the file if it is missing, resized or (``full``) altered."""
     path = root / record.file
     if not path.exists():
-        raise CorruptShardError(f"shard {path} is missing (listed in the store's records)")
+        raise CorruptShardError(f"feature shard {path} is missing (listed in the store's records); {REDO_SHARD}")
     size = path.stat().st_size
     if size != record.bytes:
-        raise CorruptShardError(f"shard {path} has {size} bytes, its record says {record.bytes}: truncated or replaced")
+        raise CorruptShardError(f"feature shard {path} has {size} bytes, its record says {record.bytes} (truncated or "
+                                f"replaced); {REDO_SHARD}")
     if full:
         digest = sha256_file(path)
         if digest != record.sha256:
             raise CorruptShardError(
-                f"shard {path} is corrupt: SHA-256 {digest[:16]}... differs from the recorded {record.sha256[:16]}...; "
-                f"delete it and re-run collection to redo it")
+                f"feature shard {path} is corrupt: its SHA-256 {digest[:16]}... differs from the recorded "
+                f"{record.sha256[:16]}...; {REDO_SHARD}")
 
 
 def read_record(root: Path, index: int) -> ShardRecord | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 
+from specheads.errors import ConfigError
 from specheads.methods.base import FeatureSpec, Method, StepOutput, TrainingModule
 
 METHODS: dict[str, str] = {
@@ -17,10 +18,18 @@ METHODS: dict[str, str] = {
 }
 
 
+class MethodSettingsError(ConfigError, TypeError):
+    """A method setting that does not exist (``TypeError`` for callers that caught the old error)."""
+
+
 def build_method(name: str, **kwargs) -> Method:
-    """The ``Method`` registered as ``name`` (see ``METHODS``), constructed with ``kwargs``."""
+    """The ``Method`` registered as ``name`` (see ``METHODS``), constructed with ``kwargs``.
+
+    The settings are the user's (``method.*``): an unknown method, an unknown setting or a value the
+    method's constructor refuses raises a ``ConfigError`` (shown as a one-line user error).
+    """
     if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; known: {sorted(METHODS)}")
+        raise ConfigError(f"unknown method {name!r}; known: {sorted(METHODS)}")
     module, cls = METHODS[name].split(":")
     try:
         factory = getattr(importlib.import_module(module), cls)
@@ -29,7 +38,11 @@ def build_method(name: str, **kwargs) -> Method:
     try:
         return factory(**kwargs)
     except TypeError as e:
-        raise TypeError(f"bad settings for method {name!r} ({cls}): {e}") from e
+        raise MethodSettingsError(f"bad settings for method {name!r} ({cls}): {e}") from e
+    except ValueError as e:  # the constructor validates its settings, nothing else
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(str(e) if name in str(e) else f"method {name}: {e}") from e
 
 
 __all__ = ["FeatureSpec", "Method", "StepOutput", "TrainingModule", "METHODS", "build_method"]

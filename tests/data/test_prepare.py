@@ -67,3 +67,24 @@ def test_recipe_bad_input_is_a_clear_error(tmp_path, overrides, message):
     res = run_recipe(*overrides, f"output_dir={tmp_path / 'o'}")
     assert res.returncode != 0 and message in res.stderr + res.stdout
     assert not (tmp_path / "o").exists()
+
+
+def test_tool_turns_are_kept_or_skipped_and_counted_by_what_the_template_renders(smollm2_tokenizer, tmp_path):
+    import copy
+
+    from specheads.data.prepare import TOOL_TURN_NOT_RENDERED
+    from tests.data.test_render import DROPS_TOOLS, TOOL_CHAT
+
+    rows = [{"id": "tool", "messages": TOOL_CHAT},
+            {"id": "plain", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = PrepareConfig(source="jsonl", path=str(tmp_path / "c.jsonl"), num_samples=None)
+    meta = prepare(Target.tokenizer_only(smollm2_tokenizer, "smollm2"), cfg, tmp_path / "chatml")
+    ds, _ = load_prepared(tmp_path / "chatml")
+    assert ds["id"] == ["tool", "plain"] and meta["skipped"] == {}
+    assert '{"temp": 21}' in smollm2_tokenizer.decode(ds[0]["input_ids"])
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = DROPS_TOOLS
+    meta = prepare(Target.tokenizer_only(tok, "drops-tools"), cfg, tmp_path / "drops")
+    assert meta["num_samples"] == 1 and meta["skipped"] == {TOOL_TURN_NOT_RENDERED: 1}

@@ -86,3 +86,51 @@ def test_packaged_sharegpt_streams_every_whole_record():
     assert report.read == 17671, "the packaged file holds 17,671 whole conversations before the cut"
     assert n == report.kept == 17671 - sum(report.counts.values())
     assert report.stopped_early and "17671 whole records" in report.stopped_early
+
+
+def test_utf8_byte_order_mark_is_accepted(tmp_path):
+    """Windows editors save JSON with a UTF-8 BOM; it was refused as 'not a JSON array'."""
+    bom = b"\xef\xbb\xbf"
+    sg = tmp_path / "bom.json"
+    sg.write_bytes(bom + json.dumps(GOOD).encode())
+    assert [c.id for c in iter_conversations("sharegpt", str(sg))] == ["c0", "c1", "c2"]
+    jl = tmp_path / "bom.jsonl"
+    jl.write_bytes(bom + "\n".join(json.dumps(r) for r in GOOD).encode())
+    report = SkipReport()
+    assert [c.id for c in iter_conversations("jsonl", str(jl), report=report)] == ["c0", "c1", "c2"]
+    assert not report.counts
+    utf16 = tmp_path / "u16.json"
+    utf16.write_bytes(json.dumps(GOOD).encode("utf-16"))
+    with pytest.raises(SourceError, match="UTF-16.*UTF-8"):
+        list(iter_conversations("sharegpt", str(utf16)))
+
+
+def test_tool_turns_are_kept_as_role_tool(tmp_path):
+    rows = [{"id": "t", "messages": [{"role": "user", "content": "weather?"},
+                                     {"role": "assistant", "content": "<call>weather()</call>"},
+                                     {"role": "tool", "content": {"temp": 21}, "name": "weather"},
+                                     {"role": "assistant", "content": "21 degrees"}]},
+            chat(1, ("human", "q"), ("gpt", "call"), ("observation", "result"), ("gpt", "a")),
+            chat(2, ("human", "q"), ("gpt", "call"), ("ipython", "result"), ("gpt", "a")),
+            chat(3, ("human", "q"), ("gpt", "call"), ("function", "result"), ("gpt", "a"))]
+    path = tmp_path / "tools.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    report = SkipReport()
+    convs = list(iter_conversations("jsonl", str(path), report=report))
+    assert [c.id for c in convs] == ["t", "c1", "c2", "c3"] and not report.counts
+    assert convs[0].messages[2] == {"role": "tool", "content": '{"temp": 21}', "name": "weather"}
+    assert all([m["role"] for m in c.messages] == ["user", "assistant", "tool", "assistant"] for c in convs)
+
+
+def test_gzipped_jsonl_and_non_utf8_text(tmp_path):
+    import gzip
+
+    gz = tmp_path / "c.jsonl.gz"
+    with gzip.open(gz, "wt", encoding="utf-8") as f:
+        f.write("\n".join(json.dumps(r) for r in GOOD))
+    assert [c.id for c in iter_conversations("auto", str(gz))] == ["c0", "c1", "c2"]
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(json.dumps(GOOD[0]).encode() + b"\n" + json.dumps(GOOD[1], ensure_ascii=False).encode()
+                      .replace(b"be nice", "caf\u00e9".encode("latin-1")))
+    with pytest.raises(SourceError, match="latin.jsonl: not UTF-8"):
+        list(iter_conversations("jsonl", str(latin)))
