@@ -3,11 +3,14 @@
     specheads run [head=medusa1] [run_dir=runs/x] [stages.train='[train.max_steps=500]']
 """
 
+import hashlib
 import json
 import logging
+import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import hydra
@@ -44,31 +47,147 @@ def stage_commands(cfg: DictConfig) -> list[tuple[str, str, list[str]]]:
     return [(name, recipe, target + args + extra[name]) for name, recipe, args in stages]
 
 
-def run_stage(name: str, recipe: str, overrides: list[str], done_dir: Path) -> None:
-    marker = done_dir / f"{name}.json"
-    if marker.exists() and json.loads(marker.read_text()).get("overrides") == overrides:
-        log.info("[%s] finished earlier with the same settings; skipping", name)
+# --------------------------------------------------------------------------- done-markers
+# A stage is skipped only when its marker (<run_dir>/.done/<stage>[.<head>].json, one per output folder)
+# holds the fingerprint it would run with now: its own overrides plus the markers of every earlier
+# stage (what they wrote is what it reads). A stage that re-runs writes a new marker, so every later
+# stage re-runs too. A stage whose folder holds output made with other settings or inputs is cleared
+# first (training and collection would otherwise resume from it); an interrupted run with the same
+# fingerprint resumes from its folder.
+
+MARKER_FORMAT = "specheads.stage/2"
+OUTPUT_KEYS = ("output_dir", "out_dir")  # the override naming a stage's output folder
+KEEPS_OUTPUT = {"prepare"}  # redoes its folder itself when stale, and keeps its regeneration journal
+
+
+def stage_output(overrides: list[str]) -> Path | None:
+    """The stage's output folder: the last ``output_dir=`` / ``out_dir=`` override (Hydra's last wins)."""
+    out = None
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        if sep and key.lstrip("+") in OUTPUT_KEYS:
+            out = Path(value)
+    return out
+
+
+def marker_name(name: str, output: Path | None, run_dir: Path) -> str:
+    """``train`` writing ``<run_dir>/train/eagle3`` -> ``train.eagle3``: one marker per output folder, so
+    switching heads back and forth keeps each head's marker (and its trained folder)."""
+    try:
+        rel = output.resolve().relative_to(run_dir.resolve()).parts[1:] if output is not None else ()
+    except ValueError:  # a folder outside run_dir
+        rel = (hashlib.sha256(str(output).encode()).hexdigest()[:8],)
+    return ".".join([name, *rel])
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def marker_identity(marker: dict | None) -> str | None:
+    """What a later stage records of this stage's output: its fingerprint and the id of the run that
+    wrote it (a re-run with the same settings still rewrote the folder)."""
+    if not marker or "fingerprint" not in marker:
+        return None
+    return f"{marker['fingerprint']}@{marker.get('run')}"
+
+
+def stage_fingerprint(name: str, overrides: list[str], inputs: dict[str, str | None]) -> str:
+    """Everything a stage's output depends on: its name, its overrides, the markers of its inputs."""
+    blob = json.dumps({"stage": name, "overrides": list(overrides), "inputs": inputs}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def decide(fingerprint: str, overrides: list[str], marker: dict | None, started: dict | None) -> str:
+    """``skip`` (finished with this fingerprint), ``resume`` (run, keeping what its folder holds) or
+    ``fresh`` (run after clearing its folder: it holds output made from other settings or inputs).
+
+    ``marker``: the finished marker (or one written before fingerprints, which holds only
+    ``overrides``); ``started``: the record a launch leaves until the stage finishes.
+    """
+    if marker and marker.get("fingerprint") == fingerprint:
+        return "skip"
+    if started and started.get("fingerprint") == fingerprint:
+        return "resume"  # interrupted with these settings: collection and training resume
+    if marker is None and started is None:
+        return "resume"  # nothing recorded: a first run (or a folder this pipeline never wrote)
+    if marker and "fingerprint" not in marker and marker.get("overrides") == overrides and started is None:
+        return "resume"  # an older marker with the same settings: re-run, resuming from the folder
+    return "fresh"
+
+
+def clear_output(output: Path | None, run_dir: Path) -> None:
+    """Delete a stale output folder, only ever inside run_dir."""
+    if output is None or not output.exists():
         return
+    try:
+        output.resolve().relative_to(run_dir.resolve())
+    except ValueError:
+        log.warning("%s holds output made with other settings, but lies outside run_dir %s: left in place "
+                    "(the stage may resume from it)", output, run_dir)
+        return
+    log.info("clearing %s: it was made with other settings or inputs", output)
+    if output.is_dir():
+        shutil.rmtree(output)
+    else:
+        output.unlink()
+
+
+def write_json(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+def run_stages(stages: list[tuple[str, str, list[str]]], run_dir: Path, only: str | None = None) -> list[str]:
+    """Run the stages in order, each unless its marker is current; returns the stages that ran."""
+    run_dir, done_dir = Path(run_dir), Path(run_dir) / ".done"
+    inputs: dict[str, str | None] = {}
+    ran = []
+    for name, recipe, overrides in stages:
+        output = stage_output(overrides)
+        key = marker_name(name, output, run_dir)
+        marker_file, started_file = done_dir / f"{key}.json", done_dir / f"{key}.started.json"
+        fingerprint = stage_fingerprint(name, overrides, dict(inputs))
+        if only in (None, name):
+            marker, started = read_json(marker_file), read_json(started_file)
+            action = decide(fingerprint, overrides, marker, started)
+            if action == "skip":
+                log.info("[%s] finished earlier with the same settings and inputs; skipping", name)
+            else:
+                if action == "fresh" and name not in KEEPS_OUTPUT:
+                    clear_output(output, run_dir)
+                write_json(started_file, {"format": MARKER_FORMAT, "fingerprint": fingerprint, "inputs": inputs})
+                seconds = run_stage(name, recipe, overrides)
+                write_json(marker_file, {"format": MARKER_FORMAT, "fingerprint": fingerprint, "overrides": overrides,
+                                         "inputs": inputs, "run": uuid.uuid4().hex[:16],
+                                         "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": seconds})
+                started_file.unlink(missing_ok=True)
+                ran.append(name)
+        inputs[key] = marker_identity(read_json(marker_file))
+    return ran
+
+
+def run_stage(name: str, recipe: str, overrides: list[str]) -> float:
+    """Run one stage's recipe in its own process; returns its seconds (a failure ends the pipeline)."""
     log.info("[%s] %s %s", name, recipe, " ".join(overrides))
     t0 = time.time()
     res = subprocess.run([sys.executable, "-m", f"{RECIPES_PACKAGE}.{Path(recipe).stem}", *overrides])
     if res.returncode != 0:
         raise SystemExit(f"specheads run: stage '{name}' failed (exit {res.returncode}); fix the cause and "
                          "re-run the same command: finished stages are skipped, this one resumes")
-    done_dir.mkdir(parents=True, exist_ok=True)
-    tmp = marker.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"overrides": overrides, "seconds": round(time.time() - t0, 1)}))
-    tmp.replace(marker)
     log.info("[%s] done in %.0f s", name, time.time() - t0)
+    return round(time.time() - t0, 1)
 
 
 @hydra.main(config_path="../conf", config_name="pipeline", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     t0 = time.time()
-    done_dir = Path(cfg.run_dir) / ".done"
-    for name, recipe, overrides in stage_commands(cfg):
-        if cfg.only in (None, name):
-            run_stage(name, recipe, overrides, done_dir)
+    run_stages(stage_commands(cfg), Path(cfg.run_dir), cfg.only)
     report = Path(cfg.run_dir) / "eval" / cfg.head / "report.md"
     if report.exists():
         print(report.read_text())

@@ -1,0 +1,166 @@
+"""`specheads run` re-runs a stage when anything it reads changed, and skips it only when nothing did.
+
+No recipe runs: the stage launcher (``subprocess.run`` inside recipes/pipeline.py) is replaced by a fake
+that records the stages launched and writes a file into each stage's output folder.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("prepare", "collect", "train", "evaluate", "export")
+
+
+def load_pipeline():
+    spec = importlib.util.spec_from_file_location("recipe_pipeline_markers", ROOT / "recipes" / "pipeline.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+pipeline = load_pipeline()
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Launched stages (in order); each launch records what its output folder held, then writes to it."""
+    log = []
+
+    def fake_run(cmd, *a, **kw):
+        module, overrides = cmd[2], cmd[3:]
+        out = pipeline.stage_output(overrides)
+        held = sorted(p.name for p in out.iterdir()) if out is not None and out.is_dir() else []
+        log.append(SimpleNamespace(stage=module.rsplit(".", 1)[-1], held=held))
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"written{len(log)}").write_text("x")
+        return subprocess.CompletedProcess(cmd, returncode=getattr(fake_run, "fail", {}).pop(module, 0))
+
+    monkeypatch.setattr(pipeline.subprocess, "run", fake_run)
+    return log
+
+
+RECIPE = {"prepare": "prepare_data.py", "collect": "collect_hidden_states.py", "train": "train.py",
+          "evaluate": "evaluate.py", "export": "export.py"}
+OUT = {"prepare": "prepared", "collect": "features", "train": "train/eagle3", "evaluate": "eval/eagle3",
+       "export": "export/eagle3"}
+
+
+def stages(run: Path, head: str = "eagle3", **extra: list[str]):
+    out = {k: v.replace("eagle3", head) for k, v in OUT.items()}
+    return [(s, RECIPE[s], [f"{'out_dir' if s in ('collect', 'export') else 'output_dir'}={run / out[s]}",
+                            *extra.get(s, [])]) for s in STAGES]
+
+
+def test_unchanged_rerun_skips_every_stage(tmp_path, launches):
+    assert pipeline.run_stages(stages(tmp_path), tmp_path) == list(STAGES)
+    assert pipeline.run_stages(stages(tmp_path), tmp_path) == []
+    assert len(launches) == 5
+
+
+@pytest.mark.parametrize("changed", STAGES)
+def test_changing_a_stage_reruns_it_and_every_later_stage(tmp_path, launches, changed):
+    pipeline.run_stages(stages(tmp_path), tmp_path)
+    ran = pipeline.run_stages(stages(tmp_path, **{changed: ["some.setting=2"]}), tmp_path)
+    assert ran == list(STAGES[STAGES.index(changed):])
+    # and once re-run, the new settings are current everywhere
+    assert pipeline.run_stages(stages(tmp_path, **{changed: ["some.setting=2"]}), tmp_path) == []
+
+
+def test_a_rerun_upstream_stage_invalidates_later_ones_even_with_the_same_settings(tmp_path, launches):
+    pipeline.run_stages(stages(tmp_path), tmp_path)
+    (tmp_path / ".done" / "train.eagle3.json").unlink()  # e.g. the user forces a retrain
+    assert pipeline.run_stages(stages(tmp_path), tmp_path) == ["train", "evaluate", "export"]
+
+
+def test_stale_output_is_cleared_but_an_interrupted_run_resumes(tmp_path, launches):
+    pipeline.run_stages(stages(tmp_path), tmp_path)
+    launches.clear()
+    # stages.train changed: training must not resume from the old checkpoints, evaluate not reuse the old report
+    pipeline.run_stages(stages(tmp_path, train=["optim.lr=1e-4"]), tmp_path)
+    held = {x.stage: x.held for x in launches}
+    assert held["train"] == [] and held["evaluate"] == [] and held["export"] == []
+
+    # an interrupted stage (launched, never finished) resumes from its folder with the same settings
+    launches.clear()
+    pipeline.subprocess.run.fail = {"specheads.recipes.train": 1}
+    with pytest.raises(SystemExit, match="stage 'train' failed"):
+        pipeline.run_stages(stages(tmp_path, train=["optim.lr=1e-5"]), tmp_path)
+    assert launches[-1].held == []  # cleared: it held the lr=1e-4 run
+    launches.clear()
+    assert pipeline.run_stages(stages(tmp_path, train=["optim.lr=1e-5"]), tmp_path) == ["train", "evaluate", "export"]
+    assert launches[0].held == ["written1"], "the interrupted run's output was not kept for resuming"
+
+
+def test_prepare_keeps_its_folder_and_stale_folders_outside_run_dir_are_kept(tmp_path, launches):
+    pipeline.run_stages(stages(tmp_path), tmp_path)
+    launches.clear()
+    pipeline.run_stages(stages(tmp_path, prepare=["data.num_samples=5"]), tmp_path)
+    assert launches[0].stage == "prepare_data" and launches[0].held != []  # prepare decides itself (regen journal)
+
+    elsewhere = tmp_path.parent / (tmp_path.name + "_elsewhere")
+    st = stages(tmp_path)
+    st[2] = ("train", "train.py", [f"output_dir={elsewhere}"])
+    pipeline.run_stages(st, tmp_path)
+    st[2] = ("train", "train.py", [f"output_dir={elsewhere}", "optim.lr=1"])
+    launches.clear()
+    pipeline.run_stages(st, tmp_path)
+    assert launches[0].held != [], "a folder outside run_dir was deleted"
+
+
+def test_switching_heads_keeps_each_heads_marker(tmp_path, launches):
+    pipeline.run_stages(stages(tmp_path, "eagle3"), tmp_path)
+    pipeline.run_stages(stages(tmp_path, "medusa1", collect=["method=medusa1"]), tmp_path)
+    launches.clear()
+    ran = pipeline.run_stages(stages(tmp_path, "eagle3"), tmp_path)
+    # the shared feature store was recollected for medusa1, so eagle3's head retrains, from a cleared folder
+    assert ran == ["collect", "train", "evaluate", "export"]
+    assert {x.stage: x.held for x in launches}["train"] == []
+    assert pipeline.run_stages(stages(tmp_path, "eagle3"), tmp_path) == []
+
+
+def test_only_runs_one_stage_against_what_is_on_disk(tmp_path, launches):
+    pipeline.run_stages(stages(tmp_path), tmp_path)
+    # prepare's settings changed but prepare is not run: train's input (the prepared folder) is unchanged
+    assert pipeline.run_stages(stages(tmp_path, prepare=["x=1"]), tmp_path, only="train") == []
+    assert pipeline.run_stages(stages(tmp_path, prepare=["x=1"]), tmp_path, only="prepare") == ["prepare"]
+    assert pipeline.run_stages(stages(tmp_path, prepare=["x=1"]), tmp_path, only="evaluate") == ["evaluate"]
+    assert pipeline.run_stages(stages(tmp_path, prepare=["x=1"]), tmp_path) == ["collect", "train", "evaluate", "export"]
+
+
+def test_markers_from_before_fingerprints_rerun_the_stage_without_clearing(tmp_path, launches):
+    st = stages(tmp_path)
+    done = tmp_path / ".done"
+    done.mkdir()
+    for name, _, overrides in st:  # the old format: {"overrides": [...]} per stage name
+        (done / f"{name}.json").write_text(json.dumps({"overrides": overrides, "seconds": 1.0}))
+        out = pipeline.stage_output(overrides)
+        out.mkdir(parents=True)
+        (out / "old").write_text("x")
+    assert pipeline.run_stages(st, tmp_path) == list(STAGES)
+    assert all(x.held == ["old"] for x in launches), "an old marker with the same settings must resume, not clear"
+    assert pipeline.run_stages(st, tmp_path) == []
+
+
+def test_the_real_pipeline_config_invalidates_evaluate_and_export_when_train_changes(tmp_path, launches):
+    from hydra import compose, initialize_config_dir
+
+    def commands(*overrides):
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("pipeline", overrides=[f"run_dir={tmp_path}", *overrides])
+        return pipeline.stage_commands(cfg)
+
+    assert pipeline.run_stages(commands(), tmp_path) == list(STAGES)
+    assert pipeline.run_stages(commands("stages.train=['train.max_steps=7']"), tmp_path) == ["train", "evaluate",
+                                                                                             "export"]
+    assert pipeline.run_stages(commands("stages.train=['train.max_steps=7']", "stages.prepare=['data.num_samples=3']"),
+                               tmp_path) == list(STAGES)
+    assert pipeline.run_stages(commands("stages.train=['train.max_steps=7']", "stages.prepare=['data.num_samples=3']"),
+                               tmp_path) == []
