@@ -148,8 +148,11 @@ def test_smollm2_lookahead_is_exact_and_drafts_on_a_repeat_prompt(smollm2):
                                         "one statement per line."}]
     text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     prompt = tok(text, add_special_tokens=False)["input_ids"]
-    plain = plain_generate(TargetRunner(smollm2.model), [prompt], 64)
-    res = speculative_generate(TargetRunner(smollm2.model), LookaheadDrafter(5, 4, 5), [prompt], 64)
+    from specheads.targets import eos_token_ids
+
+    eos = eos_token_ids(smollm2)
+    plain = plain_generate(TargetRunner(smollm2.model), [prompt], 64, eos_ids=eos)
+    res = speculative_generate(TargetRunner(smollm2.model), LookaheadDrafter(5, 4, 5), [prompt], 64, eos_ids=eos)
     assert res.tokens == plain.tokens
     tau = res.stats[0].emitted / res.stats[0].steps
     print(f"lookahead on SmolLM2, repeat prompt: tau {tau:.2f}; {tok.decode(res.tokens[0])!r}")
