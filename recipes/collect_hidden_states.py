@@ -3,6 +3,8 @@
     python recipes/collect_hidden_states.py [method=eagle3] [collect.dtype=fp8_e4m3] [out_dir=...]
     torchrun --nproc_per_node 2 recipes/collect_hidden_states.py ...   (or accelerate launch; each
     process takes a disjoint share of the shards, the last one to finish writes the manifest)
+    torchrun --nproc_per_node 8 recipes/collect_hidden_states.py target.parallel=tp ...   (the target split
+    over a node's processes, which read the same samples: one share of the shards per node, written by its rank 0)
     specheads collect ...            (same overrides)
 """
 
@@ -48,20 +50,27 @@ def feature_spec(method_cfg: DictConfig, target) -> FeatureSpec:
 
 @hydra.main(config_path="../conf", config_name="collect_hidden_states", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
     dataset, meta = load_prepared(cfg.prepared_dir)
     target = load_target(cfg.target.name_or_path, cfg.target.dtype,
-                         process_device(cfg.target.get("device", "cpu"), rank))
+                         process_device(cfg.target.get("device", "cpu"), rank),
+                         parallel=cfg.target.get("parallel", "none"), tp_size=cfg.target.get("tp_size") or None,
+                         max_memory=cfg.target.get("max_memory") or None)
     check_prepared_matches(meta, target)
     spec = feature_spec(cfg.method, target)
-    opts = CollectOptions(**OmegaConf.to_object(cfg.collect), rank=rank, world_size=world)
+    # Shards go to data-parallel ranks: a tensor-parallel group shares one, its first rank writes.
+    layout = target.layout
+    rank, world = layout.rank, layout.world
+    opts = CollectOptions(**OmegaConf.to_object(cfg.collect), rank=layout.dp_rank, world_size=layout.dp_size,
+                          write=layout.writes)
     source = {"prepared_dir": str(Path(cfg.prepared_dir).resolve()), "method": cfg.method.name,
               **{k: meta.get(k) for k in ("num_samples", "num_tokens", "chat_template_sha", "max_length")}}
     summary = collect_hidden_states(target, dataset, spec, cfg.out_dir, opts, source=source)
     done = "store complete" if summary["manifest"] else "other ranks still running"
+    group = f" ({layout.describe()})" if layout.tp_size > 1 else ""
     print(f"rank {rank}/{world}: wrote {summary['shards_written']} shards ({summary['tokens']} tokens, "
           f"{summary['tokens_per_s']:.0f} tokens/s), skipped {summary['shards_skipped']} finished -> "
-          f"{cfg.out_dir} ({done})")
+          f"{cfg.out_dir} ({done}){group}")
 
 
 if __name__ == "__main__":

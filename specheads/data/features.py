@@ -233,7 +233,10 @@ class CollectOptions:
     batch_tokens / max_batch_size: padded tokens / samples per forward; rank / world_size: this
     process's share (shards rank, rank+W, ...); check_disk: refuse when the disk lacks room;
     verify_done: re-hash finished shards on a re-run (else only their size is checked);
-    estimate_time: time one small forward first to log the expected collection time.
+    estimate_time: time one small forward first to log the expected collection time;
+    write: False for the ranks of a tensor-parallel group other than its first: they run the same
+    forward passes (collectives) on the same share but leave writing to it. With a tensor-parallel
+    target, rank / world_size are the group's data-parallel rank and size (``ParallelLayout``).
     """
 
     dtype: str = "bfloat16"
@@ -246,6 +249,7 @@ class CollectOptions:
     check_disk: bool = True
     verify_done: bool = True
     estimate_time: bool = True
+    write: bool = True
 
 
 def plan_shards(lengths: Sequence[int], shard_tokens: int, shard_samples: int) -> list[list[int]]:
@@ -389,7 +393,8 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
     header = store_header(target, spec, opts, ids, tokens.lengths, shards, source)
     open_plan(root, header)
     mine = list(range(opts.rank, len(shards), opts.world_size))
-    remove_stale_temps(root, mine)
+    if opts.write:
+        remove_stale_temps(root, mine)
     todo = [s for s in mine if not shard_is_done(root, s, header["plan_hash"], opts.verify_done)]
     plan = {s: length_batches(shards[s], tokens.lengths, opts.batch_tokens, opts.max_batch_size) for s in todo}
     todo_tokens = sum(tokens.lengths[i] for s in todo for i in shards[s])
@@ -397,6 +402,13 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
     log.info("rank %d: %d of its %d shards to do (%d finished already)", opts.rank, len(todo), len(mine),
              len(mine) - len(todo))
     t0 = time.perf_counter()
+    if not opts.write:  # a tensor-parallel peer: the same forward passes, nothing written
+        for s in todo:
+            for b in plan[s]:
+                compute_features(target, collate_features(tokens.rows(b)), spec)
+        log.info("rank %d: computed its group's %d shards for the group's writer", opts.rank, len(todo))
+        return {"rank": opts.rank, "shards_written": 0, "shards_skipped": len(mine) - len(todo), "samples": 0,
+                "tokens": 0, "seconds": time.perf_counter() - t0, "tokens_per_s": 0.0, "manifest": None}
     writer = ShardWriter(root, header["dtype"], max(1, len(spec.aux_layers)), header["plan_hash"])
     try:
         for s in todo:

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Iterator, Protocol, Sequence
 import torch
 
 from specheads.methods.base import FeatureSpec
-from specheads.targets import Target
+from specheads.targets import Target, data_parallel_share
 
 
 class BatchSource(Protocol):
@@ -103,7 +103,11 @@ def _shard(source: BatchSource, epoch: int, start: int, world: int, rank: int) -
 
 
 def micro_batches(source: BatchSource, epoch: int, pos: int, world: int = 1, rank: int = 0):
-    """Endless stream of (epoch, next position, batch) from the data position (epoch, pos) on."""
+    """Endless stream of (epoch, next position, batch) from the data position (epoch, pos) on.
+
+    With a tensor-parallel target the ranks of a group read the same batches: data is split over
+    data-parallel ranks (``specheads.targets.data_parallel_share``), not over processes."""
+    world, rank = data_parallel_share(world, rank)
     while True:
         got = False
         for nxt, batch in _shard(source, epoch, pos, world, rank):
