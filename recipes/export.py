@@ -1,6 +1,7 @@
 """Recipe: a trained head folder -> Hub folder(s) that vLLM / SGLang load as they are.
 
-    python recipes/export.py head_dir=runs/x/train/eagle3/head out_dir=runs/x/export [engine=vllm]
+    python recipes/export.py head_dir=runs/x/train/eagle3/head out_dir=runs/x/export [engine=vllm] \
+        [target_id=org/model]
     specheads export ...            (same overrides)
 """
 
@@ -23,13 +24,14 @@ class ExportRecipeConfig:
     target: Any = MISSING
     head_dir: str = MISSING
     out_dir: str = MISSING
-    engine: str = "both"
-    eval_report: Optional[str] = None
+    engine: str = "all"
+    eval_report: Optional[str] = "auto"
     training_data: Optional[str] = None
     dtype: Optional[str] = None
     spec_tokens: Optional[int] = None
     overwrite: bool = False
     push_to_hub: Optional[str] = None
+    target_id: Optional[str] = None
 
 
 ConfigStore.instance().store(name="export_schema", node=ExportRecipeConfig)
@@ -38,7 +40,7 @@ ConfigStore.instance().store(name="export_schema", node=ExportRecipeConfig)
 def run(cfg: DictConfig) -> str:
     path = export_head(cfg.head_dir, cfg.out_dir, engine=cfg.engine, target=cfg.target.name_or_path,
                        eval_report=cfg.eval_report, data=cfg.training_data, dtype=cfg.dtype, spec_tokens=cfg.spec_tokens,
-                       overwrite=cfg.overwrite, push_to_hub=cfg.push_to_hub)
+                       overwrite=cfg.overwrite, push_to_hub=cfg.push_to_hub, target_id=cfg.target_id)
     print(f"exported {cfg.head_dir} -> {path} (model card: README.md in each engine folder)")
     return str(path)
 

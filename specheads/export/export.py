@@ -6,11 +6,13 @@
 Input: the ``save_pretrained`` folder that ``Method.save`` writes (``config.json`` +
 ``model.safetensors``; for Medusa-2 also the merged adapted target in ``target/``). Every tensor
 is checked against ``layouts.head_tensors`` (name, shape, dtype): a missing or unknown key fails
-naming the key. Output: one folder per engine (``out_dir`` itself for one engine,
-``out_dir/vllm`` and ``out_dir/sglang`` for ``both``) with ``config.json``, ``model.safetensors``,
-``specheads_export.json`` and a model card ``README.md`` (``both`` for Medusa: only ``vllm/``,
-SGLang has no Medusa loader). The whole ``out_dir`` is written to a
-temporary sibling and renamed into place, so a failure never leaves a half-written folder.
+naming the key. Output: one folder per engine layout (``out_dir`` itself for one layout,
+``out_dir/<engine>`` for several: ``both`` = vllm + sglang, ``all`` = every layout the method has:
+vllm, sglang, speculators (EAGLE-3) and medusa (the original Medusa/TGI layout)) with ``config.json``,
+the weights, ``specheads_export.json`` and a model card ``README.md``. The whole ``out_dir`` is written
+to a temporary sibling and renamed into place, so a failure never leaves a half-written folder; every
+file is made world-readable (0644, folders 0755) before the rename, as ``save_pretrained`` output is
+meant to be (safetensors' atomic writes create 0600 files).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,8 +30,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specheads.errors import SpecheadsError
-from specheads.export.layouts import (FLOAT, Layout, LayoutError, TargetInfo, TensorSpec, build_layout,
-                                      engines_for, head_tensors, method_of)
+from specheads.export.layouts import (ENGINES, FLOAT, Layout, LayoutError, TargetInfo, TensorSpec,
+                                      build_layout, engines_for, head_tensors, method_of)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,10 @@ _OTHER_CODES = {"int64": "I64", "bool": "BOOL"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16",
                 torch.float16: "float16"}
+FILE_MODE, DIR_MODE = 0o644, 0o755  # what save_pretrained output is meant to be: readable by a server's user
+TARGET_PLACEHOLDER = "TARGET"  # the serve commands' target when no hub id is known
+# Hub models that the embedded targets were converted from (the card names them as the likely original).
+KNOWN_ORIGINS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
 class ExportError(SpecheadsError, ValueError):
@@ -129,18 +135,74 @@ def check_draft_vocab(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
 # --------------------------------------------------------------------------- the target
 
 
-def target_info(target, head_cfg: dict) -> tuple[TargetInfo, str]:
-    """(sizes of the target, the path or id an engine serves it from).
+@dataclass
+class TargetOrigin:
+    """Where the target came from, and the id a user would serve it by (None: only a local file)."""
+
+    spec: str  # what was given (a name, folder, GGUF file or hub id)
+    path: str | None  # the folder the weights were read from here (None: not read)
+    hub_id: str | None  # the hub id to serve (given, the spec itself, or a hub cache folder's)
+    kind: str  # "hub", "hub-cache", "given", "embedded", "gguf", "local", "unknown"
+    hint: str | None = None  # a hub id the local file was probably converted from (not verified)
+
+    def warning(self) -> str | None:
+        """Why the card cannot name the target for you, or None when it can."""
+        if self.hub_id:
+            return None
+        what = {"embedded": f"the embedded default `{self.spec}` (a GGUF file dequantized to a local folder)",
+                "gguf": f"the GGUF file `{self.spec}` (dequantized to a local folder)",
+                "local": f"the local folder `{self.spec}`"}.get(self.kind, f"`{self.spec}`")
+        text = (f"The head was trained against {what}, which has no hub id: replace `{TARGET_PLACEHOLDER}` in the "
+                "commands below with the hub id or path of exactly that model (same weights and tokenizer)")
+        if self.hint:
+            text += (f"; it was converted from a quantized copy of `{self.hint}`, the closest hub model, so acceptance "
+                     "serving that one can differ from the figures measured here")
+        return text + ". Re-export with `target_id=<hub id>` to name it."
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def target_origin(target, path: str | None, target_id: str | None = None) -> TargetOrigin:
+    """The target's origin: an explicit ``target_id``, a hub id given as the target, a hub cache folder
+    (``.../models--org--name/snapshots/<rev>``), else a local file with no id (a placeholder in the card)."""
+    from specheads.targets import EMBEDDED_TARGET
+
+    spec = str(target) if isinstance(target, (str, Path)) else (getattr(target, "name", None) or "target")
+    if target_id is not None:
+        if not _HUB_ID.fullmatch(target_id):
+            raise ExportError(f"target_id must be a hub id 'owner/name', got {target_id!r}")
+        return TargetOrigin(spec, path, target_id, "given")
+    if spec == EMBEDDED_TARGET:
+        return TargetOrigin(spec, path, None, "embedded", KNOWN_ORIGINS.get(spec))
+    if spec.endswith(".gguf"):
+        return TargetOrigin(spec, path, None, "gguf")
+    if _HUB_ID.fullmatch(spec) and not Path(spec).expanduser().exists():
+        return TargetOrigin(spec, path, spec, "hub")
+    for candidate in (spec, path or ""):
+        m = re.search(r"models--([^/]+?)--([^/]+)/snapshots/", str(Path(candidate).expanduser().resolve())
+                      if candidate else "")
+        if m:
+            return TargetOrigin(spec, path, f"{m.group(1)}/{m.group(2)}", "hub-cache")
+    return TargetOrigin(spec, path, None, "local" if path or Path(spec).exists() else "unknown")
+
+
+def target_info(target, head_cfg: dict, target_id: str | None = None) -> tuple[TargetInfo, TargetOrigin]:
+    """(sizes of the target, its origin: where its files are here and the id a user serves it by).
 
     target: None (use what the head recorded, sizes unchecked), a name/path/hub id
-    (``specheads.targets.resolve_target_path``), a ``Target``, or a transformers config.
+    (``specheads.targets.resolve_target_path``), a ``Target``, or a transformers config;
+    target_id: the hub id to name in the card and configs (for a target given as a local file).
     """
     recorded = head_cfg.get("target") or head_cfg.get("target_name")
     if target is None:
         if not recorded:
             raise ExportError("the head records no target name; pass target=<name, folder or hub id>")
         log.warning("no target given: sizes are taken from the head itself and the card names %r", recorded)
-        return TargetInfo(recorded, head_cfg["hidden_size"], head_cfg["vocab_size"]), recorded
+        origin = target_origin(recorded, None, target_id)
+        if origin.kind == "local":
+            origin.kind = "unknown"
+        return TargetInfo(recorded, head_cfg["hidden_size"], head_cfg["vocab_size"], hub_id=origin.hub_id), origin
     if isinstance(target, str):
         from transformers import AutoConfig
 
@@ -151,17 +213,43 @@ def target_info(target, head_cfg: dict) -> tuple[TargetInfo, str]:
             config = AutoConfig.from_pretrained(path)
         except OSError as e:
             raise ExportError(f"cannot read the config of target {target!r} ({path}): {e}") from e
-        serve = str(Path(path).resolve()) if Path(path).is_dir() else path
-        return _info_from_config(target, config, head_cfg), serve
+        local = str(Path(path).resolve()) if Path(path).is_dir() else path
+        origin = target_origin(target, local, target_id)
+        info = _info_from_config(target, config, head_cfg, origin.hub_id)
+        return replace(info, path=local if Path(local).is_dir() else None), origin
     config = getattr(target, "config", target)
     name = getattr(target, "name", None) or getattr(config, "_name_or_path", None) or recorded or "target"
-    info = _info_from_config(name, config, head_cfg)
+    origin = target_origin(name, None, target_id)
+    info = _info_from_config(name, config, head_cfg, origin.hub_id)
     if hasattr(target, "vocab_size") and hasattr(target, "lm_head"):
-        info = TargetInfo(info.name, info.hidden_size, target.vocab_size, info.num_layers)
-    return info, name
+        info = TargetInfo(info.name, info.hidden_size, target.vocab_size, info.num_layers, info.hub_id,
+                          info.architectures)
+    return info, origin
 
 
-def _info_from_config(name: str, config, head_cfg: dict) -> TargetInfo:
+def target_tensor(target, origin: TargetOrigin, suffix: str) -> torch.Tensor:
+    """One tensor of the target (e.g. ``embed_tokens.weight``), read from its files without loading the model."""
+    module = getattr(target, "model", None)
+    if isinstance(module, torch.nn.Module):
+        for name, t in module.state_dict().items():
+            if name == suffix or name.endswith("." + suffix):
+                return t.detach().cpu()
+    if origin.path is None or not Path(origin.path).is_dir():
+        raise ExportError(f"this layout needs the target's {suffix}, but no target folder was given "
+                          "(pass target=<name, folder or hub id>)")
+    folder = Path(origin.path)
+    index = folder / f"{WEIGHTS}.index.json"
+    files = ([folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+             if index.is_file() else sorted(folder.glob("*.safetensors")))
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                if name == suffix or name.endswith("." + suffix):
+                    return sf.get_tensor(name)
+    raise ExportError(f"target folder {folder} holds no tensor named *{suffix}")
+
+
+def _info_from_config(name: str, config, head_cfg: dict, hub_id: str | None = None) -> TargetInfo:
     from specheads.targets import config_hash
 
     recorded = head_cfg.get("target_config_hash")
@@ -169,7 +257,8 @@ def _info_from_config(name: str, config, head_cfg: dict) -> TargetInfo:
         log.warning("the heads record target config hash %s but %s hashes to %s: check that this is the target "
                     "they were trained on", recorded, name, config_hash(config))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return TargetInfo(name, text.hidden_size, text.vocab_size, text.num_hidden_layers)
+    return TargetInfo(name, text.hidden_size, text.vocab_size, text.num_hidden_layers, hub_id,
+                      tuple(getattr(config, "architectures", None) or ()))
 
 
 def _adapted_target(head: Path, cfg: dict, target: TargetInfo) -> Path | None:
@@ -193,13 +282,17 @@ def _adapted_target(head: Path, cfg: dict, target: TargetInfo) -> Path | None:
 # --------------------------------------------------------------------------- building the files
 
 
-def build_tensors(layout: Layout, source: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The exported tensors of ``layout`` from the head's tensors; floats cast to ``dtype``."""
+def build_tensors(layout: Layout, source: dict[str, torch.Tensor], dtype: torch.dtype,
+                  target_source: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The exported tensors of ``layout`` from the head's tensors (and the target's, for rules that take
+    one); floats cast to ``dtype``."""
     out = {}
     for name, spec in layout.tensors.items():
         rule = layout.rules[name]
         if rule.source is None:
             t = torch.zeros(spec.shape, dtype=dtype)
+        elif rule.from_target:
+            t = (target_source or {})[rule.source]
         else:
             t = source[rule.source]
             if rule.chunk_order is not None:
@@ -213,13 +306,27 @@ def build_tensors(layout: Layout, source: dict[str, torch.Tensor], dtype: torch.
 
 def write_engine_folder(folder: Path, layout: Layout, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                         provenance: dict) -> None:
-    """config.json, model.safetensors and specheads_export.json of one engine; re-read and checked."""
+    """config.json, the weights and specheads_export.json of one engine; re-read and checked."""
     folder.mkdir(parents=True, exist_ok=True)
     config = dict(layout.config, torch_dtype=_DTYPE_NAMES[dtype])
+    if layout.engine == "speculators":
+        config["transformer_layer_config"] = dict(config["transformer_layer_config"], torch_dtype=_DTYPE_NAMES[dtype])
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+    weights = folder / layout.weights_file
+    save_file(tensors, str(weights), metadata={"format": "pt"})
     (folder / "specheads_export.json").write_text(json.dumps(provenance, indent=2) + "\n")
-    check_tensors(read_header([folder / WEIGHTS]), layout.tensors, f"exported {folder / WEIGHTS}")
+    check_tensors(read_header([weights]), layout.tensors, f"exported {weights}")
+
+
+def make_world_readable(root: Path) -> None:
+    """Files 0644 and folders 0755 under ``root`` (safetensors and tempfile-based writes create 0600 files,
+    and ``copytree`` keeps a source's mode), so a server running as another user can read the export."""
+    os.chmod(root, DIR_MODE)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            os.chmod(os.path.join(dirpath, d), DIR_MODE)
+        for f in filenames:
+            os.chmod(os.path.join(dirpath, f), FILE_MODE)
 
 
 # --------------------------------------------------------------------------- the entry point
@@ -238,12 +345,20 @@ class ExportPlan:
     adapted: Path | None
     card: "CardInputs"
     nested: bool
+    target_source: dict[str, torch.Tensor] | None = None
 
 
 def export_head(head_dir: str | Path, out_dir: str | Path, engine: str = "both", target=None,
                 eval_report: str | Path | None = None, data: str | None = None, dtype: str | None = None,
-                spec_tokens: int | None = None, overwrite: bool = False, push_to_hub: str | None = None) -> Path:
-    """Export ``head_dir`` for ``engine`` (``vllm``, ``sglang`` or ``both``) into ``out_dir``; returns ``out_dir``.
+                spec_tokens: int | None = None, overwrite: bool = False, push_to_hub: str | None = None,
+                target_id: str | None = None) -> Path:
+    """Export ``head_dir`` for ``engine`` into ``out_dir``; returns ``out_dir``.
+
+    engine: one of ``vllm``, ``sglang``, ``speculators`` (EAGLE-3), ``medusa`` (the original Medusa / TGI
+    layout), a comma-separated list, ``both`` (vllm + sglang) or ``all`` (every layout the method has);
+    target_id: the hub id a user serves the target by, for a target given as a local folder or GGUF
+    (the card then names it, with ``base_model``); eval_report may be ``"auto"``: the evaluate stage's
+    ``report.json`` of the pipeline layout (``find_eval_report``), if there is one;
 
     head_dir: the head folder, or the training output folder that holds ``head/``;
     target: the target's name/folder/hub id (or a Target/config) for size checks and the serve commands;
@@ -257,7 +372,7 @@ def export_head(head_dir: str | Path, out_dir: str | Path, engine: str = "both",
     (one engine only) with ``huggingface_hub.upload_folder``.
     """
     plan = plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spec_tokens, overwrite,
-                       push_to_hub)
+                       push_to_hub, target_id)
     write_export(plan)
     log.info("exported %s head %s for %s -> %s", plan.method, plan.head, ", ".join(plan.layouts), plan.out)
     if push_to_hub is not None:
@@ -266,7 +381,7 @@ def export_head(head_dir: str | Path, out_dir: str | Path, engine: str = "both",
 
 
 def plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spec_tokens, overwrite,
-                push_to_hub) -> ExportPlan:
+                push_to_hub, target_id=None) -> ExportPlan:
     """Read and check the head, the target, the report and the request; write nothing."""
     head, out = resolve_head_dir(head_dir), Path(out_dir).resolve()
     cfg, header, files = read_head(head)
@@ -282,18 +397,25 @@ def plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spe
         raise ExportError(f"{out} already exists; pass overwrite=true to replace it")
     if out == head.resolve() or out in head.resolve().parents:
         raise ExportError(f"out_dir {out} would replace the head folder {head} it is exported from")
-    info, serve_target = target_info(target, cfg)
-    layouts = {e: _layout(method, e, cfg, info, head) for e in engines}
-    adapted = _adapted_target(head, cfg, info)
+    info, origin = target_info(target, cfg, target_id)
+    if eval_report == "auto":
+        eval_report = find_eval_report(head)
     report = load_eval_report(eval_report, method) if eval_report else None
+    draft_len = serve_params(method, cfg, "vllm", report, spec_tokens).tokens
+    layouts = {e: _layout(method, e, cfg, info, head, draft_len) for e in engines}
+    adapted = _adapted_target(head, cfg, info)
+    needs = {r.source for lay in layouts.values() for r in lay.rules.values() if r.from_target}
+    target_source = {n: target_tensor(target, origin, n) for n in sorted(needs)}
     source = {k: v for f in files for k, v in load_file(str(f)).items()}
     if method == "eagle3":
         check_draft_vocab(source["d2t"], source["t2d"], f"head {head}")
     summary = _train_summary(head)
-    card = CardInputs(method, cfg, info, serve_target, describe_data(data, summary), report, spec_tokens,
-                      push_to_hub, summary, adapted is not None)
+    card = CardInputs(method, cfg, info, origin, describe_data(data, summary), report, spec_tokens,
+                      push_to_hub, summary, adapted is not None, eval_report and str(eval_report))
+    if origin.warning():
+        log.warning("%s", origin.warning())
     return ExportPlan(head, out, method, layouts, source, _out_dtype(dtype, float_code), adapted, card,
-                      nested=engine == "both")
+                      nested=len(engines) > 1 or engine in ("both", "all"), target_source=target_source)
 
 
 def write_export(plan: ExportPlan) -> None:
@@ -305,8 +427,10 @@ def write_export(plan: ExportPlan) -> None:
             sub, final = (tmp / e, plan.out / e) if plan.nested else (tmp, plan.out)
             provenance = {"format": EXPORT_FORMAT, "method": plan.method, "engine": e,
                           "head_dir": str(plan.head.resolve()), "target": plan.card.target.name,
-                          "aux_layers": plan.card.cfg.get("aux_layers"), "dtype": _DTYPE_NAMES[plan.dtype]}
-            tensors = build_tensors(layout, plan.source, plan.dtype)
+                          "target_id": plan.card.origin.hub_id, "aux_layers": plan.card.cfg.get("aux_layers"),
+                          "dtype": _DTYPE_NAMES[plan.dtype], "weights": layout.weights_file,
+                          "head_config": plan.card.cfg}
+            tensors = build_tensors(layout, plan.source, plan.dtype, plan.target_source)
             write_engine_folder(sub, layout, tensors, plan.dtype, provenance)
             if plan.method == "medusa":
                 _copy_medusa_tree(plan.head, sub)
@@ -314,6 +438,7 @@ def write_export(plan: ExportPlan) -> None:
                 # Copied, not hard-linked: save_pretrained rewrites files in place, which would change a link.
                 shutil.copytree(plan.adapted, sub / plan.adapted.name)
             _write_card(sub, layout, plan.card, final)
+        make_world_readable(tmp)
         _replace_dir(tmp, plan.out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -337,20 +462,26 @@ def _copy_medusa_tree(head: Path, sub: Path) -> None:
 
 
 def _engines(method: str, engine: str) -> tuple[str, ...]:
+    found = engines_for(method)
+    if engine == "all":
+        return found
     if engine == "both":
-        found = engines_for(method)
+        both = tuple(e for e in ("vllm", "sglang") if e in found)
         missing = [e for e in ("vllm", "sglang") if e not in found]
         if missing:
-            log.warning("%s heads: %s has no loader for them; exporting for %s only", method, missing[0], found[0])
-        return found
-    if engine not in ("vllm", "sglang"):
-        raise ExportError(f"engine must be vllm, sglang or both, got {engine!r}")
-    return (engine,)
+            log.warning("%s heads: %s has no loader for them; exporting for %s only", method, missing[0], both[0])
+        return both
+    names = tuple(e.strip() for e in str(engine).split(",") if e.strip())
+    bad = [e for e in names if e not in ENGINES]
+    if bad or not names or len(set(names)) != len(names):
+        raise ExportError(f"engine must be one of {', '.join(ENGINES)}, a comma-separated list of them, both or all; "
+                          f"got {engine!r}")
+    return names
 
 
-def _layout(method: str, engine: str, cfg: dict, info: TargetInfo, head: Path) -> Layout:
+def _layout(method: str, engine: str, cfg: dict, info: TargetInfo, head: Path, spec_tokens: int = 3) -> Layout:
     try:
-        return build_layout(method, engine, cfg, info)
+        return build_layout(method, engine, cfg, info, spec_tokens)
     except LayoutError as e:
         raise ExportError(f"head {head} for {engine}: {e}") from e
 
@@ -402,13 +533,26 @@ def describe_data(data: str | None, summary: dict | None) -> str | None:
             f"{meta.get('max_length')}, {regen}; prepared for {meta.get('target')} in `{folder}`")
 
 
+def find_eval_report(head: Path) -> Path | None:
+    """The evaluate stage's ``report.json`` for a head of the pipeline layout
+    (``<run_dir>/train/<head>/head`` -> ``<run_dir>/eval/<head>/report.json``), or None."""
+    head = Path(head).resolve()
+    train_out = head.parent if head.name == "head" else head
+    candidate = train_out.parent.parent / "eval" / train_out.name / "report.json"
+    if candidate.is_file():
+        log.info("evaluation report found: %s", candidate)
+        return candidate
+    log.warning("no evaluation report at %s: the card will say acceptance was not measured", candidate)
+    return None
+
+
 def _train_summary(head: Path) -> dict | None:
     path = head.parent / "train_summary.json"
     return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _check_repo_id(repo_id: str, engines: tuple[str, ...]) -> None:
-    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", repo_id or ""):
+    if not _HUB_ID.fullmatch(repo_id or ""):
         raise ExportError(f"push_to_hub must be a repo id 'owner/name', got {repo_id!r}")
     if len(engines) != 1:
         raise ExportError("push_to_hub uploads one engine's folder; export with engine=vllm or engine=sglang")
@@ -430,6 +574,19 @@ def push_folder(folder: Path, repo_id: str) -> str:
 _TITLES = {"medusa": "Medusa", "eagle1": "EAGLE-1", "eagle3": "EAGLE-3"}
 _VLLM_METHOD = {"medusa": "medusa", "eagle1": "eagle", "eagle3": "eagle3"}
 _SGLANG_ALGO = {"eagle1": "EAGLE", "eagle3": "EAGLE3"}
+# Which engines serve each method (read from the loaders; docs/export.md). Layout -> engines that read it.
+SERVED_BY = {
+    ("medusa", "vllm"): "vLLM up to 0.32 (checked: 0.32.0); not vLLM 0.33 (no Medusa method); not SGLang (no Medusa "
+                        "loader)",
+    ("medusa", "medusa"): "TGI (medusa_lm_head.safetensors, no `architectures` in config.json) and vLLM up to 0.32 "
+                          "(checked: 0.32.0); not vLLM 0.33; not SGLang",
+    ("eagle1", "vllm"): "vLLM (checked: 0.32.0, 0.33.0)",
+    ("eagle1", "sglang"): "SGLang (checked: 0.5.23)",
+    ("eagle3", "vllm"): "vLLM (checked: 0.32.0, 0.33.0; V1 and V2 model runners)",
+    ("eagle3", "sglang"): "SGLang (checked: 0.5.23)",
+    ("eagle3", "speculators"): "speculators (checked: 0.9.0, `Eagle3DraftModel.from_pretrained`) and vLLM, which "
+                               "converts the speculators format itself (checked: 0.33.0)",
+}
 
 
 @dataclass
@@ -439,19 +596,30 @@ class CardInputs:
     method: str
     cfg: dict
     target: TargetInfo
-    serve_target: str
+    origin: TargetOrigin
     data: str | None
     report: list[dict] | None
     spec_tokens: int | None
     repo_id: str | None
     train_summary: dict | None
     adapted: bool
+    report_path: str | None = None
+
+    @property
+    def serve_target(self) -> str:
+        """The target as the commands name it: its hub id, or ``$TARGET`` (set by a line the card adds)."""
+        return self.origin.hub_id or f"${TARGET_PLACEHOLDER}"
+
+    @property
+    def base_model(self) -> str | None:
+        return self.origin.hub_id or self.origin.hint
 
 
 def load_eval_report(path: str | Path, method: str | None = None) -> list[dict]:
     """Measured rows of an evaluate ``report.json`` for heads of ``method`` (all rows when None).
 
-    Each row: ``{name, drafter, profile, shape, temperature, domain, alpha, tau, alpha_by_position}``.
+    Each row: ``{name, drafter, profile, shape, temperature, domain, alpha, tau, alpha_by_position,
+    lossless}`` (``lossless``: the method's ``{checked, mismatches, exact}`` or None when not checked).
     """
     path = Path(path)
     if not path.is_file():
@@ -460,7 +628,8 @@ def load_eval_report(path: str | Path, method: str | None = None) -> list[dict]:
         report = json.loads(path.read_text())
         rows = [{"name": m["name"], "drafter": m.get("drafter"), "profile": m.get("profile"), "shape": m.get("shape"),
                  "temperature": temp, "domain": domain, "alpha": r.get("alpha"), "tau": r.get("tau"),
-                 "alpha_by_position": r.get("alpha_by_position")}
+                 "alpha_by_position": r.get("alpha_by_position"), "lossless": m.get("lossless"),
+                 "lossless_verify": m.get("lossless_verify", True)}
                 for m in report["methods"] for temp, domains in m["by_temperature"].items()
                 for domain, r in domains.items()]
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
@@ -486,7 +655,11 @@ class ServeParams:
 
 
 def serve_params(method: str, cfg: dict, engine: str, report: list[dict] | None, spec_tokens: int | None) -> ServeParams:
-    """The measured serving profile of ``engine`` from the report when there is one, else evaluate's defaults."""
+    """The measured serving profile of ``engine`` from the report when there is one, else evaluate's defaults.
+
+    The speculators and medusa layouts are served by vLLM (and TGI): they take vLLM's profile."""
+    if engine in ("speculators", "medusa"):
+        engine = "vllm"
     if spec_tokens is not None:
         return ServeParams(spec_tokens, spec_tokens, 1, spec_tokens + 1, "given by spec_tokens (a chain)")
     for r in report or ():
@@ -508,10 +681,15 @@ def serve_commands(layout: Layout, card: CardInputs, folder: str) -> dict[str, s
     method, cfg = layout.method, card.cfg
     p = serve_params(method, cfg, layout.engine, card.report, card.spec_tokens)
     target = f"{folder}/{cfg['adapted_target']}" if card.adapted else card.serve_target
-    if layout.engine == "vllm":
+    py_target = repr(target) if not target.startswith("$") else target[1:]
+    if layout.engine in ("vllm", "speculators", "medusa"):
         spec = {"method": _VLLM_METHOD[method], "model": folder, "num_speculative_tokens": p.tokens}
-        return {"shell": f"vllm serve {target} --speculative-config '{json.dumps(spec)}'",
-                "python": f"LLM(model={target!r}, speculative_config={spec!r})"}
+        out = {"shell": f"vllm serve {target} --speculative-config '{json.dumps(spec)}'",
+               "python": f"LLM(model={py_target}, speculative_config={spec!r})"}
+        if layout.engine == "medusa":
+            out["tgi"] = (f"text-generation-launcher --model-id {folder}   # serves config.json's "
+                          "base_model_name_or_path with these heads")
+        return out
     shell = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm "
              f"{_SGLANG_ALGO[method]} --speculative-draft-model-path {folder} --speculative-num-steps {p.steps} "
              f"--speculative-eagle-topk {p.topk} --speculative-num-draft-tokens {p.draft_tokens}")
@@ -519,13 +697,18 @@ def serve_commands(layout: Layout, card: CardInputs, folder: str) -> dict[str, s
 
 
 def _facts(layout: Layout, card: CardInputs) -> list[tuple[str, str]]:
-    cfg, t = card.cfg, card.target
-    served = f"served from `{card.serve_target}`, " if card.serve_target != t.name else ""
-    rows = [("target", f"{t.name} ({served}hidden {t.hidden_size}, vocab {t.vocab_size}"
-             + (f", {t.num_layers} layers)" if t.num_layers else ")")),
+    cfg, t, o = card.cfg, card.target, card.origin
+    if o.hub_id:
+        where = f"`{o.hub_id}`" + (f" (read here from `{o.path}`)" if o.path and o.kind != "hub" else "")
+    else:
+        where = f"{t.name}: a local folder or file, no hub id (see the warning)"
+    arch = (layout.config.get("architectures") or ["none (TGI needs none)"])[0]
+    rows = [("target", f"{where}; hidden {t.hidden_size}, vocab {t.vocab_size}"
+             + (f", {t.num_layers} layers" if t.num_layers else "")),
             ("method", _TITLES[layout.method] + (" (Medusa-2: served with its adapted target, "
                                                   f"`{cfg['adapted_target']}/`)" if card.adapted else "")),
-            ("engine", f"{layout.engine}, architecture `{layout.config['architectures'][0]}`"),
+            ("layout", f"{layout.engine}, architecture `{arch}`"),
+            ("served by", SERVED_BY.get((layout.method, layout.engine), layout.engine)),
             ("data", card.data or "not recorded (pass data=... to the export)")]
     if layout.method == "medusa":
         rows.append(("heads", f"{cfg['num_heads']} heads x {cfg['num_hidden_layers']} residual block(s)"))
@@ -536,7 +719,7 @@ def _facts(layout: Layout, card: CardInputs) -> list[tuple[str, str]]:
         rows.append(("draft vocabulary", f"full target vocabulary ({cfg['vocab_size']}, target LM head)"))
         rows.append(("input feature", "the target's post-norm last hidden state"))
     if layout.method == "eagle3":
-        ids = layout.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        ids = (layout.config.get("eagle_config") or layout.config)["eagle_aux_hidden_state_layer_ids"]
         rows.append(("draft vocabulary", f"{cfg['draft_vocab_size']} of {cfg['vocab_size']} target tokens (d2t/t2d)"))
         rows.append(("aux layers", f"inputs of target decoder layers {cfg['aux_layers']} (= HF hidden_states "
                                    f"indices); written as {layout.engine} ids {ids}"))
@@ -553,39 +736,81 @@ def _fmt(x) -> str:
 
 def _acceptance(card: CardInputs, engine: str) -> list[str]:
     if not card.report:
-        return ["Not measured: no evaluation report was given to the export (eval_report=.../report.json)."]
-    L = ["Measured by `specheads evaluate` on this head (α = accepted ÷ tested drafts; τ = tokens per target "
-         f"forward, bonus included). Rows marked ◀ use the {engine} serving profile.", "",
+        return ["Not measured: no evaluation report was given to the export (eval_report=.../report.json, or "
+                "eval_report=auto with the pipeline's run folder)."]
+    profile = "vllm" if engine in ("speculators", "medusa") else engine
+    src = f" (`{card.report_path}`)" if card.report_path else ""
+    L = [f"Measured by `specheads evaluate` on this head{src} (α = accepted ÷ tested drafts; τ = tokens per target "
+         f"forward, bonus included). Rows marked ◀ use the {profile} serving profile.", "",
          "| drafting | shape | T | domain | α | τ | α by draft position |", "|---|---|---|---|---|---|---|"]
     for r in card.report:
         pos = ", ".join(_fmt(a) for a in (r["alpha_by_position"] or []))
-        mark = " ◀" if r["profile"] == engine else ""
+        mark = " ◀" if r["profile"] == profile else ""
         L.append(f"| {r['name']}{mark} | {r['shape']} | {r['temperature']} | {r['domain']} | {_fmt(r['alpha'])} | "
                  f"{_fmt(r['tau'])} | {pos} |")
+    return L
+
+
+def _lossless(card: CardInputs) -> list[str]:
+    if not card.report:
+        return ["Not checked: no evaluation report was given to the export."]
+    L = ["Greedy speculative output compared token for token with the target's plain greedy output (T = 0):", ""]
+    seen = set()
+    for r in card.report:
+        if r["name"] in seen:
+            continue
+        seen.add(r["name"])
+        ll = r.get("lossless")
+        if not ll:
+            status = "not checked"
+        elif ll.get("exact"):
+            status = f"exact on all {ll.get('checked')} prompts"
+        else:
+            status = f"**{len(ll.get('mismatches') or [])} mismatches** in {ll.get('checked')} prompts"
+        lossy = "" if r.get("lossless_verify", True) else " (lossy verification rule)"
+        L.append(f"- {r['name']}{lossy}: {status}")
     return L
 
 
 def card_text(layout: Layout, card: CardInputs, folder: str) -> str:
     """The README.md of one exported engine folder."""
     title = _TITLES[layout.method]
-    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", card.serve_target) and not Path(card.serve_target).exists()
-    front = ([f"base_model: {card.serve_target}"] if hub_id else []) + \
+    front = ([f"base_model: {card.base_model}"] if card.base_model else []) + \
         [f"tags: [speculative-decoding, {layout.method}, {layout.engine}, specheads]"]
-    L = ["---", *front, "---", "",
-         f"# {title} draft head for {card.target.name} ({layout.engine})", "", "| | |", "|---|---|"]
-    L += [f"| {k} | {v} |" for k, v in _facts(layout, card)]
+    name = card.base_model or Path(card.target.name).name
+    L = ["---", *front, "---", "", f"# {title} draft head for {name} ({layout.engine})", ""]
+    warning = card.origin.warning()
+    if warning and not card.adapted:
+        L += [f"> **Warning**: {warning}", ""]
+    L += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in _facts(layout, card)]
     L += ["", "## Measured acceptance", ""] + _acceptance(card, layout.engine)
+    L += ["", "## Lossless check", ""] + _lossless(card)
     p = serve_params(layout.method, card.cfg, layout.engine, card.report, card.spec_tokens)
-    L += ["", f"## Serve it with {layout.engine}", "", f"Draft settings: {p.source}.", ""]
+    engine_name = {"speculators": "vLLM (speculators format)", "medusa": "TGI or vLLM 0.32"}.get(layout.engine,
+                                                                                               layout.engine)
+    L += ["", f"## Serve it with {engine_name}", "", f"Draft settings: {p.source}.", ""]
+    if layout.method == "medusa":
+        L += [f"Medusa is served by: {SERVED_BY[layout.method, layout.engine]}.", ""]
+    set_target = []
+    if not card.origin.hub_id and not card.adapted:
+        guess = card.origin.hint or "/path/to/the/target/model"
+        set_target = [f"{TARGET_PLACEHOLDER}={guess}   # REPLACE: see the warning above"]
     where = [("this folder", folder)] + ([("the Hub repo (download it first for a local path)", card.repo_id)]
                                           if card.repo_id else [])
     for label, path in where:
         cmds = serve_commands(layout, card, path)
-        L += [f"From {label}:", "", "```bash", cmds["shell"], "```", ""]
+        L += [f"From {label}:", "", "```bash", *set_target, cmds["shell"]] + \
+             ([cmds["tgi"]] if "tgi" in cmds else []) + ["```", ""]
         if "python" in cmds:
-            L += ["```python", "from vllm import LLM", cmds["python"], "```", ""]
-    L += ["## Layout", ""] + [f"- {n}" for n in layout.notes]
-    L += [f"- Files: `config.json`, `{WEIGHTS}` ({len(layout.tensors)} tensors), `specheads_export.json`"
+            py_set = [f"{TARGET_PLACEHOLDER} = {set_target[0].split('=', 1)[1].split()[0]!r}  # REPLACE: see the "
+                      "warning above"] if set_target else []
+            L += ["```python", "from vllm import LLM", *py_set, cmds["python"], "```", ""]
+    if layout.engine == "speculators":
+        L += ["With speculators itself: `from speculators import SpeculatorModel; "
+              f"SpeculatorModel.from_pretrained({folder!r})`.", ""]
+    n = len(layout.tensors)
+    L += ["## Layout", ""] + [f"- {n_}" for n_ in layout.notes]
+    L += [f"- Files: `config.json`, `{layout.weights_file}` ({n} tensors), `specheads_export.json`"
           + (f", `{card.cfg['adapted_target']}/` (the adapted target)" if card.adapted else "") + ".", ""]
     return "\n".join(L)
 

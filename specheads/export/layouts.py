@@ -7,8 +7,13 @@ The facts (read from the loaders themselves; table and sources in docs/export.md
   the file is a load error); EAGLE-3 loads ``LlamaForCausalLMEagle3`` (``midlayer.*`` is read as
   ``layers.0.*``; ``d2t`` becomes ``draft_id_to_target_id`` and exists only when
   ``draft_vocab_size < vocab_size``, so a ``d2t`` for a full-size draft vocabulary is a load error;
-  ``t2d`` is skipped); ``eagle_config.eagle_aux_hidden_state_layer_ids`` are layer *inputs* (our
-  convention) and the target concatenates them in ascending order. Medusa (``MedusaModel``,
+  ``t2d`` is skipped); the aux ids are layer *inputs* (our convention) and the target concatenates them
+  in ascending order. Which key holds them depends on the model runner: V1 (``gpu_model_runner.py``)
+  reads the top-level ``eagle_aux_hidden_state_layer_ids``, then ``eagle_config.eagle_aux_hidden_state_layer_ids``;
+  V2 (``v1/worker/gpu/spec_decode/eagle/eagle3_utils.py``, the default when Triton is present) reads the
+  top-level key, then ``eagle_config.layer_ids``, and never the nested ``eagle_aux_...`` key: without a
+  top-level key it captures (2, N//2, N-3). So the vLLM folder writes the ids in both places; the
+  drafter's ``fc`` width comes from ``num_aux_hidden_states`` or the nested ids. Medusa (``MedusaModel``,
   ``method: medusa``) is not in the 0.33 wheel; the layout is the one of the releases that ship
   ``models/medusa.py``.
 * **SGLang** (0.5.23): EAGLE-1 loads ``LlamaForCausalLMEagle`` whose ``fc`` is an ``nn.Linear`` *with*
@@ -16,6 +21,17 @@ The facts (read from the loaders themselves; table and sources in docs/export.md
   ``LlamaForCausalLMEagle3`` (``d2t`` -> hot token ids, ``t2d`` skipped, ``midlayer`` -> ``layers.0``);
   its ``eagle_aux_hidden_state_layer_ids`` count layer *outputs*: id ``v`` captures the input of
   layer ``v + 1``, so ours are written minus one. SGLang has no Medusa loader.
+* **speculators** (0.9.0, the native format that ``Eagle3DraftModel.from_pretrained`` reads and vLLM
+  converts through its ``SpeculatorsConfig``): a ``config.json`` with ``speculators_model_type: eagle3``,
+  a ``transformer_layer_config`` (the draft layer's Llama config), ``speculators_config`` (algorithm,
+  greedy proposal with ``speculative_tokens``, verifier id and architectures) and the aux ids at the top
+  level (vLLM's convention); weights named ``layers.0.*`` and **the token embedding included**
+  (``embed_tokens.weight``, the target's): speculators marks an unloaded embedding with NaN, which
+  transformers' ``from_pretrained`` re-initialises, so a folder without it drafts on random embeddings.
+  EAGLE-3 only (speculators 0.9 has no EAGLE-1 or Medusa model).
+* **medusa** (the original FasterDecoding Medusa layout, which TGI and vLLM 0.32's
+  ``_remap_old_checkpoint_key`` read): ``config.json`` with ``medusa_num_heads``/``medusa_num_layers``
+  and weights ``{k}.{j}.linear.weight|bias`` (residual blocks), ``{k}.{num_layers}.weight`` (LM head).
 
 Everything here works on plain dicts (``config.json`` contents) so it can be checked without torch.
 """
@@ -25,16 +41,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 METHODS = ("medusa", "eagle1", "eagle3")
-ENGINES = ("vllm", "sglang")
+ENGINES = ("vllm", "sglang", "speculators", "medusa")
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format and loader were checked
 FLOAT = "float"  # any floating dtype, the same for every float tensor of a file
 
 _MODEL_TYPES = {"medusa": "medusa", "specheads_eagle1": "eagle1", "specheads_eagle3": "eagle3"}
-_ARCHITECTURES = {
+_ARCHITECTURES = {  # (method, engine) -> the architecture written (the medusa layout writes none)
     ("medusa", "vllm"): "MedusaModel",
     ("eagle1", "vllm"): "EagleLlamaForCausalLM",
     ("eagle1", "sglang"): "LlamaForCausalLMEagle",
     ("eagle3", "vllm"): "LlamaForCausalLMEagle3",
     ("eagle3", "sglang"): "LlamaForCausalLMEagle3",
+    ("eagle3", "speculators"): "Eagle3DraftModel",
+    ("medusa", "medusa"): "MedusaModel",
 }
 _LLAMA_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "vocab_size",
@@ -59,11 +78,13 @@ class Rule:
 
     source: the head tensor's name, or None for zeros of the target spec's shape;
     chunk_order: for ``fc.weight`` of EAGLE-3, the order in which the equal column blocks (one per
-    aux layer) are taken, so the blocks follow ascending layer ids as the engines concatenate them.
+    aux layer) are taken, so the blocks follow ascending layer ids as the engines concatenate them;
+    from_target: ``source`` names a tensor of the target model (e.g. its token embedding), not the head.
     """
 
     source: str | None
     chunk_order: tuple[int, ...] | None = None
+    from_target: bool = False
 
 
 @dataclass
@@ -76,6 +97,7 @@ class Layout:
     tensors: dict[str, TensorSpec]
     rules: dict[str, Rule]
     notes: list[str] = field(default_factory=list)
+    weights_file: str = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -86,6 +108,9 @@ class TargetInfo:
     hidden_size: int
     vocab_size: int
     num_layers: int | None = None
+    hub_id: str | None = None  # the hub id a user serves the target by, when known
+    architectures: tuple[str, ...] = ()
+    path: str | None = None  # the local folder the target was read from, when it has no hub id
 
 
 # --------------------------------------------------------------------------- the head side
@@ -217,8 +242,11 @@ def _check_target(method: str, cfg: dict, target: TargetInfo) -> None:
             raise LayoutError(f"aux layers {bad} do not exist in target {target.name} ({target.num_layers} layers)")
 
 
-def build_layout(method: str, engine: str, cfg: dict, target: TargetInfo) -> Layout:
-    """The exported folder's ``config.json`` and tensors for a head of ``method`` with config ``cfg``."""
+def build_layout(method: str, engine: str, cfg: dict, target: TargetInfo, spec_tokens: int = 3) -> Layout:
+    """The exported folder's ``config.json`` and tensors for a head of ``method`` with config ``cfg``.
+
+    spec_tokens: the draft length recorded where a format carries one (speculators' greedy proposal).
+    """
     if engine not in ENGINES:
         raise LayoutError(f"unknown engine {engine!r}; expected one of {ENGINES}")
     if (method, engine) not in _ARCHITECTURES:
@@ -226,6 +254,10 @@ def build_layout(method: str, engine: str, cfg: dict, target: TargetInfo) -> Lay
                           f"{' or '.join(engines_for(method))}")
     src = head_tensors(method, cfg)
     _check_target(method, cfg, target)
+    if engine == "speculators":
+        return _eagle3_speculators(cfg, target, src, spec_tokens)
+    if engine == "medusa":
+        return _medusa_original(cfg, target, src)
     return {"medusa": _medusa, "eagle1": _eagle1, "eagle3": _eagle3}[method](cfg, engine, target, src)
 
 
@@ -239,8 +271,7 @@ def _medusa(cfg: dict, engine: str, target: TargetInfo, src: dict) -> Layout:
               "num_hidden_layers": cfg["num_hidden_layers"], "truncated_vocab_size": cfg["vocab_size"],
               "medusa_fc_bias": bool(cfg.get("medusa_fc_bias", True))}
     notes = ["vLLM reads the block biases only when medusa_fc_bias is true (it is written explicitly).",
-             "Medusa is served by vLLM releases that ship models/medusa.py (method \"medusa\"); "
-             "vLLM 0.33 no longer has it, and SGLang never had a Medusa loader."]
+             MEDUSA_ENGINES]
     return Layout("medusa", engine, config, dict(src), _identity(src), notes)
 
 
@@ -262,6 +293,10 @@ def _eagle3(cfg: dict, engine: str, target: TargetInfo, src: dict) -> Layout:
     config.update(draft_vocab_size=cfg["draft_vocab_size"], target_hidden_size=cfg.get("target_hidden_size")
                   or cfg["hidden_size"], norm_before_residual=False,
                   eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True})
+    if engine == "vllm":
+        # vLLM's V2 model runner (the default in 0.32/0.33 when Triton is present) reads only the top-level
+        # key (or eagle_config.layer_ids) and otherwise captures (2, N//2, N-3); V1 reads either.
+        config["eagle_aux_hidden_state_layer_ids"] = ids
     tensors, rules = dict(src), _identity(src)
     order = tuple(sorted(range(len(aux)), key=lambda j: aux[j]))
     if order != tuple(range(len(aux))):
@@ -272,3 +307,86 @@ def _eagle3(cfg: dict, engine: str, target: TargetInfo, src: dict) -> Layout:
         del tensors["d2t"], rules["d2t"]
         notes.append("No d2t: vLLM has no draft-to-target map when the draft vocabulary is the full vocabulary.")
     return Layout("eagle3", engine, config, tensors, rules, notes)
+
+
+MEDUSA_BASE_PLACEHOLDER = "REPLACE-WITH-TARGET-HUB-ID-OR-PATH"
+MEDUSA_ENGINES = ("Served by vLLM up to 0.32 (method \"medusa\", checked against 0.32.0: a missing tensor is a load "
+                  "error); vLLM 0.33 has no Medusa method, and SGLang has no Medusa loader.")
+
+
+def _eagle3_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
+    """speculators' own EAGLE-3 format (``Eagle3DraftModel``): one folder that speculators and vLLM load."""
+    H = cfg["hidden_size"]
+    aux = [int(i) for i in cfg["aux_layers"]]
+    ids = aux_layer_ids("vllm", aux)
+    layer = {k: cfg[k] for k in _LLAMA_FIELDS if cfg.get(k) is not None}
+    layer.update(model_type="llama", num_hidden_layers=1, vocab_size=target.vocab_size, tie_word_embeddings=False,
+                 head_dim=cfg.get("head_dim") or H // cfg["num_attention_heads"], attention_bias=False,
+                 mlp_bias=False)
+    config = {"architectures": [_ARCHITECTURES["eagle3", "speculators"]], "speculators_model_type": "eagle3",
+              "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
+              "draft_vocab_size": cfg["draft_vocab_size"], "target_hidden_size": cfg.get("target_hidden_size") or H,
+              "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+              "embed_requires_grad": False, "eagle_aux_hidden_state_layer_ids": ids, "tie_word_embeddings": False,
+              "speculators_config": {
+                  "algorithm": "eagle3", "default_proposal_method": "greedy",
+                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(spec_tokens),
+                                        "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                  "verifier": {"name_or_path": target.hub_id or target.path,
+                               "architectures": list(target.architectures)}}}
+    tensors: dict[str, TensorSpec] = {}
+    rules: dict[str, Rule] = {}
+    for name, spec in src.items():
+        out = name.replace("midlayer.", "layers.0.", 1)
+        tensors[out], rules[out] = spec, Rule(name)
+    order = tuple(sorted(range(len(aux)), key=lambda j: aux[j]))
+    if order != tuple(range(len(aux))):
+        rules["fc.weight"] = Rule("fc.weight", chunk_order=order)
+    tensors["embed_tokens.weight"] = TensorSpec((target.vocab_size, H))
+    rules["embed_tokens.weight"] = Rule("embed_tokens.weight", from_target=True)
+    notes = [f"Aux layers {aux} (inputs of target decoder layers) are written as ids {ids} (vLLM's convention).",
+             "embed_tokens.weight is the target's token embedding, included: speculators' loader would "
+             "otherwise draft on a randomly initialised embedding."]
+    if cfg["draft_vocab_size"] >= target.vocab_size:
+        for k in ("d2t", "t2d"):
+            del tensors[k], rules[k]
+        notes.append("No d2t/t2d: the draft vocabulary is the full vocabulary (speculators then has no map).")
+    if target.hub_id is None:
+        # speculators 0.9 needs a verifier: Eagle3DraftModel.load_verifier_weights reads its config even when
+        # name_or_path is null (and fails), so the local folder is named; vLLM auto-serves only a hub id.
+        notes.append(f"speculators_config.verifier.name_or_path is the local target folder `{target.path}` (no hub id "
+                     "was known): speculators' from_pretrained reads the verifier's config from it; re-export with "
+                     "target_id=<hub id> before publishing (vLLM serves a speculators folder on its own only when "
+                     "the verifier is a hub id).")
+    return Layout("eagle3", "speculators", config, tensors, rules, notes)
+
+
+def _medusa_original(cfg: dict, target: TargetInfo, src: dict) -> Layout:
+    """The original Medusa layout (FasterDecoding ``MedusaModel``: ``medusa_head`` = per head, num_layers
+    ``ResBlock``s (``linear`` with bias) then an ``nn.Linear(H, V, bias=False)``)."""
+    if not cfg.get("medusa_fc_bias", True):
+        raise LayoutError("the original Medusa layout's residual blocks always have a bias; this head has none "
+                          "(export with engine=vllm)")
+    K, L = cfg["num_heads"], cfg["num_hidden_layers"]
+    tensors: dict[str, TensorSpec] = {}
+    rules: dict[str, Rule] = {}
+    for k in range(K):
+        for j in range(L):
+            for p in ("weight", "bias"):
+                tensors[f"{k}.{j}.linear.{p}"] = src[f"blocks.{k}.layers.{j}.{p}"]
+                rules[f"{k}.{j}.linear.{p}"] = Rule(f"blocks.{k}.layers.{j}.{p}")
+        tensors[f"{k}.{L}.weight"] = src[f"lm_heads.{k}.weight"]
+        rules[f"{k}.{L}.weight"] = Rule(f"lm_heads.{k}.weight")
+    # No "architectures": TGI loads a Medusa speculator only when config.json has none (any other
+    # architecture than MLPSpeculatorPreTrainedModel silently disables speculation); vLLM's MedusaConfig
+    # defaults it to MedusaModel and renames medusa_num_heads / medusa_num_layers itself.
+    config = {"model_type": "medusa", "medusa_num_heads": K, "medusa_num_layers": L,
+              "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"], "medusa_fc_bias": True,
+              "base_model_name_or_path": target.hub_id or MEDUSA_BASE_PLACEHOLDER}
+    notes = ["The original Medusa layout (FasterDecoding Medusa, TGI): heads `{k}.{j}.linear.*` and "
+             f"`{{k}}.{L}.weight` (LM head) in `medusa_lm_head.safetensors`, `medusa_num_heads`/`medusa_num_layers` "
+             "and `base_model_name_or_path` (the model TGI serves) in config.json, no `architectures` (TGI "
+             "ignores a Medusa folder that has one).",
+             "vLLM 0.32 reads this folder too: it maps the names (`_remap_old_checkpoint_key`) and the config keys; "
+             "medusa_fc_bias is written because vLLM would otherwise drop the block biases.", MEDUSA_ENGINES]
+    return Layout("medusa", "medusa", config, tensors, rules, notes, weights_file="medusa_lm_head.safetensors")

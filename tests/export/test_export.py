@@ -379,13 +379,15 @@ def _report(path: Path) -> Path:
     def row(alpha, tau):
         return {"alpha": alpha, "tau": tau, "alpha_by_position": [0.8, 0.6, 0.4], "tokens_per_s": 10.0}
 
-    def method(name, drafter, profile, shape, alpha):
+    def method(name, drafter, profile, shape, alpha, mismatches=()):
         return {"name": name, "drafter": drafter, "profile": profile, "shape": shape,
+                "lossless": {"checked": 4, "mismatches": list(mismatches), "exact": not mismatches},
                 "by_temperature": {"0.0": {"all": row(alpha, 2.45), "code": row(0.5, 2.0)}}}
 
     report = {"target": "tiny", "methods": [
         method("eagle3-tree", "eagle3", None, "tree(d5,k4,n24)", 0.71),
-        method("eagle3-sglang", "eagle3", "sglang", "tree(d4,k2,n9)", 0.66),
+        method("eagle3-sglang", "eagle3", "sglang", "tree(d4,k2,n9)", 0.66,
+               [{"prompt": "mt-1", "index": 5, "margin": 0.0}]),
         method("eagle3-vllm", "eagle3", "vllm", "chain2", 0.61),
         method("ngram-chain4", "ngram", None, "chain4", 0.11)]}
     path.write_text(json.dumps(report))
@@ -403,11 +405,16 @@ def test_model_card_states_the_facts_and_commands(target, target_dir, tmp_path):
     assert "| eagle3-vllm ◀ | chain2 | 0.0 | all | 0.610 | 2.450 | 0.800, 0.600, 0.400 |" in vllm
     assert "| eagle3-sglang ◀ | tree(d4,k2,n9) |" in sgl and "ngram" not in vllm  # baselines are not this head
     spec = {"method": "eagle3", "model": str(out / "vllm"), "num_speculative_tokens": 2}  # the measured profile
-    assert f"vllm serve {target_dir.resolve()} --speculative-config '{json.dumps(spec)}'" in vllm
-    assert (f"python -m sglang.launch_server --model-path {target_dir.resolve()} --speculative-algorithm EAGLE3 "
+    # A local target folder has no hub id: a placeholder, set by a line to edit, and a warning; never the local path.
+    assert f"vllm serve $TARGET --speculative-config '{json.dumps(spec)}'" in vllm
+    assert "TARGET=/path/to/the/target/model   # REPLACE" in vllm and "> **Warning**: The head was trained" in vllm
+    assert (f"python -m sglang.launch_server --model-path $TARGET --speculative-algorithm EAGLE3 "
             f"--speculative-draft-model-path {out / 'sglang'} --speculative-num-steps 4 --speculative-eagle-topk 2 "
             "--speculative-num-draft-tokens 10") in sgl
+    assert f"serve {target_dir.resolve()}" not in vllm + sgl and "base_model" not in vllm
     assert "sglang ids [-1, 1, 2]" in sgl
+    # The lossless check of the report, per measured method of this head.
+    assert "- eagle3-vllm: exact on all 4 prompts" in vllm and "- eagle3-sglang: **1 mismatches** in 4 prompts" in vllm
     prepared = tmp_path / "prepared"
     prepared.mkdir()
     meta = {"target": "tiny", "num_samples": 976, "num_tokens": 1331771, "num_loss_tokens": 996587, "max_length": 2048,
@@ -488,3 +495,104 @@ def test_medusa_export_carries_the_training_time_tree(target, target_dir, tmp_pa
     (head / TREE_FILE).write_text('{"format": "something else"}')
     with pytest.raises(ExportError, match="not a specheads.medusa_tree/1 file"):
         export_head(head, tmp_path / "bad", "vllm", str(target_dir))
+
+
+# --------------------------------------------------------------------------- issue 14: card target, permissions
+
+
+def test_card_names_the_target_by_its_hub_id(target, target_dir, tmp_path):
+    """Issue 14 fault 4: the card's commands and base_model name the id a user serves, never a local path."""
+    head = save_head(make_head("eagle3", target), tmp_path)
+    report = _report(tmp_path / "r.json")
+    out = export_head(head, tmp_path / "out", "vllm", str(target_dir), eval_report=report, target_id="org/tiny-llama")
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nbase_model: org/tiny-llama\n") and "> **Warning**" not in card
+    spec = {"method": "eagle3", "model": str(out), "num_speculative_tokens": 2}
+    assert f"vllm serve org/tiny-llama --speculative-config '{json.dumps(spec)}'" in card
+    assert "LLM(model='org/tiny-llama'" in card and str(target_dir) not in card.split("## Serve it")[1]
+    assert "| eagle3-vllm ◀ | chain2 | 0.0 | all | 0.610 | 2.450 |" in card and "exact on all 4 prompts" in card
+    # A hub cache folder names its repo; the hub id given as the target is used as is.
+    cache = tmp_path / "hub" / "models--acme--tiny-chat" / "snapshots" / "0123abc"
+    cache.parent.mkdir(parents=True)
+    import shutil
+    shutil.copytree(target_dir, cache)
+    card = (export_head(head, tmp_path / "out2", "sglang", str(cache)) / "README.md").read_text()
+    assert "base_model: acme/tiny-chat" in card and "--model-path acme/tiny-chat " in card
+    assert export_mod.target_origin("acme/other", None).hub_id == "acme/other"
+    with pytest.raises(ExportError, match="target_id must be a hub id"):
+        export_head(head, tmp_path / "out3", "vllm", str(target_dir), target_id="/a/local/path")
+
+
+def test_card_of_the_embedded_gguf_target_warns_and_suggests_the_original(tmp_path):
+    origin = export_mod.target_origin("smollm2", "/cache/models/SmolLM2-135M-Instruct")
+    assert origin.hub_id is None and origin.hint == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "GGUF" in origin.warning() and "HuggingFaceTB/SmolLM2-135M-Instruct" in origin.warning()
+    gguf = export_mod.target_origin("/models/llama.Q4_K_M.gguf", "/cache/models/llama")
+    assert gguf.hub_id is None and "GGUF file" in gguf.warning()
+
+
+def test_eval_report_auto_finds_the_pipeline_report(target, target_dir, tmp_path):
+    """The pipeline layout: <run>/train/<head>/head and <run>/eval/<head>/report.json."""
+    head = save_head(make_head("eagle3", target), tmp_path / "run" / "train" / "eagle3")
+    (tmp_path / "run" / "eval" / "eagle3").mkdir(parents=True)
+    _report(tmp_path / "run" / "eval" / "eagle3" / "report.json")
+    out = export_head(head, tmp_path / "out", "vllm", str(target_dir), eval_report="auto")
+    card = (out / "README.md").read_text()
+    assert "| eagle3-vllm ◀ | chain2 |" in card and str(tmp_path / "run" / "eval" / "eagle3" / "report.json") in card
+    alone = save_head(make_head("eagle3", target), tmp_path / "alone")
+    out2 = export_head(alone, tmp_path / "out2", "vllm", str(target_dir), eval_report="auto")
+    card = (out2 / "README.md").read_text()
+    assert "Not measured" in card
+
+
+def test_exported_files_are_world_readable(target_dir, tmp_path):
+    """Issue 14 fault 5: safetensors' atomic write leaves model.safetensors 0600; a server running as another
+    user must read every exported file (0644) and folder (0755), the Medusa-2 adapted target included."""
+    from specheads.methods.medusa import Medusa2Method
+
+    tgt = make_tiny_target("llama", vocab=V, hidden=H, layers=LAYERS)
+    method = Medusa2Method(num_heads=2, lora_r=4)
+    model = method.build(tgt)
+    method.save(model, str(tmp_path / "head"), tgt)
+    for f in (tmp_path / "head").rglob("*"):
+        if f.is_file():
+            os.chmod(f, 0o600)  # as an atomic (tempfile) write leaves them
+    out = export_head(tmp_path / "head", tmp_path / "out", "vllm", str(target_dir))
+    modes = {p.relative_to(out): p.stat().st_mode & 0o777 for p in out.rglob("*")}
+    assert (out.stat().st_mode & 0o777) == 0o755
+    assert any(p.name == "model.safetensors" for p in modes)
+    assert any(p.parts[0] == "target" and len(p.parts) > 1 for p in modes)  # the copied adapted target
+    bad = {str(p): oct(m) for p, m in modes.items() if m != ((0o755 if (out / p).is_dir() else 0o644))}
+    assert not bad
+
+
+# --------------------------------------------------------------------------- round trip through our loader
+
+ALL_CASES = CASES + [("eagle3", "speculators"), ("medusa", "medusa")]
+
+
+@pytest.mark.parametrize("method,engine", ALL_CASES)
+def test_round_trip_logits_through_our_loader(method, engine, target, target_dir, tmp_path):
+    """Each exported folder, loaded back with specheads' loader, gives the head's logits before export."""
+    from specheads.export import load_exported
+
+    head = make_head(method, target, layers=2 if method == "eagle1" else 1).eval()
+    out = export_head(save_head(head, tmp_path), tmp_path / "out", engine, str(target_dir))
+    back = load_exported(out)
+    assert type(back) is type(head)
+    g = torch.Generator().manual_seed(3)
+    T = 6
+    ids, pos = torch.randint(0, V, (2, T), generator=g), torch.arange(T).expand(2, T)
+    with torch.no_grad():
+        if method == "medusa":
+            x = torch.randn(2, T, H, generator=g)
+            assert torch.equal(back(x), head(x))
+            return
+        head.attach(target), back.attach(target)
+        n_aux = len(AUX) if method == "eagle3" else 1
+        feats = torch.randn(2, T, n_aux * H, generator=g)
+        h_a, logits_a = head.step(head.fuse(feats), ids, pos)
+        h_b, logits_b = back.step(back.fuse(feats), ids, pos)
+    assert torch.equal(logits_a, logits_b) and torch.equal(h_a, h_b)
+    if method == "eagle3":
+        assert torch.equal(back.to_target_ids(logits_b.argmax(-1)), head.to_target_ids(logits_a.argmax(-1)))
