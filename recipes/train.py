@@ -216,7 +216,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     tcfg, ocfg, mcfg = to_configs(cfg)
     method = build_method(mcfg.pop("name"), **mcfg)
     acc = make_accelerator(tcfg, method)
-    target = load_target(cfg.target.name_or_path, cfg.target.dtype, acc.device)
+    target = load_target(cfg.target.name_or_path, cfg.target.dtype, acc.device,
+                         parallel=cfg.target.get("parallel", "none"), tp_size=cfg.target.get("tp_size") or None,
+                         max_memory=cfg.target.get("max_memory") or None)
     if hasattr(method, "bind"):  # methods whose features depend on the target (EAGLE-3's layer ids)
         method.bind(target)
     train_src, eval_src = build_data(cfg, method, target)

@@ -464,6 +464,12 @@ class Medusa2Method:
 
     def build(self, target: Target) -> nn.Module:
         """Injects LoRA into ``target.model`` in place (adapters on = adapted, off = original)."""
+        if target.layout.tp_size > 1:
+            from specheads.errors import ConfigError
+
+            raise ConfigError("medusa2 trains the target itself, which a tensor-parallel target (target.parallel=tp) "
+                              "cannot do here: use target.parallel=none or device_map, or FSDP / DeepSpeed ZeRO-3 "
+                              "(conf/launcher/) to shard it")
         heads = medusa_for_target(target, self.num_heads, self.num_layers, self.fc_bias)
         heads.lm_heads.requires_grad_(self.train_lm_heads)
         reference = None

@@ -279,3 +279,13 @@ def test_no_held_out_rows_no_tree_and_a_default_shape(tmp_path):
     choices, source = tree_for_head(tmp_path, 3, 12)
     assert choices == default_choices(3, 12) and source.startswith("default")
     assert len(choices) == 12 and max(map(len, choices)) <= 3
+
+
+def test_medusa2_refuses_a_tensor_parallel_target():
+    from specheads.errors import ConfigError
+    from specheads.targets import ParallelLayout, Target
+
+    tiny = _tiny()
+    split = Target(tiny.model, name="tiny-tp", layout=ParallelLayout("tp", world=2, rank=0, tp_size=2))
+    with pytest.raises(ConfigError, match="tensor-parallel"):
+        Medusa2Method(num_heads=1).build(split)
