@@ -34,6 +34,7 @@ class EvalSetSchema:
     jsonl: Optional[str] = None
     jsonl_limit: Optional[int] = None
     max_new_tokens: int = 32
+    repeats: int = 3  # timed batch-1 decode passes per speed figure (after a warm-up): median and range
 
 
 @dataclass
@@ -82,6 +83,7 @@ def run(cfg: DictConfig) -> dict:
         torch.set_num_threads(cfg.threads)
     ev = OmegaConf.to_container(cfg.eval, resolve=True)
     max_new = ev.pop("max_new_tokens")
+    repeats = ev.pop("repeats")
     ev["mtbench_turns"] = tuple(ev["mtbench_turns"])
     if ev["chat"] != 0 and not ev["chat_dir"]:
         log.warning("no eval.chat_dir given: the chat domain is left out")
@@ -98,7 +100,7 @@ def run(cfg: DictConfig) -> dict:
                                        OmegaConf.to_container(cfg.medusa_choices) if cfg.medusa_choices else None),
                                    medusa_tree_nodes=cfg.medusa_tree_nodes, verify=cfg.verify, allow_empty=True)
     ecfg = EvalConfig(methods, BenchmarkSpec(**ev), max_new, tuple(cfg.temperatures), tuple(cfg.batch_sizes),
-                      cfg.batch_prompts, cfg.seed)
+                      cfg.batch_prompts, cfg.seed, repeats=repeats)
     target_path = cfg.target.name_or_path
     adapted = verifier_for(cfg.head_method, cfg.head_dir)
     for name, path in (cfg.heads or {}).items():

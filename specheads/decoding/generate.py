@@ -25,7 +25,16 @@ VerifyFn = Callable[[str, torch.Tensor, DraftTree, float, torch.Generator | None
 
 @dataclass
 class RowStats:
-    """Counts for one request. tested/accepted are per draft depth (index 0 = depth 1)."""
+    """Counts for one request, on exactly the tokens that reach the output.
+
+    steps: target forwards; emitted: tokens appended to the output (a step's accepted path plus its
+    bonus token, cut where the output ends at ``max_new_tokens`` or EOS). tested/accepted are per
+    draft depth (index 0 = depth 1): the drafts verified for output position d of a step count only
+    when that position reaches the output. A draft beyond the cap or after EOS never reaches the
+    output and counts as neither accepted nor rejected, so τ = emitted / steps and α = accepted ÷
+    tested describe the output that was produced. nodes_by_depth: draft tree nodes per depth (all
+    steps), draft_forwards/draft_nodes: what drafting cost (whether or not it reached the output).
+    """
 
     steps: int = 0
     emitted: int = 0
@@ -33,13 +42,22 @@ class RowStats:
     accepted: list[int] = field(default_factory=list)
     draft_forwards: int = 0
     draft_nodes: int = 0
+    nodes_by_depth: list[int] = field(default_factory=list)
 
-    def add(self, v: Verdict, tree: DraftTree) -> None:
+    def add(self, v: Verdict, tree: DraftTree, emitted: int | None = None) -> None:
+        """One step; ``emitted``: how many of its ``v.tokens_emitted`` tokens reached the output."""
+        n = v.tokens_emitted if emitted is None else min(emitted, v.tokens_emitted)
         self.steps += 1
-        self.emitted += v.tokens_emitted
+        self.emitted += n
         self.draft_forwards += tree.draft_forwards
         self.draft_nodes += tree.size
-        for d, (t, a) in enumerate(zip(v.tested, v.accepted)):
+        depth: list[int] = []
+        for p in tree.parents.tolist():
+            depth.append(1 if p < 0 else depth[p] + 1)
+            while len(self.nodes_by_depth) < depth[-1]:
+                self.nodes_by_depth.append(0)
+            self.nodes_by_depth[depth[-1] - 1] += 1
+        for d, (t, a) in enumerate(zip(v.tested[:n], v.accepted[:n])):
             while len(self.tested) <= d:
                 self.tested.append(0); self.accepted.append(0)
             self.tested[d] += t
@@ -97,22 +115,22 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts:
         for b, tree in enumerate(trees):
             if active[b] and tree.fed > tree.size:
                 drafter.observe_forward(b, out.logits[b, : tree.fed + 1], tree)
-        keeps, news = [], []
+        keeps, news, verdicts = [], [], []
         batched = _verify_batch(out.logits, trees, active, verify_backend) \
             if verify_backend and (temperature <= 0 or method == "greedy") else None
         for b, tree in enumerate(trees):
             if not active[b]:
-                keeps.append([]); news.append([])
+                keeps.append([]); news.append([]); verdicts.append(None)
                 continue
             v = batched[b] if batched is not None else \
                 verify_fn(method, out.logits[b, : tree.size + 1], tree, temperature, generator)
-            stats[b].add(v, tree)
+            verdicts.append(v)
             keeps.append([0] + [i + 1 for i in v.path])
             news.append([int(tree.tokens[i]) for i in v.path] + [v.bonus])
         runner.commit(keeps)
         for b in range(len(seqs)):
             if active[b]:
-                _append(b, news[b], seqs, new, active, max_new_tokens, eos)
+                stats[b].add(verdicts[b], trees[b], _append(b, news[b], seqs, new, active, max_new_tokens, eos))
                 if drafter.needs_features:
                     drafter.observe(b, news[b], _rows(out.hidden_last, b, keeps[b]),
                                     _rows(out.hidden_aux, b, keeps[b]))
@@ -166,10 +184,12 @@ def _rows(t: torch.Tensor | None, b: int, idx: list[int]) -> torch.Tensor | None
     return None if t is None else t[b, idx]
 
 
-def _append(b, tokens, seqs, new, active, max_new_tokens, eos) -> None:
-    for t in tokens:
+def _append(b, tokens, seqs, new, active, max_new_tokens, eos) -> int:
+    """Append a step's tokens to row ``b`` up to the cap or EOS; returns how many were appended."""
+    for i, t in enumerate(tokens):
         seqs[b].append(t)
         new[b].append(t)
         if len(new[b]) >= max_new_tokens or t in eos:
             active[b] = False
-            return
+            return i + 1
+    return len(tokens)

@@ -1,8 +1,10 @@
 """Acceptance metrics (Leviathan et al.) and speed figures, per domain and overall.
 
 α: accepted ÷ (accepted + rejected) among draft tokens actually tested, overall and per draft
-position (depth). τ: tokens emitted per target forward, bonus included. c: draft cost per target
-forward (measured time on this machine; predicted from parameters read for a GPU).
+position (depth). τ: tokens emitted per target forward, bonus included. Both count only tokens that
+reach the output (``RowStats``: a draft beyond ``max_new_tokens`` or EOS is neither accepted nor
+rejected). c: draft cost per target forward (measured time on this machine; predicted from
+parameters read for a GPU). The formulas live in ``specheads.acceptance_math``.
 
 GPU model (stated in the report): batch-1 decoding is memory-bound, so a forward costs time in
 proportion to the weights it reads, and verifying a tree of up to ~64 tokens costs about one
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specheads.acceptance_math import speedup_from_tau
 from specheads.decoding.generate import RowStats
 
 
@@ -44,6 +47,7 @@ class Summary:
     target_time: float = 0.0
     draft_time: float = 0.0
     draft_forwards: int = 0
+    nodes_by_depth: list[int] = field(default_factory=list)
 
     @property
     def alpha(self) -> float | None:
@@ -84,7 +88,8 @@ class Summary:
                 "tested": self.tested, "accepted": self.accepted, "tokens_per_s": self.tokens_per_s,
                 "decode_time_s": self.decode_time, "target_time_s": self.target_time,
                 "draft_time_s": self.draft_time, "cost_ratio_c": self.cost_ratio,
-                "cost_ratio_step": self.cost_ratio_step, "draft_forwards_per_step": self.draft_forwards_per_step}
+                "cost_ratio_step": self.cost_ratio_step, "draft_forwards_per_step": self.draft_forwards_per_step,
+                "nodes_by_depth": self.nodes_by_depth}
 
 
 def summarize(runs: list[Run]) -> Summary:
@@ -98,12 +103,19 @@ def summarize(runs: list[Run]) -> Summary:
         s.target_time += r.target_time
         s.draft_time += r.draft_time
         s.draft_forwards += r.stats.draft_forwards
+        _add_lists(s.nodes_by_depth, r.stats.nodes_by_depth)
         for d, (t, a) in enumerate(zip(r.stats.tested, r.stats.accepted)):
             while len(s.tested) <= d:
                 s.tested.append(0); s.accepted.append(0)
             s.tested[d] += t
             s.accepted[d] += a
     return s
+
+
+def _add_lists(into: list[int], more: list[int]) -> None:
+    into.extend([0] * (len(more) - len(into)))
+    for i, x in enumerate(more):
+        into[i] += x
 
 
 def by_domain(runs: list[Run]) -> dict[str, Summary]:
@@ -121,28 +133,37 @@ def speedup(plain: Summary, spec: Summary) -> float | None:
     return (plain.decode_time / max(plain.new_tokens, 1)) / (spec.decode_time / max(spec.new_tokens, 1))
 
 
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def _time_per_token(s: Summary) -> float | None:
+    return s.decode_time / max(s.new_tokens, 1) if s.decode_time > 0 else None
+
+
+def timed(passes: list[Summary]) -> dict:
+    """Decode speed over repeated timed passes of the same prompts: median tokens/s, its range."""
+    tps = [s.tokens_per_s for s in passes if s.tokens_per_s is not None]
+    if not tps:
+        return {"tokens_per_s": None, "tokens_per_s_range": None, "timed_passes": 0}
+    return {"tokens_per_s": _median(tps), "tokens_per_s_range": [min(tps), max(tps)], "timed_passes": len(tps)}
+
+
+def speedup_spread(plain: list[Summary], spec: list[Summary]) -> dict:
+    """Speed-up from repeated timed passes: median plain time per token ÷ median speculative time per
+    token, with its range over every (plain pass, speculative pass) pair: [slowest speculative vs
+    fastest plain, fastest speculative vs slowest plain]."""
+    p = [t for t in map(_time_per_token, plain) if t is not None]
+    s = [t for t in map(_time_per_token, spec) if t is not None]
+    if not p or not s:
+        return {"speedup": None, "speedup_range": None}
+    return {"speedup": _median(p) / _median(s), "speedup_range": [min(p) / max(s), max(p) / min(s)]}
+
+
 def gpu_speedup(tau: float | None, c_gpu: float, forwards_per_step: float) -> float | None:
     """Predicted memory-bound speed-up τ / (1 + c_GPU · F) (see the module docstring)."""
     if tau is None:
         return None
-    return tau / (1.0 + c_gpu * forwards_per_step)
-
-
-def expected_tokens(alpha_by_position: list[float | None], k: int) -> float:
-    """Expected tokens per step for a chain of k drafts with per-position acceptance α_i:
-    1 + Σ_{j<=k} Π_{i<=j} α_i (the last measured α is reused past the measured positions)."""
-    known = [a for a in alpha_by_position if a is not None]
-    if not known:
-        return 1.0
-    total, prod = 1.0, 1.0
-    for j in range(k):
-        prod *= known[min(j, len(known) - 1)]
-        total += prod
-    return total
-
-
-def leviathan_speedup(alpha: float, c: float, k: int) -> float:
-    """(1 - α^(k+1)) / ((1 - α)(c k + 1)), Leviathan et al. Theorem 3.8."""
-    if alpha >= 1.0:
-        return (k + 1) / (c * k + 1)
-    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (c * k + 1))
+    return speedup_from_tau(tau, c_gpu * forwards_per_step)

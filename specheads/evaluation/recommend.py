@@ -1,56 +1,93 @@
-"""Predict the speed-up of each chain length from measured α and cost, and recommend one per domain.
+"""Predict the speed-up of shorter drafts from what a run measured, and recommend one per row kind.
 
-For a chain of K drafts with per-position acceptance α_i (measured; the last measured value is
-reused beyond), expected tokens per step = 1 + Σ_{j<=K} Π_{i<=j} α_i (with a constant α this is
-Leviathan et al.'s (1 - α^(K+1)) / (1 - α)). Cost per step, in target forwards:
+Each evaluated configuration drafted up to a depth ``D`` (a chain of ``K = D`` tokens, or a tree of
+depth ``D``). A step accepts at most one draft per depth, so the run measures, for every ``d ≤ D``,
+``P(L ≥ d) = accepted_d / steps`` (steps with no draft at all included), and the same drafts cut at
+depth ``d`` would have given ``τ(d) = 1 + Σ_{j≤d} P(L ≥ j)`` (``acceptance_math.chain_tau``, joint
+basis): exact for chains (a top-1 chain's first ``d`` drafts do not depend on ``K``), and for trees
+the tree cut at depth ``d`` (whose token budget, the draft tokens verified per step, is read from
+the run). Nothing is predicted beyond ``D``: deeper drafts were never tested.
 
-- GPU (memory-bound model, see ``metrics``): 1 + c_GPU · K;
-- CPU (measured): v + c · K, with c the measured draft/target forward time ratio and v the
-  measured cost of one verification forward relative to a plain decoding forward.
+Cost per step, in plain decoding forwards (``acceptance_math.speedup_from_tau``):
 
-Leviathan's closed form (1 - α^(K+1)) / ((1 - α)(c K + 1)) with the overall α is shown beside.
-Steps where the drafter proposed nothing (n-gram without a match) scale the gain: τ = 1 + coverage · (τ_K - 1).
+- GPU (memory-bound model, see ``metrics``): 1 + c_GPU · F(d);
+- CPU (measured): v + c · F(d), with c the measured draft/target forward time ratio and v the
+  measured cost of this configuration's verification forward relative to a plain decoding forward
+  at the same temperature (for a cut tree an upper bound: it verifies fewer tokens).
+
+F(d) = draft forwards per step at depth d: the measured F scaled by d / D (one forward per level),
+except Medusa, whose heads draft every depth in one forward. Chains are recommended a length,
+trees a depth (with its token budget); each row also shows the prediction at the configuration
+that ran beside what was measured there. For chains Leviathan's closed form with the overall α is
+shown beside.
 """
 
 from __future__ import annotations
 
-from specheads.evaluation.metrics import expected_tokens, leviathan_speedup
+from specheads.acceptance_math import chain_tau, leviathan_speedup, speedup_from_tau
 
 
-def predict_chain(alpha_by_position: list[float | None], alpha: float | None, c_cpu: float, v_cpu: float,
-                  c_gpu: float, ks, coverage: float = 1.0) -> list[dict]:
-    """Predicted τ and speed-ups for each K in ``ks``. coverage: fraction of steps that had a draft
-    at all (an n-gram drafter proposes nothing when the context has no match)."""
-    rows = []
-    for k in ks:
-        tau = 1.0 + coverage * (expected_tokens(alpha_by_position, k) - 1.0)
-        rows.append({"k": k, "tau_pred": tau, "speedup_gpu_pred": tau / (1 + c_gpu * k),
-                     "speedup_cpu_pred": tau / (v_cpu + c_cpu * k),
-                     "leviathan_gpu": leviathan_speedup(alpha, c_gpu, k) if alpha is not None else None})
-    return rows
+def row_kind(shape: str) -> str:
+    """``chain`` for ``chain{K}`` shapes, else ``tree`` (dynamic or static)."""
+    return "chain" if shape.startswith("chain") else "tree"
+
+
+def predict(row: dict, kind: str, depth: int, c_cpu: float, v_cpu: float, c_gpu: float, one_forward: bool,
+            ds) -> list[dict]:
+    """Predicted τ and speed-ups at each depth / chain length in ``ds`` (only those ≤ ``depth``)."""
+    steps = row.get("target_forwards") or 0
+    if not steps or depth < 1:
+        return []
+    acc = list(row.get("accepted") or []) + [0] * depth
+    reach = [a / steps for a in acc[:depth]]
+    nodes = list(row.get("nodes_by_depth") or [])
+    forwards = row.get("draft_forwards_per_step") or 0.0
+    out = []
+    for d in sorted({d for d in ds if 1 <= d <= depth} | {depth}):
+        tau = chain_tau(reach[:d], "joint")
+        f = forwards if one_forward else forwards * d / depth
+        p = {"k": d, "tau_pred": tau, "draft_forwards_per_step": f,
+             "speedup_gpu_pred": speedup_from_tau(tau, c_gpu * f),
+             "speedup_cpu_pred": speedup_from_tau(tau, c_cpu * f, v_cpu)}
+        if kind == "tree":
+            p["tokens_per_step"] = sum(nodes[:d]) / steps
+        elif row.get("alpha") is not None:
+            p["leviathan_gpu"] = leviathan_speedup(row["alpha"], c_gpu, d)
+        out.append(p)
+    return out
 
 
 def recommend(report: dict, ks=(1, 2, 3, 4, 5, 6, 8)) -> dict:
-    """Per method, temperature and domain: predictions for each K and the best K (GPU and CPU),
-    next to the measured τ and speed-up of the configuration that was run."""
-    plain = report["plain"]
+    """Per method, temperature and domain: predictions for each chain length (chains, from ``ks``)
+    or depth (trees, every depth) up to the measured one, the best of them (GPU and CPU), and the
+    prediction at the configuration that ran next to its measured τ and speed-up."""
     out = {}
     for m in report["methods"]:
+        kind = row_kind(m.get("shape", ""))
         per_t = {}
         for T, doms in m["by_temperature"].items():
+            plain = (report.get("plain_by_temperature") or {}).get(T) or report["plain"]
             per_d = {}
             for d, row in doms.items():
+                depth = len(row.get("nodes_by_depth") or row.get("tested") or [])  # the deepest draft made
                 v = _verify_cost(row, plain.get(d, {}))
                 c = row.get("cost_ratio_c") or 0.0
-                cov = row["tested"][0] / row["target_forwards"] if row.get("tested") and row["target_forwards"] else 1.0
-                preds = predict_chain(row["alpha_by_position"], row["alpha"], c, v, m["c_gpu"], ks, cov)
+                preds = predict(row, kind, depth, c, v, m["c_gpu"], m.get("drafter") == "medusa",
+                                ks if kind == "chain" else range(1, depth + 1))
+                if not preds:
+                    continue
                 best_gpu = max(preds, key=lambda r: r["speedup_gpu_pred"])
                 best_cpu = max(preds, key=lambda r: r["speedup_cpu_pred"])
-                per_d[d] = {"predictions": preds, "best_k_gpu": best_gpu["k"], "best_k_cpu": best_cpu["k"],
+                ran = preds[-1]  # the measured depth is always the last prediction
+                per_d[d] = {"kind": kind, "measured_depth": depth, "predictions": preds,
+                            "best_k_gpu": best_gpu["k"], "best_k_cpu": best_cpu["k"],
                             "best_speedup_gpu_pred": best_gpu["speedup_gpu_pred"],
                             "best_speedup_cpu_pred": best_cpu["speedup_cpu_pred"],
-                            "measured_tau": row["tau"], "measured_speedup": row.get("speedup"),
-                            "c_cpu": c, "verify_cost_cpu": v, "draft_coverage": cov}
+                            "predicted_tau": ran["tau_pred"], "measured_tau": row["tau"],
+                            "predicted_speedup_cpu": ran["speedup_cpu_pred"],
+                            "measured_speedup": row.get("speedup"),
+                            "measured_speedup_range": row.get("speedup_range"),
+                            "c_cpu": c, "verify_cost_cpu": v}
             per_t[T] = per_d
         out[m["name"]] = per_t
     return out

@@ -33,14 +33,27 @@ def _f(x, nd=2) -> str:
     return "–" if x is None else f"{x:.{nd}f}"
 
 
+def _spread(r: dict, key: str, nd: int = 2) -> str:
+    """A median with its range over the timed passes: ``1.23 (1.10–1.31)`` (no range from one pass)."""
+    rng = r.get(key + "_range")
+    if not rng or r.get(key) is None or rng[0] == rng[1]:
+        return _f(r.get(key), nd)
+    return f"{_f(r.get(key), nd)} ({_f(rng[0], nd)}–{_f(rng[1], nd)})"
+
+
 def markdown(report: dict) -> str:
     lines = [f"# Speculative decoding evaluation: {report['target']}", "",
              f"{report['num_prompts']} prompts, max_new_tokens {report['max_new_tokens']}, "
              f"temperatures {report['temperatures']}. τ = tokens per target forward (bonus included); "
-             "α = accepted ÷ tested drafts (Leviathan et al.); speed-up = decode tokens/s ÷ plain decode "
-             "tokens/s on the same engine (prefill excluded).", "", f"_{GPU_MODEL}_", ""]
-    plain = report["plain"]["all"]
-    lines += [f"Plain decoding: {_f(plain['tokens_per_s'], 1)} tokens/s.", ""]
+             "α = accepted ÷ tested drafts (Leviathan et al.); both count only tokens that reach the output "
+             "(a draft past max_new_tokens or EOS is neither accepted nor rejected). Speed-up = decode "
+             "tokens/s ÷ plain decode tokens/s at the same temperature on the same engine (prefill "
+             f"excluded): the median of {report.get('repeats', 1)} timed pass(es) after a warm-up, with its "
+             "range in brackets (slowest speculative vs fastest plain pass – fastest vs slowest).", "",
+             f"_{GPU_MODEL}_", ""]
+    by_t = report.get("plain_by_temperature") or {str(report["temperatures"][0]): report["plain"]}
+    lines += ["Plain decoding: " + "; ".join(f"T={t} {_spread(rows['all'], 'tokens_per_s', 1)} tokens/s"
+                                             for t, rows in by_t.items()) + ".", ""]
     if report["methods"]:
         lines += summary_md(report)
     for m in report["methods"]:
@@ -52,18 +65,18 @@ def summary_md(report: dict) -> list[str]:
     """Every method on one line (all prompts), then τ per domain with one column per method."""
     methods = report["methods"]
     temps = [str(t) for t in report["temperatures"]]
-    L = ["## Summary", "", "| method | " + " | ".join(f"α T={t} | τ T={t}" for t in temps) +
-         " | speed-up (CPU) | GPU speed-up (pred) | lossless | eval s |",
-         "|" + "---|" * (1 + 2 * len(temps) + 4)]
+    L = ["## Summary", "", "| method | " + " | ".join(f"α T={t} | τ T={t} | speed-up (CPU) T={t}" for t in temps) +
+         " | GPU speed-up (pred) | lossless | eval s |",
+         "|" + "---|" * (1 + 3 * len(temps) + 3)]
     for m in methods:
         cells = []
         for t in temps:
             r = m["by_temperature"].get(t, {}).get("all", {})
-            cells += [_f(r.get("alpha")), _f(r.get("tau"))]
+            cells += [_f(r.get("alpha")), _f(r.get("tau")), _spread(r, "speedup")]
         r0 = m["by_temperature"].get(temps[0], {}).get("all", {})
         ll = m.get("lossless")
         exact = "–" if not ll else ("exact" if ll["exact"] else f"{len(ll['mismatches'])} mismatches")
-        L.append(f"| {m['name']} | " + " | ".join(cells) + f" | {_f(r0.get('speedup'))} | "
+        L.append(f"| {m['name']} | " + " | ".join(cells) + " | "
                  f"{_f(r0.get('gpu_speedup_pred'))} | {exact} | {_f(m.get('eval_seconds'), 0)} |")
     L.append("")
     for t in temps:
@@ -93,17 +106,17 @@ def _method_md(m: dict, report: dict) -> list[str]:
         if ll["mismatches"]:
             L.append("")
     temps = list(m["by_temperature"])
-    head = "| domain | " + " | ".join(f"α T={t} | τ T={t}" for t in temps) + \
-           " | tok/s | speed-up (CPU) | c (CPU) | GPU speed-up (pred) |"
-    L += [head, "|" + "---|" * (2 + 2 * len(temps) + 3)]
+    head = "| domain | " + " | ".join(f"α T={t} | τ T={t} | tok/s T={t} | speed-up (CPU) T={t}" for t in temps) + \
+           " | c (CPU) | GPU speed-up (pred) |"
+    L += [head, "|" + "---|" * (1 + 4 * len(temps) + 2)]
     t0 = m["by_temperature"][temps[0]]
     for d in t0:
         cells = []
         for t in temps:
             r = m["by_temperature"][t].get(d, {})
-            cells += [_f(r.get("alpha")), _f(r.get("tau"))]
+            cells += [_f(r.get("alpha")), _f(r.get("tau")), _spread(r, "tokens_per_s", 1), _spread(r, "speedup")]
         r = t0[d]
-        L.append(f"| {d} | " + " | ".join(cells) + f" | {_f(r['tokens_per_s'], 1)} | {_f(r.get('speedup'))} | "
+        L.append(f"| {d} | " + " | ".join(cells) + f" | "
                  f"{_f(r.get('cost_ratio_c'), 3)} | {_f(r.get('gpu_speedup_pred'))} |")
     apos = t0["all"]["alpha_by_position"]
     L += ["", "α by draft position (T=" + temps[0] + "): " + ", ".join(_f(a) for a in apos), ""]
@@ -124,12 +137,27 @@ def _method_md(m: dict, report: dict) -> list[str]:
 
 def _recommend_md(rec: dict, m: dict) -> list[str]:
     T = next(iter(rec))
-    L = [f"Recommended chain length per domain (T={T}; predicted from measured per-position α and c):", "",
-         "| domain | best K (GPU) | pred. speed-up GPU | best K (CPU) | pred. speed-up CPU | measured τ | measured speed-up |",
-         "|---|---|---|---|---|---|---|"]
+    if not rec[T]:
+        return []
+    kind = next(iter(rec[T].values()))["kind"]
+    what, K = ("chain length", "K") if kind == "chain" else ("tree depth (draft tokens per step)", "depth")
+    L = [f"Recommended {what} per domain (T={T}), predicted from this run's acceptance per depth and cost, "
+         f"never beyond the depth it drafted; at the configuration that ran, predicted beside measured:", "",
+         f"| domain | best {K} (GPU) | pred. speed-up GPU | best {K} (CPU) | pred. speed-up CPU | ran {K} | "
+         "τ pred / measured | speed-up CPU pred / measured |", "|---|---|---|---|---|---|---|---|"]
     for d, r in rec[T].items():
-        L.append(f"| {d} | {r['best_k_gpu']} | {_f(r['best_speedup_gpu_pred'])} | {r['best_k_cpu']} | "
-                 f"{_f(r['best_speedup_cpu_pred'])} | {_f(r['measured_tau'])} | {_f(r['measured_speedup'])} |")
+        by_k = {p["k"]: p for p in r["predictions"]}
+
+        def best(k):
+            tok = by_k[k].get("tokens_per_step")
+            return f"{k}" + (f" ({tok:.1f})" if tok is not None else "")
+
+        measured = _spread({"speedup": r["measured_speedup"], "speedup_range": r.get("measured_speedup_range")},
+                           "speedup")
+        L.append(f"| {d} | {best(r['best_k_gpu'])} | {_f(r['best_speedup_gpu_pred'])} | {best(r['best_k_cpu'])} | "
+                 f"{_f(r['best_speedup_cpu_pred'])} | {best(r['measured_depth'])} | "
+                 f"{_f(r['predicted_tau'])} / {_f(r['measured_tau'])} | "
+                 f"{_f(r['predicted_speedup_cpu'])} / {measured} |")
     return L + [""]
 
 
@@ -173,20 +201,18 @@ def plots(report: dict, out: Path) -> dict[str, str]:
                     label=f"{m['name']} GPU pred")
             a2.plot(ks, [p["speedup_cpu_pred"] for p in r["predictions"]], ":", color=line.get_color(),
                     label=f"{m['name']} CPU pred")
-            k_run = _chain_k(m["shape"])
+            k_run = r.get("measured_depth")
             if k_run:
                 a1.plot([k_run], [r["measured_tau"]], "o", color=line.get_color())
                 if r["measured_speedup"]:
-                    a2.plot([k_run], [r["measured_speedup"]], "o", color=line.get_color())
-        a1.set_xlabel("K (chain length)"); a1.set_ylabel("τ"); a1.legend(fontsize=7)
-        a2.set_xlabel("K (chain length)"); a2.set_ylabel("speed-up"); a2.legend(fontsize=6)
+                    rng = r.get("measured_speedup_range") or [r["measured_speedup"]] * 2
+                    a2.errorbar([k_run], [r["measured_speedup"]], [[r["measured_speedup"] - rng[0]],
+                                [rng[1] - r["measured_speedup"]]], fmt="o", color=line.get_color(), capsize=3)
+        a1.set_xlabel("chain length K / tree depth"); a1.set_ylabel("τ"); a1.legend(fontsize=7)
+        a2.set_xlabel("chain length K / tree depth"); a2.set_ylabel("speed-up"); a2.legend(fontsize=6)
         fig.tight_layout()
         paths["tau_speedup_vs_k"] = _save(fig, out / "tau_speedup_vs_k.png", plt)
     return paths
-
-
-def _chain_k(shape: str) -> int | None:
-    return int(shape[5:]) if shape.startswith("chain") and shape[5:].isdigit() else None
 
 
 def _save(fig, path: Path, plt) -> str:

@@ -4,6 +4,12 @@ the lossless check, and the figures the report needs.
 Every method runs on the same ``TargetRunner`` as the plain baseline, prompt by prompt at batch 1
 (then in batches), so speed-ups compare like with like. MT-bench turn-2 prompts include the
 target's own plain-greedy turn-1 answer (identical for every lossless method at T = 0).
+
+Timing: the target and each drafter decode one short untimed warm-up first. Plain decoding runs at
+every temperature (sampling has its own cost), and plain and speculative batch-1 decoding are each
+timed ``repeats`` times over the same prompts (same seeds): the first pass also gives the acceptance
+counts and the lossless check, the others only time the decode. Speeds and speed-ups are medians
+over the passes, with their range (``metrics.timed``, ``metrics.speedup_spread``).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from specheads.decoding.runner import TargetRunner
 from specheads.decoding.tree import normalize_choices
 from specheads.decoding.verify import LOSSLESS
 from specheads.evaluation.benchmarks import BenchmarkSpec, EvalPrompt, encode, load_benchmarks
-from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup
+from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_spread, timed
 from specheads.evaluation.recommend import recommend
 from specheads.targets import Target, eos_token_ids
 
@@ -71,6 +77,7 @@ class EvalConfig:
     batch_prompts: int = 8  # prompts decoded per batch-size measurement
     seed: int = 0
     recommend_ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)
+    repeats: int = 3  # timed batch-1 decode passes per speed figure (plain and speculative), after a warm-up
 
 
 Progress = Callable[[str], None]
@@ -87,11 +94,13 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     runner = TargetRunner(target.model)
     t0 = time.perf_counter()
     ids, plain = _plain_pass(target, runner, prompts, cfg, eos, progress)
+    plain = _plain_passes(runner, prompts, ids, plain, cfg, eos, progress)
     plain_seconds = time.perf_counter() - t0
     report = {"target": target.name, "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
               "temperatures": list(cfg.temperatures), "target_params": _nparams(target.model),
-              "plain": {d: s.to_dict() for d, s in by_domain(plain).items()}, "plain_seconds": plain_seconds,
-              "methods": []}
+              "repeats": cfg.repeats, "plain": _timed_rows(plain[0.0]),
+              "plain_by_temperature": {str(T): _timed_rows(passes) for T, passes in plain.items()},
+              "plain_seconds": plain_seconds, "methods": []}
     plain_tokens = {p.id: r for p, r in zip(prompts, ids["tokens"])}
     checkpoint(report)
     for spec in cfg.methods:
@@ -116,6 +125,8 @@ def _plain_pass(target, runner, prompts, cfg, eos, progress):
     enc, toks, runs = [], [], []
     for i, p in enumerate(sorted(prompts, key=lambda p: p.turn)):
         pid = encode(p, target.tokenizer, answers)
+        if i == 0:
+            _warm_up(runner, None, pid, cfg, eos)
         res = speculative_generate(runner, None, [pid], cfg.max_new_tokens, 0.0, "greedy", eos)
         answers[p.id] = target.tokenizer.decode(res.tokens[0], skip_special_tokens=True) if target.tokenizer else ""
         enc.append((p.id, pid)); toks.append((p.id, res.tokens[0])); runs.append((p.id, _run(p, res)))
@@ -125,6 +136,37 @@ def _plain_pass(target, runner, prompts, cfg, eos, progress):
     return {"prompt_ids": [e[1] for e in enc], "tokens": [t[1] for t in toks]}, [r[1] for r in runs]
 
 
+def _warm_up(runner, drafter, prompt_ids, cfg, eos) -> None:
+    """One short untimed decode (first calls pay for allocations, lazy set-up, kernel compilation)."""
+    speculative_generate(runner, drafter, [prompt_ids], min(8, cfg.max_new_tokens), 0.0, "greedy", eos)
+
+
+def _timing_pass(runner, drafter, prompts, ids, cfg, T, verify, eos) -> list[Run]:
+    """One timed batch-1 decode of every prompt at temperature ``T`` (seeded like the first pass)."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    return [_run(p, speculative_generate(runner, drafter, [pid], cfg.max_new_tokens, T, verify, eos, gen))
+            for p, pid in zip(prompts, ids["prompt_ids"])]
+
+
+def _plain_passes(runner, prompts, ids, first, cfg, eos, progress) -> dict[float, list[dict]]:
+    """{T: [by_domain summaries of each timed plain pass]}: ``repeats`` passes at every temperature
+    (the greedy pass that made the answers is the first at T = 0)."""
+    out = {}
+    for T in sorted(set(cfg.temperatures) | {0.0}):
+        passes = [by_domain(first)] if T == 0 else []
+        while len(passes) < max(cfg.repeats, 1):
+            passes.append(by_domain(_timing_pass(runner, None, prompts, ids, cfg, T,
+                                                 "greedy" if T <= 0 else "tree", eos)))
+            progress(f"plain T={T} pass {len(passes)}/{cfg.repeats}")
+        out[T] = passes
+    return out
+
+
+def _timed_rows(passes: list[dict]) -> dict:
+    """{domain: row} of the first pass, its speed replaced by the median over passes (with range)."""
+    return {d: {**s.to_dict(), **timed([p[d] for p in passes])} for d, s in passes[0].items()}
+
+
 def _run(p: EvalPrompt, res: GenerationResult, b: int = 0) -> Run:
     return Run(p.id, p.domain, res.stats[b], len(res.tokens[b]), res.wall_time - res.prefill_time,
                res.target_time, res.draft_time)
@@ -132,14 +174,15 @@ def _run(p: EvalPrompt, res: GenerationResult, b: int = 0) -> Run:
 
 def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_tokens, cfg, eos, progress,
                  partial=lambda row: None) -> dict:
-    """One method at every temperature, then batches; ``partial(row)`` after each part."""
+    """One method at every temperature, then batches; ``partial(row)`` after each part.
+    plain: {T: [by_domain summaries of each timed plain pass]} (``_plain_passes``)."""
     out = {"name": spec.name, "drafter": spec.drafter, "shape": spec.shape.label(), "verify": spec.verify,
            "lossless_verify": LOSSLESS.get(spec.verify, True), "profile": spec.profile,
            "draft_params_per_forward": drafter.params_per_forward, "by_temperature": {}}
     c_gpu = drafter.params_per_forward / _nparams(target.model)
     out["c_gpu"] = c_gpu
     t_start = time.perf_counter()
-    plain_dom = by_domain(plain)
+    _warm_up(runner, drafter, ids["prompt_ids"][0], cfg, eos)
     for T in cfg.temperatures:
         gen = torch.Generator().manual_seed(cfg.seed)
         runs, mism = [], []
@@ -151,10 +194,14 @@ def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_token
                 if m:
                     mism.append({"prompt": p.id, **m})
             progress(f"{spec.name} T={T} {i + 1}/{len(prompts)}")
+        passes = [by_domain(runs)]  # acceptance from the first pass; the others only time the decode
+        while len(passes) < max(cfg.repeats, 1):
+            passes.append(by_domain(_timing_pass(runner, drafter, prompts, ids, cfg, T, spec.verify, eos)))
+            progress(f"{spec.name} T={T} timing pass {len(passes)}/{cfg.repeats}")
         doms = {}
-        for d, s in by_domain(runs).items():
-            row = s.to_dict()
-            row["speedup"] = speedup(plain_dom[d], s)
+        for d, s in passes[0].items():
+            row = {**s.to_dict(), **timed([p[d] for p in passes]),
+                   **speedup_spread([p[d] for p in plain[T]], [p[d] for p in passes])}
             row["gpu_speedup_pred"] = gpu_speedup(s.tau, c_gpu, s.draft_forwards_per_step)
             doms[d] = row
         out["by_temperature"][str(T)] = doms

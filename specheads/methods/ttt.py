@@ -21,6 +21,7 @@ from typing import Iterator
 
 import torch
 
+from specheads.acceptance_math import chain_tau
 from specheads.models.layers import UnrollCache
 from specheads.methods.losses import soft_cross_entropy, target_argmax
 
@@ -149,12 +150,8 @@ def unrolled_accuracy(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor
 
 
 def tau_estimate(accuracies: list[float]) -> float:
-    """Expected tokens per target forward of a chain draft: 1 + sum_i prod_{j<=i} acc_j."""
-    tau, run = 1.0, 1.0
-    for a in accuracies:
-        run *= a
-        tau += run
-    return tau
+    """τ of a chain from marginal per-step accuracies (``acceptance_math.chain_tau``, basis marginal)."""
+    return chain_tau(accuracies, "marginal")
 
 
 def _per_step(metrics: dict[str, float], name: str) -> list[float]:
@@ -173,8 +170,9 @@ def _per_step(metrics: dict[str, float], name: str) -> list[float]:
 def summarize_steps(metrics: dict[str, float]) -> dict[str, float]:
     """Derived metrics from per-step accuracies (``step{i}_acc`` or ``step{i}_correct/_total`` sums).
 
-    tau_estimate = 1 + sum_i prod_{j<=i} step_j accuracy; tau_joint = 1 + sum_i joint_i accuracy
-    (the fraction of positions where steps 0..i are all right).
+    tau_estimate = 1 + sum_i prod_{j<=i} step_j accuracy (marginal basis); tau_joint = 1 + sum_i
+    joint_i accuracy (joint basis: the fraction of positions where steps 0..i are all right); both
+    ``acceptance_math.chain_tau``.
     """
     out = {}
     steps = _per_step(metrics, "step")
@@ -183,5 +181,5 @@ def summarize_steps(metrics: dict[str, float]) -> dict[str, float]:
         out["tau_estimate"] = tau_estimate(steps)
     joint = _per_step(metrics, "joint")
     if joint:
-        out["tau_joint"] = 1.0 + sum(joint)
+        out["tau_joint"] = chain_tau(joint, "joint")
     return out

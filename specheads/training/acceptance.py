@@ -4,7 +4,8 @@ At each held-out evaluation the engine can decode a few held-out prompts with th
 through the evaluator's engine (``specheads.decoding``: KV-cached target, one verification forward
 per step, greedy verification), as a top-1 chain of ``k`` drafts. The measured τ (tokens per target
 forward, bonus included) is logged beside the τ that the held-out accuracies of the first ``k``
-drafts imply, and the gap between them, so users learn how far the cheap estimate can be trusted.
+drafts imply (``specheads.acceptance_math.estimate_tau`` with ``k``), and the gap between them, so
+users learn how far the cheap estimate can be trusted.
 
 A method supports this by providing ``drafter(model, shape) -> Drafter``; the target verifies
 (for Medusa-2, the target being adapted: its LoRA weights are live in ``target.model``).
@@ -35,19 +36,6 @@ def held_out_prompts(batches: Iterable, n: int, max_prompt_tokens: int = 384) ->
             if len(out) >= n:
                 return out
     return out
-
-
-def estimate_for_chain(metrics: dict[str, float], k: int) -> float | None:
-    """τ a top-1 chain of ``k`` drafts would reach from held-out accuracies: joint accuracies of
-    drafts 0..i (EAGLE ``joint{i}_acc``, Medusa ``chain{i}_acc``) when present, else products of
-    the marginal ones (``engine.chain_tau`` over the first ``k`` drafts measured)."""
-    from specheads.training.heldout import _indexed, chain_tau
-
-    for name, conditional in (("joint", True), ("chain", True), ("step", False), ("head", False)):
-        found = _indexed(metrics, name + r"(\d+)_(?:top1_)?acc")
-        if found:
-            return chain_tau(found[:k], conditional)
-    return None
 
 
 @torch.no_grad()

@@ -115,3 +115,51 @@ def test_batched_greedy_verification_equals_row_by_row(target, reference):
             assert len(calls) == b.target_forwards and set(calls) == {len(PROMPTS)}
     finally:
         bv.verify_greedy_batched = real
+
+
+def test_tau_and_alpha_count_only_tokens_that_reach_the_output(target):
+    """Issue 12.1: a self-draft chain of 4 under a 32-token cap emits 5 tokens a step for 6 steps, then
+    2 of the 7th step's 5: τ = 32 / 7 = 4.57 (not 35 / 7 = 5.00), and the 7th step's drafts 3 and 4
+    never reach the output, so they are neither accepted nor rejected."""
+    res = speculative_generate(TargetRunner(target), ModelDrafter(target, TreeShape("chain", k=4), "self"),
+                               [PROMPTS[0]], 32)
+    s = res.stats[0]
+    assert len(res.tokens[0]) == 32 and s.steps == 7
+    assert s.emitted == 32 and s.emitted / s.steps == pytest.approx(32 / 7)
+    assert s.tested == [7, 7, 6, 6] and s.accepted == s.tested
+    assert s.nodes_by_depth == [7, 7, 7, 7]  # what was drafted (the cost) still counts every node
+
+
+def test_eos_cut_counts_the_same_way(target, reference):
+    """At EOS the output ends mid-step: emitted = the output's length, and a draft depth counts only
+    when its output position was produced; for every drafter and batching path."""
+    eos = reference[0][9]
+    stop = reference[0].index(eos) + 1
+    for drafter in [ModelDrafter(target, TreeShape("chain", k=4), "self"), NoisyOracle(target, 4, 0.6),
+                    WrongDrafter(target, 3), EarlyExitDrafter(target, 1, SHAPES[3])]:
+        for backend in (None, "torch"):
+            res = speculative_generate(TargetRunner(target), drafter, PROMPTS, 30, eos_ids=[eos],
+                                       verify_backend=backend)
+            assert res.tokens[0] == reference_greedy(target, PROMPTS[0], 30)[:stop]
+            for toks, s in zip(res.tokens, res.stats):
+                assert s.emitted == len(toks)
+                # a step emits its counted accepted drafts + 1 (the bonus), except the last step of a
+                # row cut inside its accepted path; every step tests depth 1, whose token is always output
+                assert s.emitted - sum(s.accepted) in (s.steps, s.steps - 1)
+                assert s.tested[0] == s.steps and all(a <= t for a, t in zip(s.accepted, s.tested))
+
+
+def test_row_stats_add_drops_depths_beyond_the_output():
+    from specheads.decoding.tree import DraftTree
+    from specheads.decoding.verify import Verdict
+    from specheads.decoding.generate import RowStats
+
+    tree = DraftTree.chain([1, 2, 3, 4])
+    v = Verdict(path=[0, 1], bonus=9, tested=[1, 1, 1], accepted=[1, 1, 0])  # draft 3 rejected, bonus at 3
+    s = RowStats()
+    s.add(v, tree)  # the whole step reached the output: the rejection counts
+    assert (s.emitted, s.tested, s.accepted) == (3, [1, 1, 1], [1, 1, 0])
+    s.add(v, tree, emitted=2)  # the output ended after draft 2: the rejected draft 3 never counted
+    assert (s.emitted, s.tested, s.accepted) == (5, [2, 2, 1], [2, 2, 0])
+    s.add(v, tree, emitted=1)
+    assert (s.steps, s.emitted, s.tested, s.accepted) == (3, 6, [3, 2, 1], [3, 2, 0])

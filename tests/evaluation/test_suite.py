@@ -41,7 +41,8 @@ def test_evaluate_every_family(target, head_dirs, tmp_path):
                MethodSpec("eagle1", "eagle1", TreeShape("dynamic", depth=2, topk=2, total_tokens=4),
                           head_dir=str(head_dirs / "eagle1"))]
     spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1, 2), humaneval=1, chat=0)
-    cfg = EvalConfig(methods, spec, max_new_tokens=6, temperatures=(0.0, 1.0), batch_sizes=(1, 3), batch_prompts=3)
+    cfg = EvalConfig(methods, spec, max_new_tokens=6, temperatures=(0.0, 1.0), batch_sizes=(1, 3), batch_prompts=3,
+                     repeats=1)
     # the full MT-bench list is long: keep two categories (both turns) and one HumanEval prompt
     import specheads.evaluation.suite as suite
 
@@ -59,6 +60,11 @@ def test_evaluate_every_family(target, head_dirs, tmp_path):
         allrow = m["by_temperature"]["0.0"]["all"]
         assert allrow["tau"] >= 1.0 and allrow["target_forwards"] > 0
     assert report["methods"][2]["shape"].startswith("static(")
+    for m in report["methods"]:  # recommendations per row kind, never beyond the depth drafted
+        rec = report["recommendation"][m["name"]]["0.0"]["all"]
+        assert rec["kind"] == ("chain" if m["shape"].startswith("chain") else "tree")
+        assert max(p["k"] for p in rec["predictions"]) == rec["measured_depth"]
+        assert rec["measured_depth"] == len(m["by_temperature"]["0.0"]["all"]["nodes_by_depth"])
     assert report["methods"][3]["train_tau"] == 1.7  # train_summary.json above the head folder
     paths = write_report(report, tmp_path)
     for key in ("json", "markdown", "alpha_by_domain", "alpha_by_position", "tau_speedup_vs_k"):
@@ -74,6 +80,57 @@ def test_evaluate_every_family(target, head_dirs, tmp_path):
     want = " | ".join(f"{m['by_temperature']['0.0']['coding']['tau']:.2f}" for m in report["methods"])
     assert tau_rows[0] == f"| coding | {want} |"
     assert report["plain_seconds"] > 0
+
+
+def test_plain_at_each_temperature_warm_up_and_repeated_timing(target, tmp_path, monkeypatch):
+    """Issue 12.3: the T=1 speed-up is measured against plain decoding at T=1 (here made 1 s/token
+    slower than greedy; the old code divided by the greedy pass). Issue 12.4: the target and each
+    drafter decode an untimed warm-up before their first timed pass, every batch-1 speed is timed
+    ``repeats`` times, and speeds and speed-ups carry their median and range into JSON and Markdown."""
+    import specheads.evaluation.suite as suite
+
+    real_load, real_gen = suite.load_benchmarks, suite.speculative_generate
+    calls = []
+
+    def recording(runner, drafter, prompts, max_new_tokens, temperature=0.0, *a, **k):
+        res = real_gen(runner, drafter, prompts, max_new_tokens, temperature, *a, **k)
+        calls.append((getattr(drafter, "name", None), max_new_tokens, temperature))
+        if drafter is None and temperature > 0:
+            res.wall_time += 1.0 * sum(map(len, res.tokens))  # an expensive sampler
+        return res
+
+    monkeypatch.setattr(suite, "load_benchmarks", lambda s: [p for p in real_load(s) if p.domain == "coding"][:2])
+    monkeypatch.setattr(suite, "speculative_generate", recording)
+    spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1, 2), humaneval=0, chat=0)
+    cfg = EvalConfig([MethodSpec("ngram", "ngram", TreeShape("chain", k=3))], spec, max_new_tokens=12,
+                     temperatures=(0.0, 1.0), batch_sizes=(1,), repeats=3)
+    report = evaluate(target, cfg)
+    # warm-ups: the very first decode, and the drafter's first, are short and untimed
+    assert calls[0] == (None, 8, 0.0)
+    first_ngram = next(i for i, c in enumerate(calls) if c[0] == "ngram")
+    assert calls[first_ngram] == ("ngram", 8, 0.0)
+    timed_calls = [c for c in calls if c[1] == 12]
+    for who in (None, "ngram"):
+        for T in (0.0, 1.0):
+            assert sum(c == (who, 12, T) for c in timed_calls) == 3 * 2  # 3 passes x 2 prompts
+    assert report["repeats"] == 3
+    plain1 = report["plain_by_temperature"]["1.0"]["all"]
+    assert plain1["timed_passes"] == 3 and plain1["tokens_per_s"] < 1.5  # the slow sampler is the baseline
+    assert report["plain_by_temperature"]["0.0"]["all"]["tokens_per_s"] > 10 * plain1["tokens_per_s"]
+    m = report["methods"][0]
+    r0, r1 = m["by_temperature"]["0.0"]["all"], m["by_temperature"]["1.0"]["all"]
+    assert r1["speedup"] > 10 and r0["speedup"] < 10
+    for r in (r0, r1):
+        lo, hi = r["speedup_range"]
+        assert lo <= r["speedup"] <= hi and r["timed_passes"] == 3
+        assert r["tokens_per_s_range"][0] <= r["tokens_per_s"] <= r["tokens_per_s_range"][1]
+    write_report(report, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    lo, hi = r0["speedup_range"]
+    assert f"{r0['speedup']:.2f} ({lo:.2f}–{hi:.2f})" in md.split("## Summary")[1].split("\n## ")[0]
+    assert "median of 3 timed pass(es) after a warm-up" in md and "T=1.0" in md.split("Plain decoding:")[1]
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["methods"][0]["by_temperature"]["1.0"]["all"]["speedup_range"] == pytest.approx(r1["speedup_range"])
 
 
 def test_plan_methods_profiles(tmp_path):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine_helpers import progression_rows, sources
-from specheads.training.acceptance import estimate_for_chain, held_out_prompts, measure_acceptance
+from specheads.acceptance_math import estimate_tau
+from specheads.training.acceptance import held_out_prompts, measure_acceptance
 
 
 def test_held_out_prompts_stop_at_the_first_assistant_token():
@@ -20,13 +21,14 @@ def test_held_out_prompts_stop_at_the_first_assistant_token():
     assert held_out_prompts(held.batches(0), 3, max_prompt_tokens=2)[0] == prompts[0][-2:]
 
 
-def test_estimate_for_chain_prefers_joint_accuracies():
+def test_chain_estimate_prefers_joint_accuracies():
+    """The estimate beside the measured τ is acceptance_math.estimate_tau for the first k drafts."""
     joint = {"joint0_acc": 0.5, "joint1_acc": 0.2, "joint2_acc": 0.1, "step0_acc": 0.5, "step1_acc": 0.4}
-    assert estimate_for_chain(joint, 2) == pytest.approx(1 + 0.5 + 0.2)
-    assert estimate_for_chain(joint, 9) == pytest.approx(1.8)  # capped at the drafts measured
+    assert estimate_tau(joint, 2)[0] == pytest.approx(1 + 0.5 + 0.2)
+    assert estimate_tau(joint, 9)[0] == pytest.approx(1.8)  # capped at the drafts measured
     marginal = {"head0_top1_acc": 0.5, "head1_top1_acc": 0.5, "head0_top5_acc": 0.9}
-    assert estimate_for_chain(marginal, 2) == pytest.approx(1 + 0.5 + 0.25)
-    assert estimate_for_chain({"loss": 1.0}, 2) is None
+    assert estimate_tau(marginal, 2)[0] == pytest.approx(1 + 0.5 + 0.25)
+    assert estimate_tau({"loss": 1.0}, 2)[0] is None
 
 
 def test_engine_logs_measured_tau_equal_to_decoding_with_the_saved_head(tmp_path):

@@ -1,0 +1,108 @@
+"""Acceptance maths of speculative decoding, in one place: training, evaluation and recommendation
+all import it (it imports nothing from specheads, so models, methods and training can use it alike).
+
+Notation. A step drafts up to ``k`` tokens; the target verifies them in one forward and emits the
+accepted prefix plus one token of its own (the bonus). ``L`` = accepted drafts in a step. Then
+
+    τ = E[L + 1] = 1 + Σ_{j=1..k} P(L ≥ j)                                   (tokens per target forward)
+
+and ``P(L ≥ j)`` can be given in three ways (``basis``):
+
+- ``joint``: ``accs[j-1] = P(drafts 1..j all accepted) = P(L ≥ j)``. Exact. Held-out ``chain{i}_acc``
+  (Medusa) / ``joint{i}_acc`` (EAGLE) are this, measured per position; so is
+  ``accepted_j / steps`` of a real decoding run (chains and trees alike: a step accepts at most
+  one node per depth).
+- ``conditional``: ``accs[j-1] = P(draft j accepted | drafts 1..j-1 accepted)``, so
+  ``P(L ≥ j) = Π_{i≤j} accs[i-1]``. Exact. A chain's per-position α (accepted ÷ tested at
+  depth j) is this.
+- ``marginal``: ``accs[j-1] = P(draft j right)`` on its own (teacher-forced, whatever happened
+  before). Same product, but it assumes the drafts are right independently: an approximation
+  (usually optimistic, since errors cluster).
+
+With one α at every position (Leviathan et al. 2023, eq. 1) τ = (1 - α^(k+1)) / (1 - α), and with
+a draft forward costing ``c`` target forwards the speed-up is τ / (1 + c·k) (Theorem 3.8).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Mapping, Sequence
+
+BASES = ("joint", "conditional", "marginal")
+
+
+def reach_probabilities(accs: Sequence[float], basis: str) -> list[float]:
+    """``[P(L ≥ 1), ..., P(L ≥ k)]`` from per-draft accuracies given on ``basis`` (see the module)."""
+    if basis not in BASES:
+        raise ValueError(f"basis '{basis}': use one of {', '.join(BASES)}")
+    if basis == "joint":
+        return [float(a) for a in accs]
+    out, run = [], 1.0
+    for a in accs:
+        run *= float(a)
+        out.append(run)
+    return out
+
+
+def chain_tau(accs: Sequence[float], basis: str) -> float:
+    """τ of a chain of ``len(accs)`` drafts: ``1 + Σ_j P(L ≥ j)``."""
+    return 1.0 + sum(reach_probabilities(accs, basis))
+
+
+def leviathan_tau(alpha: float, k: int) -> float:
+    """τ of a chain of ``k`` with the same α at every position: (1 - α^(k+1)) / (1 - α)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def speedup_from_tau(tau: float, draft_cost_per_step: float, verify_cost: float = 1.0) -> float:
+    """Speed-up over plain decoding when a step emits ``tau`` tokens and costs ``verify_cost`` plain
+    forwards for verification plus ``draft_cost_per_step`` plain forwards of drafting."""
+    return tau / (verify_cost + draft_cost_per_step)
+
+
+def leviathan_speedup(alpha: float, c: float, k: int) -> float:
+    """(1 - α^(k+1)) / ((1 - α)(c k + 1)), Leviathan et al. Theorem 3.8."""
+    return speedup_from_tau(leviathan_tau(alpha, k), c * k)
+
+
+# ------------------------------------------------------------------ estimates from held-out metrics
+
+#: The one preference order of ``estimate_tau``: joint accuracies first (exact for a top-1 chain under
+#: teacher forcing), then products of marginal top-1 accuracies (assume independent errors).
+#: (metric name pattern, basis, label); ``{i}`` is the draft index from 0.
+ESTIMATE_ORDER = (
+    ("joint", r"joint(\d+)_(?:top1_)?acc", "joint",
+     "EAGLE joint{i}: drafts 0..i all right at a position (the conditional acceptances multiplied out; exact)"),
+    ("chain", r"chain(\d+)_(?:top1_)?acc", "joint",
+     "Medusa chain{i}: drafts 0..i all right at a position (the conditional acceptances multiplied out; exact)"),
+    ("step", r"step(\d+)_(?:top1_)?acc", "marginal", "product of marginal EAGLE step{i} top-1 accuracies"),
+    ("head", r"head(\d+)_(?:top1_)?acc", "marginal", "product of marginal Medusa head{i} top-1 accuracies"),
+)
+
+
+def indexed(metrics: Mapping[str, float], pattern: str) -> list[float]:
+    """Values of the keys matching ``pattern`` (one group: the index), in index order from 0, up to
+    the first index that is missing or not a finite number (a draft with nothing measured)."""
+    found = {int(m.group(1)): v for k, v in metrics.items() if (m := re.fullmatch(pattern, k))}
+    out = []
+    while len(out) in found and isinstance(found[len(out)], (int, float)) and math.isfinite(found[len(out)]):
+        out.append(float(found[len(out)]))
+    return out
+
+
+def estimate_tau(metrics: Mapping[str, float], k: int | None = None) -> tuple[float | None, str]:
+    """(τ, basis) a top-1 chain would reach, from summarized held-out accuracies.
+
+    The first family of ``ESTIMATE_ORDER`` present is used (joint ``joint{i}_acc`` / ``chain{i}_acc``
+    before marginal ``step{i}_acc`` / ``head{i}_top1_acc``); ``k`` limits the chain to its first
+    ``k`` drafts (never more than were measured). (None, reason) when no family is present.
+    """
+    for name, pattern, basis, label in ESTIMATE_ORDER:
+        accs = indexed(metrics, pattern)
+        if accs:
+            accs = accs[:k] if k is not None else accs
+            return chain_tau(accs, basis), f"{name}: {label} ({basis}, {len(accs)} drafts)"
+    return None, "no per-draft accuracies reported"
