@@ -475,6 +475,13 @@ def test_smollm2_eagle3_export_through_the_cli(smollm2, tmp_path):
         assert config["vocab_size"] == 49152 and config["draft_vocab_size"] == 2000 and config["hidden_size"] == 576
         loaded = engine_load("eagle3", engine, file_shapes(tmp_path / "out" / engine))
         assert loaded == engine_module_params("eagle3", engine, config, 49152)
+        card = (tmp_path / "out" / engine / "README.md").read_text()
+        # The embedded target is a dequantized GGUF in a local cache: a placeholder and a warning, never that path.
+        assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "> **Warning**" in card
+        assert "TARGET=HuggingFaceTB/SmolLM2-135M-Instruct   # REPLACE" in card and "/.cache/" not in card
+    spec = json.loads((tmp_path / "out" / "speculators" / "config.json").read_text())
+    assert spec["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert file_shapes(tmp_path / "out" / "speculators")["embed_tokens.weight"] == (49152, 576)
     (tmp_path / "empty").mkdir()
     bad = subprocess.run([sys.executable, "-m", "specheads.cli", "export", f"head_dir={tmp_path / 'empty'}",
                           f"out_dir={tmp_path / 'out2'}"], cwd=repo, env=env, capture_output=True, text=True,
@@ -596,3 +603,41 @@ def test_round_trip_logits_through_our_loader(method, engine, target, target_dir
     assert torch.equal(logits_a, logits_b) and torch.equal(h_a, h_b)
     if method == "eagle3":
         assert torch.equal(back.to_target_ids(logits_b.argmax(-1)), head.to_target_ids(logits_a.argmax(-1)))
+
+
+@pytest.mark.parametrize("method,engine", [("eagle3", "speculators"), ("eagle3", "vllm"), ("eagle1", "sglang"),
+                                           ("medusa", "medusa")])
+def test_round_trip_same_acceptance_on_prompts(method, engine, target, target_dir, tmp_path):
+    """The reloaded head drafts the same tokens: same output, α and τ counts on a few prompts (T = 0)."""
+    from specheads.decoding.drafters import TreeShape
+    from specheads.decoding.generate import speculative_generate
+    from specheads.decoding.runner import TargetRunner
+    from specheads.export import load_exported
+    from specheads.methods import build_method
+
+    head = make_head(method, target).eval()
+    with torch.no_grad():  # plant drafts that repeat the target's own next token, so some are accepted
+        if method == "medusa":
+            for k in range(head.config.num_heads):
+                head.lm_heads[k].weight.copy_(target.lm_head.weight)
+                for block in head.blocks[k].layers:
+                    block.weight.zero_(), block.bias.zero_()
+        if method == "eagle1":
+            head.fc.weight.zero_()
+            head.fc.weight[:, H:].copy_(torch.eye(H))
+            for name, p in head.layers.named_parameters():
+                if "o_proj" in name or "down_proj" in name:
+                    p.zero_()
+    back = load_exported(export_head(save_head(head, tmp_path), tmp_path / "out", engine, str(target_dir)))
+    cls = build_method("medusa1" if method == "medusa" else method)
+    prompts = [[1, 5, 9, 13, 17, 21], [2, 4, 8, 16, 32]]
+    runs = []
+    for model in (head, back):
+        if method != "medusa":
+            model.attach(target)
+        drafter = cls.drafter(model, TreeShape("chain", k=3))
+        res = speculative_generate(TargetRunner(target.model), drafter, prompts, 12)
+        runs.append((res.tokens, [(s.steps, s.emitted, s.tested, s.accepted) for s in res.stats]))
+    assert runs[0] == runs[1]
+    if method in ("medusa", "eagle1"):
+        assert sum(sum(s[3]) for s in runs[0][1]) > 0  # the planted drafts are accepted: α > 0 compared
