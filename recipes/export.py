@@ -32,6 +32,8 @@ class ExportRecipeConfig:
     overwrite: bool = False
     push_to_hub: Optional[str] = None
     target_id: Optional[str] = None
+    hub_private: bool = True
+    push_dry_run: bool = False
 
 
 ConfigStore.instance().store(name="export_schema", node=ExportRecipeConfig)
@@ -40,7 +42,8 @@ ConfigStore.instance().store(name="export_schema", node=ExportRecipeConfig)
 def run(cfg: DictConfig) -> str:
     path = export_head(cfg.head_dir, cfg.out_dir, engine=cfg.engine, target=cfg.target.name_or_path,
                        eval_report=cfg.eval_report, data=cfg.training_data, dtype=cfg.dtype, spec_tokens=cfg.spec_tokens,
-                       overwrite=cfg.overwrite, push_to_hub=cfg.push_to_hub, target_id=cfg.target_id)
+                       overwrite=cfg.overwrite, push_to_hub=cfg.push_to_hub, target_id=cfg.target_id,
+                       hub_private=cfg.hub_private, push_dry_run=cfg.push_dry_run)
     print(f"exported {cfg.head_dir} -> {path} (model card: README.md in each engine folder)")
     return str(path)
 

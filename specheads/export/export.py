@@ -22,7 +22,7 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -351,7 +351,8 @@ class ExportPlan:
 def export_head(head_dir: str | Path, out_dir: str | Path, engine: str = "both", target=None,
                 eval_report: str | Path | None = None, data: str | None = None, dtype: str | None = None,
                 spec_tokens: int | None = None, overwrite: bool = False, push_to_hub: str | None = None,
-                target_id: str | None = None) -> Path:
+                target_id: str | None = None, hub_private: bool = True, push_dry_run: bool = False,
+                hub_api=None) -> Path:
     """Export ``head_dir`` for ``engine`` into ``out_dir``; returns ``out_dir``.
 
     engine: one of ``vllm``, ``sglang``, ``speculators`` (EAGLE-3), ``medusa`` (the original Medusa / TGI
@@ -368,15 +369,18 @@ def export_head(head_dir: str | Path, out_dir: str | Path, engine: str = "both",
     (``float32``/``bfloat16``/``float16``; None keeps the head's); spec_tokens: a chain of this many
     draft tokens in the serve commands (None: the engine's measured profile in ``eval_report``, else
     evaluate's defaults: vLLM 3 tokens, SGLang 5 steps x top-4, 8 tokens); overwrite: replace an
-    existing ``out_dir`` (once the new one is complete); push_to_hub: a repo id to upload the folder to
-    (one engine only) with ``huggingface_hub.upload_folder``.
+    existing ``out_dir`` (once the new one is complete); push_to_hub: where to upload (``hub_destinations``):
+    ``owner/name`` (one layout: the repo root; several: one subfolder per layout) or ``owner/name-{engine}``
+    (one repo per layout), private unless ``hub_private=False``, with the token of ``HF_TOKEN`` or the
+    ``huggingface_hub`` login (never printed); push_dry_run: print what would be uploaded, upload nothing;
+    hub_api: an ``HfApi``-like object (tests).
     """
     plan = plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spec_tokens, overwrite,
                        push_to_hub, target_id)
     write_export(plan)
     log.info("exported %s head %s for %s -> %s", plan.method, plan.head, ", ".join(plan.layouts), plan.out)
     if push_to_hub is not None:
-        push_folder(plan.out, push_to_hub)
+        push_export(plan, push_to_hub, private=hub_private, dry_run=push_dry_run, api=hub_api)
     return plan.out
 
 
@@ -410,12 +414,14 @@ def plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spe
     if method == "eagle3":
         check_draft_vocab(source["d2t"], source["t2d"], f"head {head}")
     summary = _train_summary(head)
+    nested = len(engines) > 1 or engine in ("both", "all")
+    hub = hub_destinations(push_to_hub, engines, nested) if push_to_hub is not None else {}
     card = CardInputs(method, cfg, info, origin, describe_data(data, summary), report, spec_tokens,
-                      push_to_hub, summary, adapted is not None, eval_report and str(eval_report))
+                      push_to_hub, summary, adapted is not None, eval_report and str(eval_report), hub)
     if origin.warning():
         log.warning("%s", origin.warning())
     return ExportPlan(head, out, method, layouts, source, _out_dtype(dtype, float_code), adapted, card,
-                      nested=len(engines) > 1 or engine in ("both", "all"), target_source=target_source)
+                      nested=nested, target_source=target_source)
 
 
 def write_export(plan: ExportPlan) -> None:
@@ -552,21 +558,50 @@ def _train_summary(head: Path) -> dict | None:
 
 
 def _check_repo_id(repo_id: str, engines: tuple[str, ...]) -> None:
-    if not _HUB_ID.fullmatch(repo_id or ""):
-        raise ExportError(f"push_to_hub must be a repo id 'owner/name', got {repo_id!r}")
-    if len(engines) != 1:
-        raise ExportError("push_to_hub uploads one engine's folder; export with engine=vllm or engine=sglang")
+    plain = (repo_id or "").replace("{engine}", "x")
+    if not _HUB_ID.fullmatch(plain) or "{" in plain or "}" in plain:
+        raise ExportError(f"push_to_hub must be a repo id 'owner/name' (or 'owner/name-{{engine}}', one repo per "
+                          f"layout), got {repo_id!r}")
 
 
-def push_folder(folder: Path, repo_id: str) -> str:
-    """Create ``repo_id`` if needed and upload ``folder`` (needs a token with write access)."""
-    from huggingface_hub import create_repo, upload_folder
+def hub_destinations(repo_spec: str, engines: tuple[str, ...], nested: bool) -> dict[str, tuple[str, str | None]]:
+    """{engine: (repo id, folder in the repo or None)}: ``owner/name-{engine}`` gives each layout its own
+    repo (what ``vllm serve`` / SGLang can name directly); a plain ``owner/name`` holds one layout at its root,
+    or several, each in its own subfolder (``vllm/``, ``sglang/``, ...: download, then serve the folder)."""
+    if "{engine}" in repo_spec:
+        return {e: (repo_spec.replace("{engine}", e), None) for e in engines}
+    return {e: (repo_spec, e if nested else None) for e in engines}
 
-    create_repo(repo_id, exist_ok=True, repo_type="model")
-    info = upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model",
-                         commit_message="specheads export")
-    log.info("pushed %s to %s", folder, repo_id)
-    return str(info)
+
+def push_export(plan: "ExportPlan", repo_spec: str, private: bool = True, dry_run: bool = False, api=None) -> list:
+    """Upload each exported layout to its hub destination (``hub_destinations``); returns the uploads
+    ``[(repo id, folder in repo, local folder, [files])]``. The token comes from ``HF_TOKEN`` or the
+    ``huggingface_hub`` login and is never printed; repos are created private unless ``private=False``;
+    ``dry_run`` prints the uploads and touches nothing."""
+    uploads = []
+    for e, (repo_id, path_in_repo) in plan.card.hub.items():
+        local = plan.out / e if plan.nested else plan.out
+        files = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
+        uploads.append((repo_id, path_in_repo, local, files))
+    if dry_run:
+        for repo_id, path_in_repo, local, files in uploads:
+            size = sum((local / f).stat().st_size for f in files)
+            print(f"would upload {local} -> {repo_id}" + (f" (folder {path_in_repo}/)" if path_in_repo else "")
+                  + f", {'private' if private else 'public'}: {len(files)} files, {size / 1e6:.1f} MB")
+            for f in files:
+                print(f"  {(path_in_repo + '/') if path_in_repo else ''}{f}")
+        return uploads
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi()  # token: HF_TOKEN or the stored login; never passed through our logs
+    for repo_id in dict.fromkeys(u[0] for u in uploads):
+        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+    for repo_id, path_in_repo, local, _ in uploads:
+        api.upload_folder(repo_id=repo_id, folder_path=str(local), path_in_repo=path_in_repo, repo_type="model",
+                          commit_message=f"specheads export ({plan.method}, {local.name if plan.nested else 'layout'})")
+        log.info("pushed %s to %s%s", local, repo_id, f"/{path_in_repo}" if path_in_repo else "")
+    return uploads
 
 
 # --------------------------------------------------------------------------- model card
@@ -604,6 +639,7 @@ class CardInputs:
     train_summary: dict | None
     adapted: bool
     report_path: str | None = None
+    hub: dict = field(default_factory=dict)  # {engine: (repo id, folder in repo or None)} when pushed
 
     @property
     def serve_target(self) -> str:
@@ -795,11 +831,18 @@ def card_text(layout: Layout, card: CardInputs, folder: str) -> str:
     if not card.origin.hub_id and not card.adapted:
         guess = card.origin.hint or "/path/to/the/target/model"
         set_target = [f"{TARGET_PLACEHOLDER}={guess}   # REPLACE: see the warning above"]
-    where = [("this folder", folder)] + ([("the Hub repo (download it first for a local path)", card.repo_id)]
-                                          if card.repo_id else [])
-    for label, path in where:
+    where = [("this folder", folder, [])]
+    if layout.engine in card.hub:
+        repo_id, sub = card.hub[layout.engine]
+        if sub is None:
+            where.append((f"the Hub repo `{repo_id}`", repo_id, []))
+        else:
+            local = f"./{repo_id.split('/')[1]}"
+            where.append((f"the Hub repo `{repo_id}`, folder `{sub}/` (download it first)", f"{local}/{sub}",
+                          [f"huggingface-cli download {repo_id} --include '{sub}/*' --local-dir {local}"]))
+    for label, path, pre in where:
         cmds = serve_commands(layout, card, path)
-        L += [f"From {label}:", "", "```bash", *set_target, cmds["shell"]] + \
+        L += [f"From {label}:", "", "```bash", *pre, *set_target, cmds["shell"]] + \
              ([cmds["tgi"]] if "tgi" in cmds else []) + ["```", ""]
         if "python" in cmds:
             py_set = [f"{TARGET_PLACEHOLDER} = {set_target[0].split('=', 1)[1].split()[0]!r}  # REPLACE: see the "

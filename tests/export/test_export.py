@@ -641,3 +641,66 @@ def test_round_trip_same_acceptance_on_prompts(method, engine, target, target_di
     assert runs[0] == runs[1]
     if method in ("medusa", "eagle1"):
         assert sum(sum(s[3]) for s in runs[0][1]) > 0  # the planted drafts are accepted: α > 0 compared
+
+
+# --------------------------------------------------------------------------- Hub publishing (a local stand-in)
+
+
+class StandInHub:
+    """A local stand-in with the two HfApi methods the export calls (no Hub is reachable here):
+    files land in ``root/<repo id>/<path_in_repo>/``."""
+
+    def __init__(self, root: Path):
+        self.root, self.repos, self.calls = root, {}, []
+
+    @staticmethod
+    def _check(name, *args, **kwargs):  # the call must fit huggingface_hub's real signature
+        from huggingface_hub import HfApi
+        import inspect
+
+        inspect.signature(getattr(HfApi, name)).bind(None, *args, **kwargs)
+
+    def create_repo(self, repo_id, repo_type="model", private=None, exist_ok=False):
+        self._check("create_repo", repo_id, repo_type=repo_type, private=private, exist_ok=exist_ok)
+        self.calls.append(("create_repo", repo_id, private))
+        self.repos.setdefault(repo_id, {"private": private})
+
+    def upload_folder(self, repo_id, folder_path, path_in_repo=None, repo_type="model", commit_message=None):
+        import shutil
+
+        self._check("upload_folder", repo_id=repo_id, folder_path=folder_path, path_in_repo=path_in_repo,
+                    repo_type=repo_type, commit_message=commit_message)
+        assert repo_id in self.repos, "upload before create_repo"
+        self.calls.append(("upload_folder", repo_id, path_in_repo))
+        shutil.copytree(folder_path, self.root / repo_id / (path_in_repo or ""), dirs_exist_ok=True)
+
+
+def test_push_to_hub_layouts_privacy_and_dry_run(target, target_dir, tmp_path, monkeypatch, capsys, caplog):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_token_value")
+    head = save_head(make_head("eagle3", target), tmp_path)
+    hub = StandInHub(tmp_path / "hub")
+    # Several layouts in one repo: one subfolder each; private by default.
+    out = export_head(head, tmp_path / "out", "all", str(target_dir), push_to_hub="acme/e3", hub_api=hub,
+                      target_id="acme/tiny")
+    assert hub.repos == {"acme/e3": {"private": True}}
+    assert sorted(p.name for p in (tmp_path / "hub" / "acme" / "e3").iterdir()) == ["sglang", "speculators", "vllm"]
+    card = (out / "vllm" / "README.md").read_text()
+    assert "huggingface-cli download acme/e3 --include 'vllm/*' --local-dir ./e3" in card
+    assert '"model": "./e3/vllm"' in card
+    # One repo per layout: each is servable by its id.
+    hub2 = StandInHub(tmp_path / "hub2")
+    out = export_head(head, tmp_path / "out2", "vllm,sglang", str(target_dir), push_to_hub="acme/e3-{engine}",
+                      hub_api=hub2, hub_private=False, target_id="acme/tiny")
+    assert hub2.repos == {"acme/e3-vllm": {"private": False}, "acme/e3-sglang": {"private": False}}
+    assert (tmp_path / "hub2" / "acme" / "e3-vllm" / "model.safetensors").is_file()
+    assert '"model": "acme/e3-vllm"' in (out / "vllm" / "README.md").read_text()
+    # A dry run prints the uploads and calls nothing.
+    hub3 = StandInHub(tmp_path / "hub3")
+    export_head(head, tmp_path / "out3", "speculators", str(target_dir), push_to_hub="acme/e3s", hub_api=hub3,
+                push_dry_run=True, target_id="acme/tiny")
+    printed = capsys.readouterr().out
+    assert hub3.calls == [] and "would upload" in printed and "acme/e3s, private" in printed
+    assert "  model.safetensors" in printed and "  README.md" in printed
+    assert "hf_secret_token_value" not in printed + caplog.text
+    with pytest.raises(ExportError, match="repo id"):
+        export_head(head, tmp_path / "out4", "vllm", str(target_dir), push_to_hub="acme/{name}")
