@@ -153,7 +153,7 @@ def check_vllm_eagle3(wheel: Path, version: str, exports: dict, results: list) -
             extra = ""
         else:
             hf, speculative = vllm_speculators_draft_config(wheel, out / "speculators")
-            extra = f", {speculative}, norm_before_residual={hf.norm_before_residual}"
+            extra = f"{speculative}, norm_before_residual={hf.norm_before_residual}"
             ok = speculative["method"] == "eagle3" and hf.norm_before_residual is False
             results.append((f"vllm {version}", "EAGLE-3", "speculators/", "SpeculatorsConfig conversion", ok, extra))
         spec = spec_config_for(hf)

@@ -436,6 +436,9 @@ def write_export(plan: ExportPlan) -> None:
                           "target_id": plan.card.origin.hub_id, "aux_layers": plan.card.cfg.get("aux_layers"),
                           "dtype": _DTYPE_NAMES[plan.dtype], "weights": layout.weights_file,
                           "head_config": plan.card.cfg}
+            if plan.adapted is not None and e == "medusa":
+                # TGI serves base_model_name_or_path: for Medusa-2 the adapted target copied beside the heads.
+                layout.config["base_model_name_or_path"] = str(final / plan.adapted.name)
             tensors = build_tensors(layout, plan.source, plan.dtype, plan.target_source)
             write_engine_folder(sub, layout, tensors, plan.dtype, provenance)
             if plan.method == "medusa":

@@ -372,6 +372,10 @@ def test_medusa2_export_carries_the_adapted_target(target_dir, tmp_path):
     card = (out / "README.md").read_text()
     assert f"vllm serve {out}/target --speculative-config" in card and '"method": "medusa"' in card
     assert json.loads((out / "config.json").read_text())["num_heads"] == 2
+    both = export_head(tmp_path / "head", tmp_path / "out2", "all", str(target_dir))
+    tgi = json.loads((both / "medusa" / "config.json").read_text())
+    assert tgi["base_model_name_or_path"] == str(both / "medusa" / "target")  # TGI serves the adapted target
+    assert (both / "medusa" / "target" / "config.json").is_file()
 
 
 def _report(path: Path) -> Path:
