@@ -45,6 +45,13 @@ class TreeSchema:
 
 
 @dataclass
+class LookaheadSchema:
+    window: int = 5
+    ngram: int = 4
+    guesses: int = 5
+
+
+@dataclass
 class EvaluateSchema:
     target: Any = MISSING
     eval: EvalSetSchema = field(default_factory=EvalSetSchema)
@@ -57,6 +64,7 @@ class EvaluateSchema:
     chain_k: int = 4
     early_exit_layers: int = 8
     ngram_max: int = 3
+    lookahead: LookaheadSchema = field(default_factory=LookaheadSchema)
     tree: TreeSchema = field(default_factory=TreeSchema)
     medusa_choices: Optional[list] = None
     medusa_tree_nodes: int = 24
@@ -91,7 +99,8 @@ def run(cfg: DictConfig) -> dict:
                            TreeShape("dynamic", **cfg.tree), ServingProfiles(**cfg.serving),
                            cfg.early_exit_layers, cfg.ngram_max, cfg.two_model,
                            OmegaConf.to_container(cfg.medusa_choices) if cfg.medusa_choices else None,
-                           cfg.medusa_tree_nodes, cfg.verify, allow_empty=bool(cfg.heads))
+                           cfg.medusa_tree_nodes, cfg.verify, allow_empty=bool(cfg.heads),
+                           lookahead=OmegaConf.to_container(cfg.lookahead))
     for name, path in (cfg.heads or {}).items():  # more heads in the same report (one plain pass for all)
         if name == cfg.head_method:
             raise ValueError(f"heads.{name} repeats head_method={name}: give each drafter family once")

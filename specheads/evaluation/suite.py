@@ -34,14 +34,15 @@ from specheads.evaluation.recommend import recommend
 from specheads.targets import Target, eos_token_ids
 
 log = logging.getLogger(__name__)
-DRAFTERS = ("ngram", "early_exit", "two_model", "medusa", "eagle1", "eagle3")
+DRAFTERS = ("ngram", "lookahead", "early_exit", "two_model", "medusa", "eagle1", "eagle3")
 
 
 @dataclass
 class MethodSpec:
     """One drafting configuration.
 
-    drafter: ngram | early_exit | two_model | medusa | eagle1 | eagle3; shape: chain/dynamic/static;
+    drafter: ngram | lookahead | early_exit | two_model | medusa | eagle1 | eagle3; shape: chain/dynamic/static
+    (lookahead: its trie of verified n-grams, depth N-1, at most G branches; ``lookahead`` = (W, N, G));
     verify: auto | chain | tree | typical (T > 0; T = 0 is always greedy); profile: a serving
     engine this configuration reproduces (vllm, sglang) or None.
     """
@@ -51,6 +52,7 @@ class MethodSpec:
     shape: TreeShape = field(default_factory=TreeShape)
     verify: str = "auto"
     ngram_max: int = 3
+    lookahead: tuple[int, int, int] = (5, 4, 5)  # window W, n-gram size N, guesses G
     early_exit_layers: int = 8
     draft_model: str | None = None
     head_dir: str | None = None
@@ -264,6 +266,11 @@ def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg:
     """The drafter a method spec names (heads loaded from ``head_dir``)."""
     if spec.drafter == "ngram":
         return NgramDrafter(k=spec.shape.k, max_ngram=spec.ngram_max)
+    if spec.drafter == "lookahead":
+        from specheads.decoding.lookahead import LookaheadDrafter
+
+        window, ngram, guesses = spec.lookahead
+        return LookaheadDrafter(window, ngram, guesses, seed=cfg.seed if cfg else 0)
     if spec.drafter == "early_exit":
         return EarlyExitDrafter(target.model, spec.early_exit_layers, spec.shape)
     if spec.drafter == "two_model":
@@ -391,8 +398,10 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                  chain_k: int = 4, tree: TreeShape | None = None, serving: ServingProfiles | None = None,
                  early_exit_layers: int = 8, ngram_max: int = 3, two_model: str | None = None,
                  medusa_choices=None, medusa_tree_nodes: int = 24, verify: str = "auto",
-                 allow_empty: bool = False) -> list[MethodSpec]:
-    """The method list for an evaluation: the head's own tree, its serving profiles, and baselines."""
+                 allow_empty: bool = False, lookahead: dict | None = None) -> list[MethodSpec]:
+    """The method list for an evaluation: the head's own tree, its serving profiles, and baselines.
+
+    lookahead: {window, ngram, guesses} of the lookahead baseline (default 5, 4, 5)."""
     tree = tree or TreeShape("dynamic", depth=5, topk=4, total_tokens=24)
     serving = serving or ServingProfiles()
     unknown = set(serving.engines) - {"vllm", "sglang"}
@@ -421,13 +430,18 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
     for b in baselines or ():
         if b == "ngram":
             out.append(MethodSpec(f"ngram-chain{chain_k}", "ngram", chain, verify, ngram_max=ngram_max))
+        elif b == "lookahead":
+            la = {"window": 5, "ngram": 4, "guesses": 5, **(lookahead or {})}
+            W, N, G = int(la["window"]), int(la["ngram"]), int(la["guesses"])
+            trie = TreeShape("dynamic", depth=N - 1, topk=max(G, 1), total_tokens=max(G, 1) * (N - 1))
+            out.append(MethodSpec(f"lookahead-W{W}N{N}G{G}", "lookahead", trie, verify, lookahead=(W, N, G)))
         elif b == "early_exit":
             out.append(MethodSpec(f"early_exit{early_exit_layers}-chain{chain_k}", "early_exit", chain, verify,
                                   early_exit_layers=early_exit_layers))
         elif b == "two_model":
             out.append(MethodSpec(f"two_model-chain{chain_k}", "two_model", chain, verify, draft_model=two_model))
         else:
-            raise ValueError(f"baseline '{b}': use ngram, early_exit or two_model")
+            raise ValueError(f"baseline '{b}': use ngram, lookahead, early_exit or two_model")
     if not out and not allow_empty:
         raise ValueError("nothing to evaluate: give method + head_dir, or baselines")
     return out

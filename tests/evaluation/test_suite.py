@@ -39,7 +39,8 @@ def test_evaluate_every_family(target, head_dirs, tmp_path):
                MethodSpec("medusa", "medusa", TreeShape("static"), head_dir=str(head_dirs / "medusa"),
                           medusa_tree_nodes=6),
                MethodSpec("eagle1", "eagle1", TreeShape("dynamic", depth=2, topk=2, total_tokens=4),
-                          head_dir=str(head_dirs / "eagle1"))]
+                          head_dir=str(head_dirs / "eagle1")),
+               plan_methods(None, None, ["lookahead"], lookahead={"window": 3, "ngram": 3, "guesses": 2})[0]]
     spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1, 2), humaneval=1, chat=0)
     cfg = EvalConfig(methods, spec, max_new_tokens=6, temperatures=(0.0, 1.0), batch_sizes=(1, 3), batch_prompts=3,
                      repeats=1)
@@ -61,11 +62,15 @@ def test_evaluate_every_family(target, head_dirs, tmp_path):
         assert allrow["tau"] >= 1.0 and allrow["target_forwards"] > 0
     assert report["methods"][2]["shape"].startswith("static(")
     for m in report["methods"]:  # recommendations per row kind, never beyond the depth drafted
+        if not m["by_temperature"]["0.0"]["all"]["nodes_by_depth"]:
+            assert "all" not in report["recommendation"][m["name"]]["0.0"]  # nothing drafted: nothing to predict
+            continue
         rec = report["recommendation"][m["name"]]["0.0"]["all"]
         assert rec["kind"] == ("chain" if m["shape"].startswith("chain") else "tree")
         assert max(p["k"] for p in rec["predictions"]) == rec["measured_depth"]
         assert rec["measured_depth"] == len(m["by_temperature"]["0.0"]["all"]["nodes_by_depth"])
     assert report["methods"][3]["train_tau"] == 1.7  # train_summary.json above the head folder
+    assert report["methods"][4]["name"] == "lookahead-W3N3G2" and report["methods"][4]["drafter"] == "lookahead"
     paths = write_report(report, tmp_path)
     for key in ("json", "markdown", "alpha_by_domain", "alpha_by_position", "tau_speedup_vs_k"):
         assert (tmp_path / paths[key].split("/")[-1]).exists()
@@ -140,6 +145,8 @@ def test_plan_methods_profiles(tmp_path):
     sg = names["eagle3-sglang"].shape
     assert (sg.depth, sg.topk, sg.total_tokens) == (6, 8, 31)
     assert names["ngram-chain5"].shape.k == 5
+    la = plan_methods(None, None, ["lookahead"], lookahead={"window": 6, "ngram": 3, "guesses": 4})[0]
+    assert (la.name, la.drafter, la.lookahead, la.shape.depth) == ("lookahead-W6N3G4", "lookahead", (6, 3, 4), 2)
     only_vllm = [m.name for m in plan_methods("eagle1", str(tmp_path), [], serving=ServingProfiles(engines=["vllm"]))]
     assert only_vllm == ["eagle1-tree", "eagle1-vllm"]
     with pytest.raises(ValueError, match="unknown profile"):
