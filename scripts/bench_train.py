@@ -4,10 +4,17 @@
         --target smollm2 --prepared runs/default/prepared --steps 8 --max-tokens 2048
     python scripts/bench_train.py --methods medusa1 eagle3 --target tiny \
         --arg eagle3:vocab_data={prepared}                                 # tiny random Llama, synthetic data
+    python scripts/bench_train.py --methods medusa1 medusa2 eagle1 eagle3 --target tiny \
+        --arg eagle3:vocab_data={prepared} --num-processes 1 2 --max-seconds 30 --threads 1   # 1 -> 2 processes
 
 Each method runs in its own process (so peak RSS is that method's) through the real engine with
-online features; the first ``--warmup`` steps are excluded from tokens/s. Prints one JSON line per
-method and a table: training tokens/s (real, non-padding tokens) and peak RSS in MiB.
+online features; the first ``--warmup`` steps are excluded from tokens/s. With ``--num-processes N``
+(N > 1) the same run is started as ``accelerate launch --config_file <--launcher-config> --num_processes N``
+(default conf/launcher/cpu_ddp.yaml without CUDA, conf/launcher/accelerate.yaml with it): every process
+takes every N-th batch of the same size, so tokens/s counts the tokens of all processes and the
+scaling column is tokens/s over the 1-process figure. Prints one JSON line per method and process
+count and a table: training tokens/s (real, non-padding tokens, all processes) and peak RSS in MiB
+of each process.
 """
 
 from __future__ import annotations
@@ -33,8 +40,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="optimizer steps measured after the warm-up")
     p.add_argument("--warmup", type=int, default=2, help="steps run first and not timed")
     p.add_argument("--max-tokens", type=int, default=2048, help="padded tokens per micro-batch")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's choice)")
+    p.add_argument("--num-processes", type=int, nargs="+", default=[1], metavar="N",
+                   help="process counts to measure each method at (N > 1: accelerate launch)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="time budget of the timed part (then --steps is only a cap)")
+    p.add_argument("--launcher-config", default=None,
+                   help="accelerate config for N > 1 (default: conf/launcher/cpu_ddp.yaml, or accelerate.yaml with CUDA)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one method here
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)  # internal: run folder shared by the processes
     return p.parse_args(argv)
 
 
@@ -90,7 +104,8 @@ def _load_target(name: str):
 
 
 def run_one(args) -> dict:
-    """Train ``args.one`` for warmup + steps; tokens/s over the timed steps only."""
+    """Train ``args.one`` for warmup + steps (or warmup + ``--max-seconds``); tokens/s over the timed steps
+    only. Under ``accelerate launch`` every process runs this; tokens are summed over the processes."""
     import torch
 
     from specheads.methods import build_method
@@ -102,17 +117,22 @@ def run_one(args) -> dict:
     target = _load_target(args.target)
     source = _data(args)
     kwargs = method_kwargs(args.one, args.arg, args.prepared)
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.out or tmp  # one folder for all processes: the timed run resumes the warm-up's checkpoint
         common = dict(output_dir=out, save_every=0, eval_every=0, wandb_mode="disabled", progress=False,
                       keep_checkpoints=1)
         warm = train(build_method(args.one, **kwargs), target, source, TrainConfig(max_steps=args.warmup, **common),
                      OptimConfig())
-        full = train(build_method(args.one, **kwargs), target, source, TrainConfig(max_steps=args.warmup + args.steps, **common),
-                     OptimConfig())
+        budget = None if args.max_seconds is None else (warm["train_s"] + args.max_seconds) / 60
+        steps = args.steps if args.max_seconds is None else max(args.steps, 10**6)
+        full = train(build_method(args.one, **kwargs), target, source,
+                     TrainConfig(max_steps=args.warmup + steps, max_minutes=budget, **common), OptimConfig())
     tokens = full["train_tokens"] - warm["train_tokens"]
     seconds = full["train_s"] - warm["train_s"]
-    return {"method": args.one, "target": args.target, "steps": args.steps, "tokens": tokens,
-            "tokens_per_s": tokens / seconds, "peak_rss_mib": full["peak_rss_mb"], "threads": torch.get_num_threads()}
+    return {"method": args.one, "target": args.target, "steps": full["steps"] - warm["steps"], "tokens": tokens,
+            "tokens_per_s": tokens / seconds, "seconds": seconds, "peak_rss_mib": full["peak_rss_mb"],
+            "threads": torch.get_num_threads(), "num_processes": full["num_processes"],
+            "rank": int(os.environ.get("RANK", "0"))}
 
 
 def main(argv=None) -> None:
@@ -124,10 +144,13 @@ def main(argv=None) -> None:
         if not args.prepared:
             vocab = 1000 if args.target == "tiny" else _vocab_size(args.target)
             args.prepared = str(write_synthetic(Path(tmp) / "prepared", vocab))
-        results = [r for m in args.methods if (r := _bench(m, args))]
-    print(f"\n{'method':<10} {'tokens/s':>10} {'peak RSS MiB':>13}")
+        results = [r for m in args.methods for n in args.num_processes if (r := _bench(m, n, args, Path(tmp)))]
+    base = {r["method"]: r["tokens_per_s"] for r in results if r["num_processes"] == 1}
+    print(f"\n{'method':<10} {'procs':>5} {'tokens/s':>10} {'scaling':>8} {'peak RSS MiB per process':>26}")
     for r in results:
-        print(f"{r['method']:<10} {r['tokens_per_s']:>10.0f} {r['peak_rss_mib']:>13.0f}")
+        scale = f"{r['tokens_per_s'] / base[r['method']]:.2f}x" if r["method"] in base else "-"
+        rss = " ".join(f"{x:.0f}" for x in r["peak_rss_mib_per_process"])
+        print(f"{r['method']:<10} {r['num_processes']:>5} {r['tokens_per_s']:>10.0f} {scale:>8} {rss:>26}")
 
 
 def _vocab_size(target: str) -> int:
@@ -138,18 +161,43 @@ def _vocab_size(target: str) -> int:
     return AutoConfig.from_pretrained(resolve_target_path(target)).vocab_size
 
 
-def _bench(m: str, args) -> dict | None:
-    """Run one method in a fresh process; its JSON result, or None (with the error) on failure."""
-    cmd = [sys.executable, __file__, "--one", m, "--target", args.target, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--max-tokens", str(args.max_tokens)]
-    cmd += ["--prepared", args.prepared] + [f"--arg={a}" for a in args.arg]
-    cmd += ["--threads", str(args.threads)] if args.threads else []
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")]
-    if proc.returncode or not line:
-        print(f"{m}: failed (exit {proc.returncode})\n{proc.stderr[-2000:]}", file=sys.stderr)
+def _launcher_config(args) -> str:
+    if args.launcher_config:
+        return args.launcher_config
+    import torch
+
+    return str(REPO / "conf" / "launcher" / ("accelerate.yaml" if torch.cuda.is_available() else "cpu_ddp.yaml"))
+
+
+def _bench(m: str, n: int, args, tmp: Path) -> dict | None:
+    """Run one method on ``n`` fresh processes; rank 0's JSON result plus every process's peak RSS, or None
+    (with the error) on failure."""
+    out = tmp / f"run-{m}-{n}"
+    one = [__file__, "--one", m, "--target", args.target, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--max-tokens", str(args.max_tokens), "--prepared", args.prepared, "--out", str(out)]
+    one += [f"--arg={a}" for a in args.arg]
+    one += ["--threads", str(args.threads)] if args.threads else []
+    one += ["--max-seconds", str(args.max_seconds)] if args.max_seconds is not None else []
+    if n == 1:
+        cmd = [sys.executable] + one
+    else:
+        exe = Path(sys.executable).with_name("accelerate")
+        head = [str(exe), "launch"] if exe.exists() else [sys.executable, "-m", "accelerate.commands.launch"]
+        cmd = head + ["--config_file", _launcher_config(args), "--num_processes", str(n)] + one
+    env = {**os.environ, "WANDB_MODE": "disabled", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [json.loads(ln[6:]) for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")]
+    if proc.returncode or len(lines) != n:
+        print(f"{m} x{n}: failed (exit {proc.returncode}, {len(lines)} of {n} results)\n{proc.stderr[-2000:]}",
+              file=sys.stderr)
         return None
-    result = json.loads(line[-1][6:])
+    lines.sort(key=lambda r: r["rank"])
+    result = dict(lines[0], peak_rss_mib_per_process=[r["peak_rss_mib"] for r in lines])
+    if result["num_processes"] != n:
+        print(f"{m} x{n}: the engine saw {result['num_processes']} processes", file=sys.stderr)
+        return None
     print(json.dumps(result), flush=True)
     return result
 

@@ -9,7 +9,6 @@ Held-out metric keys from ``Method.evaluate`` are summed over batches and proces
 
 from __future__ import annotations
 
-import itertools
 from typing import Sequence
 
 import torch
@@ -19,7 +18,7 @@ from specheads.acceptance_math import estimate_tau
 from specheads.acceptance_math import chain_tau as _chain_tau
 from specheads.methods.base import Method
 from specheads.targets import Target
-from specheads.training.batches import BatchSource, micro_batches, prepare_batch
+from specheads.training.batches import BatchSource, prepare_batch
 
 
 def summarize_counts(sums: dict[str, float]) -> dict[str, float]:
@@ -49,8 +48,9 @@ def evaluate(method: Method, model: nn.Module, target: Target, source: BatchSour
     """Held-out metrics: ``Method.evaluate`` (through ``TrainingModule.forward(batch, evaluate=True)``)
     summed over this rank's batches (every ``world``-th, a ragged tail included), summed over
     processes. The unwrapped module is used, so ranks need not run in lockstep; with sharded
-    parameters (ZeRO-3, FSDP) the wrapped module is called so it gathers them, ranks run in lockstep
-    and a ragged tail is dropped.
+    parameters (ZeRO-3, FSDP) the wrapped module is called so it gathers them, and ranks run in
+    lockstep (``_lockstep``: the same batches are counted, a rank short of one in the last round
+    runs a batch again and discards its sums).
     ``measure``: {prompts, k, tokens} for the measured acceptance of a real chain draft (``_measured``)."""
     from specheads.training.accelerator import sharding
 
@@ -60,15 +60,17 @@ def evaluate(method: Method, model: nn.Module, target: Target, source: BatchSour
     model.eval()
     sharded = sharding(accelerator)
     if sharded:
-        batches = (b for _, _, b in itertools.takewhile(lambda x: x[0] == 0, micro_batches(source, 0, 0, world, rank)))
+        batches = _lockstep(source, world, rank)
     else:
-        batches = (b() if callable(b) else b for i, b in enumerate(source.batches(0)) if i % world == rank)
+        batches = ((b() if callable(b) else b, True) for i, b in enumerate(source.batches(0)) if i % world == rank)
     runner = model if sharded else unwrapped
     sums: dict[str, float] = {}
-    for batch in batches:
+    for batch, counted in batches:
         batch = prepare_batch(batch, target, method.feature_spec, accelerator.device)
         with accelerator.autocast():
-            for k, v in runner(batch, evaluate=True).items():
+            out = runner(batch, evaluate=True)
+        if counted:
+            for k, v in out.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
     if world > 1:
         from accelerate.utils import gather_object
@@ -87,6 +89,18 @@ def evaluate(method: Method, model: nn.Module, target: Target, source: BatchSour
     if not sharded:
         metrics.update(_measured(method, unwrapped.model, target, source, accelerator, measure or {}, metrics))
     return metrics
+
+
+def _lockstep(source: BatchSource, world: int, rank: int):
+    """(batch, counted) for this rank with sharded parameters: every rank must call the wrapped forward
+    equally often (each call gathers shards collectively), so in round ``i`` rank ``r`` takes batch
+    ``i * world + r``; past the last batch it reruns an earlier one, uncounted (a held-out set smaller
+    than the number of processes is fine)."""
+    loaders = list(source.batches(0))
+    for first in range(0, len(loaders), world):
+        i = first + rank
+        b = loaders[i % len(loaders)]
+        yield (b() if callable(b) else b), i < len(loaders)
 
 
 def _measured(method, model, target, source, accelerator, measure: dict, metrics: dict) -> dict[str, float]:
