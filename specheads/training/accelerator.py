@@ -103,8 +103,20 @@ def _cpu_processes(handlers: list) -> tuple[bool, list]:
                            "gloo (no parameter sharding). Use a DeepSpeed ZeRO-3 config "
                            "(conf/launcher/cpu_zero3.yaml) to shard parameters over CPU processes.")
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        _no_shm_comm_build()
         return False, handlers + [InitProcessGroupKwargs(backend="gloo")]
     return True, handlers
+
+
+def _no_shm_comm_build() -> None:
+    """On CPU, DeepSpeed compiles a shared-memory all-reduce op (``deepspeed_shm_comm``) the first time a
+    process group starts: measured ~230 s of C++ compilation on this 2-core machine, before the first step.
+    gloo's collectives need nothing compiled, so the op is skipped unless ``SPECHEADS_DS_SHM_COMM=1``."""
+    if os.environ.get("SPECHEADS_DS_SHM_COMM", "0") == "1":
+        return
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def make_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
