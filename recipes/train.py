@@ -12,6 +12,7 @@ command resumes from the last checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,8 +250,9 @@ def add_bigram_baselines(summary: dict[str, Any], train_src, eval_src, cfg: Dict
 def main(cfg: DictConfig) -> None:
     with user_errors("train"):
         summary = run(cfg)
-    print(json.dumps({k: summary[k] for k in ("method", "steps", "final_loss", "tau_estimate", "tokens_per_s",
-                                             "head_dir")}, indent=1))
+    if int(os.environ.get("RANK", "0")) == 0:  # the main process alone reports (other ranks hold no final loss)
+        print(json.dumps({k: summary[k] for k in ("method", "steps", "final_loss", "tau_estimate", "tokens_per_s",
+                                                 "head_dir")}, indent=1))
 
 
 if __name__ == "__main__":

@@ -54,15 +54,21 @@ def evaluate(method: Method, model: nn.Module, target: Target, source: BatchSour
     ``measure``: {prompts, k, tokens} for the measured acceptance of a real chain draft (``_measured``)."""
     from specheads.training.accelerator import sharding
 
-    world, rank = accelerator.num_processes, accelerator.process_index
+    from specheads.targets import data_parallel_share
+
+    world = accelerator.num_processes
+    # Ranks of a tensor-parallel target group run its forward together, so they take the same batches
+    # (each counted once per peer: every sum is scaled alike, ratios are unchanged).
+    dp_world, dp_rank = data_parallel_share(world, accelerator.process_index)
     unwrapped = accelerator.unwrap_model(model)
     was_training = model.training
     model.eval()
     sharded = sharding(accelerator)
-    if sharded:
-        batches = _lockstep(source, world, rank)
+    if sharded or dp_world < world:
+        batches = _lockstep(source, dp_world, dp_rank)
     else:
-        batches = ((b() if callable(b) else b, True) for i, b in enumerate(source.batches(0)) if i % world == rank)
+        batches = ((b() if callable(b) else b, True) for i, b in enumerate(source.batches(0))
+                   if i % dp_world == dp_rank)
     runner = model if sharded else unwrapped
     sums: dict[str, float] = {}
     for batch, counted in batches:
@@ -86,7 +92,7 @@ def evaluate(method: Method, model: nn.Module, target: Target, source: BatchSour
     if tau is not None:
         metrics["tau_estimate"] = tau
     metrics["_tau_basis"] = basis
-    if not sharded:
+    if not sharded and target.layout.tp_size == 1:  # a split target cannot decode on the main process alone
         metrics.update(_measured(method, unwrapped.model, target, source, accelerator, measure or {}, metrics))
     return metrics
 

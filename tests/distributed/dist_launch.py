@@ -216,3 +216,5 @@ def assert_rank0_writes_once(run: Run, steps: int) -> None:
     assert steps_logged == list(range(1, steps + 1)), steps_logged
     assert (run.out / "train_summary.json").is_file() and (run.out / "head" / "config.json").is_file()
     assert sorted(p.name for p in run.out.iterdir()) == ["checkpoints", "head", "metrics.jsonl", "train_summary.json"]
+    assert not (run.out.parent / "train.log").exists()  # no rank writes a log file beside the run (Hydra's default)
+    assert run.log.count('"final_loss"') == 1  # the main process alone prints the summary
