@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import make_tiny_model
+from tests.conftest import make_tiny_model
 from specheads.decoding.drafters import Drafter, ModelDrafter, TreeShape
 from specheads.decoding.tree import DraftTree
 

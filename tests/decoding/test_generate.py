@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decoding_helpers import NoisyOracle, WrongDrafter, peaky_model, reference_greedy
-from conftest import make_tiny_model
+from tests.conftest import make_tiny_model
 from specheads.decoding.drafters import EarlyExitDrafter, ModelDrafter, NgramDrafter, TreeShape
 from specheads.decoding.generate import plain_generate, speculative_generate
 from specheads.decoding.runner import TargetRunner

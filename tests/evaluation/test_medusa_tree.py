@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import make_tiny_target
+from tests.conftest import make_tiny_target
 from specheads.decoding.drafters import TreeShape
 from specheads.decoding.tree import choices_from_accuracies
 from specheads.evaluation.benchmarks import EvalPrompt

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import make_tiny_model
+from tests.conftest import make_tiny_model
 from specheads.decoding.drafters import TreeShape
 from specheads.evaluation.benchmarks import BenchmarkSpec
 from specheads.evaluation.report import write_report

@@ -12,7 +12,7 @@ from specheads.methods.medusa import (TREE_FILE, Medusa1Method, Medusa2Method, T
 
 
 def _tiny(seed=0):
-    from conftest import make_tiny_target
+    from tests.conftest import make_tiny_target
 
     return make_tiny_target("llama", hidden=32, layers=2, vocab=256, seed=seed)
 
@@ -175,7 +175,7 @@ def test_medusa2_rejects_bad_settings():
 
 @pytest.mark.parametrize("method", [Medusa1Method(num_heads=2), Medusa2Method(num_heads=2, lora_r=2)])
 def test_bfloat16_target_trains_float32_heads(tmp_path, method):
-    from conftest import make_tiny_target
+    from tests.conftest import make_tiny_target
 
     target = make_tiny_target("llama", hidden=32, layers=2, vocab=256, dtype=torch.bfloat16)
     s = _run(method, tmp_path, 2, target)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest.make_tiny_target
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for tests.conftest
 
 
 def progression_rows(n: int, length: int = 24, vocab: int = 256, seed: int = 0, prompt: int = 4) -> dict[str, list]:
@@ -65,7 +65,7 @@ class SlowSource:
 
 
 def main(out_dir: str, max_steps: int, sleep: float) -> None:
-    from conftest import make_tiny_target
+    from tests.conftest import make_tiny_target
     from specheads.training.config import OptimConfig, TrainConfig
     from specheads.training.engine import train
     from specheads.methods.medusa import Medusa1Method

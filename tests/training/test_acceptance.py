@@ -32,7 +32,7 @@ def test_chain_estimate_prefers_joint_accuracies():
 
 
 def test_engine_logs_measured_tau_equal_to_decoding_with_the_saved_head(tmp_path):
-    from conftest import make_tiny_target
+    from tests.conftest import make_tiny_target
     from specheads.decoding.drafters import TreeShape
     from specheads.decoding.generate import speculative_generate
     from specheads.decoding.head_drafters import MedusaDrafter

@@ -31,7 +31,7 @@ def _cfg(out, **kw):
 
 
 def _tiny():
-    from conftest import make_tiny_target
+    from tests.conftest import make_tiny_target
 
     return make_tiny_target("llama", hidden=32, layers=2, vocab=256)
 
