@@ -245,7 +245,7 @@ def test_bfloat16_export_casts_floats_only(target, target_dir, tmp_path):
 
 
 def test_head_table_matches_the_head_classes(target):
-    """layouts.head_tensors is what the head classes really save (catches drift in specheads/heads)."""
+    """layouts.head_tensors is what the head classes really save (catches drift in specheads/models)."""
     for method, model in [("medusa", make_head("medusa", target)), ("eagle1", make_head("eagle1", target, layers=2)),
                           ("eagle3", make_head("eagle3", target))]:
         cfg = model.config.to_dict()
