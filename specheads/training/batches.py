@@ -2,9 +2,12 @@
 
 A ``BatchSource`` yields one epoch's micro-batches from index ``start`` on, in an order fixed by the
 epoch number, so the data position (epoch, index) is enough to resume. With ``W`` processes each
-group of ``W`` consecutive batches gives rank ``r`` its ``r``-th (a ragged tail is dropped), so one
-process with batch ``2b`` and two with ``b`` see the same rows per optimizer step when the source
-is split accordingly. Features a batch lacks are computed online from the frozen target
+group of ``W`` consecutive batches gives rank ``r`` its ``r``-th (a ragged tail is dropped); with a
+tensor-parallel target the split is over its data-parallel groups. One process with batch ``2b`` and
+two with ``b`` see the same rows per optimizer step only when a step covers whole epochs (each epoch
+shuffles its list of batches, and batches of ``2b`` and of ``b`` make different lists), and their
+losses agree exactly only when micro-batches count equal labels (losses are per-token means per
+micro-batch, averaged over ranks): ``tests/distributed/test_equivalence.py``. Features a batch lacks are computed online from the frozen target
 (``prepare_batch``), so offline (feature store) and online batches go through the same loop.
 """
 
