@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specheads.data.features import CollectOptions, collect_hidden_states
 from specheads.data.prepare import check_prepared_matches, load_prepared
+from specheads.errors import user_errors
 from specheads.targets import load_target
 from specheads.methods import build_method
 from specheads.methods.base import FeatureSpec
@@ -50,6 +51,11 @@ def feature_spec(method_cfg: DictConfig, target) -> FeatureSpec:
 
 @hydra.main(config_path="../conf", config_name="collect_hidden_states", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    with user_errors("collect"):
+        collect(cfg)
+
+
+def collect(cfg: DictConfig) -> None:
     rank = int(os.environ.get("RANK", 0))
     dataset, meta = load_prepared(cfg.prepared_dir)
     target = load_target(cfg.target.name_or_path, cfg.target.dtype,

@@ -133,3 +133,13 @@ def test_a_missing_conversation_file_is_one_line(tiny_model_dir, tmp_path):
                      f"output_dir={tmp_path / 'prepared'}", cwd=tmp_path)
     line = assert_one_clean_line(proc, "prepare")
     assert "conversation file not found" in line and "no.jsonl" in line
+
+
+@pytest.mark.slow
+def test_collect_from_a_folder_that_is_not_prepared_is_one_line(tiny_model_dir, tmp_path):
+    model_dir, _ = tiny_model_dir
+    (tmp_path / "empty").mkdir()
+    proc = specheads("collect", f"target.name_or_path={model_dir}", "target.dtype=float32", "method=medusa1",
+                     f"prepared_dir={tmp_path / 'empty'}", f"out_dir={tmp_path / 'features'}", cwd=tmp_path)
+    line = assert_one_clean_line(proc, "collect")
+    assert "is not a prepared dataset" in line and "specheads prepare" in line
