@@ -29,7 +29,8 @@ def build(method: str, prepared: str):
 
 
 def train_online(target, prepared: str, out: str, method: str = "eagle3", accelerator=None, steps: int = 3):
-    """A few steps of ``method`` on online features of ``target`` (no held-out set); returns the losses."""
+    """A few steps of ``method`` on online features of ``target``, with a held-out evaluation on the last
+    4 rows (its metrics land in ``out/train_summary.json``); returns the losses."""
     from specheads.data.features import TokenDataset
     from specheads.data.prepare import load_prepared
     from specheads.training.batches import DatasetBatches
@@ -38,10 +39,13 @@ def train_online(target, prepared: str, out: str, method: str = "eagle3", accele
     from specheads.training.run_log import read_losses
 
     rows, _ = load_prepared(prepared)
-    source = DatasetBatches(TokenDataset(rows), max_tokens=96, seed=0)
+    data = TokenDataset(rows)
+    n = len(data)
+    source = DatasetBatches(data, max_tokens=96, seed=0, indices=range(n - 4))
+    held = DatasetBatches(data, max_tokens=96, shuffle=False, indices=range(n - 4, n))
     cfg = TrainConfig(output_dir=out, max_steps=steps, save_every=0, eval_every=0, wandb_mode="disabled",
                       progress=False, measure_prompts=0)
-    train(build(method, prepared), target, source, cfg, OptimConfig(lr=3e-3), None, accelerator)
+    train(build(method, prepared), target, source, cfg, OptimConfig(lr=3e-3), held, accelerator)
     return read_losses(out)
 
 
