@@ -164,7 +164,8 @@ def _finish(method, model, target, eval_data, cfg, acc, st, last_eval, resumed, 
                      {k: round(v, 4) for k, v in last_eval.items() if isinstance(v, float)})
     head_dir = out / "head"
     _save_head(method, model, target, acc, head_dir)
-    tokens = int(acc.reduce(torch.tensor(st.tokens, device=acc.device), "sum"))
+    # The ranks of a tensor-parallel target group train on the same batches: count them once.
+    tokens = int(acc.reduce(torch.tensor(st.tokens, device=acc.device), "sum")) // target.layout.tp_size
     ev = last_eval or {}
     summary = {
         "method": method.name, "steps": st.step, "epoch": st.epoch, "train_tokens": tokens,

@@ -54,8 +54,10 @@ def test_split_target_features_and_online_training_equal_the_whole_targets(tiny,
     assert split.keys() == whole.keys() == {1, 2, 3}
     assert all(abs(split[k] - whole[k]) < 1e-4 * abs(whole[k]) for k in whole), (split, whole)
     # The held-out evaluation ran on both ranks of the group in lockstep (same batches) and scores as one process.
-    ev_split = json.loads((tmp_path / "tp" / "train" / "train_summary.json").read_text())["eval"]
-    ev_whole = json.loads((tmp_path / "whole" / "train_summary.json").read_text())["eval"]
+    sum_split = json.loads((tmp_path / "tp" / "train" / "train_summary.json").read_text())
+    sum_whole = json.loads((tmp_path / "whole" / "train_summary.json").read_text())
+    assert sum_split["train_tokens"] == sum_whole["train_tokens"]  # a TP group's shared batches count once
+    ev_split, ev_whole = sum_split["eval"], sum_whole["eval"]
     accs = [k for k in ev_whole if k.startswith("step") and k.endswith("_acc")]
     assert accs and all(abs(ev_split[k] - ev_whole[k]) < 1e-6 for k in accs), (ev_split, ev_whole)
 
