@@ -79,7 +79,7 @@ class Eagle3Method:
                         "held out from training count too")
         counts = count_loss_tokens(self.vocab_data, target.vocab_size, self.vocab_max_samples, self.vocab_rows)
         if not int(counts.sum()):
-            raise ValueError(f"Eagle3Method: no loss-masked token to count in vocab_data"
+            raise ValueError("Eagle3Method: no loss-masked token to count in vocab_data"
                              + (f" among its {len(self.vocab_rows)} vocab_rows (do their ids match the data's?)"
                                 if self.vocab_rows is not None else ""))
         d2t, t2d = build_draft_vocab(counts, config.draft_vocab_size)

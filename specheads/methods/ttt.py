@@ -149,11 +149,6 @@ def unrolled_accuracy(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor
     return out
 
 
-def tau_estimate(accuracies: list[float]) -> float:
-    """τ of a chain from marginal per-step accuracies (``acceptance_math.chain_tau``, basis marginal)."""
-    return chain_tau(accuracies, "marginal")
-
-
 def _per_step(metrics: dict[str, float], name: str) -> list[float]:
     accs, i = [], 0
     while True:
@@ -178,7 +173,7 @@ def summarize_steps(metrics: dict[str, float]) -> dict[str, float]:
     steps = _per_step(metrics, "step")
     if steps:
         out.update({f"step{i}_acc": a for i, a in enumerate(steps)})
-        out["tau_estimate"] = tau_estimate(steps)
+        out["tau_estimate"] = chain_tau(steps, "marginal")
     joint = _per_step(metrics, "joint")
     if joint:
         out["tau_joint"] = chain_tau(joint, "joint")

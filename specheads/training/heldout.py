@@ -9,13 +9,11 @@ Held-out metric keys from ``Method.evaluate`` are summed over batches and proces
 
 from __future__ import annotations
 
-from typing import Sequence
 
 import torch
 from torch import nn
 
 from specheads.acceptance_math import estimate_tau
-from specheads.acceptance_math import chain_tau as _chain_tau
 from specheads.methods.base import Method
 from specheads.targets import Target
 from specheads.training.batches import BatchSource, prepare_batch
@@ -34,12 +32,6 @@ def summarize_counts(sums: dict[str, float]) -> dict[str, float]:
         elif not k.endswith(("_total", "_count")):
             out[k] = v
     return out
-
-
-def chain_tau(accs: Sequence[float], conditional: bool) -> float:
-    """Old signature of ``acceptance_math.chain_tau``: conditional=True meant joint accuracies
-    (P(drafts 0..k all right)), False marginal ones. New code calls ``acceptance_math`` directly."""
-    return _chain_tau(accs, "joint" if conditional else "marginal")
 
 
 @torch.no_grad()

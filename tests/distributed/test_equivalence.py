@@ -26,7 +26,6 @@ local gradient) must fail the same comparison by far.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dist_launch import (ENTRY, EQUIV_ARGS, EQUIV_STEPS, PER_RANK_BATCH, launch, launch_env, single_process,
                          train_args)

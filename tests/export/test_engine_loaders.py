@@ -20,7 +20,7 @@ from safetensors import safe_open
 from specheads.export import ExportError, export_head
 from tests.conftest import make_tiny_target
 from tests.export import engine_facts as facts
-from tests.export.test_export import AUX, DV, H, LAYERS, V, make_head, save_head
+from tests.export.test_export import AUX, H, LAYERS, V, make_head, save_head
 
 REPO = Path(__file__).resolve().parents[2]
 

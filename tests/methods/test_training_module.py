@@ -8,7 +8,6 @@ forward: gradients reach every trainable parameter and equal the unwrapped modul
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch

@@ -12,7 +12,8 @@ from torch.testing import assert_close
 from specheads.models.eagle1 import Eagle1Config, Eagle1Model
 from specheads.models.eagle3 import Eagle3Config, Eagle3Model
 from specheads.models.layers import unrolled_attention
-from specheads.methods.ttt import (shift_tokens, step_rows, summarize_steps, tau_estimate, unroll,
+from specheads.acceptance_math import chain_tau
+from specheads.methods.ttt import (shift_tokens, step_rows, summarize_steps, unroll,
                                     unrolled_accuracy)
 from tests.conftest import make_tiny_target
 
@@ -126,8 +127,8 @@ def test_unrolled_accuracy_counts_and_tau():
     assert m["joint1_correct"] <= m["step1_correct"]
     s = summarize_steps(m)
     assert s["step0_acc"] == 1.0
-    assert s["tau_estimate"] == pytest.approx(tau_estimate([1.0, s["step1_acc"], s["step2_acc"]]))
-    assert tau_estimate([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert s["tau_estimate"] == pytest.approx(chain_tau([1.0, s["step1_acc"], s["step2_acc"]], "marginal"))
+    assert chain_tau([0.5, 0.5], "marginal") == pytest.approx(1 + 0.5 + 0.25)
 
 
 class _Oracle:

@@ -16,7 +16,8 @@ from specheads.methods import build_method
 from specheads.training.batches import prepare_batch
 from specheads.training.config import NonFiniteLossError, OptimConfig, TrainConfig
 from specheads.training.engine import train
-from specheads.training.heldout import chain_tau, estimate_tau, summarize_counts
+from specheads.acceptance_math import chain_tau
+from specheads.training.heldout import estimate_tau, summarize_counts
 from specheads.training.run_log import read_losses
 from specheads.methods.medusa import Medusa1Method
 from specheads.methods.base import FeatureSpec
@@ -100,8 +101,8 @@ def test_offline_features_are_used_and_online_ones_match_the_target():
 def test_tau_estimate_and_count_summaries():
     m = summarize_counts({"head0_top1_correct": 3, "head0_top1_total": 4, "kl_sum": 1.0, "kl_count": 4, "x": 2})
     assert m == {"head0_top1_acc": 0.75, "kl": 0.25, "x": 2}
-    assert chain_tau([0.5, 0.25], conditional=True) == 1.75
-    assert chain_tau([0.5, 0.5], conditional=False) == 1.75
+    assert chain_tau([0.5, 0.25], "joint") == 1.75
+    assert chain_tau([0.5, 0.5], "marginal") == 1.75
     tau, basis = estimate_tau({"step0_top1_acc": 0.8, "step1_top1_acc": 0.5})
     assert tau == pytest.approx(1 + 0.8 + 0.4) and "marginal" in basis
     assert estimate_tau({"loss": 1.0})[0] is None
