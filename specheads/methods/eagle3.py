@@ -33,7 +33,8 @@ class Eagle3Method:
     warning); aux_layers: None = the default
     (2, N//2, N-3); ttt_steps / step_decay: unroll length and step-loss weights decay**i;
     target_chunk / head_chunk: rows per chunk for the target's and the drafter's logits;
-    init_lm_head_from_target: start lm_head from the target's rows of the draft vocabulary.
+    init_lm_head_from_target: start lm_head from the target's rows of the draft vocabulary;
+    freeze_lm_head: keep lm_head fixed (only with ``init_lm_head_from_target``; vLLM speculators' recipe).
     """
 
     name = "eagle3"
@@ -41,9 +42,11 @@ class Eagle3Method:
     def __init__(self, draft_vocab_size: int = 32000, vocab_data: str | None = None,
                  vocab_max_samples: int | None = None, aux_layers=None, ttt_steps: int = 3,
                  step_decay: float = 0.8, target_chunk: int = 1024, head_chunk: int = 2048,
-                 init_lm_head_from_target: bool = False, vocab_rows=None):
+                 init_lm_head_from_target: bool = False, vocab_rows=None, freeze_lm_head: bool = False):
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
+        if freeze_lm_head and not init_lm_head_from_target:
+            raise ValueError("freeze_lm_head=true keeps a randomly initialised lm_head: set init_lm_head_from_target=true too")
         self.draft_vocab_size = draft_vocab_size
         self.vocab_data = vocab_data
         self.vocab_max_samples = vocab_max_samples
@@ -52,6 +55,7 @@ class Eagle3Method:
         self.ttt_steps, self.step_decay = ttt_steps, step_decay
         self.target_chunk, self.head_chunk = target_chunk, head_chunk
         self.init_lm_head_from_target = init_lm_head_from_target
+        self.freeze_lm_head = freeze_lm_head
         self._num_target_layers: int | None = None
 
     @property
@@ -87,6 +91,8 @@ class Eagle3Method:
         model.set_draft_vocab(d2t.to(target.device), t2d.to(target.device))
         if self.init_lm_head_from_target:
             self._init_lm_head(model, target)
+        if self.freeze_lm_head:
+            model.lm_head.weight.requires_grad_(False)
         return model
 
     @staticmethod

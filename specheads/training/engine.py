@@ -35,7 +35,7 @@ from specheads.training.checkpoint import load_checkpoint, remove_partial, save_
 from specheads.training.config import NonFiniteLossError, OptimConfig, TrainConfig
 from specheads.training.heldout import evaluate
 from specheads.training.run_log import RunLogger, read_losses
-from specheads.training.schedule import make_scheduler
+from specheads.training.schedule import TimeBudget, make_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ def train(method: Method, target: Target, train_data: BatchSource, cfg: TrainCon
         remove_partial(ckpt_root)
     model = TrainingModule(method, method.build(target), target)
     optimizer = make_optimizer(model, optim)
-    scheduler = make_scheduler(optimizer, optim.warmup_steps, cfg.max_steps, optim.min_lr_ratio, optim.schedule)
+    budget = TimeBudget(60 * cfg.max_minutes) if cfg.max_minutes else None
+    scheduler = make_scheduler(optimizer, optim.warmup_steps, cfg.max_steps, optim.min_lr_ratio, optim.schedule, budget)
     model, optimizer = acc.prepare(model, optimizer)
     acc.register_for_checkpointing(scheduler)  # stepped by hand: once per optimizer step at any world size
 
@@ -78,9 +79,12 @@ def train(method: Method, target: Target, train_data: BatchSource, cfg: TrainCon
         saved = load_checkpoint(acc, resumed)
         st = _State(saved["step"], saved["epoch"], saved["pos"], saved["tokens"], saved["train_s"])
         log.info("resumed from %s at step %d", resumed, st.step)
+    if budget is not None:
+        budget.used_s = st.train_s
     logger = RunLogger(cfg, out, acc, method.name, st.step)
     try:
-        last_eval = _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, scheduler, st, logger, ckpt_root)
+        last_eval = _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, scheduler, st, logger, ckpt_root,
+                          budget)
         summary = _finish(method, model, target, eval_data, cfg, acc, st, last_eval, resumed, out)
     except BaseException:
         logger.close()
@@ -89,7 +93,8 @@ def train(method: Method, target: Target, train_data: BatchSource, cfg: TrainCon
     return summary
 
 
-def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, scheduler, st, logger, ckpt_root):
+def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, scheduler, st, logger, ckpt_root,
+          budget=None):
     stream = micro_batches(train_data, st.epoch, st.pos, acc.num_processes, acc.process_index)
     params = [p for p in model.parameters() if p.requires_grad]
     last_eval: dict[str, float] | None = None
@@ -104,10 +109,14 @@ def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, sch
             method.on_step_start(st.step)
         t0 = time.perf_counter()
         loss, metrics, tokens = _optimizer_step(method, model, target, stream, cfg, acc, optimizer, params, st)
-        scheduler.step()
         st.step += 1
         st.tokens += tokens
         st.train_s += time.perf_counter() - t0
+        if acc.num_processes > 1:  # one clock for all ranks: a time budget stops and decays them alike
+            st.train_s = _slowest(st.train_s, acc.device)
+        if budget is not None:
+            budget.used_s = st.train_s
+        scheduler.step()
         record = {"loss": loss, "lr": scheduler.get_last_lr()[0], "tokens": st.tokens, "train_s": st.train_s, **metrics}
         logger.log(st.step, record, to_wandb=st.step % max(1, cfg.log_every) == 0)
         logger.progress(st.step, loss, record["lr"])
@@ -117,6 +126,12 @@ def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, sch
         if (cfg.save_every and st.step % cfg.save_every == 0) or st.step == cfg.max_steps:
             save_checkpoint(acc, ckpt_root, st.step, _ckpt_state(st), cfg.keep_checkpoints)
     return last_eval
+
+
+def _slowest(seconds: float, device) -> float:
+    t = torch.tensor(seconds, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t)
 
 
 def _measure_opts(cfg: TrainConfig) -> dict[str, int]:

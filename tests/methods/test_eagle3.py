@@ -52,6 +52,15 @@ def test_parameter_layout_matches_vllm_eagle3(target):
     assert_close(model.lm_head.weight, target.lm_head.weight[model.t2d])
 
 
+def test_freeze_lm_head_keeps_the_target_rows(target):
+    method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), init_lm_head_from_target=True, freeze_lm_head=True)
+    model = method.build(target)
+    assert not model.lm_head.weight.requires_grad
+    assert all(p.requires_grad for n, p in model.named_parameters() if n != "lm_head.weight")
+    with pytest.raises(ValueError, match="init_lm_head_from_target"):
+        Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), freeze_lm_head=True)
+
+
 def test_save_load_round_trip(target, tmp_path):
     method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=2)
     model = method.build(target)
