@@ -34,7 +34,8 @@ class Eagle3Method:
     (2, N//2, N-3); ttt_steps / step_decay: unroll length and step-loss weights decay**i;
     target_chunk / head_chunk: rows per chunk for the target's and the drafter's logits;
     init_lm_head_from_target: start lm_head from the target's rows of the draft vocabulary;
-    freeze_lm_head: keep lm_head fixed (only with ``init_lm_head_from_target``; vLLM speculators' recipe).
+    freeze_lm_head: keep lm_head fixed (only with ``init_lm_head_from_target``; vLLM speculators' recipe);
+    feature_weight: weight of EAGLE-1's feature regression beside the soft CE (``ttt.ttt_loss``; 0 = off).
     """
 
     name = "eagle3"
@@ -42,7 +43,8 @@ class Eagle3Method:
     def __init__(self, draft_vocab_size: int = 32000, vocab_data: str | None = None,
                  vocab_max_samples: int | None = None, aux_layers=None, ttt_steps: int = 3,
                  step_decay: float = 0.8, target_chunk: int = 1024, head_chunk: int = 2048,
-                 init_lm_head_from_target: bool = False, vocab_rows=None, freeze_lm_head: bool = False):
+                 init_lm_head_from_target: bool = False, vocab_rows=None, freeze_lm_head: bool = False,
+                 feature_weight: float = 0.0):
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         if freeze_lm_head and not init_lm_head_from_target:
@@ -56,6 +58,9 @@ class Eagle3Method:
         self.target_chunk, self.head_chunk = target_chunk, head_chunk
         self.init_lm_head_from_target = init_lm_head_from_target
         self.freeze_lm_head = freeze_lm_head
+        if feature_weight < 0:
+            raise ValueError(f"feature_weight must be >= 0, got {feature_weight}")
+        self.feature_weight = feature_weight
         self._num_target_layers: int | None = None
 
     @property
@@ -119,7 +124,8 @@ class Eagle3Method:
     def loss(self, model: Eagle3Model, batch: dict, target: Target) -> StepOutput:
         rows = self.target_rows(model, batch, target)
         h0 = model.fuse(batch["hidden_aux"])
-        loss, stats = ttt_loss(model, h0, batch, rows, self.ttt_steps, self.step_decay, self.head_chunk)
+        loss, stats = ttt_loss(model, h0, batch, rows, self.ttt_steps, self.step_decay, self.head_chunk,
+                               self.feature_weight)
         metrics = {}
         for i, s in enumerate(stats):
             metrics[f"step{i}_loss"] = float(s.loss)

@@ -23,7 +23,7 @@ import torch
 
 from specheads.acceptance_math import chain_tau
 from specheads.models.layers import UnrollCache
-from specheads.methods.losses import soft_cross_entropy, target_argmax
+from specheads.methods.losses import feature_loss, soft_cross_entropy, target_argmax
 
 
 def shift_tokens(input_ids: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
@@ -91,10 +91,14 @@ class StepStats:
 
 
 def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: TargetRows, steps: int,
-             decay: float = 0.8, chunk: int = 2048) -> tuple[torch.Tensor, list[StepStats]]:
+             decay: float = 0.8, chunk: int = 2048, feature_weight: float = 0.0) -> tuple[torch.Tensor, list[StepStats]]:
     """Weighted sum over steps of the mean soft cross-entropy (weights ``decay**i``).
 
     Step ``i`` is trained on ``step_rows`` whose target argmax lies in the draft vocabulary.
+    feature_weight > 0 adds, per step, that weight times EAGLE-1's smooth-L1 regression of the
+    drafter's normed output (``model.norm(h_out)``) on the target's post-norm state at the predicted
+    position (``batch["hidden_last"]`` at ``t+1+i``): a dense signal that, with the target's LM-head
+    rows, makes the draft logits the target's.
     Returns (loss scalar, per-step stats with accuracy against the target argmax on those rows).
     """
     total, stats = None, []
@@ -106,6 +110,9 @@ def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: 
         loss_sum, pred = soft_cross_entropy(model.logits, h_out[b, t], rows.probs[idx], chunk=chunk)
         n = b.numel()
         step_loss = loss_sum / max(n, 1)
+        if feature_weight:
+            true = batch["hidden_last"][b, t + 1 + i]
+            step_loss = step_loss + feature_weight * feature_loss(model.norm(h_out[b, t]), true) / max(n, 1)
         correct = int((model.to_target_ids(pred) == rows.argmax[b, t + 1 + i]).sum())
         stats.append(StepStats(step_loss.detach(), correct, n))
         # The 0 * sum keeps every parameter in the graph even when a step has no rows.

@@ -209,3 +209,27 @@ def test_recipe_counts_the_draft_vocabulary_over_training_rows_only(target, tmp_
     other = Eagle3Method(vocab_data=str(tmp_path / "elsewhere"))
     recipe.set_vocab_rows(other, cfg, train_src)
     assert other.vocab_rows is None
+
+
+def test_feature_weight_adds_the_regression_on_the_targets_next_state(target):
+    import torch.nn.functional as F
+
+    from specheads.methods.ttt import step_rows, unroll
+
+    plain = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=2, step_decay=0.5)
+    model = plain.build(target)
+    weighted = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=2, step_decay=0.5, feature_weight=0.3)
+    batch = _batch(target, plain)
+    extra = weighted.loss(model, batch, target).loss - plain.loss(model, batch, target).loss
+    rows = plain.target_rows(model, batch, target)
+    want = 0.0
+    for i, h_out in unroll(model, model.fuse(batch["hidden_aux"]), batch["input_ids"], 2):
+        b, t = step_rows(batch, i)
+        keep = rows.in_vocab[b, t + 1 + i]
+        b, t = b[keep], t[keep]
+        reg = F.smooth_l1_loss(model.norm(h_out[b, t]), batch["hidden_last"][b, t + 1 + i], reduction="none")
+        want += 0.5 ** i * 0.3 * reg.mean(-1).mean()
+    assert float(extra) > 0
+    assert_close(extra, want, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="feature_weight"):
+        Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), feature_weight=-1.0)
