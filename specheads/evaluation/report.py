@@ -97,6 +97,7 @@ def _method_md(m: dict, report: dict) -> list[str]:
     lossy = "" if m.get("lossless_verify", True) else " (LOSSY verification)"
     L = [f"## {m['name']}", "", f"drafter `{m['drafter']}`, shape `{m['shape']}`, verify `{m['verify']}`"
          f"{lossy}{prof}; c_GPU = {_f(m['c_gpu'], 3)}.", ""]
+    L += _shape_choice_md((report.get("shape_choice") or {}).get(m["name"]))
     ll = m.get("lossless")
     if ll:
         status = "exact on every prompt" if ll["exact"] else f"{len(ll['mismatches'])} MISMATCHES"
@@ -133,6 +134,21 @@ def _method_md(m: dict, report: dict) -> list[str]:
     if m.get("train_tau") is not None:
         L += [f"{TRAIN_TAU_LABEL} {_f(m['train_tau'])} vs measured τ (T=0, all) {_f(t0['all']['tau'])}.", ""]
     return L
+
+
+def _shape_choice_md(ch: dict | None) -> list[str]:
+    """How an automatic shape was chosen: this machine's verify cost curve, the draft cost and the
+    head's acceptance measured on training-side held-out prompts."""
+    if not ch:
+        return []
+    curve = ", ".join(f"v({n}) {_f(v)}" for n, v in ch["verify_cost_curve"].items())
+    preds = ", ".join(f"K={p['k']}: τ {_f(p['tau'])} / ({_f(p['verify_cost'])} + {p['k']}·{_f(ch['c'], 3)}) = "
+                      f"{_f(p['speedup'])}" for p in ch["predictions"])
+    reach = ", ".join(_f(r) for r in ch["reach"])
+    return [f"Shape chosen automatically: **chain{ch['k']}**. Verify cost on this machine (plain forwards, "
+            f"plain forward {_f(1000 * ch['plain_forward_s'], 1)} ms): {curve}; draft forward c = {_f(ch['c'], 3)}; "
+            f"share of steps reaching draft depth d on the head's training-side held-out prompts: {reach}. "
+            f"Predicted speed-up per chain length: {preds}.", ""]
 
 
 def _recommend_md(rec: dict, m: dict) -> list[str]:

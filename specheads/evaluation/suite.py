@@ -28,6 +28,7 @@ from specheads.decoding.generate import GenerationResult, speculative_generate
 from specheads.decoding.runner import TargetRunner
 from specheads.decoding.tree import normalize_choices
 from specheads.decoding.verify import LOSSLESS
+from specheads.errors import UserError
 from specheads.evaluation.benchmarks import BenchmarkSpec, EvalPrompt, encode, load_benchmarks
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_spread, timed
 from specheads.evaluation.recommend import recommend
@@ -59,12 +60,15 @@ class MethodSpec:
     medusa_tree_nodes: int = 24
     profile: str | None = None
     tree_source: str | None = None  # where a static Medusa tree came from (set by build_drafter)
+    auto_shape: bool = False  # EAGLE: a chain whose length is chosen at evaluation (``shape_choice``)
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
             raise ValueError(f"method '{self.name}': unknown drafter '{self.drafter}' (one of {', '.join(DRAFTERS)})")
         if self.drafter in ("medusa", "eagle1", "eagle3") and not self.head_dir:
             raise ValueError(f"method '{self.name}': drafter '{self.drafter}' needs head_dir")
+        if self.auto_shape and self.drafter not in ("eagle1", "eagle3"):
+            raise ValueError(f"method '{self.name}': an automatic shape is chosen for EAGLE heads only")
         if self.drafter == "two_model" and not self.draft_model:
             raise ValueError(f"method '{self.name}': the two-model baseline needs draft_model")
 
@@ -106,6 +110,8 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     plain_tokens = {p.id: r for p, r in zip(prompts, ids["tokens"])}
     checkpoint(report)
     for spec in cfg.methods:
+        if spec.auto_shape:
+            report.setdefault("shape_choice", {})[spec.name] = _choose_shape(spec, target, runner, ids, eos, progress)
         drafter = build_drafter(spec, target, prompts, ids, cfg)
         def partial(row, done=len(report["methods"])):
             row["train_tau"] = train_tau(spec.head_dir)
@@ -119,6 +125,36 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
                              progress, partial))
     report["recommendation"] = recommend(report, cfg.recommend_ks)
     return report
+
+
+def _choose_shape(spec, target, runner, ids, eos, progress) -> dict:
+    """Set ``spec.shape`` to the chain the verify cost curve of this machine and the head's acceptance,
+    measured on training-side held-out prompts, favour (``shape_choice``); returns what it measured.
+    Timing only runs on an evaluation prompt; no acceptance figure comes from one."""
+    from dataclasses import replace
+
+    from specheads.evaluation.shape_choice import choose_chain, measured_reach, verify_cost_curve
+
+    reach = measured_reach(spec.head_dir)
+    if not reach:
+        raise UserError(f"{spec.name}: head_shape=auto needs the head's measured acceptance per draft depth "
+                        f"(measured_reach1.. in the train_summary.json of {spec.head_dir}, written when training "
+                        "ran with train.measure_prompts > 0); retrain with it, or set head_shape=tree")
+    prompt = ids["prompt_ids"][0]
+    progress(f"{spec.name}: measuring the verify cost of 1..{len(reach) + 1} tokens")
+    curve = verify_cost_curve(runner, prompt, list(range(1, len(reach) + 2)))
+    probe = build_drafter(replace(spec, shape=TreeShape("chain", k=1), auto_shape=False), target)
+    # Draft time per forward without the prompt's one-off feed: a long decode minus a 1-token one.
+    speculative_generate(runner, probe, [prompt], 8, 0.0, "greedy", eos)  # warm-up
+    short = speculative_generate(runner, probe, [prompt], 1, 0.0, "greedy", eos)
+    long = speculative_generate(runner, probe, [prompt], 49, 0.0, "greedy", eos)
+    extra = long.stats[0].draft_forwards - short.stats[0].draft_forwards
+    per_forward = (long.draft_time - short.draft_time) / max(extra, 1)
+    choice = choose_chain(reach, curve, max(per_forward, 0.0) / curve[1])
+    spec.shape = TreeShape("chain", k=choice["k"])
+    log.info("%s: chain of %d chosen (predicted speed-up %s)", spec.name, choice["k"],
+             ", ".join(f"K={p['k']}: {p['speedup']:.2f}" for p in choice["predictions"]))
+    return choice
 
 
 def _plain_pass(target, runner, prompts, cfg, eos, progress):
@@ -398,10 +434,15 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                  chain_k: int = 4, tree: TreeShape | None = None, serving: ServingProfiles | None = None,
                  early_exit_layers: int = 8, ngram_max: int = 3, two_model: str | None = None,
                  medusa_choices=None, medusa_tree_nodes: int = 24, verify: str = "auto",
-                 allow_empty: bool = False, lookahead: dict | None = None) -> list[MethodSpec]:
-    """The method list for an evaluation: the head's own tree, its serving profiles, and baselines.
+                 allow_empty: bool = False, lookahead: dict | None = None,
+                 head_shape: str = "tree") -> list[MethodSpec]:
+    """The method list for an evaluation: the head's own shape, its serving profiles, and baselines.
 
+    head_shape: ``tree`` (the EAGLE-2 dynamic ``tree``) or ``auto`` (EAGLE: the chain this machine's
+    verify cost curve and the head's held-out acceptance favour, chosen at evaluation: ``shape_choice``);
     lookahead: {window, ngram, guesses} of the lookahead baseline (default 5, 4, 5)."""
+    if head_shape not in ("tree", "auto"):
+        raise ValueError(f"head_shape '{head_shape}': use tree or auto")
     tree = tree or TreeShape("dynamic", depth=5, topk=4, total_tokens=24)
     serving = serving or ServingProfiles()
     unknown = set(serving.engines) - {"vllm", "sglang"}
@@ -417,7 +458,11 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
             out.append(MethodSpec("medusa-tree", "medusa", static, verify, head_dir=head_dir,
                                   medusa_tree_nodes=medusa_tree_nodes))
         elif method in ("eagle1", "eagle3"):
-            out.append(MethodSpec(f"{method}-tree", method, tree, verify, head_dir=head_dir))
+            if head_shape == "auto":
+                out.append(MethodSpec(f"{method}-auto", method, TreeShape("chain", k=1), verify, head_dir=head_dir,
+                                      auto_shape=True))
+            else:
+                out.append(MethodSpec(f"{method}-tree", method, tree, verify, head_dir=head_dir))
             if "sglang" in serving.engines:
                 sgl = TreeShape("dynamic", depth=serving.sglang_steps, topk=serving.sglang_topk,
                                 total_tokens=serving.sglang_num_draft_tokens - 1)

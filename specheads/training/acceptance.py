@@ -44,7 +44,9 @@ def measure_acceptance(method, model, target: Target, prompts: list[list[int]], 
     """Greedy chain-of-``k`` speculative decoding of ``prompts`` (batch 1 each) with the head.
 
     Returns ``measured_tau`` (tokens per target forward), ``measured_alpha`` (accepted ÷ tested
-    drafts), ``measured_prompts`` and ``measured_k``; empty when there is nothing to decode.
+    drafts), ``measured_reach{d}`` for d = 1..k (the share of steps whose first d drafts were all
+    accepted: what the evaluator's shape choice reads), ``measured_prompts`` and ``measured_k``;
+    empty when there is nothing to decode.
     """
     if not prompts or not hasattr(method, "drafter"):
         return {}
@@ -55,15 +57,20 @@ def measure_acceptance(method, model, target: Target, prompts: list[list[int]], 
         runner = TargetRunner(target.model)
         eos = eos_token_ids(target)
         emitted = steps = tested = accepted = 0
+        by_depth = [0] * k
         for p in prompts:
             res = speculative_generate(runner, drafter, [p], max_new_tokens, 0.0, "greedy", eos)
             s = res.stats[0]
             emitted, steps = emitted + s.emitted, steps + s.steps
             tested, accepted = tested + sum(s.tested), accepted + sum(s.accepted)
+            for d, a in enumerate(s.accepted[:k]):
+                by_depth[d] += a
     finally:
         model.train(was_training)
     if not steps:
         return {}
-    return {"measured_tau": emitted / steps, "measured_alpha": accepted / tested if tested else 0.0,
-            "measured_prompts": float(len(prompts)), "measured_k": float(getattr(drafter, "shape", TreeShape("chain", k=k)).k)}
+    out = {"measured_tau": emitted / steps, "measured_alpha": accepted / tested if tested else 0.0,
+           "measured_prompts": float(len(prompts)), "measured_k": float(getattr(drafter, "shape", TreeShape("chain", k=k)).k)}
+    out.update({f"measured_reach{d + 1}": a / steps for d, a in enumerate(by_depth[: int(out["measured_k"])])})
+    return out
 

@@ -170,3 +170,35 @@ def test_verifier_for_medusa2_heads_is_their_adapted_target(target, head_dirs, t
         verifier_for("medusa", str(tmp_path / "m2"))
     target.model.save_pretrained(tmp_path / "m2" / "target")
     assert verifier_for("medusa", str(tmp_path / "m2")) == str((tmp_path / "m2" / "target").resolve())
+
+
+def test_auto_shape_picks_a_chain_from_the_cost_curve_and_held_out_reach(target, head_dirs, tmp_path, monkeypatch):
+    import shutil
+
+    import specheads.evaluation.suite as suite
+    from specheads.errors import UserError
+
+    head = tmp_path / "run" / "head"
+    shutil.copytree(head_dirs / "eagle1", head)
+    (head.parent / "train_summary.json").write_text(json.dumps({"eval": {"measured_reach1": 0.9, "measured_reach2": 0.8}}))
+    spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1,), humaneval=1, chat=0)
+    real = suite.load_benchmarks
+    monkeypatch.setattr(suite, "load_benchmarks", lambda s: [p for p in real(s) if p.domain == "code"][:1])
+    # A cost curve where verifying 3 tokens is dear: one draft wins despite the high reach at depth 2.
+    monkeypatch.setattr("specheads.evaluation.shape_choice.verify_cost_curve",
+                        lambda runner, prompt, ns, reps=7: {1: 1.0, 2: 1.05, 3: 3.0})
+    methods = plan_methods("eagle1", str(head), [], head_shape="auto")
+    assert [m.name for m in methods] == ["eagle1-auto", "eagle1-sglang", "eagle1-vllm"]
+    cfg = EvalConfig(methods[:1], spec, max_new_tokens=6, temperatures=(0.0,), batch_sizes=(1,), repeats=1)
+    report = evaluate(target, cfg)
+    ch = report["shape_choice"]["eagle1-auto"]
+    assert ch["k"] == 1 and ch["reach"] == [0.9, 0.8] and ch["c"] > 0
+    assert report["methods"][0]["shape"] == "chain1" and report["methods"][0]["lossless"]["exact"]
+    write_report(report, tmp_path / "r")
+    assert "Shape chosen automatically: **chain1**" in (tmp_path / "r" / "report.md").read_text()
+    (head.parent / "train_summary.json").write_text(json.dumps({"eval": {}}))
+    with pytest.raises(UserError, match="measure_prompts"):
+        evaluate(target, EvalConfig(plan_methods("eagle1", str(head), [], head_shape="auto")[:1], spec,
+                                    max_new_tokens=4, temperatures=(0.0,), batch_sizes=(1,), repeats=1))
+    with pytest.raises(ValueError, match="head_shape"):
+        plan_methods("eagle1", str(head), [], head_shape="wide")

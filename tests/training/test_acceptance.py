@@ -54,12 +54,19 @@ def test_engine_logs_measured_tau_equal_to_decoding_with_the_saved_head(tmp_path
     assert ev["tau_gap"] == pytest.approx(ev["measured_tau"] - ev["tau_estimate_chain"])
     # The same decoding done independently with the saved head gives the same τ.
     heads = MedusaHeads.from_pretrained(tmp_path / "head").eval()
-    runner, emitted, steps = TargetRunner(target.model), 0, 0
+    runner, emitted, steps, reach = TargetRunner(target.model), 0, 0, [0, 0]
     for p in held_out_prompts(held.batches(0), 3):
         res = speculative_generate(runner, MedusaDrafter(heads, TreeShape("chain", k=2)), [p], 10, 0.0,
                                    "greedy", eos_token_ids(target))
         emitted, steps = emitted + res.stats[0].emitted, steps + res.stats[0].steps
+        for d, a in enumerate(res.stats[0].accepted[:2]):
+            reach[d] += a
     assert ev["measured_tau"] == pytest.approx(emitted / steps)
+    # Per depth: the share of steps whose first d drafts were accepted (the shape choice reads it).
+    assert [ev["measured_reach1"], ev["measured_reach2"]] == pytest.approx([r / steps for r in reach])
+    from specheads.evaluation.shape_choice import measured_reach
+
+    assert measured_reach(str(tmp_path / "head")) == pytest.approx([r / steps for r in reach])
 
 
 def test_measure_acceptance_needs_a_drafter_hook():

@@ -1,0 +1,81 @@
+"""Pick a head's draft shape for *this* machine: its measured verify cost curve and the head's
+acceptance measured on training-side held-out prompts (never on the evaluation prompts).
+
+A chain of ``K`` drafts costs, per step, one target forward over ``K + 1`` tokens (``v(K+1)`` plain
+forwards, measured: ``verify_cost_curve``) plus ``K`` draft forwards (``c`` plain forwards each,
+measured: ``draft_cost``), and emits ``τ(K) = 1 + Σ_{d≤K} P(L ≥ d)`` tokens, where ``P(L ≥ d)`` is
+the share of steps whose first ``d`` drafts were all accepted (the trainer's ``measured_reach{d}``,
+exact for every chain cut at ``d ≤`` the measured length). The choice maximises
+``τ(K) / (v(K+1) + K·c)`` (``acceptance_math``). On a GPU ``v`` is nearly flat and long chains win;
+on a CPU ``v`` climbs (SmolLM2 float32 on 2 cores: v(2) 1.12, v(4) 1.49, v(24) 2.35) and short ones do.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from specheads.acceptance_math import chain_tau, speedup_from_tau
+
+
+def measured_reach(head_dir: str | None) -> list[float]:
+    """``P(L ≥ d)`` for d = 1.. from the ``train_summary.json`` next to or above ``head_dir`` (empty if none)."""
+    if not head_dir:
+        return []
+    for d in (Path(head_dir), Path(head_dir).parent):
+        f = d / "train_summary.json"
+        if f.exists():
+            ev = json.loads(f.read_text()).get("eval") or {}
+            out, i = [], 1
+            while f"measured_reach{i}" in ev:
+                out.append(float(ev[f"measured_reach{i}"]))
+                i += 1
+            return out
+    return []
+
+
+@torch.no_grad()
+def verify_cost_curve(runner, prompt: Sequence[int], ns: Sequence[int], reps: int = 7) -> dict[int, float]:
+    """Median seconds of one target forward over a chain of ``n`` new tokens after ``prompt``, per n.
+
+    The ``n`` values are interleaved within each repetition so drift on a shared machine hits all alike.
+    """
+    runner.prefill([list(prompt)])
+    times: dict[int, list[float]] = {n: [] for n in ns}
+    for rep in range(reps + 1):
+        for n in ns:
+            tok = torch.tensor([list(prompt[-n:]) if len(prompt) >= n else [prompt[-1]] * n], device=runner.device)
+            par = (torch.arange(n, device=runner.device) - 1)[None]
+            t0 = time.perf_counter()
+            runner.forward(tok, par)
+            dt = time.perf_counter() - t0
+            runner.discard()
+            if rep:  # the first round warms up
+                times[n].append(dt)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def choose_chain(reach: Sequence[float], curve: dict[int, float], c: float) -> dict:
+    """The chain length with the best predicted speed-up, and the prediction for every candidate.
+
+    reach: ``P(L ≥ d)`` for d = 1..K_max; curve: seconds per verify forward of n tokens (n = 1..K_max+1
+    at least); c: one draft forward ÷ one plain forward. Returns ``{"k", "predictions": [{k, tau,
+    verify_cost, speedup}], ...}``; with no reach measured, ``k`` is None.
+    """
+    base = curve[1]
+    preds = []
+    for k in range(1, len(reach) + 1):
+        if k + 1 not in curve:
+            break
+        tau = chain_tau(list(reach[:k]), "joint")
+        v = curve[k + 1] / base
+        preds.append({"k": k, "tau": tau, "verify_cost": v, "speedup": speedup_from_tau(tau, k * c, v)})
+    best = max(preds, key=lambda p: p["speedup"]) if preds else None
+    return {"k": best["k"] if best else None, "predictions": preds, "c": c,
+            "verify_cost_curve": {str(n): t / base for n, t in sorted(curve.items())}, "plain_forward_s": base,
+            "reach": list(reach)}
