@@ -155,7 +155,7 @@ class EagleDrafter(Drafter):
         root_h, root_logits = self._feed_pending(active)
         self._h = {(b, -1): root_h[b] for b in range(len(seqs))}
         if self.shape.kind == "chain":
-            trees = self._chains(root_logits.double(), temperature, generator)
+            trees = self._chains(root_logits, temperature, generator)
         else:
             self._slot = [dict() for _ in seqs]
             trees = dynamic_trees(torch.log_softmax(root_logits.double(), -1), self._expand,
@@ -190,16 +190,21 @@ class EagleDrafter(Drafter):
         toks, qs = [], []
         logits, h = root_logits, torch.stack([self._h[(b, -1)] for b in range(B)])
         for i in range(k):
-            q = probs(logits, temperature).cpu()
-            d = torch.multinomial(q, 1, generator=generator)[:, 0] if temperature > 0 else q.argmax(-1)
-            toks.append(d2t_full[d]); qs.append(_to_target_vocab(q, d2t_full, V_t))
+            if temperature > 0:  # sampling: the draft distribution goes with the chain (p/q verification)
+                q = probs(logits, temperature).cpu()
+                d = torch.multinomial(q, 1, generator=generator)[:, 0]
+                qs.append(_to_target_vocab(q, d2t_full, V_t))
+            else:  # greedy verification reads the tokens only: no (B, V) distribution per draft
+                d = logits.argmax(-1).cpu()
+            toks.append(d2t_full[d])
             if i + 1 < k:
                 lens = torch.ones(B, dtype=torch.long)
                 par, live = self.slots.chain_parents(lens, 1)
                 h_out, lg = self._step(h[:, None], toks[-1][:, None].to(self.device), par, live)
-                h, logits = h_out[:, 0], lg[:, 0].double()
-        T, Q = torch.stack(toks, 1), torch.stack(qs, 1)
-        return [DraftTree.chain(T[b].tolist(), Q[b], draft_forwards=k) for b in range(B)]
+                h, logits = h_out[:, 0], lg[:, 0]
+        T = torch.stack(toks, 1)
+        Q = torch.stack(qs, 1) if qs else None
+        return [DraftTree.chain(T[b].tolist(), None if Q is None else Q[b], draft_forwards=k) for b in range(B)]
 
 
 def _to_target_vocab(q: torch.Tensor, d2t_full: torch.Tensor, V_t: int) -> torch.Tensor:

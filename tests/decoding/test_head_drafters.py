@@ -106,3 +106,10 @@ def test_eagle_chain_matches_cache_free_unroll(target, kind):
                 h = torch.cat([h, h_out[:, -1:]], 1)
                 nxt = torch.cat([nxt, t.view(1, 1)], 1)
         assert trees[b].tokens.tolist() == toks
+        assert trees[b].q is None  # greedy verification reads tokens only: no (k, V) distribution is built
+    # Sampling: each draft carries its distribution over the target vocabulary (p/q verification).
+    d.start(PROMPTS, runner.prefill(PROMPTS))
+    sampled = d.propose(PROMPTS, [True, True], 1.0, torch.Generator().manual_seed(0))
+    for t in sampled:
+        assert t.q.shape == (3, target.vocab_size)
+        assert torch.allclose(t.q.sum(-1), torch.ones(3, dtype=t.q.dtype))
