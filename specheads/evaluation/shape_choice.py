@@ -3,7 +3,7 @@ acceptance measured on training-side held-out prompts (never on the evaluation p
 
 A chain of ``K`` drafts costs, per step, one target forward over ``K + 1`` tokens (``v(K+1)`` plain
 forwards, measured: ``verify_cost_curve``) plus ``K`` draft forwards (``c`` plain forwards each,
-measured: ``draft_cost``), and emits ``τ(K) = 1 + Σ_{d≤K} P(L ≥ d)`` tokens, where ``P(L ≥ d)`` is
+measured by the evaluator with the head itself), and emits ``τ(K) = 1 + Σ_{d≤K} P(L ≥ d)`` tokens, where ``P(L ≥ d)`` is
 the share of steps whose first ``d`` drafts were all accepted (the trainer's ``measured_reach{d}``,
 exact for every chain cut at ``d ≤`` the measured length). The choice maximises
 ``τ(K) / (v(K+1) + K·c)`` (``acceptance_math``). On a GPU ``v`` is nearly flat and long chains win;
@@ -12,31 +12,23 @@ on a CPU ``v`` climbs (SmolLM2 float32 on 2 cores: v(2) 1.12, v(4) 1.49, v(24) 2
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from specheads.acceptance_math import chain_tau, speedup_from_tau
+from specheads.training.run_log import read_train_summary
 
 
 def measured_reach(head_dir: str | None) -> list[float]:
-    """``P(L ≥ d)`` for d = 1.. from the ``train_summary.json`` next to or above ``head_dir`` (empty if none)."""
-    if not head_dir:
-        return []
-    for d in (Path(head_dir), Path(head_dir).parent):
-        f = d / "train_summary.json"
-        if f.exists():
-            ev = json.loads(f.read_text()).get("eval") or {}
-            out, i = [], 1
-            while f"measured_reach{i}" in ev:
-                out.append(float(ev[f"measured_reach{i}"]))
-                i += 1
-            return out
-    return []
+    """``P(L ≥ d)`` for d = 1.. from the head's ``train_summary.json`` (empty if none)."""
+    ev = (read_train_summary(head_dir) or {}).get("eval") or {}
+    out: list[float] = []
+    while f"measured_reach{len(out) + 1}" in ev:
+        out.append(float(ev[f"measured_reach{len(out) + 1}"]))
+    return out
 
 
 @torch.no_grad()

@@ -33,6 +33,7 @@ from specheads.evaluation.benchmarks import BenchmarkSpec, EvalPrompt, encode, l
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_spread, timed
 from specheads.evaluation.recommend import recommend
 from specheads.targets import Target, eos_token_ids
+from specheads.training.run_log import read_train_summary
 
 log = logging.getLogger(__name__)
 DRAFTERS = ("ngram", "lookahead", "early_exit", "two_model", "medusa", "eagle1", "eagle3")
@@ -392,19 +393,14 @@ def train_tau(head_dir: str | None) -> float | None:
     """τ estimated at training time (``train_summary.json`` next to or above the head), if any, scored
     against the target's greedy tokens (EAGLE always was; Medusa heads trained before their summary
     says ``tau_vs_target_greedy`` scored the data tokens instead, so they get None)."""
-    if not head_dir:
+    summary = read_train_summary(head_dir)
+    if summary is None:
         return None
-    for d in (Path(head_dir), Path(head_dir).parent):
-        f = d / "train_summary.json"
-        if f.exists():
-            summary = json.loads(f.read_text())
-            if str(summary.get("method", "")).startswith("medusa") and \
-                    not (summary.get("eval") or {}).get("tau_vs_target_greedy"):
-                log.warning("%s: its training-time τ was scored against the data tokens (trained before the "
-                            "target-greedy basis); not reported. Retrain to get it.", f)
-                return None
-            return summary.get("tau_estimate")
-    return None
+    if str(summary.get("method", "")).startswith("medusa") and not (summary.get("eval") or {}).get("tau_vs_target_greedy"):
+        log.warning("%s: its training-time τ was scored against the data tokens (trained before the "
+                    "target-greedy basis); not reported. Retrain to get it.", head_dir)
+        return None
+    return summary.get("tau_estimate")
 
 
 def _nparams(model) -> int:

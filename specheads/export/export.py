@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from specheads.errors import SpecheadsError
 from specheads.export.layouts import (ENGINES, FLOAT, Layout, LayoutError, TargetInfo, TensorSpec,
                                       build_layout, engines_for, head_tensors, method_of)
+from specheads.training.run_log import read_train_summary
 
 log = logging.getLogger(__name__)
 
@@ -413,7 +414,7 @@ def plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spe
     source = {k: v for f in files for k, v in load_file(str(f)).items()}
     if method == "eagle3":
         check_draft_vocab(source["d2t"], source["t2d"], f"head {head}")
-    summary = _train_summary(head)
+    summary = read_train_summary(head)
     nested = len(engines) > 1 or engine in ("both", "all")
     hub = hub_destinations(push_to_hub, engines, nested) if push_to_hub is not None else {}
     card = CardInputs(method, cfg, info, origin, describe_data(data, summary), report, spec_tokens,
@@ -553,11 +554,6 @@ def find_eval_report(head: Path) -> Path | None:
         return candidate
     log.warning("no evaluation report at %s: the card will say acceptance was not measured", candidate)
     return None
-
-
-def _train_summary(head: Path) -> dict | None:
-    path = head.parent / "train_summary.json"
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _check_repo_id(repo_id: str, engines: tuple[str, ...]) -> None:

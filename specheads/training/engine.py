@@ -34,12 +34,11 @@ from specheads.training.batches import BatchSource, micro_batches, prepare_batch
 from specheads.training.checkpoint import load_checkpoint, remove_partial, save_checkpoint
 from specheads.training.config import NonFiniteLossError, OptimConfig, TrainConfig
 from specheads.training.heldout import evaluate
-from specheads.training.run_log import RunLogger, read_losses
+from specheads.training.run_log import SUMMARY_FILE, RunLogger, read_losses
 from specheads.training.schedule import TimeBudget, make_scheduler
 
 log = logging.getLogger(__name__)
 
-SUMMARY_FILE = "train_summary.json"
 
 
 @dataclass
@@ -69,22 +68,20 @@ def train(method: Method, target: Target, train_data: BatchSource, cfg: TrainCon
         remove_partial(ckpt_root)
     model = TrainingModule(method, method.build(target), target)
     optimizer = make_optimizer(model, optim)
-    budget = TimeBudget(60 * cfg.max_minutes) if cfg.max_minutes else None
+    st = _State()
+    budget = TimeBudget(60 * cfg.max_minutes, lambda: st.train_s) if cfg.max_minutes else None  # reads st as rebound
     scheduler = make_scheduler(optimizer, optim.warmup_steps, cfg.max_steps, optim.min_lr_ratio, optim.schedule, budget)
     model, optimizer = acc.prepare(model, optimizer)
     acc.register_for_checkpointing(scheduler)  # stepped by hand: once per optimizer step at any world size
 
-    st, resumed = _State(), resume_path(cfg, ckpt_root)
+    resumed = resume_path(cfg, ckpt_root)
     if resumed is not None:
         saved = load_checkpoint(acc, resumed)
         st = _State(saved["step"], saved["epoch"], saved["pos"], saved["tokens"], saved["train_s"])
         log.info("resumed from %s at step %d", resumed, st.step)
-    if budget is not None:
-        budget.used_s = st.train_s
     logger = RunLogger(cfg, out, acc, method.name, st.step)
     try:
-        last_eval = _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, scheduler, st, logger, ckpt_root,
-                          budget)
+        last_eval = _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, scheduler, st, logger, ckpt_root)
         summary = _finish(method, model, target, eval_data, cfg, acc, st, last_eval, resumed, out)
     except BaseException:
         logger.close()
@@ -93,8 +90,7 @@ def train(method: Method, target: Target, train_data: BatchSource, cfg: TrainCon
     return summary
 
 
-def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, scheduler, st, logger, ckpt_root,
-          budget=None):
+def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, scheduler, st, logger, ckpt_root):
     stream = micro_batches(train_data, st.epoch, st.pos, acc.num_processes, acc.process_index)
     params = [p for p in model.parameters() if p.requires_grad]
     last_eval: dict[str, float] | None = None
@@ -114,9 +110,7 @@ def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, sch
         st.train_s += time.perf_counter() - t0
         if acc.num_processes > 1:  # one clock for all ranks: a time budget stops and decays them alike
             st.train_s = _slowest(st.train_s, acc.device)
-        if budget is not None:
-            budget.used_s = st.train_s
-        scheduler.step()
+        scheduler.step()  # after the clock: a time budget's decay reads st.train_s
         record = {"loss": loss, "lr": scheduler.get_last_lr()[0], "tokens": st.tokens, "train_s": st.train_s, **metrics}
         logger.log(st.step, record, to_wandb=st.step % max(1, cfg.log_every) == 0)
         logger.progress(st.step, loss, record["lr"])

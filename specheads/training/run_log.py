@@ -12,6 +12,7 @@ from typing import Any
 from specheads.training.config import TrainConfig
 
 METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "train_summary.json"
 
 
 class RunLogger:
@@ -71,6 +72,16 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
         return
     keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= last_step]
     path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def read_train_summary(head_dir: str | Path | None) -> dict | None:
+    """A run's ``train_summary.json``, given its output folder or the ``head/`` folder in it (None if none)."""
+    if not head_dir:
+        return None
+    for d in (Path(head_dir), Path(head_dir).parent):
+        if (d / SUMMARY_FILE).is_file():
+            return json.loads((d / SUMMARY_FILE).read_text())
+    return None
 
 
 def read_losses(output_dir: str | Path) -> dict[int, float]:

@@ -7,21 +7,22 @@ or the minutes (``TimeBudget``), so a budgeted run ends at the floor however fas
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 
 class TimeBudget:
-    """The share of a training time budget used so far; the training loop sets ``used_s``."""
+    """The share of a training time budget used so far; ``used()`` reads the training clock (seconds)."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, used: Callable[[], float]):
         if seconds <= 0:
             raise ValueError(f"a time budget must be positive, got {seconds} s")
-        self.seconds, self.used_s = float(seconds), 0.0
+        self.seconds, self.used = float(seconds), used
 
     @property
     def fraction(self) -> float:
-        return min(1.0, self.used_s / self.seconds)
+        return min(1.0, self.used() / self.seconds)
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float = 0.1,

@@ -168,3 +168,6 @@ def test_time_budget_stops_early_and_still_saves_the_head(tmp_path):
               OptimConfig(lr=3e-2), held)
     assert 0 < s["steps"] < 500, "the budget (0.12 s) must stop the run long before 500 steps"
     assert (tmp_path / "head").exists() and sorted(read_losses(tmp_path)) == list(range(1, s["steps"] + 1))
+    # The LR decay followed the clock, not the 500 planned steps: the last step ran at the floor.
+    lrs = [json.loads(ln)["lr"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"lr"' in ln]
+    assert lrs[-1] == pytest.approx(3e-2 * OptimConfig().min_lr_ratio)

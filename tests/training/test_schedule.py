@@ -35,11 +35,12 @@ def test_time_budget_drives_the_decay_when_it_runs_out_first():
     assert warmup_cosine(990, 10, 1000, 0.0, time_fraction=0.1) < 1e-3  # the steps, when ahead
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=1.0)
-    budget = TimeBudget(100.0)
+    clock = [0.0]
+    budget = TimeBudget(100.0, lambda: clock[0])
     sch = make_scheduler(opt, 0, 1000, 0.0, budget=budget)
-    budget.used_s = 100.0
+    clock[0] = 100.0
     opt.step()
     sch.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
     with pytest.raises(ValueError, match="positive"):
-        TimeBudget(0)
+        TimeBudget(0, lambda: 0.0)
