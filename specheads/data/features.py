@@ -1,7 +1,8 @@
 """Hidden-state features: one function computes them, offline collection stores them, a reader serves them.
 
 - ``compute_features(target, batch, spec)`` runs the frozen target and adds ``hidden_last`` /
-  ``hidden_aux`` (float32, zero on padding) to a batch. Collection and online training both call it,
+  ``hidden_aux`` (float32, zero on padding) and ``target_argmax`` (the target's full-vocabulary argmax
+  at each position, from ``hidden_last``) to a batch. Collection and online training both call it,
   so offline and online features are the same tensors.
 - ``collect_hidden_states`` writes them for a prepared dataset into a store (``specheads.data.store``),
   sorted by length, one disjoint share of the shards per process, resumable after a kill.
@@ -32,7 +33,8 @@ from specheads.data.store import (
     read_manifest, read_record, remove_stale_temps,
 )
 from specheads.targets import Target, default_eagle3_layers
-from specheads.methods.base import FeatureSpec
+from specheads.methods.base import ARGMAX_KEY, FeatureSpec
+from specheads.methods.losses import target_argmax
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ def compute_features(target: Target, batch: dict[str, torch.Tensor], spec: Featu
     """Add the spec's hidden states to a batch (a new dict; tensors moved to the target's device).
 
     batch: input_ids (B, T), attention_mask (B, T) (1 = real token, right padding), loss_mask (B, T)
-    adds:  hidden_last (B, T, H) float32 if ``spec.need_last``;
+    adds:  hidden_last (B, T, H) float32 and target_argmax (B, T) long (0 on padding) if ``spec.need_last``;
            hidden_aux (B, T, k*H) float32, aux layers concatenated in spec order, if ``spec.aux_layers``.
     Padding positions are zero, so the result does not depend on what the padded rows computed.
     """
@@ -74,6 +76,7 @@ def compute_features(target: Target, batch: dict[str, torch.Tensor], spec: Featu
     pad = ~mask.bool().unsqueeze(-1)
     if spec.need_last:
         out["hidden_last"] = feats.last.float().masked_fill(pad, 0.0)
+        out[ARGMAX_KEY] = target_argmax(target.logits, feats.last).masked_fill(pad[..., 0], 0)
     if spec.aux_layers:
         out["hidden_aux"] = torch.cat([a.float() for a in feats.aux], dim=-1).masked_fill(pad, 0.0)
     return out
@@ -104,8 +107,10 @@ class OnlineFeatures:
 def collate_features(samples: list[dict[str, Any]], pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
     """Right-pad samples of different lengths into the trainer's batch dict.
 
-    samples: dicts with input_ids (T_i,), loss_mask (T_i,), optionally hidden_last (T_i, H), hidden_aux (T_i, D)
-    returns: input_ids, attention_mask, loss_mask (B, T) long; hidden_* (B, T, D) float32, zero padded.
+    samples: dicts with input_ids (T_i,), loss_mask (T_i,), optionally hidden_last (T_i, H), hidden_aux (T_i, D),
+    target_argmax (T_i,)
+    returns: input_ids, attention_mask, loss_mask (B, T) long; hidden_* (B, T, D) float32, zero padded;
+    target_argmax (B, T) long when every sample has it.
     """
     longest = max(len(s["input_ids"]) for s in samples)
     T = math.ceil(longest / pad_to_multiple_of) * pad_to_multiple_of
@@ -114,14 +119,16 @@ def collate_features(samples: list[dict[str, Any]], pad_to_multiple_of: int = 1)
     for key in HIDDEN_KEYS:
         if key in samples[0]:
             batch[key] = torch.zeros(B, T, samples[0][key].shape[-1], dtype=torch.float32)
+    if all(ARGMAX_KEY in s for s in samples):
+        batch[ARGMAX_KEY] = torch.zeros(B, T, dtype=torch.long)
     for b, s in enumerate(samples):
         n = len(s["input_ids"])
         batch["input_ids"][b, :n] = torch.as_tensor(s["input_ids"])
         batch["loss_mask"][b, :n] = torch.as_tensor(s["loss_mask"])
         batch["attention_mask"][b, :n] = 1
-        for key in HIDDEN_KEYS:
+        for key in (*HIDDEN_KEYS, ARGMAX_KEY):
             if key in batch:
-                batch[key][b, :n] = s[key]
+                batch[key][b, :n] = torch.as_tensor(s[key])
     return batch
 
 
@@ -278,6 +285,7 @@ def store_header(target: Target, spec: FeatureSpec, opts: CollectOptions, ids: l
         "format": STORE_FORMAT, "target": target.name, "target_config_hash": target.config_hash(),
         "tokenizer_fingerprint": target.tokenizer_fingerprint(), "num_layers": target.num_layers,
         "hidden_size": target.hidden_size, "aux_layers": list(spec.aux_layers), "has_last": spec.need_last,
+        "has_argmax": spec.need_last,
         "last": "post-norm final hidden state (HF hidden_states[N]); target logits = lm_head(last)",
         "aux": "inputs of the listed decoder layers (HF hidden_states[i])", "dtype": dtype,
         "bytes_per_token": bytes_per_token(target.hidden_size, len(spec.aux_layers), spec.need_last, dtype),
@@ -460,7 +468,7 @@ class FeatureDataset(Dataset):
     """Samples of a feature store, read through memory-mapped shards (``safe_open``).
 
     Item: ``{id, input_ids (T,) long, loss_mask (T,) long, hidden_last (T, H) float32,
-    hidden_aux (T, k*H) float32}`` holding what ``spec`` asks for (default: everything stored), aux
+    target_argmax (T,) long, hidden_aux (T, k*H) float32}`` holding what ``spec`` asks for (default: everything stored), aux
     layers in the spec's order. The manifest is checked against ``target``/``spec``; each shard's
     size is checked on open and (``verify``) its SHA-256 before its first read in this process.
     """
@@ -524,6 +532,8 @@ class FeatureDataset(Dataset):
         item = {"id": self.ids[i], "input_ids": rows("input_ids").long(), "loss_mask": rows("loss_mask").long()}
         if self.spec.need_last:
             item["hidden_last"] = decode_hidden(rows("hidden_last"), rows("hidden_last_scale"))
+            if ARGMAX_KEY in names:  # stores collected before it was stored: the trainer computes it
+                item[ARGMAX_KEY] = rows(ARGMAX_KEY).long()
         if self.spec.aux_layers:
             aux = decode_hidden(rows("hidden_aux"), rows("hidden_aux_scale"))
             aux = aux.view(b - a, -1, self.hidden_size)[:, self.aux_index]

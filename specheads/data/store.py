@@ -8,8 +8,9 @@ Layout of a store folder::
     manifest.json             everything above in one file, written once all shards are done
 
 A shard holds ``input_ids (N,) int32``, ``loss_mask (N,) int8``, ``offsets (S+1,) int64`` (sample
-``s`` is rows ``offsets[s]:offsets[s+1]``) and, as the method needs, ``hidden_last (N, H)`` and
-``hidden_aux (N, k*H)``. With ``fp8_e4m3`` each hidden tensor has a float32 scale per token (and per
+``s`` is rows ``offsets[s]:offsets[s+1]``) and, as the method needs, ``hidden_last (N, H)`` with
+``target_argmax (N,) int32`` (the target's argmax over its whole vocabulary, computed from it at
+collection) and ``hidden_aux (N, k*H)``. With ``fp8_e4m3`` each hidden tensor has a float32 scale per token (and per
 aux layer): ``hidden_last_scale (N, 1)``, ``hidden_aux_scale (N, k)``.
 
 Every file is written to a temporary name and moved into place with ``os.replace``, so a killed
@@ -78,7 +79,7 @@ def bytes_per_token(hidden_size: int, num_aux: int, need_last: bool, dtype: str)
     elem = torch.empty((), dtype=STORE_DTYPES[dtype]).element_size()
     vectors = num_aux + int(need_last)
     scales = 4 * vectors if dtype == "fp8_e4m3" else 0
-    return 4 + 1 + vectors * hidden_size * elem + scales
+    return 4 + 1 + 4 * int(need_last) + vectors * hidden_size * elem + scales
 
 
 # --------------------------------------------------------------------------- fp8 codec
@@ -355,6 +356,8 @@ class ShardWriter:
         rows = {"input_ids": batch["input_ids"][keep].to(torch.int32),
                 "loss_mask": batch["loss_mask"][keep].to(torch.int8),
                 "lengths": keep.sum(dim=1).to(torch.int64)}
+        if "target_argmax" in batch:
+            rows["target_argmax"] = batch["target_argmax"][keep].to(torch.int32)
         for name, groups in (("hidden_last", 1), ("hidden_aux", self.aux_groups)):
             if name in batch:
                 rows.update(encode_hidden(name, batch[name][keep], self.dtype, groups))

@@ -22,6 +22,11 @@ from torch import nn
 from specheads.targets import Target
 
 
+# The batch key of the target's full-vocabulary argmax at each position (B, T) long, from hidden_last: feature
+# stores hold it (computed once at collection), so a method reads it instead of the target's full logits.
+ARGMAX_KEY = "target_argmax"
+
+
 @dataclass(frozen=True)
 class FeatureSpec:
     """Which target tensors a method trains on (see ``specheads.targets`` for the layer convention).
@@ -48,7 +53,8 @@ class Method(Protocol):
     """One head family. A batch is a dict of tensors:
 
     input_ids (B, T) long, attention_mask (B, T) long, loss_mask (B, T) long (1 on assistant tokens),
-    hidden_last (B, T, H) when ``feature_spec.need_last``,
+    hidden_last (B, T, H) when ``feature_spec.need_last`` (and, from a feature store or online features,
+    ``ARGMAX_KEY`` (B, T) long: the target's argmax over its whole vocabulary),
     hidden_aux (B, T, len(aux_layers) * H) when ``feature_spec.aux_layers``.
     """
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.methods.base import FeatureSpec, StepOutput
+from specheads.methods.base import ARGMAX_KEY, FeatureSpec, StepOutput
 from specheads.methods.losses import feature_loss, soft_cross_entropy, target_argmax, target_probs, uniform_noise
 from specheads.methods.ttt import default_positions, shift_tokens, step_rows, summarize_steps, unrolled_accuracy
 from specheads.models.eagle1 import Eagle1Config, Eagle1Model
@@ -61,7 +61,9 @@ class Eagle1Method:
     @torch.no_grad()
     def evaluate(self, model: Eagle1Model, batch: dict, target: Target) -> dict[str, float]:
         """Top-1 agreement with the target argmax at each of ``eval_steps`` unrolled steps (sums and counts)."""
-        argmax = target_argmax(target.logits, batch["hidden_last"], self.target_chunk)
+        argmax = batch.get(ARGMAX_KEY)
+        if argmax is None:
+            argmax = target_argmax(target.logits, batch["hidden_last"], self.target_chunk)
         return unrolled_accuracy(model, model.fuse(batch["hidden_last"]), batch, argmax, self.eval_steps, self.head_chunk)
 
     @staticmethod

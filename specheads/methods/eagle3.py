@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from specheads.methods.base import FeatureSpec, StepOutput
-from specheads.methods.losses import target_argmax, target_probs
+from specheads.methods.base import ARGMAX_KEY, FeatureSpec, StepOutput
+from specheads.methods.losses import column_logits, target_argmax, target_probs
 from specheads.methods.ttt import TargetRows, summarize_steps, ttt_loss, unrolled_accuracy
 from specheads.models.eagle3 import Eagle3Config, Eagle3Model
 from specheads.models.vocab import build_draft_vocab, count_loss_tokens, coverage
@@ -114,7 +114,11 @@ class Eagle3Method:
         need = torch.zeros(B, T, dtype=torch.bool, device=last.device)
         need[:, : T - 1] = (batch["loss_mask"][:, 1:] > 0) & (batch["attention_mask"][:, 1:] > 0)
         columns = model.t2d.nonzero().squeeze(-1)
-        probs, argmax_rows = target_probs(target.logits, last[need], columns, self.target_chunk)
+        if ARGMAX_KEY in batch:  # stored with the features: only the draft vocabulary's logits are needed
+            probs, _ = target_probs(column_logits(target, columns), last[need], None, self.target_chunk)
+            argmax_rows = batch[ARGMAX_KEY][need]
+        else:
+            probs, argmax_rows = target_probs(target.logits, last[need], columns, self.target_chunk)
         argmax = torch.zeros(B, T, dtype=torch.long, device=last.device)
         argmax[need] = argmax_rows
         row_of = torch.full((B, T), -1, dtype=torch.long, device=last.device)
@@ -135,7 +139,9 @@ class Eagle3Method:
     @torch.no_grad()
     def evaluate(self, model: Eagle3Model, batch: dict, target: Target) -> dict[str, float]:
         """Per-step top-1 agreement with the target argmax on all assistant tokens (sums and counts)."""
-        argmax = target_argmax(target.logits, batch["hidden_last"], self.target_chunk)
+        argmax = batch.get(ARGMAX_KEY)
+        if argmax is None:
+            argmax = target_argmax(target.logits, batch["hidden_last"], self.target_chunk)
         return unrolled_accuracy(model, model.fuse(batch["hidden_aux"]), batch, argmax, self.ttt_steps, self.head_chunk)
 
     @staticmethod

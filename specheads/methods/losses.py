@@ -39,6 +39,19 @@ def target_probs(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torc
     return probs, argmax
 
 
+def column_logits(target, columns: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """(n, H) post-norm hidden -> (n, len(columns)) target logits on those vocabulary columns only: the LM
+    head's rows for ``columns`` (a draft vocabulary is ~1/12 of SmolLM2's, so ~1/12 of the work)."""
+    head = target.lm_head
+    weight = head.weight.index_select(0, columns.to(head.weight.device))
+    bias = None if getattr(head, "bias", None) is None else head.bias.index_select(0, columns.to(head.bias.device))
+
+    def fn(hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, weight.to(hidden.device), None if bias is None else bias.to(hidden.device))
+
+    return fn
+
+
 @torch.no_grad()
 def target_argmax(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                   chunk: int = 1024) -> torch.Tensor:

@@ -131,6 +131,13 @@ def test_store_round_trip_float32(tiny_target, prepared, tmp_path):
         ref = single_sample_features(tiny_target, item)
         torch.testing.assert_close(item["hidden_last"], ref["hidden_last"][0])
         torch.testing.assert_close(item["hidden_aux"], ref["hidden_aux"][0])
+        # the target's full-vocabulary argmax, stored so training needs no full logits
+        assert item["target_argmax"].tolist() == tiny_target.logits(ref["hidden_last"][0]).argmax(-1).tolist()
+    assert manifest["has_argmax"]
+    batch = collate_features([ds[0], ds[1]])
+    n0 = len(ds[0]["input_ids"])
+    assert batch["target_argmax"].shape == batch["input_ids"].shape
+    assert batch["target_argmax"][0, :n0].tolist() == ds[0]["target_argmax"].tolist()
 
 
 @pytest.mark.parametrize("dtype,tol", [("bfloat16", 2**-8), ("float16", 2**-11)])
@@ -147,9 +154,9 @@ def test_half_stores_round_to_their_dtype(tiny_target, prepared, tmp_path, dtype
 
 def test_bytes_per_token_per_dtype(tiny_target, prepared, tmp_path):
     # SmolLM2 (H=576): EAGLE-3 stores 3 aux + last = 4 vectors per token
-    assert bytes_per_token(576, 3, True, "bf16") == 5 + 4 * 576 * 2
-    assert bytes_per_token(576, 3, True, "fp8") == 5 + 4 * 576 + 4 * 4
-    assert bytes_per_token(576, 0, True, "fp16") == 5 + 576 * 2
+    assert bytes_per_token(576, 3, True, "bf16") == 9 + 4 * 576 * 2  # ids, mask, target argmax + vectors
+    assert bytes_per_token(576, 3, True, "fp8") == 9 + 4 * 576 + 4 * 4
+    assert bytes_per_token(576, 0, True, "fp16") == 9 + 576 * 2
     for dtype in ("bfloat16", "fp8_e4m3"):
         m = collect(tiny_target, prepared, tmp_path / dtype, dtype=dtype)["manifest"]
         per_token = m["bytes_on_disk"] / m["num_tokens"]
@@ -345,7 +352,8 @@ def test_offline_and_online_batches_are_equal(tiny_target, prepared, tmp_path):
     for batch_ids in length_batches(range(len(tokens)), tokens.lengths, 40, 4):
         off = collate_features([offline[order[i]] for i in batch_ids])
         on = online(collate_features(tokens.rows(batch_ids)))
-        assert set(off) == set(on) == {"input_ids", "attention_mask", "loss_mask", "hidden_last", "hidden_aux"}
+        assert set(off) == set(on) == {"input_ids", "attention_mask", "loss_mask", "hidden_last", "hidden_aux",
+                                         "target_argmax"}
         for key in off:
             torch.testing.assert_close(on[key], off[key])
         assert add_features(off, tiny_target, SPEC) is off  # offline batches pass through

@@ -233,3 +233,25 @@ def test_feature_weight_adds_the_regression_on_the_targets_next_state(target):
     assert_close(extra, want, rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="feature_weight"):
         Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), feature_weight=-1.0)
+
+
+def test_stored_target_argmax_gives_the_same_loss_without_the_full_logits(target, monkeypatch):
+    """With the argmax a feature store holds, the loss and metrics are those of the full computation, and
+    the target's full-vocabulary logits are never built (only the draft vocabulary's LM head rows)."""
+    method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=2)
+    model = method.build(target)
+    batch = _batch(target, method)
+    full = method.loss(model, batch, target)
+    held = method.evaluate(model, batch, target)
+    stored = dict(batch, target_argmax=target.logits(batch["hidden_last"]).argmax(-1))
+    calls = []
+    real = target.logits
+    monkeypatch.setattr(target, "logits", lambda h: calls.append(h.shape) or real(h))
+    fast = method.loss(model, stored, target)
+    assert_close(fast.loss, full.loss)
+    assert fast.metrics == pytest.approx(full.metrics)
+    assert method.evaluate(model, stored, target) == held
+    assert calls == []
+    # without it the target's logits are computed as before
+    method.loss(model, batch, target)
+    assert calls
