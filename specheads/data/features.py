@@ -1,8 +1,8 @@
 """Hidden-state features: one function computes them, offline collection stores them, a reader serves them.
 
 - ``compute_features(target, batch, spec)`` runs the frozen target and adds ``hidden_last`` /
-  ``hidden_aux`` (float32, zero on padding) and ``target_argmax`` (the target's full-vocabulary argmax
-  at each position, from ``hidden_last``) to a batch. Collection and online training both call it,
+  ``hidden_aux`` (float32, zero on padding) to a batch; for a store also ``target_argmax`` (the target's
+  full-vocabulary argmax at each position, from ``hidden_last``), so training never redoes it. Collection and online training both call it,
   so offline and online features are the same tensors.
 - ``collect_hidden_states`` writes them for a prepared dataset into a store (``specheads.data.store``),
   sorted by length, one disjoint share of the shards per process, resumable after a kill.
@@ -58,11 +58,13 @@ def spec_for_method(method: str, num_layers: int, aux_layers: Sequence[int] | No
 # --------------------------------------------------------------------------- computing
 
 
-def compute_features(target: Target, batch: dict[str, torch.Tensor], spec: FeatureSpec) -> dict[str, torch.Tensor]:
+def compute_features(target: Target, batch: dict[str, torch.Tensor], spec: FeatureSpec,
+                     argmax: bool = False) -> dict[str, torch.Tensor]:
     """Add the spec's hidden states to a batch (a new dict; tensors moved to the target's device).
 
     batch: input_ids (B, T), attention_mask (B, T) (1 = real token, right padding), loss_mask (B, T)
-    adds:  hidden_last (B, T, H) float32 and target_argmax (B, T) long (0 on padding) if ``spec.need_last``;
+    adds:  hidden_last (B, T, H) float32 if ``spec.need_last`` (with ``argmax``: also target_argmax (B, T)
+           long, 0 on padding: collection stores it; online training lets the method compute what it needs);
            hidden_aux (B, T, k*H) float32, aux layers concatenated in spec order, if ``spec.aux_layers``.
     Padding positions are zero, so the result does not depend on what the padded rows computed.
     """
@@ -76,7 +78,8 @@ def compute_features(target: Target, batch: dict[str, torch.Tensor], spec: Featu
     pad = ~mask.bool().unsqueeze(-1)
     if spec.need_last:
         out["hidden_last"] = feats.last.float().masked_fill(pad, 0.0)
-        out[ARGMAX_KEY] = target_argmax(target.logits, feats.last).masked_fill(pad[..., 0], 0)
+        if argmax:
+            out[ARGMAX_KEY] = target_argmax(target.logits, feats.last).masked_fill(pad[..., 0], 0)
     if spec.aux_layers:
         out["hidden_aux"] = torch.cat([a.float() for a in feats.aux], dim=-1).masked_fill(pad, 0.0)
     return out
@@ -372,7 +375,7 @@ def _estimate(target, spec, tokens: TokenDataset, batches: list[list[int]], todo
     probe = batches[len(batches) // 2][:4]  # a few mid-length samples: cheap, and time scales with tokens
     batch = collate_features(tokens.rows(probe))
     t0 = time.perf_counter()
-    compute_features(target, batch, spec)
+    compute_features(target, batch, spec, argmax=spec.need_last)
     rate = batch["input_ids"].numel() / max(time.perf_counter() - t0, 1e-9)
     padded = sum(len(b) * max(tokens.lengths[i] for i in b) for b in batches)
     log.info("estimated collection time for rank %d: ~%.1f min (%d padded tokens at ~%.0f tokens/s, one timed batch)",
@@ -413,7 +416,7 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
     if not opts.write:  # a tensor-parallel peer: the same forward passes, nothing written
         for s in todo:
             for b in plan[s]:
-                compute_features(target, collate_features(tokens.rows(b)), spec)
+                compute_features(target, collate_features(tokens.rows(b)), spec, argmax=spec.need_last)
         log.info("rank %d: computed its group's %d shards for the group's writer", opts.rank, len(todo))
         return {"rank": opts.rank, "shards_written": 0, "shards_skipped": len(mine) - len(todo), "samples": 0,
                 "tokens": 0, "seconds": time.perf_counter() - t0, "tokens_per_s": 0.0, "manifest": None}
@@ -421,7 +424,7 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
     try:
         for s in todo:
             for b in plan[s]:
-                writer.add(compute_features(target, collate_features(tokens.rows(b)), spec))
+                writer.add(compute_features(target, collate_features(tokens.rows(b)), spec, argmax=spec.need_last))
             writer.finish(s, [ids[i] for i in shards[s]])
     except BaseException:
         writer.close(check=False)  # keep the shards finished so far; the original error propagates
