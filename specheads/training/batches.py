@@ -43,14 +43,18 @@ class DatasetBatches:
     """A ``BatchSource`` over a map-style dataset with ``lengths`` (``specheads.data.features``'
     ``FeatureDataset`` for a store, ``TokenDataset`` for prepared tokens): length-grouped batches
     under a token budget, shuffled per epoch by ``(seed, epoch)``. ``indices`` selects a subset;
-    ``max_length`` cuts every sample to its first ``max_length`` tokens.
+    ``max_length`` cuts every sample to its first ``max_length`` tokens; ``pad_to_multiple_of`` pads each
+    batch's length up to a multiple (a few recurring shapes let the allocator reuse its blocks).
     Batches are yielded as loaders (zero-argument callables) so each process reads only its share.
     """
 
     def __init__(self, dataset, max_tokens: int | None = 4096, batch_size: int | None = None,
                  shuffle: bool = True, seed: int = 0, indices: Sequence[int] | None = None,
-                 max_length: int | None = None):
+                 max_length: int | None = None, pad_to_multiple_of: int = 1):
+        if pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be at least 1, got {pad_to_multiple_of}")
         self.dataset, self.max_tokens, self.batch_size = dataset, max_tokens, batch_size
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.shuffle, self.seed, self.max_length = shuffle, seed, max_length
         self.indices = list(range(len(dataset))) if indices is None else list(indices)
         self.lengths = [min(dataset.lengths[i], max_length or dataset.lengths[i]) for i in self.indices]
@@ -78,7 +82,7 @@ class DatasetBatches:
         samples = ds.rows(rows) if hasattr(ds, "rows") else [ds[i] for i in rows]
         if self.max_length:
             samples = [{k: (v[: self.max_length] if torch.is_tensor(v) else v) for k, v in x.items()} for x in samples]
-        return collate_features(samples)
+        return collate_features(samples, self.pad_to_multiple_of)
 
 
 def split_rows(n: int, eval_rows: int, seed: int = 0) -> tuple[list[int], list[int]]:
