@@ -74,7 +74,7 @@ def generate_static(model, prompts: list[list[int]], max_new_tokens: int, eos_to
         generated[active, step] = nxt
         ended = nxt == eos_token_id
         finished[active[ended]] = True
-        if bool(ended.all()) or step + 1 == max_new_tokens:
+        if bool(finished.all()) or step + 1 == max_new_tokens:  # rows still in the batch may have ended earlier
             break
         keep = ~finished[active]
         if int((~keep).sum()) * 4 >= len(active) and _compact(cache, keep):

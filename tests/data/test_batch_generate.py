@@ -71,3 +71,19 @@ def test_bad_arguments_are_user_errors(model):
         generate_static(model, [[1, 2], []], 4, eos_token_id=3, pad_token_id=PAD)
     with pytest.raises(UserError, match="max_new_tokens"):
         generate_static(model, [[1, 2]], 0, eos_token_id=3, pad_token_id=PAD)
+
+
+def test_stops_once_every_row_has_finished_even_if_an_early_one_stayed_in_the_batch(model, monkeypatch):
+    """A row that finished while too few others had (no compaction) keeps running in the batch, drawing other
+    tokens; once the last row finishes the loop must stop there, not run on to max_new_tokens."""
+    EOS, A, B = 7, 11, 12
+    script = [[A, A], [EOS, A], [B, A], [B, EOS], [B, B], [B, B]]  # row 0 ends at step 1, row 1 at step 3
+    steps = iter(script)
+    monkeypatch.setattr(batch_generate, "_next_tokens", lambda logits, *a: torch.tensor(next(steps)[: logits.shape[0]]))
+    monkeypatch.setattr(batch_generate, "_compact", lambda cache, keep: False)  # nobody leaves the batch
+    forwards = []
+    real_forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: forwards.append(1) or real_forward(*a, **k))
+    got = generate_static(model, PROMPTS[:2], 6, eos_token_id=EOS, pad_token_id=PAD)
+    assert got == [([A], True), ([A, A, A], True)]
+    assert len(forwards) == 4  # the prefill and three steps: none after the last row's end-of-turn token
