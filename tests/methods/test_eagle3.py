@@ -193,7 +193,8 @@ def test_recipe_counts_the_draft_vocabulary_over_training_rows_only(target, tmp_
                    tmp_path / "prepared")
     cfg = OmegaConf.create({"features_dir": None, "prepared_dir": str(tmp_path / "prepared"), "seed": 0,
                             "data": {"eval_samples": 8, "max_tokens": 256, "batch_size": None,
-                                     "eval_max_tokens": 256, "max_length": None}})
+                                     "eval_max_tokens": 256, "max_length": None,
+                                     "pad_to_multiple_of": 1}})
     method = Eagle3Method(vocab_data=str(tmp_path / "prepared"))
     train_src, eval_src = recipe.build_data(cfg, method, target)
     recipe.set_vocab_rows(method, cfg, train_src)
