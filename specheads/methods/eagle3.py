@@ -35,7 +35,13 @@ class Eagle3Method:
     target_chunk / head_chunk: rows per chunk for the target's and the drafter's logits;
     init_lm_head_from_target: start lm_head from the target's rows of the draft vocabulary;
     freeze_lm_head: keep lm_head fixed (only with ``init_lm_head_from_target``; vLLM speculators' recipe);
-    feature_weight: weight of EAGLE-1's feature regression beside the soft CE (``ttt.ttt_loss``; 0 = off).
+    feature_weight: weight of EAGLE-1's feature regression beside the soft CE (``ttt.ttt_loss``; 0 = off);
+    init_layer_from_target: start the drafter as the target's decoder layer whose input is the highest
+    fused feature (``aux_layers[-1]``): ``fc`` passes that feature through, the hidden half of q/k/v, o_proj,
+    the MLP and the norms are that layer's, the token-embedding half of q/k/v keeps its random start, and
+    ``norm`` is the target's final norm (issue 13's initialisation lever);
+    offpath_weight: loss weight of rows whose input token is not the target's own greedy choice there
+    (``ttt.ttt_loss``; 1 = every row alike). Greedy drafting only ever feeds the target's choices.
     """
 
     name = "eagle3"
@@ -44,7 +50,7 @@ class Eagle3Method:
                  vocab_max_samples: int | None = None, aux_layers=None, ttt_steps: int = 3,
                  step_decay: float = 0.8, target_chunk: int = 1024, head_chunk: int = 2048,
                  init_lm_head_from_target: bool = False, vocab_rows=None, freeze_lm_head: bool = False,
-                 feature_weight: float = 0.0):
+                 feature_weight: float = 0.0, init_layer_from_target: bool = False, offpath_weight: float = 1.0):
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         if freeze_lm_head and not init_lm_head_from_target:
@@ -61,6 +67,10 @@ class Eagle3Method:
         if feature_weight < 0:
             raise ValueError(f"feature_weight must be >= 0, got {feature_weight}")
         self.feature_weight = feature_weight
+        if not 0 <= offpath_weight <= 1:
+            raise ValueError(f"offpath_weight must lie in [0, 1], got {offpath_weight}")
+        self.offpath_weight = offpath_weight
+        self.init_layer_from_target = init_layer_from_target
         self._num_target_layers: int | None = None
 
     @property
@@ -96,6 +106,8 @@ class Eagle3Method:
         model.set_draft_vocab(d2t.to(target.device), t2d.to(target.device))
         if self.init_lm_head_from_target:
             self._init_lm_head(model, target)
+        if self.init_layer_from_target:
+            self._init_layer(model, target)
         if self.freeze_lm_head:
             model.lm_head.weight.requires_grad_(False)
         return model
@@ -105,6 +117,34 @@ class Eagle3Method:
         ids = model.t2d.nonzero().squeeze(-1)
         with torch.no_grad():
             model.lm_head.weight.copy_(target.lm_head.weight.index_select(0, ids).to(model.lm_head.weight))
+
+    @staticmethod
+    def _init_layer(model: Eagle3Model, target: Target) -> None:
+        aux = list(model.config.aux_layers)
+        src, mid, H = target.layers[aux[-1]], model.midlayer, target.hidden_size
+        pairs = [(mid.self_attn.o_proj, src.self_attn.o_proj), (mid.mlp.gate_proj, src.mlp.gate_proj),
+                 (mid.mlp.up_proj, src.mlp.up_proj), (mid.mlp.down_proj, src.mlp.down_proj),
+                 (mid.post_attention_layernorm, src.post_attention_layernorm), (mid.hidden_norm, src.input_layernorm),
+                 (model.norm, target.decoder.norm)]
+        with torch.no_grad():
+            for name in ("q_proj", "k_proj", "v_proj"):
+                dst, w = getattr(mid.self_attn, name), getattr(src.self_attn, name)
+                if dst.weight.shape != (w.weight.shape[0], 2 * H):
+                    raise ValueError(f"init_layer_from_target: the target's layer {aux[-1]} {name} is "
+                                     f"{tuple(w.weight.shape)}, the drafter's {tuple(dst.weight.shape)} (expected (out, 2H))")
+                dst.weight[:, H:].copy_(w.weight)
+                if dst.bias is not None and w.bias is not None:
+                    dst.bias.copy_(w.bias)
+            for dst, w in pairs:
+                for pname, param in dst.named_parameters():
+                    value = getattr(w, pname)
+                    if param.shape != value.shape:
+                        raise ValueError(f"init_layer_from_target: {pname} of the target's layer {aux[-1]} is "
+                                         f"{tuple(value.shape)}, the drafter's {tuple(param.shape)}")
+                    param.copy_(value)
+            width = model.fc.weight.shape[1] // len(aux)
+            model.fc.weight.zero_()
+            model.fc.weight[:, (len(aux) - 1) * width:].copy_(torch.eye(H, width))
 
     # -- training
     def target_rows(self, model: Eagle3Model, batch: dict, target: Target) -> TargetRows:
@@ -129,7 +169,7 @@ class Eagle3Method:
         rows = self.target_rows(model, batch, target)
         h0 = model.fuse(batch["hidden_aux"])
         loss, stats = ttt_loss(model, h0, batch, rows, self.ttt_steps, self.step_decay, self.head_chunk,
-                               self.feature_weight)
+                               self.feature_weight, self.offpath_weight)
         metrics = {}
         for i, s in enumerate(stats):
             metrics[f"step{i}_loss"] = float(s.loss)

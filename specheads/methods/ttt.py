@@ -91,7 +91,8 @@ class StepStats:
 
 
 def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: TargetRows, steps: int,
-             decay: float = 0.8, chunk: int = 2048, feature_weight: float = 0.0) -> tuple[torch.Tensor, list[StepStats]]:
+             decay: float = 0.8, chunk: int = 2048, feature_weight: float = 0.0,
+             offpath_weight: float = 1.0) -> tuple[torch.Tensor, list[StepStats]]:
     """Weighted sum over steps of the mean soft cross-entropy (weights ``decay**i``).
 
     Step ``i`` is trained on ``step_rows`` whose target argmax lies in the draft vocabulary.
@@ -99,6 +100,9 @@ def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: 
     drafter's normed output (``model.norm(h_out)``) on the target's post-norm state at the predicted
     position (``batch["hidden_last"]`` at ``t+1+i``): a dense signal that, with the target's LM-head
     rows, makes the draft logits the target's.
+    offpath_weight < 1 weighs down the rows whose input token ``ids[t+1+i]`` is an assistant token
+    other than the target's argmax at ``t+i`` (a state greedy drafting never reaches: it only feeds
+    the target's own choices); the step's loss is then the weighted mean.
     Returns (loss scalar, per-step stats with accuracy against the target argmax on those rows).
     """
     total, stats = None, []
@@ -107,9 +111,15 @@ def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: 
         keep = rows.in_vocab[b, t + 1 + i]
         b, t = b[keep], t[keep]
         idx = rows.row_of[b, t + 1 + i]
-        loss_sum, pred = soft_cross_entropy(model.logits, h_out[b, t], rows.probs[idx], chunk=chunk)
-        n = b.numel()
-        step_loss = loss_sum / max(n, 1)
+        probs, n = rows.probs[idx], b.numel()
+        denom = float(max(n, 1))
+        if offpath_weight != 1.0:
+            offpath = (rows.row_of[b, t + i] >= 0) & (batch["input_ids"][b, t + 1 + i] != rows.argmax[b, t + i])
+            weight = torch.where(offpath, offpath_weight, 1.0).to(probs.dtype)
+            probs = probs * weight[:, None]
+            denom = max(float(weight.sum()), 1e-6)
+        loss_sum, pred = soft_cross_entropy(model.logits, h_out[b, t], probs, chunk=chunk)
+        step_loss = loss_sum / denom
         if feature_weight:
             true = batch["hidden_last"][b, t + 1 + i]
             step_loss = step_loss + feature_weight * feature_loss(model.norm(h_out[b, t]), true) / max(n, 1)
@@ -131,7 +141,9 @@ def unrolled_accuracy(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor
     A target token outside the draft vocabulary counts as a miss. Returns sums
     ``step{i}_correct / step{i}_total`` (step i alone, earlier inputs teacher-forced) and
     ``joint{i}_correct / joint{i}_total`` (steps 0..i all right at the same position) and
-    ``data{i}_correct / data{i}_total`` (step i's prediction equals the data token ``ids[t+2+i]``).
+    ``data{i}_correct / data{i}_total`` (step i's prediction equals the data token ``ids[t+2+i]``) and
+    ``onpath{i}_correct / onpath{i}_total`` (step i on the rows whose input token ``ids[t+1+i]`` is the
+    target's argmax at ``t+i``: the states greedy drafting reaches, so the closest to its acceptance).
     """
     out: dict[str, float] = {}
     all_right = torch.ones_like(reference, dtype=torch.bool)
@@ -153,6 +165,9 @@ def unrolled_accuracy(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor
         out[f"step{i}_total"] = float(b.numel())
         out[f"joint{i}_correct"] = float(all_right[b, t].sum())
         out[f"joint{i}_total"] = float(b.numel())
+        onpath = ids[b, t + 1 + i] == reference[b, t + i]
+        out[f"onpath{i}_correct"] = float(right[b, t][onpath].sum())
+        out[f"onpath{i}_total"] = float(onpath.sum())
     return out
 
 

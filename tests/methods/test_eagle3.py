@@ -8,6 +8,7 @@ from torch.testing import assert_close
 
 from specheads.methods.eagle3 import Eagle3Method
 from specheads.models.eagle3 import Eagle3Config, Eagle3Model
+from specheads.models.vocab import build_draft_vocab
 from tests.conftest import make_tiny_target
 
 V, H, DV = 200, 64, 40
@@ -256,3 +257,72 @@ def test_stored_target_argmax_gives_the_same_loss_without_the_full_logits(target
     # without it the target's logits are computed as before
     method.loss(model, batch, target)
     assert calls
+
+
+def test_init_layer_from_target_starts_as_the_targets_highest_fused_layer(target):
+    """With the token-embedding half of q/k/v zeroed, the fresh drafter computes exactly the target's
+    layer ``aux_layers[-1]`` on the feature entering it, then the target's final norm."""
+    method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), init_layer_from_target=True)
+    model = method.build(target)
+    src = target.layers[model.config.aux_layers[-1]]
+    assert_close(model.midlayer.mlp.up_proj.weight, src.mlp.up_proj.weight)
+    assert_close(model.midlayer.self_attn.q_proj.weight[:, H:], src.self_attn.q_proj.weight)
+    assert float(model.midlayer.self_attn.q_proj.weight[:, :H].abs().sum()) > 0  # embedding half: random start
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(model.midlayer.self_attn, name).weight[:, :H] = 0
+    ids = torch.randint(0, V, (1, 9))
+    aux = model.config.aux_layers
+    f = target.forward_features(ids, aux_layers=aux)
+    h_out = model.decode(model.fuse(torch.cat(f.aux, -1)), ids, torch.arange(9)[None])
+    with torch.no_grad():
+        seen = {}
+        hook = src.register_forward_hook(lambda m, a, out: seen.setdefault("out", out[0] if isinstance(out, tuple) else out))
+        target.model(ids)
+        hook.remove()
+    assert_close(h_out, seen["out"], atol=1e-4, rtol=1e-4)
+    assert_close(model.norm.weight, target.decoder.norm.weight)
+    plain = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows()).build(target)
+    assert not torch.allclose(plain.midlayer.mlp.up_proj.weight, src.mlp.up_proj.weight)
+
+
+def test_offpath_weight_weighs_down_rows_fed_a_token_the_target_would_not_choose(target):
+    """offpath_weight=0 trains step 0 only on rows whose input token is the target's argmax at t (the
+    rows greedy drafting reaches); 1 is the plain loss; other values the weighted mean."""
+    method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=1)
+    model = method.build(target)
+    batch = _batch(target, method)
+    full = target.logits(batch["hidden_last"])
+    argmax = full.argmax(-1)
+    ids, T = batch["input_ids"], batch["input_ids"].shape[1]
+    ids[0, 5:9] = argmax[0, 4:8]  # some rows on the target's path, the rest (random ids) mostly off it
+    batch = _batch(target, method) | {"input_ids": ids}
+    f = target.forward_features(ids, batch["attention_mask"], aux_layers=method.feature_spec.aux_layers)
+    batch |= {"hidden_last": f.last, "hidden_aux": torch.cat(f.aux, -1)}
+    full = target.logits(batch["hidden_last"])
+    argmax = full.argmax(-1)
+    counts = torch.bincount(argmax.flatten(), minlength=V).float() + torch.rand(V) * 0.5
+    model.set_draft_vocab(*build_draft_vocab(counts, DV))  # every argmax in the draft vocabulary
+    nxt = torch.zeros_like(ids)
+    nxt[:, :-1] = ids[:, 1:]
+    _, logits = model.step(model.fuse(batch["hidden_aux"]), nxt, torch.arange(T).expand_as(ids))
+    p = torch.softmax(full[..., model.t2d], -1)
+    in_vocab = model.t2d[argmax]
+
+    def manual(w):
+        total, n = 0.0, 0.0
+        for b in range(ids.shape[0]):
+            for t in range(T - 2):
+                if batch["loss_mask"][b, t + 2] and batch["attention_mask"][b, t + 2] and in_vocab[b, t + 1]:
+                    off = bool(batch["loss_mask"][b, t + 1]) and int(ids[b, t + 1]) != int(argmax[b, t])
+                    wt = w if off else 1.0
+                    total = total - wt * (p[b, t + 1] * torch.log_softmax(logits[b, t], -1)).sum()
+                    n += wt
+        return total / n
+
+    for w in (1.0, 0.3, 0.0):
+        weighted = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=1, offpath_weight=w)
+        assert_close(weighted.loss(model, batch, target).loss, manual(w), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(manual(0.0), manual(1.0))
+    with pytest.raises(ValueError, match="offpath_weight"):
+        Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), offpath_weight=1.5)

@@ -167,3 +167,21 @@ def test_unrolled_accuracy_against_data_tokens():
     assert m["data0_total"] == (T - 5) + (T - 2)
     assert m["data0_correct"] == T - 5
     assert m["data1_correct"] == T - 5 and m["data1_total"] == (T - 5) + (T - 3)
+
+
+def test_unrolled_accuracy_on_the_targets_path():
+    """onpath{i}: step i scored only where the input token ids[t+1+i] is the reference (target argmax) at
+    t+i. Row 0's inputs are on the path at every position, row 1's at none; the plan is right on both."""
+    V = 50
+    ids = torch.randint(1, V, (2, T))
+    ref = torch.zeros_like(ids)
+    ref[0, :-1] = ids[0, 1:]  # row 0: the data is the target's own greedy path
+    ref[1, :-1] = 0           # row 1: never (ids >= 1)
+    plan = torch.zeros_like(ids)
+    plan[0] = ids[0]          # guesses ids[t+2]: the reference at t+1 on row 0
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "attention_mask": torch.ones_like(ids)}
+    m = unrolled_accuracy(_Oracle(plan, V), torch.zeros(2, T, 4), batch, ref, 2)
+    assert m["onpath0_total"] == T - 2 and m["onpath0_correct"] == T - 2
+    assert m["onpath1_total"] == T - 3 and m["onpath1_correct"] == T - 3
+    # row 1 is right too (plan 0 == reference 0) but off the path: counted in step0 only
+    assert m["step0_total"] == 2 * (T - 2) and m["step0_correct"] == 2 * (T - 2)
