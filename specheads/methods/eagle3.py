@@ -41,7 +41,9 @@ class Eagle3Method:
     the MLP and the norms are that layer's, the token-embedding half of q/k/v keeps its random start, and
     ``norm`` is the target's final norm (issue 13's initialisation lever);
     offpath_weight: loss weight of rows whose input token is not the target's own greedy choice there
-    (``ttt.ttt_loss``; 1 = every row alike). Greedy drafting only ever feeds the target's choices.
+    (``ttt.ttt_loss``; 1 = every row alike). Greedy drafting only ever feeds the target's choices;
+    feature_noise: while training, the fused input ``h0`` gets uniform noise of ``feature_noise`` times its
+    per-row RMS (EAGLE's feature noise, made relative; a regulariser over several epochs; 0 = off).
     """
 
     name = "eagle3"
@@ -50,7 +52,8 @@ class Eagle3Method:
                  vocab_max_samples: int | None = None, aux_layers=None, ttt_steps: int = 3,
                  step_decay: float = 0.8, target_chunk: int = 1024, head_chunk: int = 2048,
                  init_lm_head_from_target: bool = False, vocab_rows=None, freeze_lm_head: bool = False,
-                 feature_weight: float = 0.0, init_layer_from_target: bool = False, offpath_weight: float = 1.0):
+                 feature_weight: float = 0.0, init_layer_from_target: bool = False, offpath_weight: float = 1.0,
+                 feature_noise: float = 0.0):
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         if freeze_lm_head and not init_lm_head_from_target:
@@ -71,6 +74,9 @@ class Eagle3Method:
             raise ValueError(f"offpath_weight must lie in [0, 1], got {offpath_weight}")
         self.offpath_weight = offpath_weight
         self.init_layer_from_target = init_layer_from_target
+        if feature_noise < 0:
+            raise ValueError(f"feature_noise must be >= 0, got {feature_noise}")
+        self.feature_noise = feature_noise
         self._num_target_layers: int | None = None
 
     @property
@@ -168,6 +174,9 @@ class Eagle3Method:
     def loss(self, model: Eagle3Model, batch: dict, target: Target) -> StepOutput:
         rows = self.target_rows(model, batch, target)
         h0 = model.fuse(batch["hidden_aux"])
+        if self.feature_noise and model.training:
+            scale = self.feature_noise * h0.detach().float().pow(2).mean(-1, keepdim=True).sqrt()
+            h0 = h0 + (scale * (2 * torch.rand_like(scale.expand_as(h0)) - 1)).to(h0.dtype)
         loss, stats = ttt_loss(model, h0, batch, rows, self.ttt_steps, self.step_decay, self.head_chunk,
                                self.feature_weight, self.offpath_weight)
         metrics = {}

@@ -326,3 +326,18 @@ def test_offpath_weight_weighs_down_rows_fed_a_token_the_target_would_not_choose
     assert not torch.allclose(manual(0.0), manual(1.0))
     with pytest.raises(ValueError, match="offpath_weight"):
         Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), offpath_weight=1.5)
+
+
+def test_feature_noise_perturbs_training_steps_only(target):
+    method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=1, feature_noise=0.5)
+    plain = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=1)
+    model = method.build(target)
+    batch = _batch(target, method)
+    model.eval()
+    assert_close(method.loss(model, batch, target).loss, plain.loss(model, batch, target).loss)
+    model.train()
+    torch.manual_seed(0)
+    noisy = method.loss(model, batch, target).loss
+    assert not torch.allclose(noisy, plain.loss(model, batch, target).loss)
+    with pytest.raises(ValueError, match="feature_noise"):
+        Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), feature_noise=-0.1)
