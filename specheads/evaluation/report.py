@@ -142,13 +142,15 @@ def _shape_choice_md(ch: dict | None) -> list[str]:
     if not ch:
         return []
     curve = ", ".join(f"v({n}) {_f(v)}" for n, v in ch["verify_cost_curve"].items())
-    preds = ", ".join(f"K={p['k']}: τ {_f(p['tau'])} / ({_f(p['verify_cost'])} + {p['k']}·{_f(ch['c'], 3)}) = "
-                      f"{_f(p['speedup'])}" for p in ch["predictions"])
+    preds = ", ".join(f"{p['label']}: τ {_f(p['tau'])} / ({_f(p['verify_cost'])} + {p['draft_forwards']}·"
+                      f"{_f(ch['c'], 3)}) = {_f(p['speedup'])}" for p in ch["predictions"])
     reach = ", ".join(_f(r) for r in ch["reach"])
-    return [f"Shape chosen automatically: **chain{ch['k']}**. Verify cost on this machine (plain forwards, "
+    fans = ", ".join(f"width {w} τ {_f(t)}" for w, t in (ch.get("fans") or {}).items())
+    return [f"Shape chosen automatically: **{ch['label']}** (chainK: K drafts in a row; fanW: the W best first "
+            f"drafts, verified together). Verify cost on this machine (plain forwards, "
             f"plain forward {_f(1000 * ch['plain_forward_s'], 1)} ms): {curve}; draft forward c = {_f(ch['c'], 3)}; "
-            f"share of steps reaching draft depth d on the head's training-side held-out prompts: {reach}. "
-            f"Predicted speed-up per chain length: {preds}.", ""]
+            f"on the head's training-side held-out prompts, share of steps reaching draft depth d: {reach}"
+            + (f"; fans: {fans}" if fans else "") + f". Predicted speed-up per shape: {preds}.", ""]
 
 
 def _recommend_md(rec: dict, m: dict) -> list[str]:

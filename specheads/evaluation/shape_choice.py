@@ -1,12 +1,17 @@
 """Pick a head's draft shape for *this* machine: its measured verify cost curve and the head's
 acceptance measured on training-side held-out prompts (never on the evaluation prompts).
 
+Candidates are chains and fans (the ``w`` best first drafts of one draft forward, verified together:
+on a CPU, where verifying a few more tokens is cheap but not free, a fan of 2 beat a chain of 1:
+τ 1.45 vs 1.33, 1.19× vs 1.15× in one run on the quickstart's head).
+
 A chain of ``K`` drafts costs, per step, one target forward over ``K + 1`` tokens (``v(K+1)`` plain
 forwards, measured: ``verify_cost_curve``) plus ``K`` draft forwards (``c`` plain forwards each,
 measured by the evaluator with the head itself), and emits ``τ(K) = 1 + Σ_{d≤K} P(L ≥ d)`` tokens, where ``P(L ≥ d)`` is
 the share of steps whose first ``d`` drafts were all accepted (the trainer's ``measured_reach{d}``,
-exact for every chain cut at ``d ≤`` the measured length). The choice maximises
-``τ(K) / (v(K+1) + K·c)`` (``acceptance_math``). On a GPU ``v`` is nearly flat and long chains win;
+exact for every chain cut at ``d ≤`` the measured length). A fan of width ``w`` costs ``v(w+1) + c``
+and emits its measured τ (the trainer's ``measured_fan{w}_tau``). The choice maximises
+``τ / (v + forwards·c)`` (``acceptance_math``). On a GPU ``v`` is nearly flat and long chains win;
 on a CPU ``v`` climbs (SmolLM2 float32 on 2 cores: v(2) 1.12, v(4) 1.49, v(24) 2.35) and short ones do.
 """
 
@@ -52,22 +57,40 @@ def verify_cost_curve(runner, prompt: Sequence[int], ns: Sequence[int], reps: in
     return {n: statistics.median(v) for n, v in times.items()}
 
 
-def choose_chain(reach: Sequence[float], curve: dict[int, float], c: float) -> dict:
-    """The chain length with the best predicted speed-up, and the prediction for every candidate.
+def measured_fans(head_dir: str | None) -> dict[int, float]:
+    """τ of a fan of ``w`` first drafts per width ``w``, from the head's ``train_summary.json``."""
+    ev = (read_train_summary(head_dir) or {}).get("eval") or {}
+    out = {}
+    for key, v in ev.items():
+        if key.startswith("measured_fan") and key.endswith("_tau") and key[12:-4].isdigit():
+            out[int(key[12:-4])] = float(v)
+    return dict(sorted(out.items()))
 
-    reach: ``P(L ≥ d)`` for d = 1..K_max; curve: seconds per verify forward of n tokens (n = 1..K_max+1
-    at least); c: one draft forward ÷ one plain forward. Returns ``{"k", "predictions": [{k, tau,
-    verify_cost, speedup}], ...}``; with no reach measured, ``k`` is None.
+
+def choose_shape(reach: Sequence[float], curve: dict[int, float], c: float,
+                 fans: dict[int, float] | None = None) -> dict:
+    """The draft shape with the best predicted speed-up, and the prediction for every candidate.
+
+    Candidates: chains of ``K`` drafts (``K`` draft forwards, ``K + 1`` tokens verified, τ from
+    ``reach``) and fans of width ``w`` (one draft forward, its ``w`` best tokens verified together as
+    children of the root, ``w + 1`` tokens, τ as measured: ``fans``). reach: ``P(L ≥ d)`` for
+    d = 1..K_max; curve: seconds per verify forward of n tokens (n = 1.. at least the largest
+    candidate); c: one draft forward ÷ one plain forward. Returns ``{"label", "kind", "k" (chain
+    length or fan width), "predictions": [{label, kind, k, tau, verify_cost, draft_forwards,
+    speedup}], ...}``; with nothing measured, ``label`` and ``k`` are None.
     """
     base = curve[1]
+    cands = [("chain", k, chain_tau(list(reach[:k]), "joint"), k + 1, k) for k in range(1, len(reach) + 1)]
+    cands += [("fan", w, tau, w + 1, 1) for w, tau in sorted((fans or {}).items()) if w >= 2]
     preds = []
-    for k in range(1, len(reach) + 1):
-        if k + 1 not in curve:
-            break
-        tau = chain_tau(list(reach[:k]), "joint")
-        v = curve[k + 1] / base
-        preds.append({"k": k, "tau": tau, "verify_cost": v, "speedup": speedup_from_tau(tau, k * c, v)})
+    for kind, k, tau, n, forwards in cands:
+        if n not in curve:
+            continue
+        v = curve[n] / base
+        preds.append({"label": f"{kind}{k}", "kind": kind, "k": k, "tau": tau, "verify_cost": v,
+                      "draft_forwards": forwards, "speedup": speedup_from_tau(tau, forwards * c, v)})
     best = max(preds, key=lambda p: p["speedup"]) if preds else None
-    return {"k": best["k"] if best else None, "predictions": preds, "c": c,
+    return {"label": best["label"] if best else None, "kind": best["kind"] if best else None,
+            "k": best["k"] if best else None, "predictions": preds, "c": c,
             "verify_cost_curve": {str(n): t / base for n, t in sorted(curve.items())}, "plain_forward_s": base,
-            "reach": list(reach)}
+            "reach": list(reach), "fans": {str(w): t for w, t in sorted((fans or {}).items())}}

@@ -129,21 +129,22 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
 
 
 def _choose_shape(spec, target, runner, ids, eos, progress) -> dict:
-    """Set ``spec.shape`` to the chain the verify cost curve of this machine and the head's acceptance,
-    measured on training-side held-out prompts, favour (``shape_choice``); returns what it measured.
-    Timing only runs on an evaluation prompt; no acceptance figure comes from one."""
+    """Set ``spec.shape`` to the chain or fan the verify cost curve of this machine and the head's
+    acceptance, measured on training-side held-out prompts, favour (``shape_choice``); returns what it
+    measured. Timing only runs on an evaluation prompt; no acceptance figure comes from one."""
     from dataclasses import replace
 
-    from specheads.evaluation.shape_choice import choose_chain, measured_reach, verify_cost_curve
+    from specheads.evaluation.shape_choice import choose_shape, measured_fans, measured_reach, verify_cost_curve
 
-    reach = measured_reach(spec.head_dir)
+    reach, fans = measured_reach(spec.head_dir), measured_fans(spec.head_dir)
     if not reach:
         raise UserError(f"{spec.name}: head_shape=auto needs the head's measured acceptance per draft depth "
                         f"(measured_reach1.. in the train_summary.json of {spec.head_dir}, written when training "
                         "ran with train.measure_prompts > 0); retrain with it, or set head_shape=tree")
     prompt = ids["prompt_ids"][0]
-    progress(f"{spec.name}: measuring the verify cost of 1..{len(reach) + 1} tokens")
-    curve = verify_cost_curve(runner, prompt, list(range(1, len(reach) + 2)))
+    n_max = max([len(reach) + 1] + [w + 1 for w in fans])
+    progress(f"{spec.name}: measuring the verify cost of 1..{n_max} tokens")
+    curve = verify_cost_curve(runner, prompt, list(range(1, n_max + 1)))
     probe = build_drafter(replace(spec, shape=TreeShape("chain", k=1), auto_shape=False), target)
     # Draft time per forward without the prompt's one-off feed: a long decode minus a 1-token one.
     speculative_generate(runner, probe, [prompt], 8, 0.0, "greedy", eos)  # warm-up
@@ -151,10 +152,12 @@ def _choose_shape(spec, target, runner, ids, eos, progress) -> dict:
     long = speculative_generate(runner, probe, [prompt], 49, 0.0, "greedy", eos)
     extra = long.stats[0].draft_forwards - short.stats[0].draft_forwards
     per_forward = (long.draft_time - short.draft_time) / max(extra, 1)
-    choice = choose_chain(reach, curve, max(per_forward, 0.0) / curve[1])
-    spec.shape = TreeShape("chain", k=choice["k"])
-    log.info("%s: chain of %d chosen (predicted speed-up %s)", spec.name, choice["k"],
-             ", ".join(f"K={p['k']}: {p['speedup']:.2f}" for p in choice["predictions"]))
+    choice = choose_shape(reach, curve, max(per_forward, 0.0) / curve[1], fans)
+    k = choice["k"]
+    spec.shape = (TreeShape("chain", k=k) if choice["kind"] == "chain"
+                  else TreeShape("dynamic", depth=1, topk=k, total_tokens=k))
+    log.info("%s: %s chosen (predicted speed-up %s)", spec.name, choice["label"],
+             ", ".join(f"{p['label']}: {p['speedup']:.2f}" for p in choice["predictions"]))
     return choice
 
 

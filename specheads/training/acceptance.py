@@ -13,7 +13,7 @@ A method supports this by providing ``drafter(model, shape) -> Drafter``; the ta
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
@@ -40,13 +40,16 @@ def held_out_prompts(batches: Iterable, n: int, max_prompt_tokens: int = 384) ->
 
 @torch.no_grad()
 def measure_acceptance(method, model, target: Target, prompts: list[list[int]], k: int = 3,
-                       max_new_tokens: int = 32) -> dict[str, float]:
+                       max_new_tokens: int = 32, fans: Sequence[int] = ()) -> dict[str, float]:
     """Greedy chain-of-``k`` speculative decoding of ``prompts`` (batch 1 each) with the head.
 
     Returns ``measured_tau`` (tokens per target forward), ``measured_alpha`` (accepted ÷ tested
     drafts), ``measured_reach{d}`` for d = 1..k (the share of steps whose first d drafts were all
     accepted: what the evaluator's shape choice reads), ``measured_prompts`` and ``measured_k``;
-    empty when there is nothing to decode.
+    empty when there is nothing to decode. For each width ``w`` in ``fans`` the prompts are decoded
+    again with a fan (the ``w`` best drafts of one draft forward, all children of the root, verified
+    together as a tree) and ``measured_fan{w}_tau`` records its τ; a drafter that cannot draft trees
+    (Medusa's static trees) measures chains only.
     """
     if not prompts or not hasattr(method, "drafter"):
         return {}
@@ -65,6 +68,19 @@ def measure_acceptance(method, model, target: Target, prompts: list[list[int]], 
             tested, accepted = tested + sum(s.tested), accepted + sum(s.accepted)
             for d, a in enumerate(s.accepted[:k]):
                 by_depth[d] += a
+        fan_tau = {}
+        for w in fans:
+            try:
+                fan = method.drafter(model, TreeShape("dynamic", depth=1, topk=w, total_tokens=w))
+            except ValueError:
+                break
+            if getattr(getattr(fan, "shape", None), "kind", None) != "dynamic":
+                break  # the method drafts another shape instead (Medusa: chains and static trees)
+            results = [speculative_generate(runner, fan, [p], max_new_tokens, 0.0, "greedy", eos).stats[0]
+                       for p in prompts]
+            fan_steps = sum(r.steps for r in results)
+            if fan_steps:
+                fan_tau[w] = sum(r.emitted for r in results) / fan_steps
     finally:
         model.train(was_training)
     if not steps:
@@ -72,5 +88,6 @@ def measure_acceptance(method, model, target: Target, prompts: list[list[int]], 
     out = {"measured_tau": emitted / steps, "measured_alpha": accepted / tested if tested else 0.0,
            "measured_prompts": float(len(prompts)), "measured_k": float(getattr(drafter, "shape", TreeShape("chain", k=k)).k)}
     out.update({f"measured_reach{d + 1}": a / steps for d, a in enumerate(by_depth[: int(out["measured_k"])])})
+    out.update({f"measured_fan{w}_tau": t for w, t in fan_tau.items()})
     return out
 

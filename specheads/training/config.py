@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class NonFiniteLossError(RuntimeError):
@@ -48,7 +48,10 @@ class TrainConfig:
     micro_batch_size: int = 1  # only told to DeepSpeed, which wants it in its config
     max_minutes: float | None = None  # time budget: stop (checkpoint, evaluate, save) once training took this long
     # Measured acceptance at each held-out evaluation: decode this many held-out prompts with the head
-    # (greedy, top-1 chain of measure_k drafts, measure_tokens new tokens); 0 turns it off.
+    # (greedy, top-1 chain of measure_k drafts, measure_tokens new tokens); 0 turns it off. The
+    # prompts are decoded again with a fan of each width in measure_fans (the w best first drafts,
+    # verified as a tree; heads that draft trees only): the evaluator's shape choice reads both.
     measure_prompts: int = 4
     measure_k: int = 3
     measure_tokens: int = 32
+    measure_fans: tuple[int, ...] = field(default_factory=lambda: (2, 3))

@@ -129,7 +129,8 @@ def _slowest(seconds: float, device) -> float:
 
 
 def _measure_opts(cfg: TrainConfig) -> dict[str, int]:
-    return {"prompts": cfg.measure_prompts, "k": cfg.measure_k, "tokens": cfg.measure_tokens}
+    return {"prompts": cfg.measure_prompts, "k": cfg.measure_k, "tokens": cfg.measure_tokens,
+            "fans": tuple(cfg.measure_fans)}
 
 
 def _ckpt_state(st: _State) -> dict[str, Any]:

@@ -6,27 +6,46 @@ import json
 
 import pytest
 
-from specheads.evaluation.shape_choice import choose_chain, measured_reach
+from specheads.evaluation.shape_choice import choose_shape, measured_fans, measured_reach
 
 
 def test_choose_chain_trades_acceptance_for_verify_cost():
     reach = [0.5, 0.2, 0.05]
     cpu = {1: 0.05, 2: 0.055, 3: 0.06, 4: 0.08}  # seconds: v = 1, 1.1, 1.2, 1.6
-    ch = choose_chain(reach, cpu, c=0.05)
+    ch = choose_shape(reach, cpu, c=0.05)
     got = {p["k"]: p["speedup"] for p in ch["predictions"]}
     assert got == pytest.approx({1: 1.5 / 1.15, 2: 1.7 / 1.3, 3: 1.75 / 1.75})
     assert ch["k"] == 2 and ch["verify_cost_curve"]["4"] == pytest.approx(1.6)
     # A flat (GPU-like) curve and a cheap drafter: the longest chain measured wins.
-    flat = choose_chain([0.8, 0.6, 0.45], {n: 0.01 for n in range(1, 5)}, c=0.02)
+    flat = choose_shape([0.8, 0.6, 0.45], {n: 0.01 for n in range(1, 5)}, c=0.02)
     assert flat["k"] == 3
     # A steep curve: one draft only.
-    assert choose_chain(reach, {1: 1.0, 2: 1.1, 3: 1.8, 4: 2.5}, c=0.05)["k"] == 1
-    assert choose_chain([], {1: 1.0}, c=0.05)["k"] is None
+    assert choose_shape(reach, {1: 1.0, 2: 1.1, 3: 1.8, 4: 2.5}, c=0.05)["k"] == 1
+    assert choose_shape([], {1: 1.0}, c=0.05)["k"] is None
+
+
+def test_choose_shape_weighs_fans_against_chains():
+    reach = [0.35, 0.05]
+    cpu = {1: 1.0, 2: 1.09, 3: 1.11, 4: 1.46}
+    ch = choose_shape(reach, cpu, c=0.08, fans={2: 1.45, 3: 1.53})
+    got = {p["label"]: p["speedup"] for p in ch["predictions"]}
+    # A fan of w: one draft forward, w + 1 tokens verified, its measured τ.
+    assert got == pytest.approx({"chain1": 1.35 / 1.17, "chain2": 1.4 / 1.27, "fan2": 1.45 / 1.19,
+                                 "fan3": 1.53 / 1.54})
+    assert (ch["label"], ch["kind"], ch["k"]) == ("fan2", "fan", 2) and ch["fans"] == {"2": 1.45, "3": 1.53}
+    # A fan no better than the chain's first draft loses to it.
+    assert choose_shape(reach, cpu, c=0.08, fans={2: 1.36})["label"] == "chain1"
+    # A fan whose verify cost was not measured is not a candidate.
+    assert [p["label"] for p in choose_shape(reach, {1: 1.0, 2: 1.1, 3: 1.2}, 0.08, {3: 2.0})["predictions"]] == \
+        ["chain1", "chain2"]
 
 
 def test_measured_reach_reads_the_training_summary(tmp_path):
     (tmp_path / "head").mkdir()
-    (tmp_path / "train_summary.json").write_text(json.dumps({"eval": {"measured_reach1": 0.4,
-                                                                        "measured_reach2": 0.1}}))
+    (tmp_path / "train_summary.json").write_text(json.dumps({"eval": {
+        "measured_reach1": 0.4, "measured_reach2": 0.1, "measured_fan3_tau": 1.5, "measured_fan2_tau": 1.45,
+        "measured_tau": 1.4}}))
     assert measured_reach(str(tmp_path / "head")) == [0.4, 0.1]
+    assert measured_fans(str(tmp_path / "head")) == {2: 1.45, 3: 1.5}
     assert measured_reach(str(tmp_path / "a" / "nowhere")) == [] and measured_reach(None) == []
+    assert measured_fans(None) == {}

@@ -192,10 +192,20 @@ def test_auto_shape_picks_a_chain_from_the_cost_curve_and_held_out_reach(target,
     cfg = EvalConfig(methods[:1], spec, max_new_tokens=6, temperatures=(0.0,), batch_sizes=(1,), repeats=1)
     report = evaluate(target, cfg)
     ch = report["shape_choice"]["eagle1-auto"]
-    assert ch["k"] == 1 and ch["reach"] == [0.9, 0.8] and ch["c"] > 0
+    assert ch["label"] == "chain1" and ch["reach"] == [0.9, 0.8] and ch["c"] > 0
     assert report["methods"][0]["shape"] == "chain1" and report["methods"][0]["lossless"]["exact"]
     write_report(report, tmp_path / "r")
     assert "Shape chosen automatically: **chain1**" in (tmp_path / "r" / "report.md").read_text()
+    # A fan of two first drafts measured well above the chain, on a curve where 3 tokens cost about one:
+    # the fan is drafted (one draft forward, a two-leaf tree) and stays lossless.
+    (head.parent / "train_summary.json").write_text(json.dumps({"eval": {
+        "measured_reach1": 0.3, "measured_reach2": 0.0, "measured_fan2_tau": 1.9}}))
+    monkeypatch.setattr("specheads.evaluation.shape_choice.verify_cost_curve",
+                        lambda runner, prompt, ns, reps=7: {n: 1.0 + 0.01 * n for n in ns})
+    fan = evaluate(target, EvalConfig(plan_methods("eagle1", str(head), [], head_shape="auto")[:1], spec,
+                                      max_new_tokens=6, temperatures=(0.0,), batch_sizes=(1,), repeats=1))
+    assert fan["shape_choice"]["eagle1-auto"]["label"] == "fan2"
+    assert fan["methods"][0]["shape"] == "tree(d1,k2,n2)" and fan["methods"][0]["lossless"]["exact"]
     (head.parent / "train_summary.json").write_text(json.dumps({"eval": {}}))
     with pytest.raises(UserError, match="measure_prompts"):
         evaluate(target, EvalConfig(plan_methods("eagle1", str(head), [], head_shape="auto")[:1], spec,

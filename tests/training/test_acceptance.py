@@ -71,3 +71,35 @@ def test_engine_logs_measured_tau_equal_to_decoding_with_the_saved_head(tmp_path
 
 def test_measure_acceptance_needs_a_drafter_hook():
     assert measure_acceptance(object(), torch.nn.Linear(1, 1), None, [[1, 2, 3]]) == {}
+
+
+def test_fans_are_measured_for_heads_that_draft_trees_only():
+    """measured_fan{w}_tau is the τ of decoding the same prompts with the w best first drafts (one
+    draft forward, verified together); Medusa, whose drafter makes chains, records no fan."""
+    from tests.conftest import make_tiny_target
+    from specheads.decoding.drafters import TreeShape
+    from specheads.decoding.generate import speculative_generate
+    from specheads.decoding.head_drafters import EagleDrafter
+    from specheads.decoding.runner import TargetRunner
+    from specheads.methods.eagle1 import Eagle1Method
+    from specheads.methods.medusa import Medusa1Method
+    from specheads.targets import eos_token_ids
+
+    torch.manual_seed(0)
+    target = make_tiny_target("llama", hidden=32, layers=2, vocab=256)
+    prompts = held_out_prompts(sources()[1].batches(0), 3)
+    method = Eagle1Method()
+    model = method.build(target).eval()
+    out = measure_acceptance(method, model, target, prompts, k=2, max_new_tokens=10, fans=(2, 3))
+    for w in (2, 3):
+        runner, emitted, steps = TargetRunner(target.model), 0, 0
+        for p in prompts:
+            s = speculative_generate(runner, EagleDrafter(model, TreeShape("dynamic", depth=1, topk=w, total_tokens=w),
+                                                          "eagle1"), [p], 10, 0.0, "greedy", eos_token_ids(target)).stats[0]
+            emitted, steps = emitted + s.emitted, steps + s.steps
+        assert out[f"measured_fan{w}_tau"] == pytest.approx(emitted / steps)
+    assert "measured_fan2_tau" not in measure_acceptance(method, model, target, prompts, k=2, max_new_tokens=10)
+    medusa = Medusa1Method(num_heads=2)
+    heads = medusa.build(target).eval()
+    got = measure_acceptance(medusa, heads, target, prompts, k=2, max_new_tokens=10, fans=(2,))
+    assert "measured_tau" in got and not any(k.startswith("measured_fan") for k in got)
