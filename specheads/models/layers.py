@@ -163,6 +163,9 @@ def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
     """
     B, nh, T, D = q.shape
     nkv = keys[0].shape[1]
+    if len(keys) == 1:  # step 0 is plain causal attention: the fused kernel (and its backward) does it
+        return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, scale=scale,
+                                              enable_gqa=nh != nkv)
     qg = q.view(B, nkv, nh // nkv, T, D)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     scores = torch.matmul(qg, keys[0].unsqueeze(2).transpose(-1, -2)) * scale  # (B, nkv, g, T, T)

@@ -97,6 +97,15 @@ def test_unrolled_attention_gqa_matches_dense_reference():
     scores = (q @ k.transpose(-1, -2)) * 8 ** -0.5
     ref = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
     assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # Step 0 alone (one causal block: the fused-kernel path), values and gradients.
+    qa, qb = q.clone().requires_grad_(), q.clone().requires_grad_()
+    out0 = unrolled_attention(qa, ks[:1], vs[:1], 8 ** -0.5)
+    s0 = (qb @ ks[0].repeat_interleave(2, 1).transpose(-1, -2)) * 8 ** -0.5
+    ref0 = torch.softmax(s0.masked_fill(~torch.ones(6, 6).tril().bool(), float("-inf")), -1) @ vs[0].repeat_interleave(2, 1)
+    assert_close(out0, ref0, atol=1e-5, rtol=1e-5)
+    out0.square().sum().backward()
+    ref0.square().sum().backward()
+    assert_close(qa.grad, qb.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_shift_and_step_rows():
