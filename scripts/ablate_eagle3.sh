@@ -21,6 +21,7 @@ import json, sys
 s = json.load(open(f"{sys.argv[1]}/train_summary.json")); e = s["eval"]
 steps = " ".join(f"step{i} {e[f'step{i}_acc']:.3f}" for i in range(8) if f"step{i}_acc" in e)
 steps += "".join(f" on-path{i} {e[f'onpath{i}_acc']:.3f}" for i in range(8) if f"onpath{i}_acc" in e)
-print(f"{sys.argv[2]}: {s['steps']} steps, {s['tokens_per_s']:.0f} tokens/s, peak RSS {s['peak_rss_mb']:.0f} MB | "
+print(f"{sys.argv[2]}: {s['steps']} steps, {s['tokens_per_s']:.0f} tokens/s, peak RSS {s['peak_rss_mb']:.0f} MB "
+      f"(anonymous {s.get('peak_anon_mb') or float('nan'):.0f}) | "
       f"held-out {steps} | measured chain tau {e.get('measured_tau', float('nan')):.3f}")
 PY

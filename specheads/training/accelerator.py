@@ -141,7 +141,21 @@ def resume_path(cfg: TrainConfig, ckpt_root: Path) -> Path | None:
 
 
 def peak_rss_mb() -> float:
+    """Peak resident set (MB): anonymous memory plus every touched page of a memory-mapped feature store."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def rss_anon_mb(status: str = "/proc/self/status") -> float | None:
+    """Resident anonymous memory now (MB; Linux's ``RssAnon``): what the process allocated, without
+    the page cache of mapped files (a feature store read through mmap); None where it is not reported."""
+    try:
+        with open(status) as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
 
 
 def sharding(acc) -> str | None:

@@ -29,7 +29,7 @@ import torch
 
 from specheads.methods.base import Method, TrainingModule
 from specheads.targets import Target
-from specheads.training.accelerator import peak_rss_mb, resume_path, gathered, make_accelerator, make_optimizer
+from specheads.training.accelerator import peak_rss_mb, resume_path, rss_anon_mb, gathered, make_accelerator, make_optimizer
 from specheads.training.batches import BatchSource, micro_batches, prepare_batch
 from specheads.training.checkpoint import load_checkpoint, remove_partial, save_checkpoint
 from specheads.training.config import NonFiniteLossError, OptimConfig, TrainConfig
@@ -48,6 +48,7 @@ class _State:
     pos: int = 0  # next batch index within the epoch
     tokens: int = 0
     train_s: float = 0.0
+    peak_anon_mb: float | None = None  # this process's, sampled at log steps (not checkpointed, like ru_maxrss)
 
 
 def train(method: Method, target: Target, train_data: BatchSource, cfg: TrainConfig,
@@ -112,6 +113,11 @@ def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, sch
             st.train_s = _slowest(st.train_s, acc.device)
         scheduler.step()  # after the clock: a time budget's decay reads st.train_s
         record = {"loss": loss, "lr": scheduler.get_last_lr()[0], "tokens": st.tokens, "train_s": st.train_s, **metrics}
+        if st.step % max(1, cfg.log_every) == 0 or st.step == 1:
+            anon = rss_anon_mb()
+            if anon is not None:
+                record["rss_anon_mb"] = anon
+                st.peak_anon_mb = max(st.peak_anon_mb or 0.0, anon)
         logger.log(st.step, record, to_wandb=st.step % max(1, cfg.log_every) == 0)
         logger.progress(st.step, loss, record["lr"])
         if eval_data is not None and cfg.eval_every and st.step % cfg.eval_every == 0 and st.step < cfg.max_steps:
@@ -131,6 +137,13 @@ def _slowest(seconds: float, device) -> float:
 def _measure_opts(cfg: TrainConfig) -> dict[str, int]:
     return {"prompts": cfg.measure_prompts, "k": cfg.measure_k, "tokens": cfg.measure_tokens,
             "fans": tuple(cfg.measure_fans)}
+
+
+def _peak_anon(st: _State) -> float | None:
+    """Peak anonymous memory (MB) over the log-step samples and now (None where not reported):
+    ``peak_rss_mb`` also counts every page of a memory-mapped feature store read so far."""
+    seen = [v for v in (st.peak_anon_mb, rss_anon_mb()) if v is not None]
+    return max(seen) if seen else None
 
 
 def _ckpt_state(st: _State) -> dict[str, Any]:
@@ -180,7 +193,7 @@ def _finish(method, model, target, eval_data, cfg, acc, st, last_eval, resumed, 
     summary = {
         "method": method.name, "steps": st.step, "epoch": st.epoch, "train_tokens": tokens,
         "tokens_per_s": tokens / st.train_s if st.train_s else None, "train_s": st.train_s,
-        "peak_rss_mb": peak_rss_mb(), "num_processes": acc.num_processes,
+        "peak_rss_mb": peak_rss_mb(), "peak_anon_mb": _peak_anon(st), "num_processes": acc.num_processes,
         "final_loss": read_losses(out).get(st.step) if acc.is_main_process else None,
         "eval": {k: v for k, v in ev.items() if not k.startswith("_")},
         "tau_estimate": ev.get("tau_estimate"), "tau_basis": ev.get("_tau_basis"),

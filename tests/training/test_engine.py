@@ -171,3 +171,25 @@ def test_time_budget_stops_early_and_still_saves_the_head(tmp_path):
     # The LR decay followed the clock, not the 500 planned steps: the last step ran at the floor.
     lrs = [json.loads(ln)["lr"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"lr"' in ln]
     assert lrs[-1] == pytest.approx(3e-2 * OptimConfig().min_lr_ratio)
+
+
+def test_summary_reports_anonymous_memory_apart_from_the_mapped_store(tmp_path):
+    """peak_anon_mb: the largest RssAnon sampled at the log steps and at the end (ru_maxrss, in
+    peak_rss_mb, also counts the pages of a memory-mapped feature store)."""
+    from specheads.training.accelerator import rss_anon_mb
+
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmRSS:\t 9000 kB\nRssAnon:\t    2048 kB\nRssFile:\t 6952 kB\n")
+    assert rss_anon_mb(str(status)) == 2.0
+    status.write_text("Name:\tpython\n")
+    assert rss_anon_mb(str(status)) is None and rss_anon_mb(str(tmp_path / "missing")) is None
+    train_src, held = sources()
+    out = tmp_path / "run"
+    s = train(Medusa1Method(num_heads=2), _tiny(), train_src, _cfg(out, max_steps=3, log_every=1), OptimConfig(), held)
+    sampled = [json.loads(ln).get("rss_anon_mb") for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    sampled = [v for v in sampled if v is not None]
+    if Path("/proc/self/status").exists():
+        assert len(sampled) == 3 and s["peak_anon_mb"] >= max(sampled) > 0
+        assert s["peak_anon_mb"] <= s["peak_rss_mb"] * 1.01
+    else:
+        assert s["peak_anon_mb"] is None and not sampled
