@@ -25,7 +25,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from specheads.errors import user_errors
 
 from specheads.methods import build_method
-from specheads.training.accelerator import make_accelerator
+from specheads.training.accelerator import limit_onednn_cache, make_accelerator
 from specheads.training.batches import DatasetBatches, split_rows
 from specheads.training.config import OptimConfig, TrainConfig
 from specheads.training.engine import train
@@ -50,6 +50,7 @@ class DataSchema:
 class LoopSchema:
     max_steps: int = 1000
     max_minutes: Optional[float] = None
+    onednn_cache: Optional[int] = None
     grad_accum: int = 1
     max_grad_norm: Optional[float] = 1.0
     mixed_precision: str = "auto"
@@ -218,6 +219,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from specheads.targets import load_target
 
     tcfg, ocfg, mcfg = to_configs(cfg)
+    limit_onednn_cache(tcfg.onednn_cache)  # before anything computes in this process
     method = build_method(mcfg.pop("name"), **mcfg)
     acc = make_accelerator(tcfg, method)
     target = load_target(cfg.target.name_or_path, cfg.target.dtype, acc.device,

@@ -145,6 +145,19 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def limit_onednn_cache(capacity: int | None) -> None:
+    """Cap oneDNN's primitive cache (CPU). Each new matmul shape under bfloat16 autocast caches a primitive
+    holding its own packed copy of the weights; training batches of varying shape filled the default
+    1024 entries here (EAGLE-3 on SmolLM2, 2 cores: anonymous memory 0.6 -> 3.2 GB in 150 steps, still
+    climbing). 64 entries: 1.7 GB, 10 % slower steps; 8: 1.3 GB, 38 % slower. Takes effect only where no
+    oneDNN primitive was made yet in this process; None leaves oneDNN's default."""
+    if capacity is None:
+        return
+    if capacity < 0:
+        raise ValueError(f"onednn_cache must be >= 0 (or null for oneDNN's default), got {capacity}")
+    os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(capacity)
+
+
 def rss_anon_mb(status: str = "/proc/self/status") -> float | None:
     """Resident anonymous memory now (MB; Linux's ``RssAnon``): what the process allocated, without
     the page cache of mapped files (a feature store read through mmap); None where it is not reported."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -149,3 +150,17 @@ def test_the_evaluators_chat_slice_is_never_trained_on():
     train_idx, eval_idx = load_recipe().keep_chat_heldout_out(ds, list(range(240)), list(range(240, 250)))
     assert not set(rows) & set(train_idx) and set(rows) <= set(eval_idx)
     assert len(train_idx) == 237 and len(eval_idx) == 13
+
+
+def test_recipe_caps_the_onednn_primitive_cache_before_training(setup, tmp_path, monkeypatch):
+    from specheads.training.accelerator import limit_onednn_cache
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    model_dir, prepared = setup
+    args = base(model_dir, prepared, tmp_path) + ["method.num_heads=1"]
+    load_recipe().run(compose(*args))  # null: oneDNN's own default stays
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in os.environ
+    load_recipe().run(compose(*args, "train.onednn_cache=32", f"output_dir={tmp_path / 'capped'}"))
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "32"
+    with pytest.raises(ValueError, match="onednn_cache"):
+        limit_onednn_cache(-1)
