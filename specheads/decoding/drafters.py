@@ -38,6 +38,11 @@ class TreeShape:
         if self.kind == "chain" and self.k < 1:
             raise ValueError(f"chain length k must be >= 1, got {self.k}")
 
+    @classmethod
+    def fan(cls, width: int) -> "TreeShape":
+        """The ``width`` best drafts of one draft forward, all children of the root, verified together."""
+        return cls("dynamic", depth=1, topk=width, total_tokens=width)
+
     def label(self) -> str:
         if self.kind == "chain":
             return f"chain{self.k}"

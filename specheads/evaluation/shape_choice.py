@@ -17,6 +17,7 @@ on a CPU ``v`` climbs (SmolLM2 float32 on 2 cores: v(2) 1.12, v(4) 1.49, v(24) 2
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from typing import Sequence
@@ -60,11 +61,8 @@ def verify_cost_curve(runner, prompt: Sequence[int], ns: Sequence[int], reps: in
 def measured_fans(head_dir: str | None) -> dict[int, float]:
     """τ of a fan of ``w`` first drafts per width ``w``, from the head's ``train_summary.json``."""
     ev = (read_train_summary(head_dir) or {}).get("eval") or {}
-    out = {}
-    for key, v in ev.items():
-        if key.startswith("measured_fan") and key.endswith("_tau") and key[12:-4].isdigit():
-            out[int(key[12:-4])] = float(v)
-    return dict(sorted(out.items()))
+    found = ((re.fullmatch(r"measured_fan(\d+)_tau", key), v) for key, v in ev.items())
+    return dict(sorted((int(m.group(1)), float(v)) for m, v in found if m))
 
 
 def choose_shape(reach: Sequence[float], curve: dict[int, float], c: float,

@@ -154,8 +154,7 @@ def _choose_shape(spec, target, runner, ids, eos, progress) -> dict:
     per_forward = (long.draft_time - short.draft_time) / max(extra, 1)
     choice = choose_shape(reach, curve, max(per_forward, 0.0) / curve[1], fans)
     k = choice["k"]
-    spec.shape = (TreeShape("chain", k=k) if choice["kind"] == "chain"
-                  else TreeShape("dynamic", depth=1, topk=k, total_tokens=k))
+    spec.shape = TreeShape("chain", k=k) if choice["kind"] == "chain" else TreeShape.fan(k)
     log.info("%s: %s chosen (predicted speed-up %s)", spec.name, choice["label"],
              ", ".join(f"{p['label']}: {p['speedup']:.2f}" for p in choice["predictions"]))
     return choice

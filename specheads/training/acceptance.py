@@ -59,11 +59,13 @@ def measure_acceptance(method, model, target: Target, prompts: list[list[int]], 
         drafter = method.drafter(model, TreeShape("chain", k=k))
         runner = TargetRunner(target.model)
         eos = eos_token_ids(target)
+
+        def decode(d):  # one greedy decode per prompt, batch 1: the stats of each
+            return [speculative_generate(runner, d, [p], max_new_tokens, 0.0, "greedy", eos).stats[0] for p in prompts]
+
         emitted = steps = tested = accepted = 0
         by_depth = [0] * k
-        for p in prompts:
-            res = speculative_generate(runner, drafter, [p], max_new_tokens, 0.0, "greedy", eos)
-            s = res.stats[0]
+        for s in decode(drafter):
             emitted, steps = emitted + s.emitted, steps + s.steps
             tested, accepted = tested + sum(s.tested), accepted + sum(s.accepted)
             for d, a in enumerate(s.accepted[:k]):
@@ -71,13 +73,12 @@ def measure_acceptance(method, model, target: Target, prompts: list[list[int]], 
         fan_tau = {}
         for w in fans:
             try:
-                fan = method.drafter(model, TreeShape("dynamic", depth=1, topk=w, total_tokens=w))
+                fan = method.drafter(model, TreeShape.fan(w))
             except ValueError:
                 break
             if getattr(getattr(fan, "shape", None), "kind", None) != "dynamic":
                 break  # the method drafts another shape instead (Medusa: chains and static trees)
-            results = [speculative_generate(runner, fan, [p], max_new_tokens, 0.0, "greedy", eos).stats[0]
-                       for p in prompts]
+            results = decode(fan)
             fan_steps = sum(r.steps for r in results)
             if fan_steps:
                 fan_tau[w] = sum(r.emitted for r in results) / fan_steps

@@ -113,12 +113,13 @@ def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, sch
             st.train_s = _slowest(st.train_s, acc.device)
         scheduler.step()  # after the clock: a time budget's decay reads st.train_s
         record = {"loss": loss, "lr": scheduler.get_last_lr()[0], "tokens": st.tokens, "train_s": st.train_s, **metrics}
-        if st.step % max(1, cfg.log_every) == 0 or st.step == 1:
+        log_step = st.step % max(1, cfg.log_every) == 0
+        if log_step or st.step == 1:
             anon = rss_anon_mb()
             if anon is not None:
                 record["rss_anon_mb"] = anon
                 st.peak_anon_mb = max(st.peak_anon_mb or 0.0, anon)
-        logger.log(st.step, record, to_wandb=st.step % max(1, cfg.log_every) == 0)
+        logger.log(st.step, record, to_wandb=log_step)
         logger.progress(st.step, loss, record["lr"])
         if eval_data is not None and cfg.eval_every and st.step % cfg.eval_every == 0 and st.step < cfg.max_steps:
             last_eval = evaluate(method, model, target, eval_data, acc, _measure_opts(cfg))
