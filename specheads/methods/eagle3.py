@@ -43,7 +43,10 @@ class Eagle3Method:
     offpath_weight: loss weight of rows whose input token is not the target's own greedy choice there
     (``ttt.ttt_loss``; 1 = every row alike). Greedy drafting only ever feeds the target's choices;
     feature_noise: while training, the fused input ``h0`` gets uniform noise of ``feature_noise`` times its
-    per-row RMS (EAGLE's feature noise, made relative; a regulariser over several epochs; 0 = off).
+    per-row RMS (EAGLE's feature noise, made relative; a regulariser over several epochs; 0 = off);
+    loss_rows: ``assistant`` trains on the rows whose next token is an assistant token (``loss_mask``), ``all``
+    on every non-padding row (prompts too: a store holds the target's features and argmax there as well, so
+    the same collection yields more training rows; held-out metrics stay on assistant tokens).
     """
 
     name = "eagle3"
@@ -53,7 +56,7 @@ class Eagle3Method:
                  step_decay: float = 0.8, target_chunk: int = 1024, head_chunk: int = 2048,
                  init_lm_head_from_target: bool = False, vocab_rows=None, freeze_lm_head: bool = False,
                  feature_weight: float = 0.0, init_layer_from_target: bool = False, offpath_weight: float = 1.0,
-                 feature_noise: float = 0.0):
+                 feature_noise: float = 0.0, loss_rows: str = "assistant"):
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         if freeze_lm_head and not init_lm_head_from_target:
@@ -77,6 +80,9 @@ class Eagle3Method:
         if feature_noise < 0:
             raise ValueError(f"feature_noise must be >= 0, got {feature_noise}")
         self.feature_noise = feature_noise
+        if loss_rows not in ("assistant", "all"):
+            raise ValueError(f"loss_rows must be 'assistant' or 'all', got {loss_rows!r}")
+        self.loss_rows = loss_rows
         self._num_target_layers: int | None = None
 
     @property
@@ -172,6 +178,8 @@ class Eagle3Method:
         return TargetRows(probs=probs, argmax=argmax, row_of=row_of, in_vocab=model.t2d[argmax] & need)
 
     def loss(self, model: Eagle3Model, batch: dict, target: Target) -> StepOutput:
+        if self.loss_rows == "all":
+            batch = {**batch, "loss_mask": batch["attention_mask"]}
         rows = self.target_rows(model, batch, target)
         h0 = model.fuse(batch["hidden_aux"])
         if self.feature_noise and model.training:

@@ -341,3 +341,22 @@ def test_feature_noise_perturbs_training_steps_only(target):
     assert not torch.allclose(noisy, plain.loss(model, batch, target).loss)
     with pytest.raises(ValueError, match="feature_noise"):
         Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), feature_noise=-0.1)
+
+
+@pytest.mark.parametrize("ttt_steps", [1, 2])
+def test_loss_rows_all_trains_prompt_rows_too(target, ttt_steps):
+    """loss_rows=all is the assistant-only loss of the same batch with every non-padding token marked as a
+    label (prompt rows included, padding still out); held-out metrics stay on assistant tokens."""
+    every = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=ttt_steps, loss_rows="all")
+    plain = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=ttt_steps)
+    model = every.build(target)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # peaked drafts: rows differ in loss (a fresh head scores every row ~ln V')
+    batch = _batch(target, every)
+    assert (batch["loss_mask"] < batch["attention_mask"]).any()  # the batch has prompt rows
+    relabelled = batch | {"loss_mask": batch["attention_mask"].clone()}
+    assert_close(every.loss(model, batch, target).loss, plain.loss(model, relabelled, target).loss)
+    assert not torch.allclose(every.loss(model, batch, target).loss, plain.loss(model, batch, target).loss)
+    assert every.evaluate(model, batch, target) == plain.evaluate(model, batch, target)
+    with pytest.raises(ValueError, match="loss_rows"):
+        Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), loss_rows="prompt")
