@@ -46,7 +46,8 @@ class Eagle3Method:
     per-row RMS (EAGLE's feature noise, made relative; a regulariser over several epochs; 0 = off);
     loss_rows: ``assistant`` trains on the rows whose next token is an assistant token (``loss_mask``), ``all``
     on every non-padding row (prompts too: a store holds the target's features and argmax there as well, so
-    the same collection yields more training rows; held-out metrics stay on assistant tokens).
+    the same collection yields more training rows; held-out metrics stay on assistant tokens, and the draft
+    vocabulary is still counted on assistant tokens, what drafting predicts).
     """
 
     name = "eagle3"
