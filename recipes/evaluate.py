@@ -5,6 +5,7 @@
 """
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -76,6 +77,7 @@ class EvaluateSchema:
     batch_prompts: int = 8
     seed: int = 0
     threads: Optional[int] = None
+    exact_forward: str = "auto"
 
 
 ConfigStore.instance().store(name="evaluate_schema", node=EvaluateSchema)
@@ -88,6 +90,9 @@ def main(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig) -> dict:
+    # oneDNN keeps 1024 kernels by default: a bfloat16 target verifying many token counts needs more
+    # (30 layers x 7 weights x n), or every forward rebuilds them (issue 13: 75 vs 52 ms per token).
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     ev = OmegaConf.to_container(cfg.eval, resolve=True)
@@ -111,7 +116,8 @@ def run(cfg: DictConfig) -> dict:
                                    medusa_tree_nodes=cfg.medusa_tree_nodes, verify=cfg.verify, allow_empty=True,
                                    head_shape=cfg.head_shape if name in ("eagle1", "eagle3") else "tree")
     ecfg = EvalConfig(methods, BenchmarkSpec(**ev), max_new, tuple(cfg.temperatures), tuple(cfg.batch_sizes),
-                      cfg.batch_prompts, cfg.seed, repeats=repeats)
+                      cfg.batch_prompts, cfg.seed, repeats=repeats,
+                      exact_forward=cfg.exact_forward)
     target_path = cfg.target.name_or_path
     adapted = verifier_for(cfg.head_method, cfg.head_dir)
     for name, path in (cfg.heads or {}).items():

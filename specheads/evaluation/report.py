@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specheads.decoding.exact import ATTENTION_NAME
+
 # One basis for every head: drafts scored against the target's greedy token after the held-out data prefix.
 TRAIN_TAU_LABEL = "Training-time τ estimate (vs target greedy)"
 GPU_MODEL = ("GPU speed-up predicted as τ / (1 + c_GPU · F): batch-1 decoding is memory-bound, a forward costs "
              "time in proportion to the weights it reads, verifying a tree of up to ~64 tokens costs about one "
              "plain forward; c_GPU = draft parameters read per draft forward ÷ target parameters, F = draft "
-             "forwards per step. CPU figures are measured in float32.")
+             "forwards per step.")
 
 
 def write_report(report: dict, out_dir: str | Path) -> dict[str, str]:
@@ -54,11 +56,25 @@ def markdown(report: dict) -> str:
     by_t = report.get("plain_by_temperature") or {str(report["temperatures"][0]): report["plain"]}
     lines += ["Plain decoding: " + "; ".join(f"T={t} {_spread(rows['all'], 'tokens_per_s', 1)} tokens/s"
                                              for t, rows in by_t.items()) + ".", ""]
+    lines += _precision_md(report)
     if report["methods"]:
         lines += summary_md(report)
     for m in report["methods"]:
         lines += _method_md(m, report)
     return "\n".join(lines) + "\n"
+
+
+def _precision_md(report: dict) -> list[str]:
+    """How the target computed: its dtype and whether its forwards were made batch-invariant."""
+    if "target_dtype" not in report:
+        return []
+    ex = report.get("exact_forward") or {}
+    how = (f"exact forwards (attention in float64, rounded to {report['target_dtype'].removeprefix('torch.')}: a "
+           f"forward over n tokens gives what n one-token forwards give; {ex.get('packed_linears', 0)} linear "
+           "layers prepacked for oneDNN)" if ex.get("attention") == ATTENTION_NAME
+           else f"attention `{ex.get('attention')}`")
+    return [f"Target forwards (plain and speculative alike): {report['target_dtype'].removeprefix('torch.')}, "
+            f"{how}.", ""]
 
 
 def summary_md(report: dict) -> list[str]:

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from specheads.decoding.drafters import Drafter, EarlyExitDrafter, ModelDrafter, NgramDrafter, TreeShape
+from specheads.decoding.exact import make_exact
 from specheads.decoding.generate import GenerationResult, speculative_generate
 from specheads.decoding.runner import TargetRunner
 from specheads.decoding.tree import normalize_choices
@@ -85,6 +86,7 @@ class EvalConfig:
     seed: int = 0
     recommend_ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)
     repeats: int = 3  # timed batch-1 decode passes per speed figure (plain and speculative), after a warm-up
+    exact_forward: str = "auto"  # batch-invariant target forwards (specheads.decoding.exact): auto | on | off
 
 
 Progress = Callable[[str], None]
@@ -98,6 +100,7 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     checkpoint = checkpoint or (lambda r: None)
     prompts = load_benchmarks(cfg.benchmarks)
     eos = eos_token_ids(target)
+    exact = make_exact(target.model, cfg.exact_forward)  # before any forward: plain and speculative alike
     runner = TargetRunner(target.model)
     t0 = time.perf_counter()
     ids, plain = _plain_pass(target, runner, prompts, cfg, eos, progress)
@@ -107,7 +110,8 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
               "temperatures": list(cfg.temperatures), "target_params": _nparams(target.model),
               "repeats": cfg.repeats, "plain": _timed_rows(plain[0.0]),
               "plain_by_temperature": {str(T): _timed_rows(passes) for T, passes in plain.items()},
-              "plain_seconds": plain_seconds, "methods": []}
+              "plain_seconds": plain_seconds, "exact_forward": exact, "target_dtype": str(target.dtype),
+              "methods": []}
     plain_tokens = {p.id: r for p, r in zip(prompts, ids["tokens"])}
     checkpoint(report)
     for spec in cfg.methods:

@@ -212,3 +212,27 @@ def test_auto_shape_picks_a_chain_from_the_cost_curve_and_held_out_reach(target,
                                     max_new_tokens=4, temperatures=(0.0,), batch_sizes=(1,), repeats=1))
     with pytest.raises(ValueError, match="head_shape"):
         plan_methods("eagle1", str(head), [], head_shape="wide")
+
+
+def test_bfloat16_target_is_evaluated_with_exact_forwards(smollm2_tokenizer, tmp_path, monkeypatch):
+    """Issue 13: a bfloat16 target gets batch-invariant forwards before the plain pass (plain and
+    speculative decoding alike), the report says so, and greedy decoding stays exact."""
+    import torch
+
+    import specheads.evaluation.suite as suite
+    from specheads.decoding.exact import ATTENTION_NAME
+
+    model = make_tiny_model(vocab=len(smollm2_tokenizer), hidden=64, layers=2, seed=1, dtype=torch.bfloat16)
+    target = Target(model, smollm2_tokenizer, name="tiny-bf16")
+    real = suite.load_benchmarks
+    monkeypatch.setattr(suite, "load_benchmarks", lambda s: [p for p in real(s) if p.domain == "coding"][:2])
+    methods = [MethodSpec("ngram", "ngram", TreeShape("chain", k=3)),
+               plan_methods(None, None, ["lookahead"], lookahead={"window": 3, "ngram": 3, "guesses": 2})[0]]
+    spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1, 2), humaneval=0, chat=0)
+    report = evaluate(target, EvalConfig(methods, spec, max_new_tokens=10, temperatures=(0.0,), batch_sizes=(1,),
+                                         repeats=1))
+    assert model.config._attn_implementation == ATTENTION_NAME
+    assert report["exact_forward"]["attention"] == ATTENTION_NAME and report["target_dtype"] == "torch.bfloat16"
+    assert all(m["lossless"]["exact"] for m in report["methods"])
+    write_report(report, tmp_path)
+    assert "bfloat16, exact forwards (attention in float64" in (tmp_path / "report.md").read_text()

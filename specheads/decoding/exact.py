@@ -1,0 +1,137 @@
+"""Batch-invariant target forwards, so that speculative decoding in reduced precision stays exact.
+
+Speculative decoding is lossless only if the target's logits for a token do not depend on how many
+other tokens share its forward: a verify forward over a draft tree must give, for every node, what a
+one-token forward after its accepted ancestors gives. In float32 the kernels' shape-dependent
+rounding moves logits by ~1e-5 and greedy decoding has never been seen to change; in bfloat16 the
+scaled-dot-product attention kernels reduce over the keys in a blocking that depends on the number of
+queries and keys, the logits move by up to ~0.4 and greedy outputs diverge (4 of 12 evaluation
+prompts, issue 13). On the CPU the linear layers are already invariant (oneDNN: one output row
+depends on its input row only, bitwise, for every row count measured), so the fix is the attention:
+
+- ``exact_attention`` computes softmax(q kᵀ·scale + mask) v in float64 and rounds the result to the
+  model's dtype. Different query counts still change the float64 sums in their last bits (~1e-16
+  relative), but a bfloat16 rounding (8 mantissa bits) only differs where the value lies within that
+  distance of a rounding boundary: about 1e-13 per element, so the rounded outputs, and with them
+  every later layer, are bitwise those of one-token forwards in practice (``tests/decoding/
+  test_exact.py`` checks every node of random trees, bitwise).
+- ``pack_cpu_linears`` (CPU, bfloat16): the linear weights reordered once into oneDNN's blocked layout,
+  which removes the per-call weight reorder that makes an unpacked bfloat16 linear slower than float32
+  at one row (the same oneDNN kernel whatever the row count, so the layers stay invariant).
+
+``make_exact(model, mode)`` applies both where they are needed; the evaluator calls it for the plain
+and the speculative decodes alike, so both run the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ATTENTION_NAME = "specheads_exact"
+EXACT_MODES = ("auto", "on", "off")
+
+
+def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: query (B, H, q, d), key/value (B, Hkv, kv, d), mask additive
+    (B, 1, q, kv) float, boolean (True = attend) or None (causal, the q queries being the last q keys).
+    Returns (B, q, H, d) in the query's dtype."""
+    for name in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"exact attention does not implement {name}= (model {type(module).__name__}); "
+                                      f"evaluate with exact_forward=off")
+    if dropout and module.training:
+        raise ValueError("exact attention is for inference: dropout during training is not supported")
+    b, h, q, d = query.shape
+    hkv, kv = key.shape[1], key.shape[2]
+    if h % hkv:
+        raise ValueError(f"{h} query heads are not a multiple of {hkv} key/value heads")
+    g = h // hkv
+    # query head j*g + i reads key/value head j (transformers' repeat_kv order)
+    qd = query.to(torch.float64).reshape(b, hkv, g * q, d)
+    scores = torch.matmul(qd, key.to(torch.float64).transpose(-1, -2))
+    scores.mul_(d ** -0.5 if scaling is None else scaling)
+    scores = scores.view(b, hkv, g, q, kv)
+    if attention_mask is None:
+        causal = torch.ones(q, kv, dtype=torch.bool, device=query.device).tril(kv - q)
+        scores.masked_fill_(~causal, float("-inf"))
+    elif attention_mask.dtype == torch.bool:
+        scores.masked_fill_(~attention_mask[..., :kv].unsqueeze(2), float("-inf"))
+    else:
+        scores.add_(attention_mask[..., :kv].to(torch.float64).unsqueeze(2))
+    probs = torch.softmax(scores.view(b, hkv, g * q, kv), -1)
+    out = torch.matmul(probs, value.to(torch.float64))  # (B, Hkv, g*q, d)
+    return out.view(b, h, q, d).transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, exact_attention)
+
+
+class PackedLinear(nn.Module):
+    """A frozen ``nn.Linear`` whose weight lives in oneDNN's blocked layout (CPU inference only).
+
+    ``weight`` stays the original parameter (readers such as drafters that borrow the LM head's rows
+    keep working); the packed copy is what ``forward`` multiplies with."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = 1):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        bias = None if self.bias is None else self.bias.detach()
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def can_pack(model: nn.Module) -> bool:
+    """Packing applies to a bfloat16 model on the CPU where oneDNN is available."""
+    p = next(model.parameters())
+    return (p.device.type == "cpu" and p.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def pack_cpu_linears(model: nn.Module) -> int:
+    """Replace every plain ``nn.Linear`` of a CPU bfloat16 model by a ``PackedLinear``; returns how many."""
+    if not can_pack(model):
+        raise ValueError("pack_cpu_linears needs a bfloat16 model on a CPU with oneDNN")
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, PackedLinear(child))
+                n += 1
+    return n
+
+
+def make_exact(model: nn.Module, mode: str = "auto") -> dict:
+    """Make ``model``'s forwards batch-invariant for exact speculative decoding (in place).
+
+    mode ``auto``: on for a reduced-precision model (bfloat16 / float16) on the CPU, off for float32
+    and on GPUs (where cuBLAS may pick another kernel per row count, so the linear layers are not
+    row-invariant and float64 attention alone would not make the forwards exact); ``on`` / ``off``
+    force it. Returns what was done, for the report: {"attention": ..., "packed_linears": n}.
+    """
+    if mode not in EXACT_MODES:
+        raise ValueError(f"exact_forward={mode!r}: use one of {', '.join(EXACT_MODES)}")
+    p = next(model.parameters())
+    on = mode == "on" or (mode == "auto" and p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float16))
+    if not on:
+        return {"attention": model.config._attn_implementation, "packed_linears": 0}
+    _register()
+    model.set_attn_implementation(ATTENTION_NAME)
+    packed = pack_cpu_linears(model) if can_pack(model) else 0
+    log.info("exact forwards: float64 attention, %d linear layers packed for oneDNN", packed)
+    return {"attention": ATTENTION_NAME, "packed_linears": packed}

@@ -1,0 +1,110 @@
+"""Exact (batch-invariant) target forwards: a bfloat16 tree verify gives, bitwise, what one-token
+forwards after each node's ancestors give, so speculative decoding in bfloat16 stays lossless."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from specheads.decoding.exact import ATTENTION_NAME, PackedLinear, can_pack, exact_attention, make_exact
+from specheads.decoding.runner import TargetRunner
+
+
+def _random_tree(rng: random.Random, n: int, vocab: int) -> tuple[list[int], list[int]]:
+    parents = [-1] + [rng.randrange(-1, i) for i in range(1, n)]
+    return [rng.randrange(vocab) for _ in range(n)], parents
+
+
+def _tree_vs_sequential(model, contexts=(40, 150), sizes=(3, 6, 12), vocab=256, seed=0) -> tuple[int, int]:
+    """(unequal, total): logits of every node of random trees, one verify forward vs one-token forwards
+    of its root-to-node path, compared bitwise."""
+    rng = random.Random(seed)
+    r = TargetRunner(model)
+    unequal = total = 0
+    for length in contexts:
+        prompt = [rng.randrange(vocab) for _ in range(length)]
+        for n in sizes:
+            toks, parents = _random_tree(rng, n, vocab)
+            r.prefill([prompt])
+            tree = r.forward(torch.tensor([toks]), torch.tensor([parents])).logits[0]
+            for i in range(n):
+                path, j = [], i
+                while j >= 0:
+                    path.append(j)
+                    j = parents[j]
+                r.prefill([prompt])
+                for j in reversed(path):
+                    one = r.forward(torch.tensor([[toks[j]]]), torch.tensor([[-1]])).logits[0, 0]
+                    r.commit([[0]])
+                total += 1
+                unequal += not torch.equal(one, tree[i])
+    return unequal, total
+
+
+def _bf16_model():
+    return make_tiny_model("llama", hidden=128, layers=2, heads=4, kv_heads=2, dtype=torch.bfloat16)
+
+
+def test_bf16_tree_verify_is_bitwise_sequential_with_exact_forwards():
+    model = _bf16_model()
+    assert make_exact(model, "auto")["attention"] == ATTENTION_NAME
+    unequal, total = _tree_vs_sequential(model)
+    assert total == 2 * (3 + 6 + 12)
+    assert unequal == 0
+
+
+def test_bf16_sdpa_is_not_batch_invariant():
+    """The control: without exact forwards the same comparison finds differing logits (what made
+    bfloat16 speculative decoding lossy), so the test above can fail."""
+    model = _bf16_model()
+    model.set_attn_implementation("sdpa")
+    unequal, _ = _tree_vs_sequential(model)
+    assert unequal > 0
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+def test_exact_attention_matches_sdpa_in_float32(mask_kind):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    b, h, hkv, q, d = 2, 6, 2, 5, 8
+    kv = q if mask_kind == "none" else 11  # no mask: causal over a prefill (SDPA aligns is_causal top-left)
+    query, key, value = torch.randn(b, h, q, d), torch.randn(b, hkv, kv, d), torch.randn(b, hkv, kv, d)
+    allowed = torch.rand(b, 1, q, kv) > 0.3
+    allowed[..., 0] = True
+    mask = {"none": None, "bool": allowed,
+            "additive": torch.zeros(b, 1, q, kv).masked_fill(~allowed, torch.finfo(torch.float32).min)}[mask_kind]
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups, module.is_causal = h // hkv, mask is None
+    got, _ = exact_attention(module, query, key, value, mask, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3, dropout=0.0)
+    assert got.shape == (b, q, h, d) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_make_exact_modes():
+    m32 = make_tiny_model("llama", layers=1)
+    assert make_exact(m32, "auto") == {"attention": "eager", "packed_linears": 0}  # float32: left as it is
+    with pytest.raises(ValueError, match="exact_forward='yes'"):
+        make_exact(m32, "yes")
+    assert make_exact(m32, "on")["attention"] == ATTENTION_NAME
+    m16 = make_tiny_model("llama", layers=1, dtype=torch.bfloat16)
+    linears = sum(type(x) is torch.nn.Linear for x in m16.modules())
+    done = make_exact(m16, "auto")
+    assert done["packed_linears"] == (linears if can_pack(m16) else 0)
+
+
+@pytest.mark.skipif(not can_pack(make_tiny_model("llama", layers=1, dtype=torch.bfloat16)),
+                    reason="oneDNN bfloat16 packing needs a CPU build with oneDNN")
+def test_packed_linear_equals_linear_bitwise_for_every_row_count():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 160).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    x = torch.randn(2, 13, 96).to(torch.bfloat16)
+    full = packed(x)
+    assert full.shape == (2, 13, 160) and packed.weight is lin.weight
+    assert torch.equal(full, lin(x))
+    assert all(torch.equal(packed(x[:1, :m]), full[:1, :m]) for m in range(1, 14))
