@@ -162,6 +162,20 @@ def speedup_spread(plain: list[Summary], spec: list[Summary]) -> dict:
     return {"speedup": _median(p) / _median(s), "speedup_range": [min(p) / max(s), max(p) / min(s)]}
 
 
+def speedup_paired(plain: list[Summary], spec: list[Summary]) -> dict:
+    """Speed-up from paired passes: pass k decoded each prompt plainly right before decoding it
+    speculatively, so both halves of a pair saw the same moment of a noisy machine. The speed-up is
+    the median over passes of plain time per token ÷ speculative time per token, its range the
+    smallest and largest of those per-pass ratios."""
+    ratios = [p / s for p, s in zip(map(_time_per_token, plain), map(_time_per_token, spec))
+              if p is not None and s is not None]
+    if len(plain) != len(spec):
+        raise ValueError(f"paired passes: {len(plain)} plain vs {len(spec)} speculative")
+    if not ratios:
+        return {"speedup": None, "speedup_range": None}
+    return {"speedup": _median(ratios), "speedup_range": [min(ratios), max(ratios)]}
+
+
 def gpu_speedup(tau: float | None, c_gpu: float, forwards_per_step: float) -> float | None:
     """Predicted memory-bound speed-up τ / (1 + c_GPU · F) (see the module docstring)."""
     if tau is None:

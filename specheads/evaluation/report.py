@@ -48,10 +48,7 @@ def markdown(report: dict) -> str:
              f"{report['num_prompts']} prompts, max_new_tokens {report['max_new_tokens']}, "
              f"temperatures {report['temperatures']}. τ = tokens per target forward (bonus included); "
              "α = accepted ÷ tested drafts (Leviathan et al.); both count only tokens that reach the output "
-             "(a draft past max_new_tokens or EOS is neither accepted nor rejected). Speed-up = decode "
-             "tokens/s ÷ plain decode tokens/s at the same temperature on the same engine (prefill "
-             f"excluded): the median of {report.get('repeats', 1)} timed pass(es) after a warm-up, with its "
-             "range in brackets (slowest speculative vs fastest plain pass – fastest vs slowest).", "",
+             "(a draft past max_new_tokens or EOS is neither accepted nor rejected). " + _speedup_md(report), "",
              f"_{GPU_MODEL}_", ""]
     by_t = report.get("plain_by_temperature") or {str(report["temperatures"][0]): report["plain"]}
     lines += ["Plain decoding: " + "; ".join(f"T={t} {_spread(rows['all'], 'tokens_per_s', 1)} tokens/s"
@@ -62,6 +59,19 @@ def markdown(report: dict) -> str:
     for m in report["methods"]:
         lines += _method_md(m, report)
     return "\n".join(lines) + "\n"
+
+
+def _speedup_md(report: dict) -> str:
+    """How the speed-ups were timed."""
+    n = report.get("repeats", 1)
+    head = ("Speed-up = decode tokens/s ÷ plain decode tokens/s at the same temperature on the same engine "
+            "(prefill excluded)")
+    if report.get("paired"):
+        return (f"{head}, paired: in each of {n} timed pass(es) after a warm-up every prompt is decoded plainly "
+                "right before it is decoded speculatively, and the speed-up is the median of the per-pass ratios, "
+                "their range in brackets.")
+    return (f"{head}: the median of {n} timed pass(es) after a warm-up, with its range in brackets (slowest "
+            "speculative vs fastest plain pass – fastest vs slowest).")
 
 
 def _precision_md(report: dict) -> list[str]:

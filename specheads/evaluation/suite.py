@@ -8,8 +8,12 @@ target's own plain-greedy turn-1 answer (identical for every lossless method at 
 Timing: the target and each drafter decode one short untimed warm-up first. Plain decoding runs at
 every temperature (sampling has its own cost), and plain and speculative batch-1 decoding are each
 timed ``repeats`` times over the same prompts (same seeds): the first pass also gives the acceptance
-counts and the lossless check, the others only time the decode. Speeds and speed-ups are medians
-over the passes, with their range (``metrics.timed``, ``metrics.speedup_spread``).
+counts and the lossless check, the others only time the decode. Speeds are medians over the passes,
+with their range (``metrics.timed``). With ``paired`` (the default) every speculative pass decodes
+each prompt plainly right before decoding it speculatively, and the speed-up is the median of the
+per-pass ratios (``metrics.speedup_paired``): on a shared machine whose speed drifts over minutes,
+comparing against plain passes timed minutes earlier moved the same head's ratio from 0.93x to 2.00x
+(issue 13). Without it, plain passes timed once are the reference (``metrics.speedup_spread``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from specheads.decoding.tree import normalize_choices
 from specheads.decoding.verify import LOSSLESS
 from specheads.errors import UserError
 from specheads.evaluation.benchmarks import BenchmarkSpec, EvalPrompt, encode, load_benchmarks
-from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_spread, timed
+from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
 from specheads.evaluation.recommend import recommend
 from specheads.targets import Target, eos_token_ids
 from specheads.training.run_log import read_train_summary
@@ -87,6 +91,7 @@ class EvalConfig:
     recommend_ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)
     repeats: int = 3  # timed batch-1 decode passes per speed figure (plain and speculative), after a warm-up
     exact_forward: str = "auto"  # batch-invariant target forwards (specheads.decoding.exact): auto | on | off
+    paired: bool = True  # time a plain decode of each prompt right before its speculative one (see above)
 
 
 Progress = Callable[[str], None]
@@ -108,7 +113,7 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     plain_seconds = time.perf_counter() - t0
     report = {"target": target.name, "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
               "temperatures": list(cfg.temperatures), "target_params": _nparams(target.model),
-              "repeats": cfg.repeats, "plain": _timed_rows(plain[0.0]),
+              "repeats": cfg.repeats, "paired": cfg.paired, "plain": _timed_rows(plain[0.0]),
               "plain_by_temperature": {str(T): _timed_rows(passes) for T, passes in plain.items()},
               "plain_seconds": plain_seconds, "exact_forward": exact, "target_dtype": str(target.dtype),
               "methods": []}
@@ -193,15 +198,32 @@ def _timing_pass(runner, drafter, prompts, ids, cfg, T, verify, eos) -> list[Run
             for p, pid in zip(prompts, ids["prompt_ids"])]
 
 
+def _plain_verify(T: float) -> str:
+    """The verify rule plain decoding runs under (no drafts: it only picks or samples the next token)."""
+    return "greedy" if T <= 0 else "tree"
+
+
+def _paired_timing_pass(runner, drafter, prompts, ids, cfg, T, verify, eos) -> tuple[list[Run], list[Run]]:
+    """One timed pass where each prompt is decoded plainly, then speculatively (seeded like the first
+    pass); returns (speculative runs, plain runs)."""
+    gen, plain_gen = torch.Generator().manual_seed(cfg.seed), torch.Generator().manual_seed(cfg.seed)
+    spec_runs, plain_runs = [], []
+    for p, pid in zip(prompts, ids["prompt_ids"]):
+        plain_runs.append(_run(p, speculative_generate(runner, None, [pid], cfg.max_new_tokens, T, _plain_verify(T),
+                                                       eos, plain_gen)))
+        spec_runs.append(_run(p, speculative_generate(runner, drafter, [pid], cfg.max_new_tokens, T, verify, eos, gen)))
+    return spec_runs, plain_runs
+
+
 def _plain_passes(runner, prompts, ids, first, cfg, eos, progress) -> dict[float, list[dict]]:
     """{T: [by_domain summaries of each timed plain pass]}: ``repeats`` passes at every temperature
     (the greedy pass that made the answers is the first at T = 0)."""
     out = {}
+    wanted = 1 if cfg.paired else max(cfg.repeats, 1)  # paired: each method times its own plain decodes
     for T in sorted(set(cfg.temperatures) | {0.0}):
         passes = [by_domain(first)] if T == 0 else []
-        while len(passes) < max(cfg.repeats, 1):
-            passes.append(by_domain(_timing_pass(runner, None, prompts, ids, cfg, T,
-                                                 "greedy" if T <= 0 else "tree", eos)))
+        while len(passes) < wanted:
+            passes.append(by_domain(_timing_pass(runner, None, prompts, ids, cfg, T, _plain_verify(T), eos)))
             progress(f"plain T={T} pass {len(passes)}/{cfg.repeats}")
         out[T] = passes
     return out
@@ -229,9 +251,12 @@ def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_token
     t_start = time.perf_counter()
     _warm_up(runner, drafter, ids["prompt_ids"][0], cfg, eos)
     for T in cfg.temperatures:
-        gen = torch.Generator().manual_seed(cfg.seed)
-        runs, mism = [], []
+        gen, plain_gen = torch.Generator().manual_seed(cfg.seed), torch.Generator().manual_seed(cfg.seed)
+        runs, plain_runs, mism = [], [], []
         for i, (p, pid) in enumerate(zip(prompts, ids["prompt_ids"])):
+            if cfg.paired:
+                plain_runs.append(_run(p, speculative_generate(runner, None, [pid], cfg.max_new_tokens, T,
+                                                               _plain_verify(T), eos, plain_gen)))
             res = speculative_generate(runner, drafter, [pid], cfg.max_new_tokens, T, spec.verify, eos, gen)
             runs.append(_run(p, res))
             if T == 0:
@@ -240,13 +265,21 @@ def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_token
                     mism.append({"prompt": p.id, **m})
             progress(f"{spec.name} T={T} {i + 1}/{len(prompts)}")
         passes = [by_domain(runs)]  # acceptance from the first pass; the others only time the decode
+        plain_passes = [by_domain(plain_runs)] if cfg.paired else plain[T]
         while len(passes) < max(cfg.repeats, 1):
-            passes.append(by_domain(_timing_pass(runner, drafter, prompts, ids, cfg, T, spec.verify, eos)))
+            if cfg.paired:
+                s_runs, p_runs = _paired_timing_pass(runner, drafter, prompts, ids, cfg, T, spec.verify, eos)
+                passes.append(by_domain(s_runs)); plain_passes.append(by_domain(p_runs))
+            else:
+                passes.append(by_domain(_timing_pass(runner, drafter, prompts, ids, cfg, T, spec.verify, eos)))
             progress(f"{spec.name} T={T} timing pass {len(passes)}/{cfg.repeats}")
+        ratio = speedup_paired if cfg.paired else speedup_spread
         doms = {}
         for d, s in passes[0].items():
             row = {**s.to_dict(), **timed([p[d] for p in passes]),
-                   **speedup_spread([p[d] for p in plain[T]], [p[d] for p in passes])}
+                   **ratio([p[d] for p in plain_passes], [p[d] for p in passes])}
+            if cfg.paired:
+                row["paired_plain_tokens_per_s"] = timed([p[d] for p in plain_passes])["tokens_per_s"]
             row["gpu_speedup_pred"] = gpu_speedup(s.tau, c_gpu, s.draft_forwards_per_step)
             doms[d] = row
         out["by_temperature"][str(T)] = doms

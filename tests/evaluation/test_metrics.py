@@ -8,7 +8,8 @@ import pytest
 
 from specheads.acceptance_math import chain_tau, leviathan_speedup
 from specheads.decoding.generate import RowStats
-from specheads.evaluation.metrics import Run, Summary, by_domain, gpu_speedup, speedup, speedup_spread, timed
+from specheads.evaluation.metrics import (Run, Summary, by_domain, gpu_speedup, speedup, speedup_paired,
+                                         speedup_spread, timed)
 from specheads.evaluation.recommend import recommend
 
 
@@ -55,6 +56,19 @@ def test_timed_passes_give_median_and_range():
     assert sp["speedup_range"][0] <= sp["speedup"] <= sp["speedup_range"][1]
     assert speedup_spread([], spec) == {"speedup": None, "speedup_range": None}
     assert speedup_spread([_s(10, 1.0)], [_s(10, 0.5)])["speedup_range"] == pytest.approx([2.0, 2.0])
+
+
+def test_paired_speedup_is_the_median_of_per_pass_ratios():
+    """Issue 13: pass k's plain and speculative decodes saw the same moment of the machine; a pass
+    where both ran 3x slower leaves its ratio unchanged (the unpaired spread would not)."""
+    plain = [_s(100, 2.0), _s(100, 6.0), _s(100, 2.2)]
+    spec = [_s(100, 1.0), _s(100, 3.0), _s(100, 1.0)]  # ratios 2.0, 2.0, 2.2
+    sp = speedup_paired(plain, spec)
+    assert sp["speedup"] == pytest.approx(2.0) and sp["speedup_range"] == pytest.approx([2.0, 2.2])
+    assert speedup_spread(plain, spec)["speedup_range"][0] == pytest.approx(2.0 / 3.0)
+    assert speedup_paired([_s(0, 0.0)], [_s(10, 1.0)]) == {"speedup": None, "speedup_range": None}
+    with pytest.raises(ValueError, match="2 plain vs 1 speculative"):
+        speedup_paired(plain[:2], spec[:1])
 
 
 def _report(shape, row, drafter="eagle3", plain_T=None):

@@ -108,7 +108,7 @@ def test_plain_at_each_temperature_warm_up_and_repeated_timing(target, tmp_path,
     monkeypatch.setattr(suite, "speculative_generate", recording)
     spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1, 2), humaneval=0, chat=0)
     cfg = EvalConfig([MethodSpec("ngram", "ngram", TreeShape("chain", k=3))], spec, max_new_tokens=12,
-                     temperatures=(0.0, 1.0), batch_sizes=(1,), repeats=3)
+                     temperatures=(0.0, 1.0), batch_sizes=(1,), repeats=3, paired=False)
     report = evaluate(target, cfg)
     # warm-ups: the very first decode, and the drafter's first, are short and untimed
     assert calls[0] == (None, 8, 0.0)
@@ -236,3 +236,46 @@ def test_bfloat16_target_is_evaluated_with_exact_forwards(smollm2_tokenizer, tmp
     assert all(m["lossless"]["exact"] for m in report["methods"])
     write_report(report, tmp_path)
     assert "bfloat16, exact forwards (attention in float64" in (tmp_path / "report.md").read_text()
+
+
+def test_paired_timing_survives_a_machine_that_slows_down(target, tmp_path, monkeypatch):
+    """Issue 13: the same head measured 2.00x, then 0.93x, against plain passes timed minutes before it
+    on a machine whose speed drifts. Paired timing decodes each prompt plainly right before decoding it
+    speculatively; here every decode after the plain passes runs 30x slower, which divides the unpaired
+    ratio by ~30 and leaves the paired one where it was."""
+    import specheads.evaluation.suite as suite
+
+    real_load, real_gen = suite.load_benchmarks, suite.speculative_generate
+    state = {"slow": False, "calls": []}
+
+    def drifting(runner, drafter, prompts, max_new_tokens, temperature=0.0, *a, **k):
+        state["slow"] |= drafter is not None  # from the drafter's warm-up on, the machine is 30x slower
+        res = real_gen(runner, drafter, prompts, max_new_tokens, temperature, *a, **k)
+        if state["slow"]:
+            res.wall_time = res.prefill_time + 30 * (res.wall_time - res.prefill_time)
+        state["calls"].append((getattr(drafter, "name", None), max_new_tokens, tuple(prompts[0])))
+        return res
+
+    monkeypatch.setattr(suite, "load_benchmarks", lambda s: [p for p in real_load(s) if p.domain == "coding"][:2])
+    monkeypatch.setattr(suite, "speculative_generate", drifting)
+    spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1,), humaneval=0, chat=0)
+    ratios = {}
+    for paired in (True, False):
+        state.update(slow=False, calls=[])
+        cfg = EvalConfig([MethodSpec("ngram", "ngram", TreeShape("chain", k=3))], spec, max_new_tokens=10,
+                         temperatures=(0.0,), batch_sizes=(1,), repeats=2, paired=paired)
+        report = evaluate(target, cfg)
+        row = report["methods"][0]["by_temperature"]["0.0"]["all"]
+        ratios[paired] = row["speedup"]
+        assert report["paired"] is paired and row["speedup_range"][0] <= row["speedup"] <= row["speedup_range"][1]
+        if paired:
+            timed_calls = [c for c in state["calls"] if c[1] == 10]
+            first_method = next(i for i, c in enumerate(timed_calls) if c[0] == "ngram")
+            method_calls = timed_calls[first_method - 1:]
+            assert len(method_calls) == 2 * 2 * 2  # 2 passes x 2 prompts x (plain, speculative)
+            for plain_call, spec_call in zip(method_calls[::2], method_calls[1::2]):
+                assert plain_call[0] is None and spec_call[0] == "ngram" and plain_call[2] == spec_call[2]
+            assert row["paired_plain_tokens_per_s"] is not None
+            write_report(report, tmp_path)
+            assert "paired: in each of 2 timed pass(es)" in (tmp_path / "report.md").read_text()
+    assert ratios[True] > 5 * ratios[False]
