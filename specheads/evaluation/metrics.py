@@ -167,10 +167,10 @@ def speedup_paired(plain: list[Summary], spec: list[Summary]) -> dict:
     speculatively, so both halves of a pair saw the same moment of a noisy machine. The speed-up is
     the median over passes of plain time per token ÷ speculative time per token, its range the
     smallest and largest of those per-pass ratios."""
-    ratios = [p / s for p, s in zip(map(_time_per_token, plain), map(_time_per_token, spec))
-              if p is not None and s is not None]
     if len(plain) != len(spec):
         raise ValueError(f"paired passes: {len(plain)} plain vs {len(spec)} speculative")
+    ratios = [p / s for p, s in zip(map(_time_per_token, plain), map(_time_per_token, spec))
+              if p is not None and s is not None]
     if not ratios:
         return {"speedup": None, "speedup_range": None}
     return {"speedup": _median(ratios), "speedup_range": [min(ratios), max(ratios)]}

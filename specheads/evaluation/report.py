@@ -79,12 +79,11 @@ def _precision_md(report: dict) -> list[str]:
     if "target_dtype" not in report:
         return []
     ex = report.get("exact_forward") or {}
-    how = (f"exact forwards (attention in float64, rounded to {report['target_dtype'].removeprefix('torch.')}: a "
-           f"forward over n tokens gives what n one-token forwards give; {ex.get('packed_linears', 0)} linear "
-           "layers prepacked for oneDNN)" if ex.get("attention") == ATTENTION_NAME
-           else f"attention `{ex.get('attention')}`")
-    return [f"Target forwards (plain and speculative alike): {report['target_dtype'].removeprefix('torch.')}, "
-            f"{how}.", ""]
+    dtype = report["target_dtype"].removeprefix("torch.")
+    how = (f"exact forwards (attention in float64, rounded to {dtype}: a forward over n tokens gives what n "
+           f"one-token forwards give; {ex.get('packed_linears', 0)} linear layers prepacked for oneDNN)"
+           if ex.get("attention") == ATTENTION_NAME else f"attention `{ex.get('attention')}`")
+    return [f"Target forwards (plain and speculative alike): {dtype}, {how}.", ""]
 
 
 def summary_md(report: dict) -> list[str]:

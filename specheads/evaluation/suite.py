@@ -203,14 +203,18 @@ def _plain_verify(T: float) -> str:
     return "greedy" if T <= 0 else "tree"
 
 
+def _plain_run(runner, p: EvalPrompt, pid, cfg, T, eos, gen) -> Run:
+    """One timed plain decode of one prompt (the paired half of a speculative decode)."""
+    return _run(p, speculative_generate(runner, None, [pid], cfg.max_new_tokens, T, _plain_verify(T), eos, gen))
+
+
 def _paired_timing_pass(runner, drafter, prompts, ids, cfg, T, verify, eos) -> tuple[list[Run], list[Run]]:
     """One timed pass where each prompt is decoded plainly, then speculatively (seeded like the first
     pass); returns (speculative runs, plain runs)."""
     gen, plain_gen = torch.Generator().manual_seed(cfg.seed), torch.Generator().manual_seed(cfg.seed)
     spec_runs, plain_runs = [], []
     for p, pid in zip(prompts, ids["prompt_ids"]):
-        plain_runs.append(_run(p, speculative_generate(runner, None, [pid], cfg.max_new_tokens, T, _plain_verify(T),
-                                                       eos, plain_gen)))
+        plain_runs.append(_plain_run(runner, p, pid, cfg, T, eos, plain_gen))
         spec_runs.append(_run(p, speculative_generate(runner, drafter, [pid], cfg.max_new_tokens, T, verify, eos, gen)))
     return spec_runs, plain_runs
 
@@ -224,7 +228,7 @@ def _plain_passes(runner, prompts, ids, first, cfg, eos, progress) -> dict[float
         passes = [by_domain(first)] if T == 0 else []
         while len(passes) < wanted:
             passes.append(by_domain(_timing_pass(runner, None, prompts, ids, cfg, T, _plain_verify(T), eos)))
-            progress(f"plain T={T} pass {len(passes)}/{cfg.repeats}")
+            progress(f"plain T={T} pass {len(passes)}/{wanted}")
         out[T] = passes
     return out
 
@@ -255,8 +259,7 @@ def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_token
         runs, plain_runs, mism = [], [], []
         for i, (p, pid) in enumerate(zip(prompts, ids["prompt_ids"])):
             if cfg.paired:
-                plain_runs.append(_run(p, speculative_generate(runner, None, [pid], cfg.max_new_tokens, T,
-                                                               _plain_verify(T), eos, plain_gen)))
+                plain_runs.append(_plain_run(runner, p, pid, cfg, T, eos, plain_gen))
             res = speculative_generate(runner, drafter, [pid], cfg.max_new_tokens, T, spec.verify, eos, gen)
             runs.append(_run(p, res))
             if T == 0:
