@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from specheads.data.features import CollectOptions, collect_hidden_states
 from specheads.data.prepare import check_prepared_matches, load_prepared
 from specheads.errors import user_errors
-from specheads.targets import load_target
+from specheads.targets import end_process_group, load_target
 from specheads.methods import build_method
 from specheads.methods.base import FeatureSpec
 try:  # the method/ group's schemas (conf/method/medusa*.yaml extend them)
@@ -53,6 +53,7 @@ def feature_spec(method_cfg: DictConfig, target) -> FeatureSpec:
 def main(cfg: DictConfig) -> None:
     with user_errors("collect"):
         collect(cfg)
+    end_process_group()
 
 
 def collect(cfg: DictConfig) -> None:

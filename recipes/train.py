@@ -255,6 +255,9 @@ def add_bigram_baselines(summary: dict[str, Any], train_src, eval_src, cfg: Dict
 def main(cfg: DictConfig) -> None:
     with user_errors("train"):
         summary = run(cfg)
+    from specheads.targets import end_process_group
+
+    end_process_group()
     if int(os.environ.get("RANK", "0")) == 0:  # the main process alone reports (other ranks hold no final loss)
         print(json.dumps({k: summary[k] for k in ("method", "steps", "final_loss", "tau_estimate", "tokens_per_s",
                                                  "head_dir")}, indent=1))

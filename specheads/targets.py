@@ -381,6 +381,18 @@ def launch_rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def end_process_group() -> None:
+    """Destroy this process's torch.distributed group, if one is initialized, once every rank is done.
+
+    A gloo group left for the interpreter's shutdown to tear down aborted one of two CPU ranks now and then
+    with ``terminate called without an active exception`` (SIGABRT, exit -6) after its checkpoint and head
+    were written, failing the launch (CI, torchrun, 2 processes). The recipes call this last."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def parallel_layout() -> ParallelLayout:
     """This process's layout: the one its tensor-parallel target was loaded with, else plain data
     parallelism over the launcher's ranks."""

@@ -57,3 +57,19 @@ def test_smollm2_loads_from_cache_and_matches_hf(smollm2):
     ref = smollm2.model(ids, output_hidden_states=True)
     torch.testing.assert_close(feats.aux[1], ref.hidden_states[15])
     torch.testing.assert_close(smollm2.logits(feats.last), ref.logits)
+
+
+def test_end_process_group_destroys_the_group_and_is_a_no_op_without_one(tmp_path):
+    import torch.distributed as dist
+
+    from specheads.targets import end_process_group
+
+    assert not dist.is_initialized()
+    end_process_group()  # nothing to end: must not raise
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        end_process_group()
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -69,6 +69,7 @@ def main(out_dir: str, max_steps: int, sleep: float) -> None:
     from specheads.training.config import OptimConfig, TrainConfig
     from specheads.training.engine import train
     from specheads.methods.medusa import Medusa1Method
+    from specheads.targets import end_process_group
 
     torch.set_num_threads(1)
     target = make_tiny_target("llama", hidden=32, layers=2, vocab=256)
@@ -77,6 +78,7 @@ def main(out_dir: str, max_steps: int, sleep: float) -> None:
                       wandb_mode="disabled", progress=False)
     train(Medusa1Method(num_heads=3), target, SlowSource(train_src, sleep), cfg,
           OptimConfig(lr=3e-3, warmup_steps=3), held)
+    end_process_group()  # as the train recipe does
 
 
 if __name__ == "__main__":
