@@ -78,6 +78,7 @@ class EvaluateSchema:
     seed: int = 0
     threads: Optional[int] = None
     exact_forward: str = "auto"
+    cpu_linears: str = "auto"
     paired: bool = True
 
 
@@ -118,7 +119,7 @@ def run(cfg: DictConfig) -> dict:
                                    head_shape=cfg.head_shape if name in ("eagle1", "eagle3") else "tree")
     ecfg = EvalConfig(methods, BenchmarkSpec(**ev), max_new, tuple(cfg.temperatures), tuple(cfg.batch_sizes),
                       cfg.batch_prompts, cfg.seed, repeats=repeats,
-                      exact_forward=cfg.exact_forward, paired=cfg.paired)
+                      exact_forward=cfg.exact_forward, cpu_linears=cfg.cpu_linears, paired=cfg.paired)
     target_path = cfg.target.name_or_path
     adapted = verifier_for(cfg.head_method, cfg.head_dir)
     for name, path in (cfg.heads or {}).items():

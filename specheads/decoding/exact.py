@@ -15,9 +15,10 @@ depends on its input row only, bitwise, for every row count measured), so the fi
   distance of a rounding boundary: about 1e-13 per element, so the rounded outputs, and with them
   every later layer, are bitwise those of one-token forwards in practice (``tests/decoding/
   test_exact.py`` checks every node of random trees, bitwise).
-- ``pack_cpu_linears`` (CPU, bfloat16): the linear weights reordered once into oneDNN's blocked layout,
-  which removes the per-call weight reorder that makes an unpacked bfloat16 linear slower than float32
-  at one row (the same oneDNN kernel whatever the row count, so the layers stay invariant).
+- ``pack_cpu_linears`` (CPU, bfloat16; ``cpu_linears.py``): the linear weights reordered once into
+  oneDNN's blocked layout, which removes the per-call weight reorder that makes an unpacked bfloat16
+  linear slower than float32 at one row (the same oneDNN kernel whatever the row count, so the layers
+  stay invariant).
 
 ``make_exact(model, mode)`` applies both where they are needed; the evaluator calls it for the plain
 and the speculative decodes alike, so both run the same arithmetic.
@@ -29,6 +30,8 @@ import logging
 
 import torch
 from torch import nn
+
+from specheads.decoding.cpu_linears import can_pack, pack_cpu_linears
 
 log = logging.getLogger(__name__)
 
@@ -76,46 +79,6 @@ def _register() -> None:
     AttentionInterface.register(ATTENTION_NAME, exact_attention)
 
 
-class PackedLinear(nn.Module):
-    """A frozen ``nn.Linear`` whose weight lives in oneDNN's blocked layout (CPU inference only).
-
-    ``weight`` stays the original parameter (readers such as drafters that borrow the LM head's rows
-    keep working); the packed copy is what ``forward`` multiplies with."""
-
-    def __init__(self, linear: nn.Linear, batch_hint: int = 1):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        bias = None if self.bias is None else self.bias.detach()
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
-
-
-def can_pack(model: nn.Module) -> bool:
-    """Packing applies to a bfloat16 model on the CPU where oneDNN is available."""
-    p = next(model.parameters())
-    return (p.device.type == "cpu" and p.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-def pack_cpu_linears(model: nn.Module) -> int:
-    """Replace every plain ``nn.Linear`` of a CPU bfloat16 model by a ``PackedLinear``; returns how many."""
-    if not can_pack(model):
-        raise ValueError("pack_cpu_linears needs a bfloat16 model on a CPU with oneDNN")
-    n = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child))
-                n += 1
-    return n
-
-
 def make_exact(model: nn.Module, mode: str = "auto") -> dict:
     """Make ``model``'s forwards batch-invariant for exact speculative decoding (in place).
 
@@ -132,6 +95,6 @@ def make_exact(model: nn.Module, mode: str = "auto") -> dict:
         return {"attention": model.config._attn_implementation, "packed_linears": 0}
     _register()
     model.set_attn_implementation(ATTENTION_NAME)
-    packed = pack_cpu_linears(model) if can_pack(model) else 0
+    packed = pack_cpu_linears(model) if can_pack(model) and p.dtype == torch.bfloat16 else 0
     log.info("exact forwards: float64 attention, %d linear layers packed for oneDNN", packed)
     return {"attention": ATTENTION_NAME, "packed_linears": packed}

@@ -83,6 +83,13 @@ def _precision_md(report: dict) -> list[str]:
     how = (f"exact forwards (attention in float64, rounded to {dtype}: a forward over n tokens gives what n "
            f"one-token forwards give; {ex.get('packed_linears', 0)} linear layers prepacked for oneDNN)"
            if ex.get("attention") == ATTENTION_NAME else f"attention `{ex.get('attention')}`")
+    lin = report.get("cpu_linears") or {}
+    ms = lin.get("one_token_ms")
+    if ms and ex.get("attention") != ATTENTION_NAME:
+        how += (f"; linear layers {lin['linears']} (one-token forward measured here {ms['packed']:.1f} ms with "
+                f"oneDNN-prepacked weights, {ms['plain']:.1f} ms without; the faster one is used)")
+    elif lin.get("linears") == "packed" and ex.get("attention") != ATTENTION_NAME:
+        how += f"; {lin['packed_linears']} linear layers prepacked for oneDNN"
     return [f"Target forwards (plain and speculative alike): {dtype}, {how}.", ""]
 
 

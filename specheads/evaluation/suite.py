@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from specheads.decoding.drafters import Drafter, EarlyExitDrafter, ModelDrafter, NgramDrafter, TreeShape
+from specheads.decoding.cpu_linears import choose_cpu_linears
 from specheads.decoding.exact import make_exact
 from specheads.decoding.generate import GenerationResult, speculative_generate
 from specheads.decoding.runner import TargetRunner
@@ -91,6 +92,7 @@ class EvalConfig:
     recommend_ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)
     repeats: int = 3  # timed batch-1 decode passes per speed figure (plain and speculative), after a warm-up
     exact_forward: str = "auto"  # batch-invariant target forwards (specheads.decoding.exact): auto | on | off
+    cpu_linears: str = "auto"  # oneDNN-prepacked CPU linear layers (specheads.decoding.cpu_linears): auto | packed | plain
     paired: bool = True  # time a plain decode of each prompt right before its speculative one (see above)
 
 
@@ -106,6 +108,9 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     prompts = load_benchmarks(cfg.benchmarks)
     eos = eos_token_ids(target)
     exact = make_exact(target.model, cfg.exact_forward)  # before any forward: plain and speculative alike
+    if cfg.cpu_linears == "auto":
+        progress("timing the target's linear layers packed and plain")
+    linears = choose_cpu_linears(target.model, cfg.cpu_linears)  # the baseline never gets the slower layout
     runner = TargetRunner(target.model)
     t0 = time.perf_counter()
     ids, plain = _plain_pass(target, runner, prompts, cfg, eos, progress)
@@ -115,7 +120,7 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
               "temperatures": list(cfg.temperatures), "target_params": _nparams(target.model),
               "repeats": cfg.repeats, "paired": cfg.paired, "plain": _timed_rows(plain[0.0]),
               "plain_by_temperature": {str(T): _timed_rows(passes) for T, passes in plain.items()},
-              "plain_seconds": plain_seconds, "exact_forward": exact, "target_dtype": str(target.dtype),
+              "plain_seconds": plain_seconds, "exact_forward": exact, "cpu_linears": linears, "target_dtype": str(target.dtype),
               "methods": []}
     plain_tokens = {p.id: r for p, r in zip(prompts, ids["tokens"])}
     checkpoint(report)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
-from specheads.decoding.exact import ATTENTION_NAME, PackedLinear, can_pack, exact_attention, make_exact
+from specheads.decoding.cpu_linears import PackedLinear, can_pack
+from specheads.decoding.exact import ATTENTION_NAME, exact_attention, make_exact
 from specheads.decoding.runner import TargetRunner
 
 

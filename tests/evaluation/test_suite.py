@@ -238,6 +238,32 @@ def test_bfloat16_target_is_evaluated_with_exact_forwards(smollm2_tokenizer, tmp
     assert "bfloat16, exact forwards (attention in float64" in (tmp_path / "report.md").read_text()
 
 
+def test_float32_cpu_target_decodes_on_the_linear_layout_measured_faster(smollm2_tokenizer, tmp_path, monkeypatch):
+    """Issue 13: the evaluator times a one-token forward with oneDNN-prepacked and plain linear layers
+    before the plain pass and keeps the faster (plain and speculative decoding alike); the report says so
+    and greedy decoding stays exact."""
+    import specheads.decoding.cpu_linears as cpu_linears
+    import specheads.evaluation.suite as suite
+    from specheads.decoding.cpu_linears import can_pack, packed_count
+
+    model = make_tiny_model(vocab=len(smollm2_tokenizer), hidden=64, layers=2, seed=1)
+    if not can_pack(model):
+        pytest.fail("this torch build has no oneDNN: the CPU evaluation path under test is missing")
+    target = Target(model, smollm2_tokenizer, name="tiny-f32")
+    real = suite.load_benchmarks
+    monkeypatch.setattr(suite, "load_benchmarks", lambda s: [p for p in real(s) if p.domain == "coding"][:2])
+    monkeypatch.setattr(cpu_linears, "_one_token_seconds",
+                        lambda runner, prompt, reps: 0.004 if packed_count(runner.model) else 0.005)
+    spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1,), humaneval=0, chat=0)
+    report = evaluate(target, EvalConfig([MethodSpec("ngram", "ngram", TreeShape("chain", k=3))], spec,
+                                         max_new_tokens=10, temperatures=(0.0,), batch_sizes=(1,), repeats=1))
+    assert report["cpu_linears"]["linears"] == "packed" and packed_count(model) > 0
+    assert report["cpu_linears"]["one_token_ms"] == {"packed": 4.0, "plain": 5.0}
+    assert all(m["lossless"]["exact"] for m in report["methods"])
+    write_report(report, tmp_path)
+    assert "linear layers packed (one-token forward measured here 4.0 ms" in (tmp_path / "report.md").read_text()
+
+
 def test_paired_timing_survives_a_machine_that_slows_down(target, tmp_path, monkeypatch):
     """Issue 13: the same head measured 2.00x, then 0.93x, against plain passes timed minutes before it
     on a machine whose speed drifts. Paired timing decodes each prompt plainly right before decoding it

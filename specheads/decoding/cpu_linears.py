@@ -1,0 +1,152 @@
+"""Linear layers prepacked for oneDNN on the CPU, and the measured choice of whether to use them.
+
+An unpacked CPU ``nn.Linear`` hands its weight to the BLAS in PyTorch's layout on every call. At the
+handful of rows a decode step feeds, that path is slow and, worse for speculative decoding, uneven
+in the row count: on the 2-core AMD EPYC (AVX-512, no AMX) the float32 SmolLM2 LM head (576 x 49152)
+took 9.6 ms for one row, 33 ms for three and 17.8 ms for four, so a target forward over 3 tokens cost
+1.95 one-token forwards and the evaluator's shape choice could only afford a chain of one. The same
+weights reordered once into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) took
+4.1 ms for one row and ~7 ms for 2 to 8, and the whole forward became flat: one token 55.5 vs 64.5 ms,
+v(2) 1.10, v(3) 1.08, v(4) 1.07, v(8) 1.19 (unpacked: 1.68, 1.95, 1.48, 1.35; one process, 8
+interleaved rounds, context 300). On a CPU with AMX an earlier measurement found packed float32 slower
+at one row, so ``choose_cpu_linears`` measures both layouts on the machine at hand and keeps the packed
+one only where its one-token forward is not slower: plain decoding, the baseline of every speed-up,
+never runs on the slower layout.
+
+A ``PackedLinear`` keeps the original parameter as ``weight`` (drafters that borrow the LM head's rows
+keep working) beside the packed copy; its results equal ``nn.Linear``'s up to float rounding (bitwise
+in bfloat16, where oneDNN's row results do not depend on the row count; see ``exact.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+CPU_LINEAR_MODES = ("auto", "packed", "plain")
+
+
+class PackedLinear(nn.Module):
+    """A frozen ``nn.Linear`` whose weight also lives in oneDNN's blocked layout (CPU inference only)."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = 1):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        bias = None if self.bias is None else self.bias.detach()
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def unpacked(self) -> nn.Linear:
+        """The plain ``nn.Linear`` over the same parameters."""
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        device="meta", dtype=self.weight.dtype)
+        lin.weight, lin.bias = self.weight, self.bias
+        return lin
+
+
+def can_pack(model: nn.Module) -> bool:
+    """Packing applies to a float32 or bfloat16 model on the CPU where oneDNN is available."""
+    p = next(model.parameters())
+    return (p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def _swap(model: nn.Module, kind: type, make) -> int:
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is kind:
+                setattr(parent, name, make(child))
+                n += 1
+    return n
+
+
+def pack_cpu_linears(model: nn.Module) -> int:
+    """Replace every plain ``nn.Linear`` by a ``PackedLinear`` (in place); returns how many."""
+    if not can_pack(model):
+        raise ValueError("pack_cpu_linears needs a float32 or bfloat16 model on a CPU with oneDNN")
+    return _swap(model, nn.Linear, PackedLinear)
+
+
+def unpack_cpu_linears(model: nn.Module) -> int:
+    """Undo ``pack_cpu_linears`` (the packed copies are freed); returns how many were restored."""
+    return _swap(model, PackedLinear, PackedLinear.unpacked)
+
+
+def packed_count(model: nn.Module) -> int:
+    return sum(type(m) is PackedLinear for m in model.modules())
+
+
+@torch.no_grad()
+def _one_token_seconds(runner, prompt: list[int], reps: int) -> float:
+    runner.prefill([prompt])
+    par = torch.full((1, 1), -1, dtype=torch.long, device=runner.device)
+    tok = torch.tensor([[prompt[-1]]], device=runner.device)
+    times = []
+    for rep in range(reps + 1):
+        t0 = time.perf_counter()
+        runner.forward(tok, par)
+        dt = time.perf_counter() - t0
+        runner.discard()
+        if rep:  # the first forward warms up
+            times.append(dt)
+    return statistics.median(times)
+
+
+def choose_cpu_linears(model: nn.Module, mode: str = "auto", context: int = 256, rounds: int = 5,
+                       reps: int = 3) -> dict:
+    """Pack ``model``'s linear layers (``packed``), leave them (``plain``) or measure (``auto``, in place).
+
+    ``auto`` on a CPU with oneDNN times a one-token forward after ``context`` tokens with both layouts,
+    ``rounds`` interleaved rounds of ``reps`` forwards each, and keeps the packed layout only where its
+    median is not slower; elsewhere (GPU, float16, no oneDNN) it leaves the model as it is. A model that
+    is already packed (``exact.make_exact`` packs bfloat16 CPU targets) stays packed. Returns what was
+    done, for the report: {"linears": "packed" | "plain", "packed_linears": n, "one_token_ms": {...}}.
+    """
+    from specheads.decoding.runner import TargetRunner
+
+    if mode not in CPU_LINEAR_MODES:
+        raise ValueError(f"cpu_linears={mode!r}: use one of {', '.join(CPU_LINEAR_MODES)}")
+    done = packed_count(model)
+    if done or mode == "plain" or not can_pack(model):
+        if mode == "packed" and not done:
+            raise ValueError("cpu_linears=packed needs a float32 or bfloat16 model on a CPU with oneDNN")
+        return {"linears": "packed" if done else "plain", "packed_linears": done, "one_token_ms": None}
+    n = pack_cpu_linears(model)
+    if mode == "packed":
+        return {"linears": "packed", "packed_linears": n, "one_token_ms": None}
+    vocab = model.config.vocab_size
+    prompt = [(17 + 31 * i) % vocab for i in range(context)]
+    runner = TargetRunner(model)
+    # name -> PackedLinear, to swap the layouts back and forth without repacking
+    packed = {name: mod for name, mod in model.named_modules() if type(mod) is PackedLinear}
+    times: dict[str, list[float]] = {"packed": [], "plain": []}
+    for _ in range(rounds):
+        for layout in ("packed", "plain"):
+            _set_layout(model, packed, layout)
+            times[layout].append(_one_token_seconds(runner, prompt, reps))
+    ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
+    keep = "packed" if ms["packed"] <= ms["plain"] else "plain"
+    _set_layout(model, packed, keep)
+    log.info("CPU linear layers: one-token forward %.1f ms packed vs %.1f ms plain -> %s",
+             ms["packed"], ms["plain"], keep)
+    return {"linears": keep, "packed_linears": n if keep == "packed" else 0, "one_token_ms": ms}
+
+
+def _set_layout(model: nn.Module, packed: dict[str, PackedLinear], layout: str) -> None:
+    for name, mod in packed.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, mod if layout == "packed" else mod.unpacked())

@@ -1,0 +1,89 @@
+"""oneDNN-prepacked CPU linear layers and the evaluator's measured choice between them and plain ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specheads.decoding import cpu_linears
+from specheads.decoding.cpu_linears import (PackedLinear, can_pack, choose_cpu_linears, pack_cpu_linears,
+                                            packed_count, unpack_cpu_linears)
+from specheads.decoding.exact import make_exact
+from specheads.decoding.generate import plain_generate
+from specheads.decoding.runner import TargetRunner
+from tests.conftest import make_tiny_model
+
+pytestmark = pytest.mark.skipif(not can_pack(make_tiny_model("llama", layers=1)),
+                                reason="needs a CPU build of torch with oneDNN")
+
+
+def _linears(model) -> int:
+    return sum(type(m) is nn.Linear for m in model.modules())
+
+
+def test_pack_keeps_the_parameters_and_the_outputs_and_unpack_restores_plain_linears():
+    model = make_tiny_model("llama", layers=2)
+    ref = make_tiny_model("llama", layers=2)
+    n = _linears(model)
+    weights = {id(p) for p in model.parameters()}
+    ids = torch.randint(0, 256, (2, 11))
+    with torch.no_grad():
+        want = ref(ids).logits
+        assert pack_cpu_linears(model) == n and packed_count(model) == n and _linears(model) == 0
+        assert {id(p) for p in model.parameters()} == weights  # the packed copies are buffers, not parameters
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+        assert unpack_cpu_linears(model) == n and packed_count(model) == 0 and _linears(model) == n
+        assert {id(p) for p in model.parameters()} == weights
+        assert torch.equal(model(ids).logits, want)
+
+
+def test_packed_decoding_gives_the_plain_greedy_tokens():
+    model, ref = make_tiny_model("llama", layers=2), make_tiny_model("llama", layers=2)
+    pack_cpu_linears(model)
+    prompts = [[5, 9, 17, 3, 44], [7, 7, 1]]
+    got = plain_generate(TargetRunner(model), prompts, 12).tokens
+    assert got == plain_generate(TargetRunner(ref), prompts, 12).tokens
+
+
+@pytest.mark.parametrize("faster", ["packed", "plain"])
+def test_auto_keeps_the_layout_whose_one_token_forward_is_faster(monkeypatch, faster):
+    model = make_tiny_model("llama", layers=2)
+    n = _linears(model)
+    seen = []
+
+    def timed(runner, prompt, reps):  # the layout in place when the forward would be timed
+        layout = "packed" if packed_count(runner.model) else "plain"
+        seen.append(layout)
+        return 0.010 if layout == faster else 0.012
+
+    monkeypatch.setattr(cpu_linears, "_one_token_seconds", timed)
+    done = choose_cpu_linears(model, "auto", context=8, rounds=3)
+    assert seen == ["packed", "plain"] * 3  # interleaved rounds
+    assert done["linears"] == faster and done["one_token_ms"][faster] == pytest.approx(10.0)
+    assert packed_count(model) == (n if faster == "packed" else 0)
+    assert _linears(model) == (0 if faster == "packed" else n)
+    assert done["packed_linears"] == packed_count(model)
+
+
+def test_auto_times_real_forwards_and_modes_are_checked():
+    model = make_tiny_model("llama", layers=1)
+    done = choose_cpu_linears(model, "auto", context=8, rounds=1, reps=1)
+    assert set(done["one_token_ms"]) == {"packed", "plain"} and all(v > 0 for v in done["one_token_ms"].values())
+    assert packed_count(model) == done["packed_linears"]
+    assert choose_cpu_linears(make_tiny_model("llama", layers=1), "plain")["packed_linears"] == 0
+    packed = make_tiny_model("llama", layers=1)
+    assert choose_cpu_linears(packed, "packed")["packed_linears"] == _linears(make_tiny_model("llama", layers=1))
+    with pytest.raises(ValueError, match="cpu_linears='fast'"):
+        choose_cpu_linears(make_tiny_model("llama", layers=1), "fast")
+    with pytest.raises(ValueError, match="cpu_linears=packed needs"):
+        choose_cpu_linears(make_tiny_model("llama", layers=1, dtype=torch.float16), "packed")
+
+
+def test_a_target_packed_for_exact_bfloat16_forwards_stays_packed(monkeypatch):
+    model = make_tiny_model("llama", layers=1, dtype=torch.bfloat16)
+    n = make_exact(model, "auto")["packed_linears"]
+    assert n > 0
+    monkeypatch.setattr(cpu_linears, "_one_token_seconds", lambda *a: pytest.fail("nothing to time"))
+    assert choose_cpu_linears(model, "auto") == {"linears": "packed", "packed_linears": n, "one_token_ms": None}
+    assert all(type(m) is PackedLinear for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear)))
