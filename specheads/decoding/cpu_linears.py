@@ -85,6 +85,14 @@ def unpack_cpu_linears(model: nn.Module) -> int:
     return _swap(model, PackedLinear, PackedLinear.unpacked)
 
 
+def pack_like(module: nn.Module, target: nn.Module) -> int:
+    """Pack ``module``'s linear layers (a drafter's) where ``target``'s are packed: the layout measured
+    faster for the target's one-token forwards serves the drafter's few-row forwards too. Returns how many."""
+    if not packed_count(target) or not can_pack(module):
+        return 0
+    return pack_cpu_linears(module)
+
+
 def packed_count(model: nn.Module) -> int:
     return sum(type(m) is PackedLinear for m in model.modules())
 

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from specheads.decoding.drafters import Drafter, EarlyExitDrafter, ModelDrafter, NgramDrafter, TreeShape
-from specheads.decoding.cpu_linears import choose_cpu_linears
+from specheads.decoding.cpu_linears import choose_cpu_linears, pack_like
 from specheads.decoding.exact import make_exact
 from specheads.decoding.generate import GenerationResult, speculative_generate
 from specheads.decoding.runner import TargetRunner
@@ -377,6 +377,7 @@ def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg:
         elif shape.kind == "static":
             shape = TreeShape("static", choices=tuple(normalize_choices(shape.choices)))
             spec.tree_source = spec.tree_source or "medusa_choices (given)"
+        pack_like(heads, target.model)
         return MedusaDrafter(heads, shape)
     from specheads.decoding.head_drafters import EagleDrafter
 
@@ -385,6 +386,7 @@ def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg:
     else:
         from specheads.models.eagle3 import Eagle3Model as cls
     model = cls.from_pretrained(head).to(target.device).eval().attach(target)
+    pack_like(model, target.model)
     return EagleDrafter(model, spec.shape, spec.drafter)
 
 

@@ -87,3 +87,12 @@ def test_a_target_packed_for_exact_bfloat16_forwards_stays_packed(monkeypatch):
     monkeypatch.setattr(cpu_linears, "_one_token_seconds", lambda *a: pytest.fail("nothing to time"))
     assert choose_cpu_linears(model, "auto") == {"linears": "packed", "packed_linears": n, "one_token_ms": None}
     assert all(type(m) is PackedLinear for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear)))
+
+
+def test_a_drafter_is_packed_exactly_when_its_target_is():
+    from specheads.decoding.cpu_linears import pack_like
+
+    target, drafter = make_tiny_model("llama", layers=1), make_tiny_model("llama", layers=1, seed=3)
+    assert pack_like(drafter, target) == 0 and packed_count(drafter) == 0
+    pack_cpu_linears(target)
+    assert pack_like(drafter, target) == _linears(make_tiny_model("llama", layers=1)) == packed_count(drafter)
