@@ -64,7 +64,7 @@ class LoopSchema:
     measure_prompts: int = 4
     measure_k: int = 3
     measure_tokens: int = 32
-    measure_fans: List[int] = field(default_factory=lambda: [2, 3])
+    measure_fans: List[int] = field(default_factory=lambda: [2, 3, 4, 6])
 
 
 @dataclass
