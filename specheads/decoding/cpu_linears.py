@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 
 import torch
 from torch import nn
+
+from specheads.decoding.runner import TargetRunner
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,11 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.use_packed = True  # False: multiply as ``nn.Linear`` does (``choose_cpu_linears`` times both)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_packed:
+            return nn.functional.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
         bias = None if self.bias is None else self.bias.detach()
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
@@ -97,20 +101,9 @@ def packed_count(model: nn.Module) -> int:
     return sum(type(m) is PackedLinear for m in model.modules())
 
 
-@torch.no_grad()
-def _one_token_seconds(runner, prompt: list[int], reps: int) -> float:
-    runner.prefill([prompt])
-    par = torch.full((1, 1), -1, dtype=torch.long, device=runner.device)
-    tok = torch.tensor([[prompt[-1]]], device=runner.device)
-    times = []
-    for rep in range(reps + 1):
-        t0 = time.perf_counter()
-        runner.forward(tok, par)
-        dt = time.perf_counter() - t0
-        runner.discard()
-        if rep:  # the first forward warms up
-            times.append(dt)
-    return statistics.median(times)
+def _one_token_seconds(runner, token: int, reps: int) -> float:
+    """Median of ``reps`` one-token forwards after the runner's committed context (one more warms up)."""
+    return statistics.median([runner.timed_chain([token]) for _ in range(reps + 1)][1:])
 
 
 def choose_cpu_linears(model: nn.Module, mode: str = "auto", context: int = 256, rounds: int = 5,
@@ -123,8 +116,6 @@ def choose_cpu_linears(model: nn.Module, mode: str = "auto", context: int = 256,
     is already packed (``exact.make_exact`` packs bfloat16 CPU targets) stays packed. Returns what was
     done, for the report: {"linears": "packed" | "plain", "packed_linears": n, "one_token_ms": {...}}.
     """
-    from specheads.decoding.runner import TargetRunner
-
     if mode not in CPU_LINEAR_MODES:
         raise ValueError(f"cpu_linears={mode!r}: use one of {', '.join(CPU_LINEAR_MODES)}")
     done = packed_count(model)
@@ -138,23 +129,21 @@ def choose_cpu_linears(model: nn.Module, mode: str = "auto", context: int = 256,
     vocab = model.config.vocab_size
     prompt = [(17 + 31 * i) % vocab for i in range(context)]
     runner = TargetRunner(model)
-    # name -> PackedLinear, to swap the layouts back and forth without repacking
-    packed = {name: mod for name, mod in model.named_modules() if type(mod) is PackedLinear}
+    runner.prefill([prompt])  # the context both layouts are timed after
+    layers = [m for m in model.modules() if type(m) is PackedLinear]
     times: dict[str, list[float]] = {"packed": [], "plain": []}
     for _ in range(rounds):
         for layout in ("packed", "plain"):
-            _set_layout(model, packed, layout)
-            times[layout].append(_one_token_seconds(runner, prompt, reps))
+            for m in layers:
+                m.use_packed = layout == "packed"
+            times[layout].append(_one_token_seconds(runner, prompt[-1], reps))
     ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
     keep = "packed" if ms["packed"] <= ms["plain"] else "plain"
-    _set_layout(model, packed, keep)
+    for m in layers:
+        m.use_packed = True
+    if keep == "plain":
+        unpack_cpu_linears(model)  # the packed copies are freed
     log.info("CPU linear layers: one-token forward %.1f ms packed vs %.1f ms plain -> %s",
              ms["packed"], ms["plain"], keep)
     return {"linears": keep, "packed_linears": n if keep == "packed" else 0, "one_token_ms": ms}
 
-
-def _set_layout(model: nn.Module, packed: dict[str, PackedLinear], layout: str) -> None:
-    for name, mod in packed.items():
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, mod if layout == "packed" else mod.unpacked())

@@ -18,6 +18,7 @@ transformers returns as-is for eager and SDPA attention; positions go as explici
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass
 
 import torch
@@ -139,6 +140,18 @@ class TargetRunner:
                 t = getattr(layer, name)
                 g = t.gather(2, idx[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
                 setattr(layer, name, torch.cat([t[:, :, :c], g], 2))
+
+    def timed_chain(self, tokens: list[int]) -> float:
+        """Seconds of one forward over ``tokens`` fed as a chain after the committed context (batch 1),
+        dropped afterwards: what the verify cost curve and the CPU layout choice time."""
+        n = len(tokens)
+        tok = torch.tensor([tokens], device=self.device)
+        par = (torch.arange(n, device=self.device) - 1)[None]
+        t0 = time.perf_counter()
+        self.forward(tok, par)
+        dt = time.perf_counter() - t0
+        self.discard()
+        return dt
 
     def discard(self) -> None:
         """Drop every scratch entry (back to the committed context)."""

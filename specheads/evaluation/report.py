@@ -85,11 +85,12 @@ def _precision_md(report: dict) -> list[str]:
            if ex.get("attention") == ATTENTION_NAME else f"attention `{ex.get('attention')}`")
     lin = report.get("cpu_linears") or {}
     ms = lin.get("one_token_ms")
-    if ms and ex.get("attention") != ATTENTION_NAME:
-        how += (f"; linear layers {lin['linears']} (one-token forward measured here {ms['packed']:.1f} ms with "
-                f"oneDNN-prepacked weights, {ms['plain']:.1f} ms without; the faster one is used)")
-    elif lin.get("linears") == "packed" and ex.get("attention") != ATTENTION_NAME:
-        how += f"; {lin['packed_linears']} linear layers prepacked for oneDNN"
+    if ex.get("attention") != ATTENTION_NAME:  # exact forwards already named their packed layers
+        if ms:
+            how += (f"; linear layers {lin['linears']} (one-token forward measured here {ms['packed']:.1f} ms "
+                    f"with oneDNN-prepacked weights, {ms['plain']:.1f} ms without; the faster one is used)")
+        elif lin.get("linears") == "packed":
+            how += f"; {lin['packed_linears']} linear layers prepacked for oneDNN"
     return [f"Target forwards (plain and speculative alike): {dtype}, {how}.", ""]
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 import statistics
-import time
 from typing import Sequence
 
 import torch
@@ -47,12 +46,7 @@ def verify_cost_curve(runner, prompt: Sequence[int], ns: Sequence[int], reps: in
     times: dict[int, list[float]] = {n: [] for n in ns}
     for rep in range(reps + 1):
         for n in ns:
-            tok = torch.tensor([list(prompt[-n:]) if len(prompt) >= n else [prompt[-1]] * n], device=runner.device)
-            par = (torch.arange(n, device=runner.device) - 1)[None]
-            t0 = time.perf_counter()
-            runner.forward(tok, par)
-            dt = time.perf_counter() - t0
-            runner.discard()
+            dt = runner.timed_chain(list(prompt[-n:]) if len(prompt) >= n else [prompt[-1]] * n)
             if rep:  # the first round warms up
                 times[n].append(dt)
     return {n: statistics.median(v) for n, v in times.items()}

@@ -120,7 +120,8 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
               "temperatures": list(cfg.temperatures), "target_params": _nparams(target.model),
               "repeats": cfg.repeats, "paired": cfg.paired, "plain": _timed_rows(plain[0.0]),
               "plain_by_temperature": {str(T): _timed_rows(passes) for T, passes in plain.items()},
-              "plain_seconds": plain_seconds, "exact_forward": exact, "cpu_linears": linears, "target_dtype": str(target.dtype),
+              "plain_seconds": plain_seconds, "exact_forward": exact, "cpu_linears": linears,
+              "target_dtype": str(target.dtype),
               "methods": []}
     plain_tokens = {p.id: r for p, r in zip(prompts, ids["tokens"])}
     checkpoint(report)

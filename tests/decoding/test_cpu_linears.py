@@ -18,6 +18,10 @@ pytestmark = pytest.mark.skipif(not can_pack(make_tiny_model("llama", layers=1))
                                 reason="needs a CPU build of torch with oneDNN")
 
 
+def _uses_packed(model) -> bool:
+    return any(type(m) is PackedLinear and m.use_packed for m in model.modules())
+
+
 def _linears(model) -> int:
     return sum(type(m) is nn.Linear for m in model.modules())
 
@@ -33,6 +37,10 @@ def test_pack_keeps_the_parameters_and_the_outputs_and_unpack_restores_plain_lin
         assert pack_cpu_linears(model) == n and packed_count(model) == n and _linears(model) == 0
         assert {id(p) for p in model.parameters()} == weights  # the packed copies are buffers, not parameters
         torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+        for m in model.modules():  # the plain path of a packed layer is nn.Linear's own arithmetic
+            if type(m) is PackedLinear:
+                m.use_packed = False
+        assert torch.equal(model(ids).logits, want)
         assert unpack_cpu_linears(model) == n and packed_count(model) == 0 and _linears(model) == n
         assert {id(p) for p in model.parameters()} == weights
         assert torch.equal(model(ids).logits, want)
@@ -52,8 +60,8 @@ def test_auto_keeps_the_layout_whose_one_token_forward_is_faster(monkeypatch, fa
     n = _linears(model)
     seen = []
 
-    def timed(runner, prompt, reps):  # the layout in place when the forward would be timed
-        layout = "packed" if packed_count(runner.model) else "plain"
+    def timed(runner, token, reps):  # the layout in place when the forward would be timed
+        layout = "packed" if _uses_packed(runner.model) else "plain"
         seen.append(layout)
         return 0.010 if layout == faster else 0.012
 

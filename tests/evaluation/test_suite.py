@@ -253,7 +253,8 @@ def test_float32_cpu_target_decodes_on_the_linear_layout_measured_faster(smollm2
     real = suite.load_benchmarks
     monkeypatch.setattr(suite, "load_benchmarks", lambda s: [p for p in real(s) if p.domain == "coding"][:2])
     monkeypatch.setattr(cpu_linears, "_one_token_seconds",
-                        lambda runner, prompt, reps: 0.004 if packed_count(runner.model) else 0.005)
+                        lambda runner, token, reps: 0.004 if any(
+                            getattr(m, "use_packed", False) for m in runner.model.modules()) else 0.005)
     spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1,), humaneval=0, chat=0)
     report = evaluate(target, EvalConfig([MethodSpec("ngram", "ngram", TreeShape("chain", k=3))], spec,
                                          max_new_tokens=10, temperatures=(0.0,), batch_sizes=(1,), repeats=1))
