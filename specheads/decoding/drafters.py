@@ -1,5 +1,6 @@
 """Drafters without training: none (plain decoding), n-gram prompt lookup, a second model
-(any smaller model sharing the tokenizer), and the target's own first layers (early exit).
+(any smaller model sharing the tokenizer), and the target's own first layers (early exit); and the
+prompt lookup as one more branch of any other drafter's tree (``PromptLookupBranch``).
 
 A drafter sees the committed sequences and the target features of committed positions:
 ``start(prompts, feats)`` after prefill, ``observe(row, new_tokens, hidden_last, hidden_aux)``
@@ -106,6 +107,39 @@ class NgramDrafter(Drafter):
             q[torch.arange(len(toks)), torch.tensor(toks, dtype=torch.long)] = 1.0
             out.append(DraftTree.chain(toks, q if toks else None))
         return out
+
+
+class PromptLookupBranch(Drafter):
+    """Any drafter's tree plus one more branch: the n-gram prompt lookup's chain (``NgramDrafter``),
+    grafted from the root so it shares the nodes the tree already has (``DraftTree.graft_chain``).
+
+    The two draft from different evidence: a trained head predicts the next token from the target's
+    features, the lookup copies spans that already occur in the prompt or the output (code,
+    extraction, quoting); one target forward verifies both. The lookup costs no draft forward. A
+    tree that grew carries no draft probabilities, so sampling verifies it with the target-only
+    walk (lossless for any tree with distinct siblings). Trees with extra nodes (lookahead) are
+    not accepted: their drafter reads the extra nodes' logits by position.
+    """
+
+    def __init__(self, inner: Drafter, k: int = 4, max_ngram: int = 3, min_ngram: int = 1):
+        if isinstance(inner, (NgramDrafter, PromptLookupBranch)):
+            raise ValueError("a prompt-lookup branch goes on a drafter other than the n-gram lookup itself")
+        if k < 1:
+            raise ValueError(f"the prompt-lookup branch needs k >= 1 tokens, got {k}")
+        self.inner, self.lookup = inner, NgramDrafter(k, max_ngram, min_ngram)
+        self.name = f"{inner.name}+ngram{k}"
+        self.aux_layers, self.needs_features = inner.aux_layers, inner.needs_features
+        self.params_per_forward = inner.params_per_forward
+
+    def start(self, prompts, feats):
+        self.inner.start(prompts, feats)
+
+    def observe(self, row, tokens, hidden_last, hidden_aux):
+        self.inner.observe(row, tokens, hidden_last, hidden_aux)
+
+    def propose(self, seqs, active, temperature, generator):
+        trees = self.inner.propose(seqs, active, temperature, generator)
+        return [t.graft_chain(self.lookup.lookup(s)) if a else t for t, s, a in zip(trees, seqs, active)]
 
 
 class ModelDrafter(Drafter):

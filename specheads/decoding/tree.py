@@ -86,6 +86,32 @@ class DraftTree:
         """Nodes whose parent is ``node`` (``-1`` = the root)."""
         return torch.nonzero(self.parents == node).flatten().tolist()
 
+    def graft_chain(self, chain: Sequence[int]) -> "DraftTree":
+        """This tree with ``chain`` added as a path from the root, sharing the nodes it already has
+        (the longest prefix of ``chain`` that is a path of the tree), so siblings stay distinct.
+
+        Node order and indices of the existing nodes are kept; new nodes come after them. A tree
+        that grows drops ``q`` (it is no longer a chain drafted from q: verify it with the
+        target-only tree walk, which needs no draft probabilities); one that does not grow is
+        returned as it is. Trees with extra (unverified) nodes cannot take a graft.
+        """
+        if self.extra_tokens is not None:
+            raise ValueError("graft_chain: the tree carries extra nodes (lookahead); graft before adding them")
+        toks, pars = self.tokens.tolist(), self.parents.tolist()
+        kids: dict[tuple[int, int], int] = {(p, t): i for i, (t, p) in enumerate(zip(toks, pars))}
+        node, grew = -1, False
+        for t in map(int, chain):
+            nxt = kids.get((node, t))
+            if nxt is None:
+                toks.append(t); pars.append(node)
+                nxt = kids[(node, t)] = len(toks) - 1
+                grew = True
+            node = nxt
+        if not grew:
+            return self
+        return DraftTree(torch.tensor(toks, dtype=torch.long), torch.tensor(pars, dtype=torch.long),
+                         draft_forwards=self.draft_forwards)
+
     def check_distinct_siblings(self) -> None:
         seen: dict[tuple[int, int], int] = {}
         for i, (t, p) in enumerate(zip(self.tokens.tolist(), self.parents.tolist())):

@@ -21,13 +21,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from specheads.decoding.drafters import Drafter, EarlyExitDrafter, ModelDrafter, NgramDrafter, TreeShape
+from specheads.decoding.drafters import (Drafter, EarlyExitDrafter, ModelDrafter, NgramDrafter, PromptLookupBranch,
+                                         TreeShape)
 from specheads.decoding.cpu_linears import choose_cpu_linears, pack_like
 from specheads.decoding.exact import make_exact
 from specheads.decoding.generate import GenerationResult, speculative_generate
@@ -68,6 +69,7 @@ class MethodSpec:
     profile: str | None = None
     tree_source: str | None = None  # where a static Medusa tree came from (set by build_drafter)
     auto_shape: bool = False  # EAGLE: a chain whose length is chosen at evaluation (``shape_choice``)
+    ngram_branch: int = 0  # > 0: the prompt lookup's chain of this many tokens grafted onto every tree drafted
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
@@ -78,6 +80,18 @@ class MethodSpec:
             raise ValueError(f"method '{self.name}': an automatic shape is chosen for EAGLE heads only")
         if self.drafter == "two_model" and not self.draft_model:
             raise ValueError(f"method '{self.name}': the two-model baseline needs draft_model")
+        if self.ngram_branch < 0:
+            raise ValueError(f"method '{self.name}': ngram_branch must be >= 0, got {self.ngram_branch}")
+        if self.ngram_branch and self.drafter in ("ngram", "lookahead"):
+            raise ValueError(f"method '{self.name}': a prompt-lookup branch goes on a head, early-exit or "
+                             f"two-model drafter, not on '{self.drafter}'")
+        if self.ngram_branch and self.verify == "chain":
+            raise ValueError(f"method '{self.name}': a tree with a prompt-lookup branch is verified as a tree "
+                             "(verify auto, tree or typical), not with the chain p/q test")
+
+    def shape_label(self) -> str:
+        """The shape as the report names it (with the prompt-lookup branch, if any)."""
+        return self.shape.label() + (f"+ngram{self.ngram_branch}" if self.ngram_branch else "")
 
 
 @dataclass
@@ -125,9 +139,14 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
               "methods": []}
     plain_tokens = {p.id: r for p, r in zip(prompts, ids["tokens"])}
     checkpoint(report)
+    chosen: dict[tuple[str, str | None], dict] = {}  # one shape choice per head (with or without a lookup branch)
     for spec in cfg.methods:
         if spec.auto_shape:
-            report.setdefault("shape_choice", {})[spec.name] = _choose_shape(spec, target, runner, ids, eos, progress)
+            key = (spec.drafter, spec.head_dir)
+            if key not in chosen:
+                chosen[key] = _choose_shape(spec, target, runner, ids, eos, progress)
+            spec.shape = _chosen_shape(chosen[key])
+            report.setdefault("shape_choice", {})[spec.name] = chosen[key]
         drafter = build_drafter(spec, target, prompts, ids, cfg)
         def partial(row, done=len(report["methods"])):
             row["train_tau"] = train_tau(spec.head_dir)
@@ -143,11 +162,14 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     return report
 
 
+def _chosen_shape(choice: dict) -> TreeShape:
+    return TreeShape("chain", k=choice["k"]) if choice["kind"] == "chain" else TreeShape.fan(choice["k"])
+
+
 def _choose_shape(spec, target, runner, ids, eos, progress) -> dict:
-    """Set ``spec.shape`` to the chain or fan the verify cost curve of this machine and the head's
-    acceptance, measured on training-side held-out prompts, favour (``shape_choice``); returns what it
-    measured. Timing only runs on an evaluation prompt; no acceptance figure comes from one."""
-    from dataclasses import replace
+    """The chain or fan the verify cost curve of this machine and the head's acceptance, measured on
+    training-side held-out prompts, favour (``shape_choice``), with what it measured. Timing only runs
+    on an evaluation prompt; no acceptance figure comes from one."""
 
     from specheads.evaluation.shape_choice import choose_shape, measured_fans, measured_reach, verify_cost_curve
 
@@ -160,7 +182,7 @@ def _choose_shape(spec, target, runner, ids, eos, progress) -> dict:
     n_max = max([len(reach) + 1] + [w + 1 for w in fans])
     progress(f"{spec.name}: measuring the verify cost of 1..{n_max} tokens")
     curve = verify_cost_curve(runner, prompt, list(range(1, n_max + 1)))
-    probe = build_drafter(replace(spec, shape=TreeShape("chain", k=1), auto_shape=False), target)
+    probe = build_drafter(replace(spec, shape=TreeShape("chain", k=1), auto_shape=False, ngram_branch=0), target)
     # Draft time per forward without the prompt's one-off feed: a long decode minus a 1-token one.
     speculative_generate(runner, probe, [prompt], 8, 0.0, "greedy", eos)  # warm-up
     short = speculative_generate(runner, probe, [prompt], 1, 0.0, "greedy", eos)
@@ -168,8 +190,6 @@ def _choose_shape(spec, target, runner, ids, eos, progress) -> dict:
     extra = long.stats[0].draft_forwards - short.stats[0].draft_forwards
     per_forward = (long.draft_time - short.draft_time) / max(extra, 1)
     choice = choose_shape(reach, curve, max(per_forward, 0.0) / curve[1], fans)
-    k = choice["k"]
-    spec.shape = TreeShape("chain", k=k) if choice["kind"] == "chain" else TreeShape.fan(k)
     log.info("%s: %s chosen (predicted speed-up %s)", spec.name, choice["label"],
              ", ".join(f"{p['label']}: {p['speedup']:.2f}" for p in choice["predictions"]))
     return choice
@@ -253,7 +273,7 @@ def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_token
                  partial=lambda row: None) -> dict:
     """One method at every temperature, then batches; ``partial(row)`` after each part.
     plain: {T: [by_domain summaries of each timed plain pass]} (``_plain_passes``)."""
-    out = {"name": spec.name, "drafter": spec.drafter, "shape": spec.shape.label(), "verify": spec.verify,
+    out = {"name": spec.name, "drafter": spec.drafter, "shape": spec.shape_label(), "verify": spec.verify,
            "lossless_verify": LOSSLESS.get(spec.verify, True), "profile": spec.profile,
            "draft_params_per_forward": drafter.params_per_forward, "by_temperature": {}}
     c_gpu = drafter.params_per_forward / _nparams(target.model)
@@ -348,7 +368,14 @@ def _batch_speed(spec, drafter, runner, ids, plain_tokens, prompts, cfg, eos, pr
 
 
 def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg: EvalConfig | None = None) -> Drafter:
-    """The drafter a method spec names (heads loaded from ``head_dir``)."""
+    """The drafter a method spec names (heads loaded from ``head_dir``), with its prompt-lookup branch."""
+    drafter = _build_drafter(spec, target, cfg)
+    if spec.ngram_branch:
+        return PromptLookupBranch(drafter, spec.ngram_branch, spec.ngram_max)
+    return drafter
+
+
+def _build_drafter(spec: MethodSpec, target: Target, cfg: EvalConfig | None) -> Drafter:
     if spec.drafter == "ngram":
         return NgramDrafter(k=spec.shape.k, max_ngram=spec.ngram_max)
     if spec.drafter == "lookahead":
@@ -481,12 +508,14 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                  early_exit_layers: int = 8, ngram_max: int = 3, two_model: str | None = None,
                  medusa_choices=None, medusa_tree_nodes: int = 24, verify: str = "auto",
                  allow_empty: bool = False, lookahead: dict | None = None,
-                 head_shape: str = "tree") -> list[MethodSpec]:
+                 head_shape: str = "tree", head_ngram: int = 0) -> list[MethodSpec]:
     """The method list for an evaluation: the head's own shape, its serving profiles, and baselines.
 
     head_shape: ``tree`` (the EAGLE-2 dynamic ``tree``) or ``auto`` (EAGLE: the chain this machine's
     verify cost curve and the head's held-out acceptance favour, chosen at evaluation: ``shape_choice``);
-    lookahead: {window, ngram, guesses} of the lookahead baseline (default 5, 4, 5)."""
+    lookahead: {window, ngram, guesses} of the lookahead baseline (default 5, 4, 5); head_ngram > 0: the
+    head's own shape once more with the prompt lookup's chain of ``head_ngram`` tokens grafted onto its
+    trees (``PromptLookupBranch``), right after it."""
     if head_shape not in ("tree", "auto"):
         raise ValueError(f"head_shape '{head_shape}': use tree or auto")
     tree = tree or TreeShape("dynamic", depth=5, topk=4, total_tokens=24)
@@ -515,6 +544,9 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                 out.append(MethodSpec(f"{method}-sglang", method, sgl, verify, head_dir=head_dir, profile="sglang"))
         else:
             raise ValueError(f"method '{method}': use medusa, eagle1 or eagle3 (or none for baselines only)")
+        if head_ngram:
+            own = out[0]
+            out.insert(1, replace(own, name=f"{own.name}+ngram{head_ngram}", ngram_branch=head_ngram, ngram_max=ngram_max))
         if "vllm" in serving.engines:
             out.append(MethodSpec(f"{method}-vllm", method, vllm, verify, head_dir=head_dir, profile="vllm"))
     chain = TreeShape("chain", k=chain_k)

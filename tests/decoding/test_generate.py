@@ -9,7 +9,7 @@ import torch
 
 from decoding_helpers import NoisyOracle, WrongDrafter, peaky_model, reference_greedy
 from tests.conftest import make_tiny_model
-from specheads.decoding.drafters import EarlyExitDrafter, ModelDrafter, NgramDrafter, TreeShape
+from specheads.decoding.drafters import EarlyExitDrafter, ModelDrafter, NgramDrafter, PromptLookupBranch, TreeShape
 from specheads.decoding.generate import plain_generate, speculative_generate
 from specheads.decoding.runner import TargetRunner
 
@@ -42,8 +42,10 @@ def _drafters(target):
         yield ModelDrafter(other, shape, "two_model")
         yield ModelDrafter(target, shape, "self")
         yield EarlyExitDrafter(target, 1, shape)
+        yield PromptLookupBranch(ModelDrafter(other, shape, "two_model"), k=3)
     yield NgramDrafter(k=3)
     yield WrongDrafter(target, 3)
+    yield PromptLookupBranch(WrongDrafter(target, 3), k=2)
 
 
 def test_greedy_speculative_is_exact_for_every_drafter_and_shape(target, reference):
@@ -163,3 +165,17 @@ def test_row_stats_add_drops_depths_beyond_the_output():
     assert (s.emitted, s.tested, s.accepted) == (5, [2, 2, 1], [2, 2, 0])
     s.add(v, tree, emitted=1)
     assert (s.steps, s.emitted, s.tested, s.accepted) == (3, 6, [3, 2, 1], [3, 2, 0])
+
+
+def test_prompt_lookup_branch_adds_the_lookups_acceptance_to_a_drafter_that_never_hits(target, reference):
+    # The inner drafter is never right, so every accepted token comes from the grafted lookup chain:
+    # the hybrid accepts exactly what the n-gram drafter alone accepts, step by step.
+    alone = speculative_generate(TargetRunner(target), NgramDrafter(k=3), PROMPTS, 16)
+    both = speculative_generate(TargetRunner(target), PromptLookupBranch(WrongDrafter(target, 2), k=3), PROMPTS, 16)
+    assert both.tokens == alone.tokens == reference
+    assert sum(sum(s.accepted) for s in alone.stats) > 0  # the lookup hits on these prompts
+    for a, b in zip(alone.stats, both.stats):
+        assert (b.steps, b.emitted) == (a.steps, a.emitted)
+        assert b.draft_nodes > a.draft_nodes  # the wrong chain was verified beside the lookup's
+    with pytest.raises(ValueError, match="other than the n-gram"):
+        PromptLookupBranch(NgramDrafter(k=3))

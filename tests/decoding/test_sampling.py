@@ -18,7 +18,7 @@ import torch
 from decoding_helpers import peaky_model
 from specheads.decoding import generate as gen_mod
 from specheads.decoding import verify as verify_mod
-from specheads.decoding.drafters import ModelDrafter, TreeShape
+from specheads.decoding.drafters import ModelDrafter, PromptLookupBranch, TreeShape
 from specheads.decoding.generate import speculative_generate
 from specheads.decoding.runner import TargetRunner
 from specheads.decoding.verify import verify
@@ -99,6 +99,19 @@ def test_exact_is_a_distribution(exact):
                                               (CHAIN, "tree", False), (TREE, "tree", True)])
 def test_sampling_is_lossless(target, draft, far_draft, exact, shape, method, far):
     assert chi2_pvalue(run(target, far_draft if far else draft, shape, method), exact) > THRESH
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE])
+def test_sampling_with_a_prompt_lookup_branch_is_lossless(target, far_draft, exact, shape):
+    """Chains that grow a lookup branch lose their q and go through the target-only walk ("auto")."""
+    drafter = PromptLookupBranch(ModelDrafter(far_draft, shape), k=2, max_ngram=2)
+    g = torch.Generator().manual_seed(1)
+    res = speculative_generate(TargetRunner(target), drafter, [PROMPT] * N, 3, temperature=1.0, method="auto",
+                               generator=g)
+    assert all(len(t) == 3 for t in res.tokens)
+    inner_nodes = shape.k if shape.kind == "chain" else shape.total_tokens
+    assert sum(s.draft_nodes for s in res.stats) > inner_nodes * sum(s.steps for s in res.stats)  # grafts happened
+    assert chi2_pvalue(res.tokens, exact) > THRESH
 
 
 def test_planted_bug_residual_not_subtracted(target, far_draft, exact, monkeypatch):

@@ -58,3 +58,29 @@ def test_tree_validation():
         DraftTree(torch.tensor([1, 2]), torch.tensor([1, -1]))
     with pytest.raises(ValueError, match="siblings"):
         DraftTree(torch.tensor([1, 1]), torch.tensor([-1, -1])).check_distinct_siblings()
+
+
+def test_graft_chain_shares_the_existing_prefix_and_keeps_siblings_distinct():
+    # root -> 5 (0) -> 7 (2); root -> 6 (1)
+    tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([-1, -1, 0]), draft_forwards=2)
+    g = tree.graft_chain([5, 7, 9, 9])
+    assert g.tokens.tolist() == [5, 6, 7, 9, 9] and g.parents.tolist() == [-1, -1, 0, 2, 3]
+    assert g.draft_forwards == 2
+    g.check_distinct_siblings()
+    new_root = tree.graft_chain([8, 5])  # a new first token: a new branch from the root
+    assert new_root.tokens.tolist() == [5, 6, 7, 8, 5] and new_root.parents.tolist() == [-1, -1, 0, -1, 3]
+    new_root.check_distinct_siblings()
+
+
+def test_graft_chain_that_adds_nothing_keeps_the_tree_and_its_draft_probabilities():
+    q = torch.full((2, 4), 0.25, dtype=torch.float64)
+    chain = DraftTree.chain([1, 2], q)
+    assert chain.graft_chain([1]) is chain and chain.graft_chain([]) is chain
+    grown = chain.graft_chain([1, 3])
+    assert grown.q is None and not grown.is_chain()  # verified by the target-only walk from now on
+    assert grown.tokens.tolist() == [1, 2, 3] and grown.parents.tolist() == [-1, 0, 0]
+    assert DraftTree.empty().graft_chain([4, 4]).tokens.tolist() == [4, 4]
+    with_extra = DraftTree(torch.tensor([1]), torch.tensor([-1]), extra_tokens=torch.tensor([2]),
+                           extra_parents=torch.tensor([-1]))
+    with pytest.raises(ValueError, match="extra nodes"):
+        with_extra.graft_chain([3])

@@ -155,6 +155,15 @@ def test_plan_methods_profiles(tmp_path):
         plan_methods("medusa", None)
     with pytest.raises(ValueError, match="baseline 'foo'"):
         plan_methods(None, None, ["foo"])
+    hybrid = plan_methods("eagle3", str(tmp_path), ["ngram"], head_shape="auto", head_ngram=3, ngram_max=2,
+                          serving=ServingProfiles(engines=["vllm"]))
+    assert [m.name for m in hybrid] == ["eagle3-auto", "eagle3-auto+ngram3", "eagle3-vllm", "ngram-chain4"]
+    assert (hybrid[1].ngram_branch, hybrid[1].ngram_max, hybrid[1].auto_shape) == (3, 2, True)
+    assert [m.ngram_branch for m in hybrid] == [0, 3, 0, 0]
+    with pytest.raises(ValueError, match="prompt-lookup branch goes on"):
+        MethodSpec("x", "ngram", ngram_branch=2)
+    with pytest.raises(ValueError, match="chain p/q"):
+        MethodSpec("x", "eagle3", verify="chain", head_dir=str(tmp_path), ngram_branch=2)
 
 
 def test_verifier_for_medusa2_heads_is_their_adapted_target(target, head_dirs, tmp_path):
@@ -206,6 +215,14 @@ def test_auto_shape_picks_a_chain_from_the_cost_curve_and_held_out_reach(target,
                                       max_new_tokens=6, temperatures=(0.0,), batch_sizes=(1,), repeats=1))
     assert fan["shape_choice"]["eagle1-auto"]["label"] == "fan2"
     assert fan["methods"][0]["shape"] == "tree(d1,k2,n2)" and fan["methods"][0]["lossless"]["exact"]
+    # With a prompt-lookup branch: the same head's choice (measured once) and the branch on top.
+    calls = []
+    monkeypatch.setattr(suite, "_choose_shape", lambda *a, real=suite._choose_shape: calls.append(1) or real(*a))
+    both = evaluate(target, EvalConfig(plan_methods("eagle1", str(head), [], head_shape="auto", head_ngram=2)[:2],
+                                       spec, max_new_tokens=6, temperatures=(0.0,), batch_sizes=(1,), repeats=1))
+    assert len(calls) == 1 and both["shape_choice"]["eagle1-auto+ngram2"]["label"] == "fan2"
+    assert [m["shape"] for m in both["methods"]] == ["tree(d1,k2,n2)", "tree(d1,k2,n2)+ngram2"]
+    assert all(m["lossless"]["exact"] for m in both["methods"])
     (head.parent / "train_summary.json").write_text(json.dumps({"eval": {}}))
     with pytest.raises(UserError, match="measure_prompts"):
         evaluate(target, EvalConfig(plan_methods("eagle1", str(head), [], head_shape="auto")[:1], spec,
