@@ -154,6 +154,7 @@ def _method_md(m: dict, report: dict) -> list[str]:
                  f"{_f(r.get('cost_ratio_c'), 3)} | {_f(r.get('gpu_speedup_pred'))} |")
     apos = t0["all"]["alpha_by_position"]
     L += ["", "α by draft position (T=" + temps[0] + "): " + ", ".join(_f(a) for a in apos), ""]
+    L += _step_cost_md(t0["all"], temps[0], (report.get("shape_choice") or {}).get(m["name"]))
     if m.get("batch"):
         L += ["| batch | plain tok/s | spec tok/s | speed-up | target forwards / step | output = batch-1 plain |",
               "|---|---|---|---|---|---|"]
@@ -167,6 +168,29 @@ def _method_md(m: dict, report: dict) -> list[str]:
     if m.get("train_tau") is not None:
         L += [f"{TRAIN_TAU_LABEL} {_f(m['train_tau'])} vs measured τ (T=0, all) {_f(t0['all']['tau'])}.", ""]
     return L
+
+
+def _step_cost_md(row: dict, temp: str, choice: dict | None) -> list[str]:
+    """Where a speculative step's time went, in plain decoding steps (the paired plain decodes' time
+    per token): the verify forward, drafting, and the rest of the loop; beside what the shape
+    choice predicted from its cost curve, when there was one."""
+    steps, plain_tps = row.get("target_forwards"), row.get("paired_plain_tokens_per_s")
+    if not steps or not plain_tps or not row.get("decode_time_s") or not row.get("tau"):
+        return []
+    unit = 1.0 / plain_tps
+    verify = row["target_time_s"] / steps / unit
+    draft = row["draft_time_s"] / steps / unit
+    rest = max(row["decode_time_s"] - row["target_time_s"] - row["draft_time_s"], 0.0) / steps / unit
+    cost = verify + draft + rest
+    line = (f"Cost of a step (T={temp}, all prompts, first pass), in plain decoding steps of "
+            f"{1000 * unit:.1f} ms: verify forward {verify:.2f}, drafting {draft:.2f}, the rest of the loop "
+            f"(trees, verification, cache pruning) {rest:.2f}; τ {row['tau']:.2f} ÷ {cost:.2f} = "
+            f"{row['tau'] / cost:.2f}.")
+    pred = next((p for p in (choice or {}).get("predictions", []) if p["label"] == choice.get("label")), None)
+    if pred:
+        line += (f" The shape choice predicted verify {pred['verify_cost']:.2f} and drafting "
+                 f"{pred['draft_forwards'] * choice['c']:.2f} from its cost curve: {pred['speedup']:.2f}.")
+    return [line, ""]
 
 
 def _shape_choice_md(ch: dict | None) -> list[str]:
