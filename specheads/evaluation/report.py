@@ -154,7 +154,7 @@ def _method_md(m: dict, report: dict) -> list[str]:
                  f"{_f(r.get('cost_ratio_c'), 3)} | {_f(r.get('gpu_speedup_pred'))} |")
     apos = t0["all"]["alpha_by_position"]
     L += ["", "α by draft position (T=" + temps[0] + "): " + ", ".join(_f(a) for a in apos), ""]
-    L += _step_cost_md(t0["all"], temps[0], (report.get("shape_choice") or {}).get(m["name"]))
+    L += _step_cost_md(t0["all"], temps[0], (report.get("shape_choice") or {}).get(m["name"]), "+ngram" in m["shape"])
     if m.get("batch"):
         L += ["| batch | plain tok/s | spec tok/s | speed-up | target forwards / step | output = batch-1 plain |",
               "|---|---|---|---|---|---|"]
@@ -170,10 +170,11 @@ def _method_md(m: dict, report: dict) -> list[str]:
     return L
 
 
-def _step_cost_md(row: dict, temp: str, choice: dict | None) -> list[str]:
+def _step_cost_md(row: dict, temp: str, choice: dict | None, branch: bool = False) -> list[str]:
     """Where a speculative step's time went, in plain decoding steps (the paired plain decodes' time
     per token): the verify forward, drafting, and the rest of the loop; beside what the shape
-    choice predicted from its cost curve, when there was one."""
+    choice predicted from its cost curve, when there was one (for the head's shape alone, without a
+    prompt-lookup ``branch``)."""
     steps, plain_tps = row.get("target_forwards"), row.get("paired_plain_tokens_per_s")
     if not steps or not plain_tps or not row.get("decode_time_s") or not row.get("tau"):
         return []
@@ -188,7 +189,8 @@ def _step_cost_md(row: dict, temp: str, choice: dict | None) -> list[str]:
             f"{row['tau'] / cost:.2f}.")
     pred = next((p for p in (choice or {}).get("predictions", []) if p["label"] == choice.get("label")), None)
     if pred:
-        line += (f" The shape choice predicted verify {pred['verify_cost']:.2f} and drafting "
+        alone = f" for {pred['label']} alone (no lookup branch)" if branch else ""
+        line += (f" The shape choice predicted{alone} verify {pred['verify_cost']:.2f} and drafting "
                  f"{pred['draft_forwards'] * choice['c']:.2f} from its cost curve: {pred['speedup']:.2f}.")
     return [line, ""]
 

@@ -17,4 +17,5 @@ def test_step_cost_splits_a_step_into_verify_draft_and_the_rest_in_plain_steps()
     assert "verify forward 1.20, drafting 0.10, the rest of the loop (trees, verification, cache pruning) 0.05" in line
     assert "τ 1.62 ÷ 1.35 = 1.20" in line
     assert "predicted verify 1.15 and drafting 0.05 from its cost curve: 1.35" in line
+    assert "predicted for fan3 alone (no lookup branch) verify" in _step_cost_md(row, "0.0", choice, branch=True)[0]
     assert _step_cost_md({**row, "paired_plain_tokens_per_s": None}, "0.0", None) == []  # unpaired: no unit

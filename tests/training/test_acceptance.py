@@ -103,3 +103,25 @@ def test_fans_are_measured_for_heads_that_draft_trees_only():
     heads = medusa.build(target).eval()
     got = measure_acceptance(medusa, heads, target, prompts, k=2, max_new_tokens=10, fans=(2,))
     assert "measured_tau" in got and not any(k.startswith("measured_fan") for k in got)
+
+
+def test_a_cpu_target_decodes_packed_while_measured_and_is_unpacked_after(monkeypatch):
+    """Only τ is measured, so the target's linear layers take oneDNN's prepacked layout (faster few-row
+    forwards) for the measurement; training resumes on the plain modules."""
+    import specheads.training.acceptance as acceptance
+    from tests.conftest import make_tiny_target
+    from specheads.decoding.cpu_linears import can_pack, packed_count
+    from specheads.methods.eagle1 import Eagle1Method
+
+    torch.manual_seed(0)
+    target = make_tiny_target("llama", hidden=32, layers=2, vocab=256, dtype=torch.float32)
+    assert can_pack(target.model)  # a float32 CPU model where oneDNN is available
+    prompts = held_out_prompts(sources()[1].batches(0), 2)
+    method = Eagle1Method()
+    model = method.build(target).eval()
+    seen, real = [], acceptance.speculative_generate
+    monkeypatch.setattr(acceptance, "speculative_generate",
+                        lambda runner, *a, **kw: seen.append(packed_count(runner.model)) or real(runner, *a, **kw))
+    out = measure_acceptance(method, model, target, prompts, k=2, max_new_tokens=6, fans=(2,))
+    assert out["measured_tau"] >= 1 and seen and all(n > 0 for n in seen)
+    assert packed_count(target.model) == 0
