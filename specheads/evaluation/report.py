@@ -201,6 +201,9 @@ def _shape_choice_md(ch: dict | None) -> list[str]:
     if not ch:
         return []
     curve = ", ".join(f"v({n}) {_f(v)}" for n, v in ch["verify_cost_curve"].items())
+    raw = ch.get("verify_cost_measured") or {}
+    if raw and any(abs(raw[n] - v) > 5e-3 for n, v in ch["verify_cost_curve"].items() if n in raw):
+        curve += " (made non-decreasing; as measured: " + ", ".join(f"v({n}) {_f(v)}" for n, v in raw.items()) + ")"
     preds = ", ".join(f"{p['label']}: τ {_f(p['tau'])} / ({_f(p['verify_cost'])} + {p['draft_forwards']}·"
                       f"{_f(ch['c'], 3)}) = {_f(p['speedup'])}" for p in ch["predictions"])
     reach = ", ".join(_f(r) for r in ch["reach"])

@@ -52,6 +52,24 @@ def verify_cost_curve(runner, prompt: Sequence[int], ns: Sequence[int], reps: in
     return {n: statistics.median(v) for n, v in times.items()}
 
 
+def monotone_curve(curve: dict[int, float]) -> dict[int, float]:
+    """The closest non-decreasing curve (pool adjacent violators, least squares, equal weights).
+
+    A forward over more tokens never costs less; a measured curve that dips (v(2) 1.38, v(3) 1.27 in
+    one evaluation on this shared 2-core machine) is noise, and choosing by it would trade a wider
+    fan for a narrower one on a blip. Pooling averages the violating neighbours instead.
+    """
+    blocks: list[list[float]] = []  # [sum, count] per pooled block, in order of n
+    for n in sorted(curve):
+        blocks.append([curve[n], 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    values = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+    return dict(zip(sorted(curve), values))
+
+
 def measured_fans(head_dir: str | None) -> dict[int, float]:
     """τ of a fan of ``w`` first drafts per width ``w``, from the head's ``train_summary.json``."""
     ev = (read_train_summary(head_dir) or {}).get("eval") or {}
@@ -67,10 +85,12 @@ def choose_shape(reach: Sequence[float], curve: dict[int, float], c: float,
     ``reach``) and fans of width ``w`` (one draft forward, its ``w`` best tokens verified together as
     children of the root, ``w + 1`` tokens, τ as measured: ``fans``). reach: ``P(L ≥ d)`` for
     d = 1..K_max; curve: seconds per verify forward of n tokens (n = 1.. at least the largest
-    candidate); c: one draft forward ÷ one plain forward. Returns ``{"label", "kind", "k" (chain
+    candidate), made non-decreasing (``monotone_curve``) before it is read, the measured one kept in
+    ``verify_cost_measured``; c: one draft forward ÷ one plain forward. Returns ``{"label", "kind", "k" (chain
     length or fan width), "predictions": [{label, kind, k, tau, verify_cost, draft_forwards,
     speedup}], ...}``; with nothing measured, ``label`` and ``k`` are None.
     """
+    measured, curve = curve, monotone_curve(curve)
     base = curve[1]
     cands = [("chain", k, chain_tau(list(reach[:k]), "joint"), k + 1, k) for k in range(1, len(reach) + 1)]
     cands += [("fan", w, tau, w + 1, 1) for w, tau in sorted((fans or {}).items()) if w >= 2]
@@ -85,4 +105,5 @@ def choose_shape(reach: Sequence[float], curve: dict[int, float], c: float,
     return {"label": best["label"] if best else None, "kind": best["kind"] if best else None,
             "k": best["k"] if best else None, "predictions": preds, "c": c,
             "verify_cost_curve": {str(n): t / base for n, t in sorted(curve.items())}, "plain_forward_s": base,
+            "verify_cost_measured": {str(n): t / base for n, t in sorted(measured.items())},
             "reach": list(reach), "fans": {str(w): t for w, t in sorted((fans or {}).items())}}

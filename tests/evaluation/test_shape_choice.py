@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specheads.evaluation.shape_choice import choose_shape, measured_fans, measured_reach
+from specheads.evaluation.shape_choice import choose_shape, measured_fans, measured_reach, monotone_curve
 
 
 def test_choose_chain_trades_acceptance_for_verify_cost():
@@ -38,6 +38,25 @@ def test_choose_shape_weighs_fans_against_chains():
     # A fan whose verify cost was not measured is not a candidate.
     assert [p["label"] for p in choose_shape(reach, {1: 1.0, 2: 1.1, 3: 1.2}, 0.08, {3: 2.0})["predictions"]] == \
         ["chain1", "chain2"]
+
+
+def test_a_dipping_cost_curve_is_pooled_before_the_choice(monkeypatch):
+    # A forward over more tokens never costs less: a dip is noise (one quickstart evaluation measured
+    # v(2) 1.38, v(3) 1.27). Pooled with its neighbours, a blip at v(3) no longer makes the fan of 2
+    # (3 tokens verified) look cheaper than the fan of 3 (4 tokens).
+    assert monotone_curve({1: 1.0, 2: 1.38, 3: 1.27, 4: 1.45}) == pytest.approx({1: 1.0, 2: 1.325, 3: 1.325, 4: 1.45})
+    assert monotone_curve({1: 3.0, 2: 1.0, 3: 2.0}) == pytest.approx({1: 2.0, 2: 2.0, 3: 2.0})
+    assert monotone_curve({1: 1.0, 2: 1.1}) == {1: 1.0, 2: 1.1}
+    measured = {1: 1.0, 2: 1.30, 3: 1.10, 4: 1.15}
+    fans = {2: 1.45, 3: 1.50}
+    ch = choose_shape([0.4, 0.05], measured, c=0.07, fans=fans)
+    assert ch["label"] == "fan3"
+    assert ch["verify_cost_curve"]["3"] == pytest.approx(3.55 / 3) and ch["verify_cost_measured"]["3"] == pytest.approx(1.10)
+    # Read as measured, the dip would have picked the fan of 2 (1.45 / 1.17 > 1.50 / 1.22).
+    import specheads.evaluation.shape_choice as shape_choice
+
+    monkeypatch.setattr(shape_choice, "monotone_curve", lambda curve: dict(curve))
+    assert choose_shape([0.4, 0.05], measured, c=0.07, fans=fans)["label"] == "fan2"
 
 
 def test_measured_reach_reads_the_training_summary(tmp_path):
