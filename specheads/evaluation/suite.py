@@ -182,7 +182,7 @@ def _choose_shape(spec, target, runner, ids, eos, progress) -> dict:
     prompt = ids["prompt_ids"][0]
     n_max = max([len(reach) + 1] + [w + 1 for w in fans])
     progress(f"{spec.name}: measuring the verify cost of 1..{n_max} tokens")
-    curve = verify_cost_curve(runner, prompt, list(range(1, n_max + 1)))
+    curve = verify_cost_curve(runner, prompt, list(range(1, n_max + 1)), reps=12)  # medians of 12 interleaved rounds
     probe = build_drafter(replace(spec, shape=TreeShape("chain", k=1), auto_shape=False, ngram_branch=0), target)
     # Draft time per forward without the prompt's one-off feed: a long decode minus a 1-token one.
     speculative_generate(runner, probe, [prompt], 8, 0.0, "greedy", eos)  # warm-up
