@@ -47,10 +47,10 @@ def measure_acceptance(method, model, target: Target, prompts: list[list[int]], 
     Returns ``measured_tau`` (tokens per target forward), ``measured_alpha`` (accepted ÷ tested
     drafts), ``measured_reach{d}`` for d = 1..k (the share of steps whose first d drafts were all
     accepted: what the evaluator's shape choice reads), ``measured_prompts`` and ``measured_k``;
-    empty when there is nothing to decode. For each width ``w`` in ``fans`` the prompts are decoded
-    again with a fan (the ``w`` best drafts of one draft forward, all children of the root, verified
-    together as a tree) and ``measured_fan{w}_tau`` records its τ; a drafter that cannot draft trees
-    (Medusa's static trees) measures chains only.
+    empty when there is nothing to decode. For each width ``w`` in ``fans``, ``measured_fan{w}_tau``
+    records the τ of decoding the prompts with a fan (the ``w`` best drafts of one draft forward, all
+    children of the root, verified together as a tree); a drafter that cannot draft trees (Medusa's
+    static trees) measures chains only. Fans are replayed, not decoded again (``_fan_taus``).
 
     A CPU target's linear layers are prepacked for oneDNN while it decodes here and unpacked after
     (``specheads.decoding.cpu_linears``): only τ is measured, and unpacked few-row forwards are slow
@@ -66,28 +66,23 @@ def measure_acceptance(method, model, target: Target, prompts: list[list[int]], 
         runner = TargetRunner(target.model)
         eos = eos_token_ids(target)
 
-        def decode(d):  # one greedy decode per prompt, batch 1: the stats of each
-            return [speculative_generate(runner, d, [p], max_new_tokens, 0.0, "greedy", eos).stats[0] for p in prompts]
-
+        # one greedy decode per prompt, batch 1
+        results = [speculative_generate(runner, drafter, [p], max_new_tokens, 0.0, "greedy", eos) for p in prompts]
         emitted = steps = tested = accepted = 0
         by_depth = [0] * k
-        for s in decode(drafter):
+        for s in (r.stats[0] for r in results):
             emitted, steps = emitted + s.emitted, steps + s.steps
             tested, accepted = tested + sum(s.tested), accepted + sum(s.accepted)
             for d, a in enumerate(s.accepted[:k]):
                 by_depth[d] += a
         fan_tau = {}
-        for w in fans:
+        if fans:
             try:
-                fan = method.drafter(model, TreeShape.fan(w))
+                fan = method.drafter(model, TreeShape.fan(max(fans)))
             except ValueError:
-                break
-            if getattr(getattr(fan, "shape", None), "kind", None) != "dynamic":
-                break  # the method drafts another shape instead (Medusa: chains and static trees)
-            results = decode(fan)
-            fan_steps = sum(r.steps for r in results)
-            if fan_steps:
-                fan_tau[w] = sum(r.emitted for r in results) / fan_steps
+                fan = None
+            if getattr(getattr(fan, "shape", None), "kind", None) == "dynamic":  # Medusa drafts other shapes
+                fan_tau = _fan_taus(runner, fan, prompts, [r.tokens[0] for r in results], sorted(fans))
     finally:
         model.train(was_training)
         if packed:
@@ -99,4 +94,47 @@ def measure_acceptance(method, model, target: Target, prompts: list[list[int]], 
     out.update({f"measured_reach{d + 1}": a / steps for d, a in enumerate(by_depth[: int(out["measured_k"])])})
     out.update({f"measured_fan{w}_tau": t for w, t in fan_tau.items()})
     return out
+
+
+def _fan_taus(runner: TargetRunner, drafter, prompts: list[list[int]], outputs: list[list[int]],
+              widths: list[int]) -> dict[int, float]:
+    """τ of greedy decoding with a fan of each width, replayed on the greedy outputs already decoded.
+
+    Greedy speculative decoding emits the target's greedy output whatever the drafter, and a fan's
+    step depends only on the committed prefix: with ``o`` tokens emitted, it drafts the ``w`` best
+    first tokens from the prefix and emits two tokens if output token ``o`` is among them (one if that
+    was the last), else one. So one target forward over each prompt + output gives the features the
+    decode would have committed, the drafter (the widest fan) proposes once per output position
+    through its own incremental path, and each width's steps are counted from the ranks: the τ a
+    decode with that fan measures, without a decode per width (equal up to float rounding of the
+    features, which one forward computes instead of the decode's verify forwards).
+    """
+    steps = {w: 0 for w in widths}
+    emitted = 0
+    runner.aux_layers = tuple(drafter.aux_layers)
+    for prompt, out in zip(prompts, outputs):
+        full = list(prompt) + list(out)
+        if len(out) < 1 or len(full) < 3:
+            continue
+        feats = runner.prefill([full])  # features of positions 0 .. len(full) - 2
+        drafter.start([list(prompt)], feats)
+        hit_rank = []
+        for o, tok in enumerate(out):
+            tree = drafter.propose([full[: len(prompt) + o]], [True], 0.0, None)[0]
+            ranks = tree.tokens.tolist()
+            hit_rank.append(ranks.index(tok) if tok in ranks else len(ranks))
+            p = len(prompt) + o - 1  # the pending token's position, committed with ``tok`` after it
+            drafter.observe(0, [tok], _row_at(feats.hidden_last, p), _row_at(feats.hidden_aux, p))
+        n = len(out)
+        emitted += n
+        for w in widths:
+            o = 0
+            while o < n:
+                steps[w] += 1
+                o += min(2, n - o) if hit_rank[o] < w else 1
+    return {w: emitted / s for w, s in steps.items() if s}
+
+
+def _row_at(t: torch.Tensor | None, pos: int) -> torch.Tensor | None:
+    return None if t is None else t[0, pos: pos + 1]
 

@@ -75,7 +75,8 @@ def test_measure_acceptance_needs_a_drafter_hook():
 
 def test_fans_are_measured_for_heads_that_draft_trees_only():
     """measured_fan{w}_tau is the τ of decoding the same prompts with the w best first drafts (one
-    draft forward, verified together); Medusa, whose drafter makes chains, records no fan."""
+    draft forward, verified together), replayed on the chain's greedy outputs and equal to real fan
+    decodes; Medusa, whose drafter makes chains, records no fan."""
     from tests.conftest import make_tiny_target
     from specheads.decoding.drafters import TreeShape
     from specheads.decoding.generate import speculative_generate
@@ -90,12 +91,19 @@ def test_fans_are_measured_for_heads_that_draft_trees_only():
     prompts = held_out_prompts(sources()[1].batches(0), 3)
     method = Eagle1Method()
     model = method.build(target).eval()
-    out = measure_acceptance(method, model, target, prompts, k=2, max_new_tokens=10, fans=(2, 3))
+    import specheads.training.acceptance as acceptance
+
+    calls, real = [], acceptance.speculative_generate
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(acceptance, "speculative_generate", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        out = measure_acceptance(method, model, target, prompts, k=2, max_new_tokens=16, fans=(2, 3))
+    assert len(calls) == len(prompts)  # the chain decodes; the fans are replayed on their outputs
+    assert 1.0 < out["measured_fan2_tau"] <= out["measured_fan3_tau"]  # hits and misses both replayed
     for w in (2, 3):
         runner, emitted, steps = TargetRunner(target.model), 0, 0
         for p in prompts:
             s = speculative_generate(runner, EagleDrafter(model, TreeShape("dynamic", depth=1, topk=w, total_tokens=w),
-                                                          "eagle1"), [p], 10, 0.0, "greedy", eos_token_ids(target)).stats[0]
+                                                          "eagle1"), [p], 16, 0.0, "greedy", eos_token_ids(target)).stats[0]
             emitted, steps = emitted + s.emitted, steps + s.steps
         assert out[f"measured_fan{w}_tau"] == pytest.approx(emitted / steps)
     assert "measured_fan2_tau" not in measure_acceptance(method, model, target, prompts, k=2, max_new_tokens=10)
