@@ -154,7 +154,8 @@ def _method_md(m: dict, report: dict) -> list[str]:
                  f"{_f(r.get('cost_ratio_c'), 3)} | {_f(r.get('gpu_speedup_pred'))} |")
     apos = t0["all"]["alpha_by_position"]
     L += ["", "α by draft position (T=" + temps[0] + "): " + ", ".join(_f(a) for a in apos), ""]
-    L += _step_cost_md(t0["all"], temps[0], (report.get("shape_choice") or {}).get(m["name"]), "+ngram" in m["shape"])
+    L += _step_cost_md(t0["all"], temps[0], (report.get("shape_choice") or {}).get(m["name"]),
+                       bool(m.get("ngram_branch")))
     if m.get("batch"):
         L += ["| batch | plain tok/s | spec tok/s | speed-up | target forwards / step | output = batch-1 plain |",
               "|---|---|---|---|---|---|"]

@@ -86,12 +86,13 @@ def choose_shape(reach: Sequence[float], curve: dict[int, float], c: float,
     children of the root, ``w + 1`` tokens, τ as measured: ``fans``). reach: ``P(L ≥ d)`` for
     d = 1..K_max; curve: seconds per verify forward of n tokens (n = 1.. at least the largest
     candidate), made non-decreasing (``monotone_curve``) before it is read, the measured one kept in
-    ``verify_cost_measured``; c: one draft forward ÷ one plain forward. Returns ``{"label", "kind", "k" (chain
+    ``verify_cost_measured``; c: one draft forward ÷ the curve's measured one-token forward. Returns ``{"label", "kind", "k" (chain
     length or fan width), "predictions": [{label, kind, k, tau, verify_cost, draft_forwards,
     speedup}], ...}``; with nothing measured, ``label`` and ``k`` are None.
     """
     measured, curve = curve, monotone_curve(curve)
     base = curve[1]
+    c = c * measured[1] / base  # in units of the fitted one-token forward, as every v(n) below
     cands = [("chain", k, chain_tau(list(reach[:k]), "joint"), k + 1, k) for k in range(1, len(reach) + 1)]
     cands += [("fan", w, tau, w + 1, 1) for w, tau in sorted((fans or {}).items()) if w >= 2]
     preds = []

@@ -171,8 +171,7 @@ def _choose_shape(spec, target, runner, ids, eos, progress) -> dict:
     training-side held-out prompts, favour (``shape_choice``), with what it measured. Timing only runs
     on an evaluation prompt; no acceptance figure comes from one."""
 
-    from specheads.evaluation.shape_choice import (choose_shape, measured_fans, measured_reach, monotone_curve,
-                                                   verify_cost_curve)
+    from specheads.evaluation.shape_choice import choose_shape, measured_fans, measured_reach, verify_cost_curve
 
     reach, fans = measured_reach(spec.head_dir), measured_fans(spec.head_dir)
     if not reach:
@@ -190,7 +189,7 @@ def _choose_shape(spec, target, runner, ids, eos, progress) -> dict:
     long = speculative_generate(runner, probe, [prompt], 49, 0.0, "greedy", eos)
     extra = long.stats[0].draft_forwards - short.stats[0].draft_forwards
     per_forward = (long.draft_time - short.draft_time) / max(extra, 1)
-    choice = choose_shape(reach, curve, max(per_forward, 0.0) / monotone_curve(curve)[1], fans)
+    choice = choose_shape(reach, curve, max(per_forward, 0.0) / curve[1], fans)
     log.info("%s: %s chosen (predicted speed-up %s)", spec.name, choice["label"],
              ", ".join(f"{p['label']}: {p['speedup']:.2f}" for p in choice["predictions"]))
     return choice
@@ -276,7 +275,7 @@ def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_token
     plain: {T: [by_domain summaries of each timed plain pass]} (``_plain_passes``)."""
     out = {"name": spec.name, "drafter": spec.drafter, "shape": spec.shape_label(), "verify": spec.verify,
            "lossless_verify": LOSSLESS.get(spec.verify, True), "profile": spec.profile,
-           "draft_params_per_forward": drafter.params_per_forward, "by_temperature": {}}
+           "ngram_branch": spec.ngram_branch, "draft_params_per_forward": drafter.params_per_forward, "by_temperature": {}}
     c_gpu = drafter.params_per_forward / _nparams(target.model)
     out["c_gpu"] = c_gpu
     t_start = time.perf_counter()
