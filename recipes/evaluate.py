@@ -81,6 +81,7 @@ class EvaluateSchema:
     exact_forward: str = "auto"
     cpu_linears: str = "auto"
     paired: bool = True
+    grouped_attention: bool = True
 
 
 ConfigStore.instance().store(name="evaluate_schema", node=EvaluateSchema)
@@ -122,7 +123,8 @@ def run(cfg: DictConfig) -> dict:
                                    ngram_max=cfg.ngram_max, head_ngram=cfg.head_ngram)
     ecfg = EvalConfig(methods, BenchmarkSpec(**ev), max_new, tuple(cfg.temperatures), tuple(cfg.batch_sizes),
                       cfg.batch_prompts, cfg.seed, repeats=repeats,
-                      exact_forward=cfg.exact_forward, cpu_linears=cfg.cpu_linears, paired=cfg.paired)
+                      exact_forward=cfg.exact_forward, cpu_linears=cfg.cpu_linears, paired=cfg.paired,
+                      grouped_attention=cfg.grouped_attention)
     target_path = cfg.target.name_or_path
     adapted = verifier_for(cfg.head_method, cfg.head_dir)
     for name, path in (cfg.heads or {}).items():

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from specheads.decoding.exact import ATTENTION_NAME
+from specheads.decoding.grouped_attention import ATTENTION_NAME as GROUPED_ATTENTION
 
 # One basis for every head: drafts scored against the target's greedy token after the held-out data prefix.
 TRAIN_TAU_LABEL = "Training-time τ estimate (vs target greedy)"
@@ -82,7 +83,9 @@ def _precision_md(report: dict) -> list[str]:
     dtype = report["target_dtype"].removeprefix("torch.")
     how = (f"exact forwards (attention in float64, rounded to {dtype}: a forward over n tokens gives what n "
            f"one-token forwards give; {ex.get('packed_linears', 0)} linear layers prepacked for oneDNN)"
-           if ex.get("attention") == ATTENTION_NAME else f"attention `{ex.get('attention')}`")
+           if ex.get("attention") == ATTENTION_NAME else f"attention `{ex.get('attention')}`"
+           + (" (SDPA with each key/value head's query heads folded into query rows: no copy of the KV cache "
+              "per forward)" if ex.get("attention") == GROUPED_ATTENTION else ""))
     lin = report.get("cpu_linears") or {}
     ms = lin.get("one_token_ms")
     if ex.get("attention") != ATTENTION_NAME:  # exact forwards already named their packed layers

@@ -31,6 +31,7 @@ from specheads.decoding.drafters import (Drafter, EarlyExitDrafter, ModelDrafter
                                          TreeShape)
 from specheads.decoding.cpu_linears import choose_cpu_linears, pack_like
 from specheads.decoding.exact import make_exact
+from specheads.decoding.grouped_attention import ATTENTION_NAME as GROUPED_ATTENTION, use_grouped_attention
 from specheads.decoding.generate import GenerationResult, speculative_generate
 from specheads.decoding.runner import TargetRunner
 from specheads.decoding.tree import normalize_choices
@@ -108,6 +109,7 @@ class EvalConfig:
     exact_forward: str = "auto"  # batch-invariant target forwards (specheads.decoding.exact): auto | on | off
     cpu_linears: str = "auto"  # oneDNN-prepacked CPU linear layers (specheads.decoding.cpu_linears): auto | packed | plain
     paired: bool = True  # time a plain decode of each prompt right before its speculative one (see above)
+    grouped_attention: bool = True  # GQA targets on SDPA: fold the heads instead of copying the KV cache (grouped_attention.py)
 
 
 Progress = Callable[[str], None]
@@ -122,6 +124,8 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     prompts = load_benchmarks(cfg.benchmarks)
     eos = eos_token_ids(target)
     exact = make_exact(target.model, cfg.exact_forward)  # before any forward: plain and speculative alike
+    if cfg.grouped_attention and use_grouped_attention(target.model):
+        exact["attention"] = GROUPED_ATTENTION
     if cfg.cpu_linears == "auto":
         progress("timing the target's linear layers packed and plain")
     linears = choose_cpu_linears(target.model, cfg.cpu_linears)  # the baseline never gets the slower layout
