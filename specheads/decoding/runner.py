@@ -129,17 +129,23 @@ class TargetRunner:
 
     # ------------------------------------------------------------------ keep / drop
     def commit(self, keep: list[list[int]]) -> None:
-        """Keep, per row, these scratch entries (in order, a root-to-leaf path) and drop the rest."""
+        """Keep, per row, these scratch entries (in order, a root-to-leaf path) and drop the rest.
+
+        The kept entries are gathered and written over the first scratch slots in place, then the
+        cache is cut after them: nothing else moves (a copy of the whole cache per layer and step,
+        as a concatenation would make, cost ~0.03 plain decoding steps on SmolLM2 on a CPU)."""
         c, idx = self.slots.commit(keep)
         if idx is None:
             if c:
                 self.cache.crop(-c)
             return
+        m = idx.shape[1]
         for layer in self.cache.layers:
             for name in ("keys", "values"):
                 t = getattr(layer, name)
                 g = t.gather(2, idx[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
-                setattr(layer, name, torch.cat([t[:, :, :c], g], 2))
+                t[:, :, c:c + m] = g
+                setattr(layer, name, t[:, :, :c + m])
 
     def timed_chain(self, tokens: list[int]) -> float:
         """Seconds of one forward over ``tokens`` fed as a chain after the committed context (batch 1),

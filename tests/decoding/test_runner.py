@@ -62,3 +62,21 @@ def test_discard_and_bad_commit():
         r.commit([[0, 1]])
     with pytest.raises(ValueError, match="at least 2 tokens"):
         r.prefill([[1]])
+
+
+def test_a_commit_moves_only_the_kept_entries():
+    """The accepted path is written over the first scratch slots of the same cache tensors: no
+    layer's keys or values are reallocated (a concatenation would copy the whole cache each step)."""
+    m = peaky_model()
+    prompt = [3, 1, 4, 1, 5]
+    r = TargetRunner(m)
+    r.prefill([prompt])
+    r.forward(torch.tensor([[5, 7, 8, 9]]), torch.tensor([[-1, 0, 0, 2]]))
+    before = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in r.cache.layers]
+    r.commit([[0, 2, 3]])  # root, b, its child: not the leading entries, so entries move
+    assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in r.cache.layers] == before
+    assert r.cache.get_seq_length() == len(prompt) - 1 + 3
+    nxt = r.forward(torch.tensor([[6]]), torch.tensor([[-1]]))
+    with torch.no_grad():
+        want = m(torch.tensor([prompt + [8, 9, 6]])).logits[0, -1]
+    torch.testing.assert_close(nxt.logits[0, 0], want, **TOL)
