@@ -69,6 +69,9 @@ class EvaluateSchema:
     tree: TreeSchema = field(default_factory=TreeSchema)
     head_shape: str = "tree"
     head_ngram: int = 0
+    head_ngram_extend: int = 0
+    head_ngram_extend_len: int = 2
+    head_ngram_table: Optional[str] = None
     medusa_choices: Optional[list] = None
     medusa_tree_nodes: int = 24
     serving: ServingProfiles = field(default_factory=ServingProfiles)
@@ -111,7 +114,8 @@ def run(cfg: DictConfig) -> dict:
                            OmegaConf.to_container(cfg.medusa_choices) if cfg.medusa_choices else None,
                            cfg.medusa_tree_nodes, cfg.verify, allow_empty=bool(cfg.heads),
                            lookahead=OmegaConf.to_container(cfg.lookahead), head_shape=cfg.head_shape,
-                           head_ngram=cfg.head_ngram)
+                           head_ngram=cfg.head_ngram, head_ngram_extend=cfg.head_ngram_extend,
+                           head_ngram_extend_len=cfg.head_ngram_extend_len, head_ngram_table=cfg.head_ngram_table)
     for name, path in (cfg.heads or {}).items():  # more heads in the same report (one plain pass for all)
         if name == cfg.head_method:
             raise ValueError(f"heads.{name} repeats head_method={name}: give each drafter family once")
@@ -120,7 +124,10 @@ def run(cfg: DictConfig) -> dict:
                                        OmegaConf.to_container(cfg.medusa_choices) if cfg.medusa_choices else None),
                                    medusa_tree_nodes=cfg.medusa_tree_nodes, verify=cfg.verify, allow_empty=True,
                                    head_shape=cfg.head_shape if name in ("eagle1", "eagle3") else "tree",
-                                   ngram_max=cfg.ngram_max, head_ngram=cfg.head_ngram)
+                                   ngram_max=cfg.ngram_max, head_ngram=cfg.head_ngram,
+                                   head_ngram_extend=cfg.head_ngram_extend,
+                                   head_ngram_extend_len=cfg.head_ngram_extend_len,
+                                   head_ngram_table=cfg.head_ngram_table)
     ecfg = EvalConfig(methods, BenchmarkSpec(**ev), max_new, tuple(cfg.temperatures), tuple(cfg.batch_sizes),
                       cfg.batch_prompts, cfg.seed, repeats=repeats,
                       exact_forward=cfg.exact_forward, cpu_linears=cfg.cpu_linears, paired=cfg.paired,

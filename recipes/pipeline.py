@@ -36,7 +36,8 @@ def stage_commands(cfg: DictConfig) -> list[tuple[str, str, list[str]]]:
          [f"prepared_dir={prepared}", f"out_dir={features}", f"method={cfg.head}"]),
         ("train", "train.py", [f"method={cfg.head}", f"output_dir={train_out}", f"prepared_dir={prepared}", *data]),
         ("evaluate", "evaluate.py", [f"head_method={eval_method}", f"head_dir={train_out}",
-                                     f"eval.chat_dir={prepared}", f"output_dir={report}"]),
+                                     f"eval.chat_dir={prepared}", f"output_dir={report}",
+                                     f"head_ngram_table={features if cfg.offline else prepared}"]),
         ("export", "export.py", [f"head_dir={train_out / 'head'}", f"out_dir={run / 'export' / cfg.head}",
                                  f"eval_report={report / 'report.json'}", f"training_data={prepared}", "overwrite=true"]),
     ]

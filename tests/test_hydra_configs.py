@@ -71,3 +71,7 @@ def test_pipeline_stage_overrides_compose_against_each_recipe(method, offline, t
     train_cfg = compose_cfg("train", dict((s[0], s[2]) for s in stages)["train"])
     assert train_cfg.method.name == method and str(tmp_path) in train_cfg.output_dir
     assert (train_cfg.features_dir is not None) == offline
+    eval_cfg = compose_cfg("evaluate", dict((s[0], s[2]) for s in stages)["evaluate"])
+    # the hybrid's n-gram table reads the run's own store (offline) or prepared dataset (online)
+    assert eval_cfg.head_ngram_table == str(tmp_path / ("features" if offline else "prepared"))
+    assert eval_cfg.head_ngram_extend == 1 and eval_cfg.head_ngram == 4

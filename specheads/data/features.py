@@ -524,6 +524,16 @@ class FeatureDataset(Dataset):
             masks.append(f.get_slice("loss_mask")[a:b].tolist())
         return ids, masks
 
+    def label_rows(self, indices: Sequence[int]) -> list[tuple[list[int], list[int] | None]]:
+        """(input_ids, target_argmax or None where the store lacks it) of the samples ``indices``."""
+        out = []
+        for i in indices:
+            s, a, b = self.locations[i]
+            f = self._shard(s)
+            am = f.get_slice(ARGMAX_KEY)[a:b].tolist() if ARGMAX_KEY in f.keys() else None
+            out.append((f.get_slice("input_ids")[a:b].tolist(), am))
+        return out
+
     def __getitem__(self, i: int) -> dict[str, Any]:
         s, a, b = self.locations[i]
         f = self._shard(s)

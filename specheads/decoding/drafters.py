@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from specheads.decoding.ngram_table import NgramTable
 from specheads.decoding.runner import ForwardOutput, TargetRunner
 from specheads.decoding.tree import DraftTree, dynamic_trees, probs
 
@@ -119,15 +120,26 @@ class PromptLookupBranch(Drafter):
     tree that grew carries no draft probabilities, so sampling verifies it with the target-only
     walk (lossless for any tree with distinct siblings). Trees with extra nodes (lookahead) are
     not accepted: their drafter reads the extra nodes' logits by position.
+
+    With ``extend`` > 0, the inner tree's first ``extend`` root children (its best first drafts, in
+    the tree's order) are each continued by up to ``extend_len`` tokens: the prompt lookup's
+    continuation of the sequence plus that draft (n-grams of at least 2 tokens), else the chain of
+    ``table`` (``NgramTable``, a corpus's most frequent next tokens), else nothing. A head whose
+    second draft forward is rarely right (a one-step head) gets depth for no draft forward.
     """
 
-    def __init__(self, inner: Drafter, k: int = 4, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, inner: Drafter, k: int = 4, max_ngram: int = 3, min_ngram: int = 1,
+                 table: NgramTable | None = None, extend: int = 0, extend_len: int = 2):
         if isinstance(inner, (NgramDrafter, PromptLookupBranch)):
             raise ValueError("a prompt-lookup branch goes on a drafter other than the n-gram lookup itself")
         if k < 1:
             raise ValueError(f"the prompt-lookup branch needs k >= 1 tokens, got {k}")
+        if extend < 0 or (extend and extend_len < 1):
+            raise ValueError(f"extend ({extend}) must be >= 0 and extend_len ({extend_len}) >= 1 when extending")
         self.inner, self.lookup = inner, NgramDrafter(k, max_ngram, min_ngram)
-        self.name = f"{inner.name}+ngram{k}"
+        self.table, self.extend = table, extend
+        self.continuation = NgramDrafter(extend_len, max_ngram, min(2, max_ngram))
+        self.name = f"{inner.name}+ngram{k}" + (f"+x{extend}" if extend else "")
         self.aux_layers, self.needs_features = inner.aux_layers, inner.needs_features
         self.params_per_forward = inner.params_per_forward
 
@@ -139,7 +151,21 @@ class PromptLookupBranch(Drafter):
 
     def propose(self, seqs, active, temperature, generator):
         trees = self.inner.propose(seqs, active, temperature, generator)
-        return [t.graft_chain(self.lookup.lookup(s)) if a else t for t, s, a in zip(trees, seqs, active)]
+        out = []
+        for t, s, a in zip(trees, seqs, active):
+            if a:
+                firsts = [int(x) for x, p in zip(t.tokens.tolist(), t.parents.tolist()) if p == -1][: self.extend]
+                t = t.graft_chain(self.lookup.lookup(s))
+                for x in firsts:
+                    t = t.graft_chain([x] + self._continue(list(s) + [x]))
+            out.append(t)
+        return out
+
+    def _continue(self, seq: list[int]) -> list[int]:
+        found = self.continuation.lookup(seq)
+        if not found and self.table is not None:
+            found = self.table.chain(seq, self.continuation.k)
+        return found
 
 
 class ModelDrafter(Drafter):

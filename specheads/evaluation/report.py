@@ -157,6 +157,12 @@ def _method_md(m: dict, report: dict) -> list[str]:
                  f"{_f(r.get('cost_ratio_c'), 3)} | {_f(r.get('gpu_speedup_pred'))} |")
     apos = t0["all"]["alpha_by_position"]
     L += ["", "α by draft position (T=" + temps[0] + "): " + ", ".join(_f(a) for a in apos), ""]
+    ext = m.get("ngram_extend")
+    if ext:
+        src = (f"else the n-gram table of {ext['table']} ({ext['table_ngrams']} n-grams)" if ext.get("table")
+               else "(no n-gram table)")
+        L += [f"Lookup branch extended: the best {ext['first_drafts']} first draft(s) continued by up to "
+              f"{ext['tokens']} tokens each from the prompt lookup, {src}; no draft forward.", ""]
     L += _step_cost_md(t0["all"], temps[0], (report.get("shape_choice") or {}).get(m["name"]),
                        bool(m.get("ngram_branch")))
     if m.get("batch"):

@@ -33,10 +33,11 @@ from specheads.decoding.cpu_linears import choose_cpu_linears, pack_like
 from specheads.decoding.exact import make_exact
 from specheads.decoding.grouped_attention import ATTENTION_NAME as GROUPED_ATTENTION, use_grouped_attention
 from specheads.decoding.generate import GenerationResult, speculative_generate
+from specheads.decoding.ngram_table import NgramTable
 from specheads.decoding.runner import TargetRunner
 from specheads.decoding.tree import normalize_choices
 from specheads.decoding.verify import LOSSLESS
-from specheads.errors import UserError
+from specheads.errors import InputNotFoundError, UserError
 from specheads.evaluation.benchmarks import BenchmarkSpec, EvalPrompt, encode, load_benchmarks
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
 from specheads.evaluation.recommend import recommend
@@ -71,6 +72,11 @@ class MethodSpec:
     tree_source: str | None = None  # where a static Medusa tree came from (set by build_drafter)
     auto_shape: bool = False  # EAGLE: a chain whose length is chosen at evaluation (``shape_choice``)
     ngram_branch: int = 0  # > 0: the prompt lookup's chain of this many tokens grafted onto every tree drafted
+    # with the branch: the best ``ngram_extend`` first drafts continued by ``ngram_extend_len`` tokens from the
+    # prompt lookup or the n-gram table of ``ngram_table`` (a feature store or prepared dataset: ``load_ngram_table``)
+    ngram_extend: int = 0
+    ngram_extend_len: int = 2
+    ngram_table: str | None = None
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
@@ -86,13 +92,20 @@ class MethodSpec:
         if self.ngram_branch and self.drafter in ("ngram", "lookahead"):
             raise ValueError(f"method '{self.name}': a prompt-lookup branch goes on a head, early-exit or "
                              f"two-model drafter, not on '{self.drafter}'")
+        if (self.ngram_extend or self.ngram_table) and not self.ngram_branch:
+            raise ValueError(f"method '{self.name}': ngram_extend and ngram_table continue the drafts of a "
+                             "prompt-lookup branch: set ngram_branch > 0 too")
+        if self.ngram_extend < 0 or self.ngram_extend_len < 1:
+            raise ValueError(f"method '{self.name}': ngram_extend must be >= 0 (got {self.ngram_extend}) and "
+                             f"ngram_extend_len >= 1 (got {self.ngram_extend_len})")
         if self.ngram_branch and self.verify == "chain":
             raise ValueError(f"method '{self.name}': a tree with a prompt-lookup branch is verified as a tree "
                              "(verify auto, tree or typical), not with the chain p/q test")
 
     def shape_label(self) -> str:
         """The shape as the report names it (with the prompt-lookup branch, if any)."""
-        return self.shape.label() + (f"+ngram{self.ngram_branch}" if self.ngram_branch else "")
+        ext = f"+x{self.ngram_extend}.{self.ngram_extend_len}" if self.ngram_branch and self.ngram_extend else ""
+        return self.shape.label() + (f"+ngram{self.ngram_branch}{ext}" if self.ngram_branch else "")
 
 
 @dataclass
@@ -186,7 +199,8 @@ def _choose_shape(spec, target, runner, ids, eos, progress) -> dict:
     n_max = max([len(reach) + 1] + [w + 1 for w in fans])
     progress(f"{spec.name}: measuring the verify cost of 1..{n_max} tokens")
     curve = verify_cost_curve(runner, prompt, list(range(1, n_max + 1)), reps=12)  # medians of 12 interleaved rounds
-    probe = build_drafter(replace(spec, shape=TreeShape("chain", k=1), auto_shape=False, ngram_branch=0), target)
+    probe = build_drafter(replace(spec, shape=TreeShape("chain", k=1), auto_shape=False, ngram_branch=0,
+                                  ngram_extend=0, ngram_table=None), target)
     # Draft time per forward without the prompt's one-off feed: a long decode minus a 1-token one.
     speculative_generate(runner, probe, [prompt], 8, 0.0, "greedy", eos)  # warm-up
     short = speculative_generate(runner, probe, [prompt], 1, 0.0, "greedy", eos)
@@ -280,6 +294,10 @@ def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_token
     out = {"name": spec.name, "drafter": spec.drafter, "shape": spec.shape_label(), "verify": spec.verify,
            "lossless_verify": LOSSLESS.get(spec.verify, True), "profile": spec.profile,
            "ngram_branch": spec.ngram_branch, "draft_params_per_forward": drafter.params_per_forward, "by_temperature": {}}
+    if spec.ngram_branch and spec.ngram_extend:
+        table = getattr(drafter, "table", None)
+        out["ngram_extend"] = {"first_drafts": spec.ngram_extend, "tokens": spec.ngram_extend_len,
+                               "table": spec.ngram_table, "table_ngrams": len(table) if table is not None else 0}
     c_gpu = drafter.params_per_forward / _nparams(target.model)
     out["c_gpu"] = c_gpu
     t_start = time.perf_counter()
@@ -375,8 +393,38 @@ def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg:
     """The drafter a method spec names (heads loaded from ``head_dir``), with its prompt-lookup branch."""
     drafter = _build_drafter(spec, target, cfg)
     if spec.ngram_branch:
-        return PromptLookupBranch(drafter, spec.ngram_branch, spec.ngram_max)
+        table = None
+        if spec.ngram_table:
+            skip = {p.id.removeprefix("chat/") for p in (prompts or ()) if p.benchmark == "chat"}
+            table = load_ngram_table(spec.ngram_table, target, exclude_ids=skip)
+            log.info("%s: n-gram table of %d n-grams from %s (%d evaluation chats left out)", spec.name,
+                     len(table), spec.ngram_table, len(skip))
+        return PromptLookupBranch(drafter, spec.ngram_branch, spec.ngram_max, table=table,
+                                  extend=spec.ngram_extend, extend_len=spec.ngram_extend_len)
     return drafter
+
+
+def load_ngram_table(path: str, target: Target, exclude_ids=(), orders=(3, 2)) -> NgramTable:
+    """The n-gram table (``NgramTable``) of a feature store (its tokens, with the target's argmax as the
+    next token where the store holds it) or of a prepared dataset (its tokens), rows ``exclude_ids`` left
+    out (the chats being evaluated). The store or dataset must come from the target's tokenizer."""
+    root = Path(path)
+    if not root.is_dir():
+        raise InputNotFoundError(f"n-gram table source {path}: no such folder (give a feature store or a "
+                                 "prepared dataset)")
+    if (root / "manifest.json").exists():
+        from specheads.data.features import FeatureDataset
+
+        ds = FeatureDataset(root, target=target)
+        keep = [i for i, sid in enumerate(ds.ids) if sid not in exclude_ids]
+        rows = ds.label_rows(keep)
+    else:
+        from specheads.data.prepare import check_prepared_matches, load_prepared
+
+        data, meta = load_prepared(root)
+        check_prepared_matches(meta, target)
+        rows = [(r["input_ids"], None) for r in data if str(r["id"]) not in exclude_ids]
+    return NgramTable.build(rows, orders)
 
 
 def _build_drafter(spec: MethodSpec, target: Target, cfg: EvalConfig | None) -> Drafter:
@@ -512,14 +560,16 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                  early_exit_layers: int = 8, ngram_max: int = 3, two_model: str | None = None,
                  medusa_choices=None, medusa_tree_nodes: int = 24, verify: str = "auto",
                  allow_empty: bool = False, lookahead: dict | None = None,
-                 head_shape: str = "tree", head_ngram: int = 0) -> list[MethodSpec]:
+                 head_shape: str = "tree", head_ngram: int = 0, head_ngram_extend: int = 0,
+                 head_ngram_extend_len: int = 2, head_ngram_table: str | None = None) -> list[MethodSpec]:
     """The method list for an evaluation: the head's own shape, its serving profiles, and baselines.
 
     head_shape: ``tree`` (the EAGLE-2 dynamic ``tree``) or ``auto`` (EAGLE: the chain this machine's
     verify cost curve and the head's held-out acceptance favour, chosen at evaluation: ``shape_choice``);
     lookahead: {window, ngram, guesses} of the lookahead baseline (default 5, 4, 5); head_ngram > 0: the
     head's own shape once more with the prompt lookup's chain of ``head_ngram`` tokens grafted onto its
-    trees (``PromptLookupBranch``), right after it."""
+    trees (``PromptLookupBranch``), right after it; with ``head_ngram_extend`` > 0 its best first drafts are
+    continued too (``head_ngram_extend_len`` tokens from the prompt lookup or ``head_ngram_table``'s n-grams)."""
     if head_shape not in ("tree", "auto"):
         raise ValueError(f"head_shape '{head_shape}': use tree or auto")
     tree = tree or TreeShape("dynamic", depth=5, topk=4, total_tokens=24)
@@ -550,7 +600,10 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
             raise ValueError(f"method '{method}': use medusa, eagle1 or eagle3 (or none for baselines only)")
         if head_ngram:
             own = out[0]
-            out.insert(1, replace(own, name=f"{own.name}+ngram{head_ngram}", ngram_branch=head_ngram, ngram_max=ngram_max))
+            name = f"{own.name}+ngram{head_ngram}" + (f"+x{head_ngram_extend}" if head_ngram_extend else "")
+            out.insert(1, replace(own, name=name, ngram_branch=head_ngram, ngram_max=ngram_max,
+                                  ngram_extend=head_ngram_extend, ngram_extend_len=head_ngram_extend_len,
+                                  ngram_table=head_ngram_table if head_ngram_extend else None))
         if "vllm" in serving.engines:
             out.append(MethodSpec(f"{method}-vllm", method, vllm, verify, head_dir=head_dir, profile="vllm"))
     chain = TreeShape("chain", k=chain_k)

@@ -9,7 +9,10 @@ import torch
 
 from decoding_helpers import NoisyOracle, WrongDrafter, peaky_model, reference_greedy
 from tests.conftest import make_tiny_model
-from specheads.decoding.drafters import EarlyExitDrafter, ModelDrafter, NgramDrafter, PromptLookupBranch, TreeShape
+from specheads.decoding.drafters import (Drafter, EarlyExitDrafter, ModelDrafter, NgramDrafter, PromptLookupBranch,
+                                        TreeShape)
+from specheads.decoding.ngram_table import NgramTable
+from specheads.decoding.tree import DraftTree
 from specheads.decoding.generate import plain_generate, speculative_generate
 from specheads.decoding.runner import TargetRunner
 
@@ -43,6 +46,9 @@ def _drafters(target):
         yield ModelDrafter(target, shape, "self")
         yield EarlyExitDrafter(target, 1, shape)
         yield PromptLookupBranch(ModelDrafter(other, shape, "two_model"), k=3)
+    noise = NgramTable.build([(torch.randint(0, 64, (400,), generator=torch.Generator().manual_seed(0)).tolist(), None)])
+    for shape in SHAPES[2:]:
+        yield PromptLookupBranch(ModelDrafter(other, shape, "two_model"), k=3, table=noise, extend=2, extend_len=3)
     yield NgramDrafter(k=3)
     yield WrongDrafter(target, 3)
     yield PromptLookupBranch(WrongDrafter(target, 3), k=2)
@@ -179,3 +185,49 @@ def test_prompt_lookup_branch_adds_the_lookups_acceptance_to_a_drafter_that_neve
         assert b.draft_nodes > a.draft_nodes  # the wrong chain was verified beside the lookup's
     with pytest.raises(ValueError, match="other than the n-gram"):
         PromptLookupBranch(NgramDrafter(k=3))
+
+
+class _Fan(Drafter):
+    """Always the same three first drafts, best first."""
+
+    def propose(self, seqs, active, temperature, generator):
+        return [DraftTree(torch.tensor([5, 6, 7]), torch.tensor([-1, -1, -1])) for _ in seqs]
+
+
+def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+
+    def path(i):
+        return (path(pars[i]) if pars[i] >= 0 else ()) + (toks[i],)
+
+    return {path(i) for i in range(len(toks))}
+
+
+def test_extended_branch_continues_the_best_first_drafts_from_the_context_else_the_table():
+    table = NgramTable.build([([1, 5, 20, 21, 22], None), ([1, 6, 30, 31], None)])
+    one = PromptLookupBranch(_Fan(), k=2, table=table, extend=1, extend_len=2).propose([[9, 1]], [True], 0.0, None)[0]
+    assert _paths(one) == {(5,), (6,), (7,), (5, 20), (5, 20, 21)}  # only the best draft is continued
+    two = PromptLookupBranch(_Fan(), k=2, table=table, extend=2, extend_len=3).propose([[9, 1]], [True], 0.0, None)[0]
+    assert {(5, 20, 21, 22), (6, 30, 31)} <= _paths(two) and (7,) in _paths(two) and len(two.tokens) == 8
+    # the context has "1 5" followed by 40 41: the prompt lookup's continuation wins over the table's
+    ctx = PromptLookupBranch(_Fan(), k=2, table=table, extend=1).propose([[1, 5, 40, 41, 9, 1]], [True], 0.0, None)[0]
+    assert (5, 40, 41) in _paths(ctx) and (5, 20) not in _paths(ctx)
+    # without extend (or without a match) the tree is the branch's alone
+    plain = PromptLookupBranch(_Fan(), k=2).propose([[9, 1]], [True], 0.0, None)[0]
+    assert _paths(plain) == {(5,), (6,), (7,)}
+    with pytest.raises(ValueError, match="extend"):
+        PromptLookupBranch(_Fan(), k=2, extend=-1)
+
+
+def test_extending_a_right_first_draft_from_a_table_of_the_targets_outputs_raises_tau(target, reference):
+    # the target's own first token (always accepted) continued by a table built from the target's greedy
+    # outputs: more tokens per step than the first draft alone (tau 2), the output unchanged
+    table = NgramTable.build([(list(p) + r, None) for p, r in zip(PROMPTS, reference)])
+    runs = {}
+    for extend in (0, 1):
+        drafter = PromptLookupBranch(ModelDrafter(target, TreeShape("chain", k=1), "self"), k=1, table=table,
+                                     extend=extend, extend_len=3)
+        runs[extend] = speculative_generate(TargetRunner(target), drafter, PROMPTS, 16)
+        assert runs[extend].tokens == reference
+    tau = {e: sum(s.emitted for s in r.stats) / sum(s.steps for s in r.stats) for e, r in runs.items()}
+    assert tau[1] > tau[0] + 0.5, tau

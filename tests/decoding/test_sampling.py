@@ -19,6 +19,7 @@ from decoding_helpers import peaky_model
 from specheads.decoding import generate as gen_mod
 from specheads.decoding import verify as verify_mod
 from specheads.decoding.drafters import ModelDrafter, PromptLookupBranch, TreeShape
+from specheads.decoding.ngram_table import NgramTable
 from specheads.decoding.generate import speculative_generate
 from specheads.decoding.runner import TargetRunner
 from specheads.decoding.verify import verify
@@ -101,10 +102,14 @@ def test_sampling_is_lossless(target, draft, far_draft, exact, shape, method, fa
     assert chi2_pvalue(run(target, far_draft if far else draft, shape, method), exact) > THRESH
 
 
-@pytest.mark.parametrize("shape", [CHAIN, TREE])
-def test_sampling_with_a_prompt_lookup_branch_is_lossless(target, far_draft, exact, shape):
-    """Chains that grow a lookup branch lose their q and go through the target-only walk ("auto")."""
-    drafter = PromptLookupBranch(ModelDrafter(far_draft, shape), k=2, max_ngram=2)
+@pytest.mark.parametrize("shape,extend", [(CHAIN, 0), (TREE, 0), (TREE, 2)])
+def test_sampling_with_a_prompt_lookup_branch_is_lossless(target, far_draft, exact, shape, extend):
+    """Chains that grow a lookup branch lose their q and go through the target-only walk ("auto"); so do
+    trees whose first drafts are continued from an n-gram table (a next token for every token)."""
+    table = NgramTable.build([(torch.randint(0, V, (60,), generator=torch.Generator().manual_seed(2)).tolist(), None)],
+                             orders=(1,))
+    assert all(table.next_token([t]) is not None for t in range(V))
+    drafter = PromptLookupBranch(ModelDrafter(far_draft, shape), k=2, max_ngram=2, table=table, extend=extend)
     g = torch.Generator().manual_seed(1)
     res = speculative_generate(TargetRunner(target), drafter, [PROMPT] * N, 3, temperature=1.0, method="auto",
                                generator=g)

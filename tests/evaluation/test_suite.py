@@ -164,6 +164,15 @@ def test_plan_methods_profiles(tmp_path):
         MethodSpec("x", "ngram", ngram_branch=2)
     with pytest.raises(ValueError, match="chain p/q"):
         MethodSpec("x", "eagle3", verify="chain", head_dir=str(tmp_path), ngram_branch=2)
+    extended = plan_methods("eagle3", str(tmp_path), [], head_shape="auto", head_ngram=4, head_ngram_extend=1,
+                            head_ngram_extend_len=3, head_ngram_table="store", serving=ServingProfiles(engines=[]))
+    assert [m.name for m in extended] == ["eagle3-auto", "eagle3-auto+ngram4+x1"]
+    assert (extended[1].ngram_extend, extended[1].ngram_extend_len, extended[1].ngram_table) == (1, 3, "store")
+    assert extended[0].ngram_table is None and extended[1].shape_label() == "chain1+ngram4+x1.3"
+    with pytest.raises(ValueError, match="set ngram_branch > 0"):
+        MethodSpec("x", "eagle3", head_dir=str(tmp_path), ngram_extend=1)
+    with pytest.raises(ValueError, match="ngram_extend_len >= 1"):
+        MethodSpec("x", "eagle3", head_dir=str(tmp_path), ngram_branch=2, ngram_extend=1, ngram_extend_len=0)
 
 
 def test_verifier_for_medusa2_heads_is_their_adapted_target(target, head_dirs, tmp_path):
@@ -215,13 +224,27 @@ def test_auto_shape_picks_a_chain_from_the_cost_curve_and_held_out_reach(target,
                                       max_new_tokens=6, temperatures=(0.0,), batch_sizes=(1,), repeats=1))
     assert fan["shape_choice"]["eagle1-auto"]["label"] == "fan2"
     assert fan["methods"][0]["shape"] == "tree(d1,k2,n2)" and fan["methods"][0]["lossless"]["exact"]
-    # With a prompt-lookup branch: the same head's choice (measured once) and the branch on top.
+    # With a prompt-lookup branch: the same head's choice (measured once) and the branch on top, its best
+    # first draft continued from the n-gram table of a prepared dataset.
+    from tests.data.test_features import make_prepared
+
+    prepared = make_prepared(tmp_path, fingerprint=target.tokenizer_fingerprint())
     calls = []
     monkeypatch.setattr(suite, "_choose_shape", lambda *a, real=suite._choose_shape: calls.append(1) or real(*a))
-    both = evaluate(target, EvalConfig(plan_methods("eagle1", str(head), [], head_shape="auto", head_ngram=2)[:2],
-                                       spec, max_new_tokens=6, temperatures=(0.0,), batch_sizes=(1,), repeats=1))
-    assert len(calls) == 1 and both["shape_choice"]["eagle1-auto+ngram2"]["label"] == "fan2"
-    assert [m["shape"] for m in both["methods"]] == ["tree(d1,k2,n2)", "tree(d1,k2,n2)+ngram2"]
+    built = []
+    monkeypatch.setattr(suite, "load_ngram_table", lambda *a, real=suite.load_ngram_table, **k: built.append(a) or
+                        real(*a, **k))
+    methods = plan_methods("eagle1", str(head), [], head_shape="auto", head_ngram=2, head_ngram_extend=1,
+                           head_ngram_table=str(prepared))[:2]
+    both = evaluate(target, EvalConfig(methods, spec, max_new_tokens=6, temperatures=(0.0,), batch_sizes=(1,),
+                                       repeats=1))
+    assert len(calls) == 1 and both["shape_choice"]["eagle1-auto+ngram2+x1"]["label"] == "fan2"
+    assert [m["shape"] for m in both["methods"]] == ["tree(d1,k2,n2)", "tree(d1,k2,n2)+ngram2+x1.2"]
+    assert [a[0] for a in built] == [str(prepared)]
+    ext = both["methods"][1]["ngram_extend"]
+    assert (ext["first_drafts"], ext["tokens"], ext["table"]) == (1, 2, str(prepared)) and ext["table_ngrams"] > 0
+    write_report(both, tmp_path / "r2")
+    assert "Lookup branch extended: the best 1 first draft(s)" in (tmp_path / "r2" / "report.md").read_text()
     assert all(m["lossless"]["exact"] for m in both["methods"])
     (head.parent / "train_summary.json").write_text(json.dumps({"eval": {}}))
     with pytest.raises(UserError, match="measure_prompts"):
