@@ -72,6 +72,7 @@ class EvaluateSchema:
     head_ngram_extend: int = 0
     head_ngram_extend_len: int = 2
     head_ngram_table: Optional[str] = None
+    head_ngram_table_tokens: int = 1000000
     medusa_choices: Optional[list] = None
     medusa_tree_nodes: int = 24
     serving: ServingProfiles = field(default_factory=ServingProfiles)
@@ -115,7 +116,8 @@ def run(cfg: DictConfig) -> dict:
                            cfg.medusa_tree_nodes, cfg.verify, allow_empty=bool(cfg.heads),
                            lookahead=OmegaConf.to_container(cfg.lookahead), head_shape=cfg.head_shape,
                            head_ngram=cfg.head_ngram, head_ngram_extend=cfg.head_ngram_extend,
-                           head_ngram_extend_len=cfg.head_ngram_extend_len, head_ngram_table=cfg.head_ngram_table)
+                           head_ngram_extend_len=cfg.head_ngram_extend_len, head_ngram_table=cfg.head_ngram_table,
+                           head_ngram_table_tokens=cfg.head_ngram_table_tokens)
     for name, path in (cfg.heads or {}).items():  # more heads in the same report (one plain pass for all)
         if name == cfg.head_method:
             raise ValueError(f"heads.{name} repeats head_method={name}: give each drafter family once")
@@ -127,7 +129,8 @@ def run(cfg: DictConfig) -> dict:
                                    ngram_max=cfg.ngram_max, head_ngram=cfg.head_ngram,
                                    head_ngram_extend=cfg.head_ngram_extend,
                                    head_ngram_extend_len=cfg.head_ngram_extend_len,
-                                   head_ngram_table=cfg.head_ngram_table)
+                                   head_ngram_table=cfg.head_ngram_table,
+                                   head_ngram_table_tokens=cfg.head_ngram_table_tokens)
     ecfg = EvalConfig(methods, BenchmarkSpec(**ev), max_new, tuple(cfg.temperatures), tuple(cfg.batch_sizes),
                       cfg.batch_prompts, cfg.seed, repeats=repeats,
                       exact_forward=cfg.exact_forward, cpu_linears=cfg.cpu_linears, paired=cfg.paired,

@@ -77,6 +77,7 @@ class MethodSpec:
     ngram_extend: int = 0
     ngram_extend_len: int = 2
     ngram_table: str | None = None
+    ngram_table_tokens: int = 1_000_000  # the table reads at most this many tokens of its corpus (rows in order)
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
@@ -98,6 +99,8 @@ class MethodSpec:
         if self.ngram_extend < 0 or self.ngram_extend_len < 1:
             raise ValueError(f"method '{self.name}': ngram_extend must be >= 0 (got {self.ngram_extend}) and "
                              f"ngram_extend_len >= 1 (got {self.ngram_extend_len})")
+        if self.ngram_table_tokens < 1:
+            raise ValueError(f"method '{self.name}': ngram_table_tokens must be >= 1, got {self.ngram_table_tokens}")
         if self.ngram_branch and self.verify == "chain":
             raise ValueError(f"method '{self.name}': a tree with a prompt-lookup branch is verified as a tree "
                              "(verify auto, tree or typical), not with the chain p/q test")
@@ -396,7 +399,7 @@ def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg:
         table = None
         if spec.ngram_table:
             skip = {p.id.removeprefix("chat/") for p in (prompts or ()) if p.benchmark == "chat"}
-            table = load_ngram_table(spec.ngram_table, target, exclude_ids=skip)
+            table = load_ngram_table(spec.ngram_table, target, exclude_ids=skip, max_tokens=spec.ngram_table_tokens)
             log.info("%s: n-gram table of %d n-grams from %s (%d evaluation chats left out)", spec.name,
                      len(table), spec.ngram_table, len(skip))
         return PromptLookupBranch(drafter, spec.ngram_branch, spec.ngram_max, table=table,
@@ -404,10 +407,13 @@ def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg:
     return drafter
 
 
-def load_ngram_table(path: str, target: Target, exclude_ids=(), orders=(3, 2)) -> NgramTable:
+def load_ngram_table(path: str, target: Target, exclude_ids=(), orders=(3, 2),
+                     max_tokens: int | None = 1_000_000) -> NgramTable:
     """The n-gram table (``NgramTable``) of a feature store (its tokens, with the target's argmax as the
     next token where the store holds it) or of a prepared dataset (its tokens), rows ``exclude_ids`` left
-    out (the chats being evaluated). The store or dataset must come from the target's tokenizer."""
+    out (the chats being evaluated), rows read in order until ``max_tokens`` tokens (None: all; a GPU-scale
+    store holds far more than a table needs, and only the shards read are opened and checksummed). The
+    store or dataset must come from the target's tokenizer."""
     root = Path(path)
     if not root.is_dir():
         raise InputNotFoundError(f"n-gram table source {path}: no such folder (give a feature store or a "
@@ -417,14 +423,31 @@ def load_ngram_table(path: str, target: Target, exclude_ids=(), orders=(3, 2)) -
 
         ds = FeatureDataset(root, target=target)
         keep = [i for i, sid in enumerate(ds.ids) if sid not in exclude_ids]
-        rows = ds.label_rows(keep)
+        rows = ds.label_rows(_within(keep, [ds.lengths[i] for i in keep], max_tokens))
     else:
         from specheads.data.prepare import check_prepared_matches, load_prepared
 
         data, meta = load_prepared(root)
         check_prepared_matches(meta, target)
-        rows = [(r["input_ids"], None) for r in data if str(r["id"]) not in exclude_ids]
+        keep = [i for i, sid in enumerate(data["id"]) if str(sid) not in exclude_ids]
+        keep = _within(keep, [len(data[i]["input_ids"]) for i in keep], max_tokens)
+        rows = [(data[i]["input_ids"], None) for i in keep]
     return NgramTable.build(rows, orders)
+
+
+def _within(indices: list[int], lengths: list[int], max_tokens: int | None) -> list[int]:
+    """The leading ``indices`` whose lengths add up to at most ``max_tokens`` (at least one)."""
+    if max_tokens is None:
+        return indices
+    if max_tokens < 1:
+        raise ValueError(f"the n-gram table's max_tokens must be >= 1 or None, got {max_tokens}")
+    out, total = [], 0
+    for i, n in zip(indices, lengths):
+        if out and total + n > max_tokens:
+            break
+        out.append(i)
+        total += n
+    return out
 
 
 def _build_drafter(spec: MethodSpec, target: Target, cfg: EvalConfig | None) -> Drafter:
@@ -561,7 +584,8 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                  medusa_choices=None, medusa_tree_nodes: int = 24, verify: str = "auto",
                  allow_empty: bool = False, lookahead: dict | None = None,
                  head_shape: str = "tree", head_ngram: int = 0, head_ngram_extend: int = 0,
-                 head_ngram_extend_len: int = 2, head_ngram_table: str | None = None) -> list[MethodSpec]:
+                 head_ngram_extend_len: int = 2, head_ngram_table: str | None = None,
+                 head_ngram_table_tokens: int = 1_000_000) -> list[MethodSpec]:
     """The method list for an evaluation: the head's own shape, its serving profiles, and baselines.
 
     head_shape: ``tree`` (the EAGLE-2 dynamic ``tree``) or ``auto`` (EAGLE: the chain this machine's
@@ -603,7 +627,8 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
             name = f"{own.name}+ngram{head_ngram}" + (f"+x{head_ngram_extend}" if head_ngram_extend else "")
             out.insert(1, replace(own, name=name, ngram_branch=head_ngram, ngram_max=ngram_max,
                                   ngram_extend=head_ngram_extend, ngram_extend_len=head_ngram_extend_len,
-                                  ngram_table=head_ngram_table if head_ngram_extend else None))
+                                  ngram_table=head_ngram_table if head_ngram_extend else None,
+                                  ngram_table_tokens=head_ngram_table_tokens))
         if "vllm" in serving.engines:
             out.append(MethodSpec(f"{method}-vllm", method, vllm, verify, head_dir=head_dir, profile="vllm"))
     chain = TreeShape("chain", k=chain_k)

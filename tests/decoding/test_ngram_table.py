@@ -75,6 +75,17 @@ def test_loaded_from_a_feature_store_with_the_targets_argmax_or_from_prepared_to
     assert without.tables == NgramTable.build([(r, None) for i, r in rows.items() if i != some]).tables
     assert len(without) < len(from_prepared)
 
+    # a token budget reads the leading rows only (at least one)
+    lengths = {r["id"]: len(r["input_ids"]) for r in data}
+    first = [i for i in order][:3]
+    capped = load_ngram_table(str(tmp_path / "store"), tiny_target, max_tokens=sum(lengths[i] for i in first))
+    assert capped.tables == NgramTable.build([(rows[i], argmax[i]) for i in first]).tables
+    ids_in_order = [str(i) for i in data["id"]]
+    one = load_ngram_table(str(path), tiny_target, max_tokens=1)
+    assert one.tables == NgramTable.build([(rows[ids_in_order[0]], None)]).tables
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        load_ngram_table(str(path), tiny_target, max_tokens=0)
+
     with pytest.raises(InputNotFoundError, match="no such folder"):
         load_ngram_table(str(tmp_path / "nowhere"), tiny_target)
     with pytest.raises(StoreMismatchError, match="config hash"):

@@ -169,6 +169,9 @@ def test_plan_methods_profiles(tmp_path):
     assert [m.name for m in extended] == ["eagle3-auto", "eagle3-auto+ngram4+x1"]
     assert (extended[1].ngram_extend, extended[1].ngram_extend_len, extended[1].ngram_table) == (1, 3, "store")
     assert extended[0].ngram_table is None and extended[1].shape_label() == "chain1+ngram4+x1.3"
+    assert extended[1].ngram_table_tokens == 1_000_000
+    with pytest.raises(ValueError, match="ngram_table_tokens must be >= 1"):
+        MethodSpec("x", "eagle3", head_dir=str(tmp_path), ngram_branch=2, ngram_table_tokens=0)
     with pytest.raises(ValueError, match="set ngram_branch > 0"):
         MethodSpec("x", "eagle3", head_dir=str(tmp_path), ngram_extend=1)
     with pytest.raises(ValueError, match="ngram_extend_len >= 1"):
