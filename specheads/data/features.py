@@ -516,22 +516,18 @@ class FeatureDataset(Dataset):
 
     def token_rows(self, indices: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
         """(input_ids, loss_mask) lists of the samples ``indices``, features left unread."""
-        ids, masks = [], []
-        for i in indices:
-            s, a, b = self.locations[i]
-            f = self._shard(s)
-            ids.append(f.get_slice("input_ids")[a:b].tolist())
-            masks.append(f.get_slice("loss_mask")[a:b].tolist())
-        return ids, masks
+        return self.column_rows(indices, "input_ids"), self.column_rows(indices, "loss_mask")
 
-    def label_rows(self, indices: Sequence[int]) -> list[tuple[list[int], list[int] | None]]:
-        """(input_ids, target_argmax or None where the store lacks it) of the samples ``indices``."""
+    def column_rows(self, indices: Sequence[int], name: str) -> list[list[int]] | None:
+        """The lists of one per-token column (``input_ids``, ``loss_mask``, ``target_argmax``) of the samples
+        ``indices``, features left unread; None when the store does not hold that column."""
         out = []
         for i in indices:
             s, a, b = self.locations[i]
             f = self._shard(s)
-            am = f.get_slice(ARGMAX_KEY)[a:b].tolist() if ARGMAX_KEY in f.keys() else None
-            out.append((f.get_slice("input_ids")[a:b].tolist(), am))
+            if name not in f.keys():
+                return None
+            out.append(f.get_slice(name)[a:b].tolist())
         return out
 
     def __getitem__(self, i: int) -> dict[str, Any]:

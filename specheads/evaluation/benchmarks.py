@@ -84,6 +84,11 @@ def chat_heldout_ids(sample_ids: list[str]) -> set[str]:
     return set(ids[len(ids) - max(1, math.ceil(len(ids) / 100)):]) if ids else set()
 
 
+def chat_sample_ids(prompts: list[EvalPrompt]) -> set[str]:
+    """The prepared-dataset ids of the held-out chats among ``prompts`` (``load_chat_heldout``'s rows)."""
+    return {p.id.removeprefix("chat/") for p in prompts if p.benchmark == "chat"}
+
+
 def load_chat_heldout(prepared_dir: str | Path, limit: int | None = 4) -> list[EvalPrompt]:
     """Held-out chat: the last 1% of a prepared dataset's ids (sorted), each cut at its first
     assistant token (the prompt is the conversation up to the first assistant turn)."""

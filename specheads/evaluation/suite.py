@@ -38,7 +38,7 @@ from specheads.decoding.runner import TargetRunner
 from specheads.decoding.tree import normalize_choices
 from specheads.decoding.verify import LOSSLESS
 from specheads.errors import InputNotFoundError, UserError
-from specheads.evaluation.benchmarks import BenchmarkSpec, EvalPrompt, encode, load_benchmarks
+from specheads.evaluation.benchmarks import BenchmarkSpec, EvalPrompt, chat_sample_ids, encode, load_benchmarks
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
 from specheads.evaluation.recommend import recommend
 from specheads.targets import Target, eos_token_ids
@@ -107,7 +107,7 @@ class MethodSpec:
 
     def shape_label(self) -> str:
         """The shape as the report names it (with the prompt-lookup branch, if any)."""
-        ext = f"+x{self.ngram_extend}.{self.ngram_extend_len}" if self.ngram_branch and self.ngram_extend else ""
+        ext = f"+x{self.ngram_extend}.{self.ngram_extend_len}" if self.ngram_extend else ""
         return self.shape.label() + (f"+ngram{self.ngram_branch}{ext}" if self.ngram_branch else "")
 
 
@@ -297,8 +297,8 @@ def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_token
     out = {"name": spec.name, "drafter": spec.drafter, "shape": spec.shape_label(), "verify": spec.verify,
            "lossless_verify": LOSSLESS.get(spec.verify, True), "profile": spec.profile,
            "ngram_branch": spec.ngram_branch, "draft_params_per_forward": drafter.params_per_forward, "by_temperature": {}}
-    if spec.ngram_branch and spec.ngram_extend:
-        table = getattr(drafter, "table", None)
+    if spec.ngram_extend:  # only with a branch (MethodSpec): the drafter is a PromptLookupBranch
+        table = drafter.table
         out["ngram_extend"] = {"first_drafts": spec.ngram_extend, "tokens": spec.ngram_extend_len,
                                "table": spec.ngram_table, "table_ngrams": len(table) if table is not None else 0}
     c_gpu = drafter.params_per_forward / _nparams(target.model)
@@ -398,7 +398,7 @@ def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg:
     if spec.ngram_branch:
         table = None
         if spec.ngram_table:
-            skip = {p.id.removeprefix("chat/") for p in (prompts or ()) if p.benchmark == "chat"}
+            skip = chat_sample_ids(prompts or [])
             table = load_ngram_table(spec.ngram_table, target, exclude_ids=skip, max_tokens=spec.ngram_table_tokens)
             log.info("%s: n-gram table of %d n-grams from %s (%d evaluation chats left out)", spec.name,
                      len(table), spec.ngram_table, len(skip))
@@ -414,40 +414,39 @@ def load_ngram_table(path: str, target: Target, exclude_ids=(), orders=(3, 2),
     out (the chats being evaluated), rows read in order until ``max_tokens`` tokens (None: all; a GPU-scale
     store holds far more than a table needs, and only the shards read are opened and checksummed). The
     store or dataset must come from the target's tokenizer."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"the n-gram table's max_tokens must be >= 1 or None, got {max_tokens}")
     root = Path(path)
     if not root.is_dir():
         raise InputNotFoundError(f"n-gram table source {path}: no such folder (give a feature store or a "
                                  "prepared dataset)")
     if (root / "manifest.json").exists():
         from specheads.data.features import FeatureDataset
+        from specheads.methods.base import ARGMAX_KEY
 
         ds = FeatureDataset(root, target=target)
-        keep = [i for i, sid in enumerate(ds.ids) if sid not in exclude_ids]
-        rows = ds.label_rows(_within(keep, [ds.lengths[i] for i in keep], max_tokens))
+        keep = list(_leading(((i, n) for i, (sid, n) in enumerate(zip(ds.ids, ds.lengths)) if sid not in exclude_ids),
+                             max_tokens))
+        rows = zip(ds.column_rows(keep, "input_ids"), ds.column_rows(keep, ARGMAX_KEY) or [None] * len(keep))
     else:
         from specheads.data.prepare import check_prepared_matches, load_prepared
 
         data, meta = load_prepared(root)
         check_prepared_matches(meta, target)
-        keep = [i for i, sid in enumerate(data["id"]) if str(sid) not in exclude_ids]
-        keep = _within(keep, [len(data[i]["input_ids"]) for i in keep], max_tokens)
-        rows = [(data[i]["input_ids"], None) for i in keep]
+        ids = (r["input_ids"] for r in data if str(r["id"]) not in exclude_ids)  # one lazy pass
+        rows = ((t, None) for t in _leading(((t, len(t)) for t in ids), max_tokens))
     return NgramTable.build(rows, orders)
 
 
-def _within(indices: list[int], lengths: list[int], max_tokens: int | None) -> list[int]:
-    """The leading ``indices`` whose lengths add up to at most ``max_tokens`` (at least one)."""
-    if max_tokens is None:
-        return indices
-    if max_tokens < 1:
-        raise ValueError(f"the n-gram table's max_tokens must be >= 1 or None, got {max_tokens}")
-    out, total = [], 0
-    for i, n in zip(indices, lengths):
-        if out and total + n > max_tokens:
-            break
-        out.append(i)
+def _leading(items, max_tokens: int | None):
+    """The leading items of ``(item, n_tokens)`` pairs while their tokens add up to at most ``max_tokens``
+    (None: all; at least one)."""
+    total = 0
+    for k, (item, n) in enumerate(items):
+        if k and max_tokens is not None and total + n > max_tokens:
+            return
+        yield item
         total += n
-    return out
 
 
 def _build_drafter(spec: MethodSpec, target: Target, cfg: EvalConfig | None) -> Drafter:
