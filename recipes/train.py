@@ -43,7 +43,7 @@ class DataSchema:
     eval_samples: int = 64
     eval_max_tokens: Optional[int] = 8192
     max_length: Optional[int] = None
-    pad_to_multiple_of: int = 1  # pad batch lengths to a multiple (fewer distinct shapes: less heap fragmentation)
+    pad_to_multiple_of: int = 64  # pad batch lengths to a multiple (a few recurring shapes: conf/train.yaml)
 
 
 @dataclass
@@ -51,6 +51,7 @@ class LoopSchema:
     max_steps: int = 1000
     max_minutes: Optional[float] = None
     onednn_cache: Optional[int] = None
+    free_target_layers: bool = True
     grad_accum: int = 1
     max_grad_norm: Optional[float] = 1.0
     mixed_precision: str = "auto"
@@ -229,10 +230,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         method.bind(target)
     train_src, eval_src = build_data(cfg, method, target)
     set_vocab_rows(method, cfg, train_src)
-    summary = train(method, target, train_src, tcfg, ocfg, eval_src, acc)
+    summary = train(method, target, train_src, tcfg, ocfg, eval_src, acc, reload_target=_reloader(cfg, target, acc))
     if eval_src is not None and acc.is_main_process:
         add_bigram_baselines(summary, train_src, eval_src, cfg)
     return summary
+
+
+def _reloader(cfg: DictConfig, target, acc):
+    """How to load the target again (``train(reload_target=)``): a whole target trained from a feature store
+    (every batch carries its features), else None (the layers stay)."""
+    if not cfg.features_dir or target.layout.mode != "none":
+        return None
+    from specheads.targets import load_target
+
+    return lambda: load_target(cfg.target.name_or_path, cfg.target.dtype, acc.device)
 
 
 def add_bigram_baselines(summary: dict[str, Any], train_src, eval_src, cfg: DictConfig) -> None:

@@ -33,7 +33,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -220,6 +220,41 @@ class Target:
     @property
     def embed_tokens(self) -> nn.Module:
         return self.model.get_input_embeddings()
+
+    # -- the decoder layers' memory
+    def release_layers(self, reload: Callable[[], "Target"]) -> None:
+        """Free the decoder layers' weights (moved to the meta device) until ``layers_loaded`` needs them.
+
+        For training from a feature store, which reads only the embedding, the final norm and the LM head:
+        an 8B target's layers are ~15 GB in bfloat16, SmolLM2's 424 MB in float32. ``reload`` makes a fresh
+        whole target with this one's settings (``load_target``); its layers are taken while needed.
+        """
+        if self.layout.mode != "none":
+            raise ValueError(f"release_layers: a {self.layout.mode} target is split; only a whole one can be reloaded")
+        for layer in self.layers:
+            layer.to("meta")
+        self._reload = reload
+
+    @property
+    def layers_released(self) -> bool:
+        return getattr(self, "_reload", None) is not None and next(self.layers.parameters()).is_meta
+
+    @contextmanager
+    def layers_loaded(self) -> Iterator["Target"]:
+        """The target with its decoder layers in place (reloaded if ``release_layers`` freed them, and
+        freed again on exit)."""
+        if not self.layers_released:
+            yield self
+            return
+        fresh = self._reload()
+        for i, layer in enumerate(fresh.layers):
+            self.layers[i] = layer
+        del fresh
+        try:
+            yield self
+        finally:
+            for layer in self.layers:
+                layer.to("meta")
 
     # -- identity
     def config_hash(self) -> str:

@@ -47,6 +47,7 @@ class TrainConfig:
     progress: bool = True
     micro_batch_size: int = 1  # only told to DeepSpeed, which wants it in its config
     onednn_cache: int | None = None  # CPU: cap oneDNN's primitive cache (accelerator.limit_onednn_cache); None = default
+    free_target_layers: bool = True  # offline: free the target's decoder layers while training (train(reload_target=))
     max_minutes: float | None = None  # time budget: stop (checkpoint, evaluate, save) once training took this long
     # Measured acceptance at each held-out evaluation: decode this many held-out prompts with the head
     # (greedy, top-1 chain of measure_k drafts, measure_tokens new tokens); 0 turns it off. The

@@ -23,7 +23,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -52,9 +52,14 @@ class _State:
 
 
 def train(method: Method, target: Target, train_data: BatchSource, cfg: TrainConfig,
-          optim: OptimConfig | None = None, eval_data: BatchSource | None = None, accelerator=None) -> dict[str, Any]:
+          optim: OptimConfig | None = None, eval_data: BatchSource | None = None, accelerator=None,
+          reload_target: Callable[[], Target] | None = None) -> dict[str, Any]:
     """Train ``method``'s module; write checkpoints/, head/, metrics.jsonl and train_summary.json
-    under ``cfg.output_dir``; return the summary."""
+    under ``cfg.output_dir``; return the summary.
+
+    reload_target: when given and ``cfg.free_target_layers``, the target's decoder layers are freed once the
+    method's module is built (training batches must then carry their features: a feature store) and
+    reloaded from it for the measured decode of held-out prompts (``Target.release_layers``)."""
     from accelerate.utils import set_seed
 
     optim = optim or OptimConfig()
@@ -68,6 +73,8 @@ def train(method: Method, target: Target, train_data: BatchSource, cfg: TrainCon
         out.mkdir(parents=True, exist_ok=True)
         remove_partial(ckpt_root)
     model = TrainingModule(method, method.build(target), target)
+    if reload_target is not None and cfg.free_target_layers:
+        target.release_layers(reload_target)
     optimizer = make_optimizer(model, optim)
     st = _State()
     budget = TimeBudget(60 * cfg.max_minutes, lambda: st.train_s) if cfg.max_minutes else None  # reads st as rebound

@@ -110,8 +110,9 @@ def _measured(method, model, target, source, accelerator, measure: dict, metrics
     if not n or not hasattr(method, "drafter") or not accelerator.is_main_process:
         return {}
     prompts = held_out_prompts(source.batches(0), n)
-    out = measure_acceptance(method, model, target, prompts, measure["k"], measure["tokens"],
-                             measure.get("fans", ()))
+    with target.layers_loaded():
+        out = measure_acceptance(method, model, target, prompts, measure["k"], measure["tokens"],
+                                 measure.get("fans", ()))
     est, _ = estimate_tau(metrics, int(out.get("measured_k", measure["k"])))
     if out and est is not None:
         out["tau_estimate_chain"] = est

@@ -133,3 +133,60 @@ def test_a_cpu_target_decodes_packed_while_measured_and_is_unpacked_after(monkey
     out = measure_acceptance(method, model, target, prompts, k=2, max_new_tokens=6, fans=(2,))
     assert out["measured_tau"] >= 1 and seen and all(n > 0 for n in seen)
     assert packed_count(target.model) == 0
+
+
+def test_offline_training_frees_the_targets_layers_and_reloads_them_to_measure(tmp_path):
+    # A feature store's batches carry their features: training reads only the target's embedding, norm and
+    # LM head, so its decoder layers are freed (an 8B target's ~15 GB) and reloaded for the measured decode.
+    from tests.conftest import make_tiny_target
+    from specheads.data.features import add_features
+    from specheads.methods.medusa import Medusa1Method
+    from specheads.training.batches import IterableSource
+    from specheads.training.config import OptimConfig, TrainConfig
+    from specheads.training.engine import train
+
+    def tiny():
+        return make_tiny_target("llama", hidden=32, layers=2, vocab=256)
+
+    method = Medusa1Method(num_heads=2)
+    train_src, held = sources()
+    whole = tiny()
+    with torch.no_grad():
+        stored = {name: [add_features(load(), whole, method.feature_spec) for load in src.batches(0)]
+                  for name, src in (("train", train_src), ("held", held))}
+    offline = {name: IterableSource(lambda epoch, rows=rows: rows) for name, rows in stored.items()}
+    forwards = []
+
+    class Watched(Medusa1Method):  # records whether the target's layers held weights at each training step
+        def loss(self, model, batch, target):
+            forwards.append(target.layers_released)
+            return super().loss(model, batch, target)
+
+    runs = {}
+    for free in (False, True):
+        target, reloads = tiny(), []
+
+        def reload():
+            reloads.append(1)
+            return tiny()
+
+        cfg = TrainConfig(output_dir=str(tmp_path / str(free)), max_steps=4, save_every=0, eval_every=0,
+                          wandb_mode="disabled", progress=False, measure_prompts=3, measure_k=2, measure_tokens=10)
+        forwards.clear()
+        runs[free] = train(Watched(num_heads=2), target, offline["train"], cfg, OptimConfig(lr=1e-2), offline["held"],
+                           reload_target=reload if free else None)
+        assert forwards and all(f == free for f in forwards)
+        assert target.layers_released == free and len(reloads) == (1 if free else 0)
+    assert runs[True]["final_loss"] == runs[False]["final_loss"]
+    assert runs[True]["eval"]["measured_tau"] == runs[False]["eval"]["measured_tau"]
+    assert runs[True]["eval"]["measured_prompts"] == 3
+
+
+def test_release_layers_refuses_a_split_target():
+    from tests.conftest import make_tiny_target
+    from specheads.targets import ParallelLayout
+
+    target = make_tiny_target("llama", hidden=32, layers=2, vocab=256)
+    target.layout = ParallelLayout("device_map", 1, 0, 1)
+    with pytest.raises(ValueError, match="split"):
+        target.release_layers(lambda: target)
