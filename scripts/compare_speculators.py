@@ -1,0 +1,444 @@
+"""Benchmark our EAGLE-3 trainer against vLLM speculators' on the same target, data and settings (run by hand).
+
+    PYTHONPATH=<folder holding speculators and its deps> python scripts/compare_speculators.py \
+        --features runs/quickstart/features --prepared runs/quickstart/prepared --minutes 2.5
+    ... --settings float32:3 bfloat16:3 float32:1 bfloat16:1 --draft-vocab-size 4096 --json report.json
+    ... --only ours                        # our trainer alone (speculators need not be installed)
+
+speculators (pip install speculators, v0.9) is not a dependency of this project: without it the script
+says so and skips its runs. Our feature store is converted once into speculators' offline layout
+(``<workdir>/speculators-data``: a ``datasets`` folder with ``input_ids``, ``loss_mask``, ``seq_len``;
+``hidden_states/hs_<i>.safetensors`` with ``hidden_states (T, 3+1, H)`` = the store's three fused target
+layers and its last state, and ``token_ids (T,)``; ``d2t-<V>.npy``/``t2d-<V>.npy``, our draft vocabulary).
+Its rows are our trainer's training rows (same held-out split, same seed) followed by our held-out
+rows, which speculators' ``--train-data-ratio`` makes its validation split: both train on the same
+samples, hidden states (same bytes) and draft vocabulary.
+
+Each setting ``DTYPE:TTT`` (float32 or bfloat16 autocast; unrolled TTT steps) trains both, one at a
+time, each in a fresh process with ``OMP_NUM_THREADS=--threads``, for ``--minutes`` of training time
+(the sum of step times, data loading included: our ``train.max_minutes``; for speculators a step
+callback stops the run). Same AdamW learning rate and warm-up, 2048 tokens per batch (our
+``data.max_tokens``; their ``--total-seq-len``, one packed row), one draft layer, frozen lm_head
+initialised from the target (their only choice; ``method.freeze_lm_head=true`` here), step-loss
+decay 0.8. Reported per run:
+- tokens/s: real (non-padding) sample tokens over the steps after the first ``--skip-steps``
+  (steady state; the first steps carry start-up costs), and over all steps;
+- peak RSS: the process's high-water mark (``ru_maxrss`` from ``wait4``, whole process life, start-up
+  and final evaluation included); peak anon: the highest ``RssAnon`` sampled every 0.2 s, which leaves
+  out file pages (our trainer memory-maps the feature store; theirs reads one file per sample);
+- steps; and per setting the ratios ours/theirs.
+Prints the exact command of every run, one JSON line per run and a table.
+
+speculators 0.9 assumes an accelerator; its run here (``--theirs-child``, in this file) patches, at run
+time and only in that process: the device the trainer moves the model and batches to (``cpu`` instead of
+``get_local_rank()``, i.e. cuda:0), the autocast device type (``cpu`` instead of its ``cuda`` fallback),
+``torch.accelerator.synchronize`` (a no-op without an accelerator; their step timer calls it), and the
+draft's ``verifier_norm`` (identity: our store holds the target's post-norm last state, vLLM's
+pre-norm one). Documented flags pick CPU-capable paths: ``--draft-attn-impl sdpa`` (flex attention
+is compiled only on CUDA), ``--loss-implementation eager`` (the fused loss is a Triton kernel),
+``--num-workers 0`` (one process, like ours; the sampled memory is then the whole run's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONVERT_FORMAT = "specheads.compare_speculators/1"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--features", required=True, help="our feature store (specheads collect, method=eagle3)")
+    p.add_argument("--prepared", required=True, help="the prepared dataset the store was collected from")
+    p.add_argument("--target", default="smollm2", help="target name or model folder (the store's target)")
+    p.add_argument("--settings", nargs="+", default=["float32:3", "bfloat16:3"], metavar="DTYPE:TTT",
+                   help="float32|bfloat16 and TTT steps, each trained by both (default: float32:3 bfloat16:3)")
+    p.add_argument("--minutes", type=float, default=2.5, help="training time per run (sum of step times)")
+    p.add_argument("--skip-steps", type=int, default=5, help="first steps left out of the steady tokens/s")
+    p.add_argument("--draft-vocab-size", type=int, default=4096)
+    p.add_argument("--max-tokens", type=int, default=2048, help="tokens per batch (ours: padded; theirs: packed)")
+    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--warmup-steps", type=int, default=10, help="learning-rate warm-up steps (both)")
+    p.add_argument("--eval-samples", type=int, default=16, help="our held-out rows (data.eval_samples)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run")
+    p.add_argument("--only", choices=["ours", "theirs"], default=None, help="run one trainer only")
+    p.add_argument("--our-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra Hydra override for our runs (after the matched ones)")
+    p.add_argument("--their-arg", action="append", default=[], metavar="FLAG",
+                   help="an extra speculators flag (e.g. --their-arg=--num-workers=2)")
+    p.add_argument("--workdir", default=None,
+                   help="where the converted data and runs go (kept; reused when it matches the store)")
+    p.add_argument("--json", default=None, help="also write the report to this file")
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------- data: our store -> speculators
+
+
+def heldout_split(store, eval_samples: int, seed: int) -> tuple[list[int], list[int]]:
+    """(train, held-out) row indices of ``store`` exactly as our train recipe splits them
+    (``recipes/train.py: build_data``)."""
+    from specheads.recipes.train import keep_chat_heldout_out
+    from specheads.training.batches import split_rows
+
+    n_eval = min(eval_samples, len(store) // 10)
+    train_idx, eval_idx = split_rows(len(store), n_eval, seed)
+    return keep_chat_heldout_out(store, train_idx, eval_idx)
+
+
+def convert_store(features: str | Path, prepared: str | Path, out: str | Path, vocab_size: int,
+                  draft_vocab_size: int, eval_samples: int = 16, seed: int = 0) -> dict:
+    """Write our feature store as speculators' offline training data in ``out`` (see the module doc).
+
+    Rows: our training rows, then our held-out rows; hidden states keep the store's dtype (float32 for
+    an fp8 store). The draft vocabulary is ours (``build_draft_vocab`` over the training rows' loss
+    tokens in ``prepared``). Returns what was written (also in ``out/convert.json``); an ``out`` whose
+    convert.json matches the store and settings is reused as it is.
+    """
+    import numpy as np
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import save_file
+
+    from specheads.data.features import FeatureDataset
+    from specheads.data.store import STORE_DTYPES
+    from specheads.models.vocab import build_draft_vocab, count_loss_tokens
+
+    out = Path(out)
+    store = FeatureDataset(features)
+    key = {"format": CONVERT_FORMAT, "store": str(Path(features).resolve()),
+           "plan_hash": store.manifest.get("plan_hash"), "draft_vocab_size": draft_vocab_size,
+           "eval_samples": eval_samples, "seed": seed}
+    done = out / "convert.json"
+    if done.exists() and all(json.loads(done.read_text()).get(k) == v for k, v in key.items()):
+        return json.loads(done.read_text())
+    if out.exists():
+        shutil.rmtree(out)
+    train_idx, eval_idx = heldout_split(store, eval_samples, seed)
+    order = list(train_idx) + list(eval_idx)
+    dtype = STORE_DTYPES.get(store.manifest["dtype"], torch.float32)
+    dtype = torch.float32 if dtype == torch.float8_e4m3fn else dtype
+    H = store.hidden_size
+    (out / "hidden_states").mkdir(parents=True)
+    rows = {"id": [], "input_ids": [], "loss_mask": [], "seq_len": []}
+    for file_idx, i in enumerate(order):
+        item = store[i]
+        T = item["input_ids"].numel()
+        hidden = torch.cat([item["hidden_aux"].view(T, -1, H), item["hidden_last"].view(T, 1, H)], dim=1)
+        save_file({"hidden_states": hidden.to(dtype).contiguous(), "token_ids": item["input_ids"].long()},
+                  str(out / "hidden_states" / f"hs_{file_idx}.safetensors"))
+        rows["id"].append(str(item["id"]))
+        rows["input_ids"].append(item["input_ids"].tolist())
+        rows["loss_mask"].append(item["loss_mask"].tolist())
+        rows["seq_len"].append(T)
+    data = Dataset.from_dict(rows)
+    data.set_format("torch")
+    data.save_to_disk(str(out / "dataset"))
+    train_ids = rows["id"][: len(train_idx)]
+    d2t, t2d = build_draft_vocab(count_loss_tokens(str(prepared), vocab_size, rows=train_ids), draft_vocab_size)
+    np.save(out / "dataset" / f"d2t-{draft_vocab_size}.npy", d2t.numpy())
+    np.save(out / "dataset" / f"t2d-{draft_vocab_size}.npy", t2d.numpy())
+    info = {**key, "data_path": str(out / "dataset"), "hidden_states_path": str(out / "hidden_states"),
+            "num_train": len(train_idx), "num_heldout": len(eval_idx),
+            # speculators splits at int(n * ratio): this ratio puts exactly our held-out rows in its val split
+            "train_data_ratio": (len(train_idx) + 0.5) / len(order),
+            "train_tokens": int(sum(rows["seq_len"][: len(train_idx)])), "ids": rows["id"],
+            "aux_layers": list(store.manifest["aux_layers"]), "hidden_dtype": str(dtype).removeprefix("torch.")}
+    done.write_text(json.dumps(info))
+    return info
+
+
+# --------------------------------------------------------------------------- measuring a child process
+
+
+def measure(cmd: list[str], env: dict, log_path: Path, interval: float = 0.2) -> dict:
+    """Run ``cmd``; return exit code, wall seconds, peak RSS (ru_maxrss of this child, via wait4) and the
+    highest RssAnon sampled from /proc every ``interval`` seconds (MiB)."""
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        peak = {"anon": 0.0}
+        stop = threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                try:
+                    with open(f"/proc/{proc.pid}/status") as f:
+                        for line in f:
+                            if line.startswith("RssAnon:"):
+                                peak["anon"] = max(peak["anon"], int(line.split()[1]) / 1024)
+                except OSError:
+                    pass
+                stop.wait(interval)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        stop.set()
+        sampler.join()
+    return {"rc": proc.returncode, "wall_s": time.perf_counter() - t0, "peak_rss_mib": usage.ru_maxrss / 1024,
+            "peak_anon_mib": peak["anon"] or None}
+
+
+def rates(steps: list[dict], skip: int) -> dict:
+    """steps: per-step cumulative ``tokens`` and ``train_s`` -> totals, overall and steady tokens/s."""
+    if not steps:
+        return {"steps": 0, "tokens": 0, "train_s": 0.0, "tokens_per_s": None, "steady_tokens_per_s": None}
+    last = steps[-1]
+    out = {"steps": len(steps), "tokens": last["tokens"], "train_s": last["train_s"],
+           "tokens_per_s": last["tokens"] / last["train_s"] if last["train_s"] else None,
+           "steady_tokens_per_s": None}
+    if len(steps) > skip + 1:
+        base = steps[skip - 1] if skip else {"tokens": 0, "train_s": 0.0}
+        out["steady_tokens_per_s"] = (last["tokens"] - base["tokens"]) / (last["train_s"] - base["train_s"])
+    return out
+
+
+# --------------------------------------------------------------------------- the two trainers
+
+
+def parse_setting(text: str) -> tuple[str, int]:
+    dtype, _, ttt = text.partition(":")
+    if dtype not in ("float32", "bfloat16") or not ttt.isdigit() or int(ttt) < 1:
+        raise SystemExit(f"--settings {text!r}: expected float32:N or bfloat16:N with N >= 1")
+    return dtype, int(ttt)
+
+
+def env_for(args) -> dict:
+    threads = str(args.threads)
+    return {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "WANDB_MODE": "disabled",
+            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+def ours_command(args, dtype: str, ttt: int, out: Path) -> list[str]:
+    exe = Path(sys.executable).with_name("specheads")
+    head = [str(exe)] if exe.exists() else [sys.executable, "-m", "specheads.cli"]
+    return head + [
+        "train", f"target.name_or_path={args.target}", "target.dtype=float32", "target.device=cpu", "method=eagle3",
+        f"output_dir={out}", f"prepared_dir={Path(args.prepared).resolve()}",
+        f"features_dir={Path(args.features).resolve()}", f"seed={args.seed}",
+        f"optim.lr={args.lr}", f"optim.warmup_steps={args.warmup_steps}", "train.max_steps=1000000",
+        f"train.max_minutes={args.minutes}", f"train.mixed_precision={'bf16' if dtype == 'bfloat16' else 'no'}",
+        "train.eval_every=0", "train.save_every=0", "train.measure_prompts=0", "train.progress=false",
+        "train.resume=never", "wandb.mode=disabled", f"data.max_tokens={args.max_tokens}",
+        f"data.eval_samples={args.eval_samples}", f"method.draft_vocab_size={args.draft_vocab_size}",
+        f"method.ttt_steps={ttt}", "method.init_layer_from_target=true", "method.init_lm_head_from_target=true",
+        "method.freeze_lm_head=true", *args.our_arg]
+
+
+def run_ours(args, dtype: str, ttt: int, root: Path) -> dict:
+    out = root / f"ours-{dtype}-ttt{ttt}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    cmd = ours_command(args, dtype, ttt, out)
+    print(f"\n$ OMP_NUM_THREADS={args.threads} {shlex.join(cmd)}", flush=True)
+    result = measure(cmd, env_for(args), out.parent / f"{out.name}.log")
+    steps = []
+    if (out / "metrics.jsonl").exists():
+        for line in (out / "metrics.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            if "train_s" in rec and "tokens" in rec:
+                steps.append({"tokens": rec["tokens"], "train_s": rec["train_s"], "loss": rec.get("loss")})
+    summary = json.loads((out / "train_summary.json").read_text()) if (out / "train_summary.json").exists() else {}
+    return {**result, **rates(steps, args.skip_steps), "command": cmd, "log": str(out.parent / f"{out.name}.log"),
+            "first_loss": steps[0]["loss"] if steps else None, "last_loss": steps[-1]["loss"] if steps else None,
+            "self_reported": {k: summary.get(k) for k in ("steps", "tokens_per_s", "peak_rss_mb", "peak_anon_mb")}}
+
+
+def theirs_flags(args, dtype: str, ttt: int, data: dict, out: Path) -> list[str]:
+    from specheads.targets import resolve_target_path
+
+    return [
+        "--speculator-type", "eagle3", "--verifier-name-or-path", str(resolve_target_path(args.target)),
+        "--data-path", data["data_path"], "--hidden-states-path", data["hidden_states_path"],
+        "--target-layer-ids", *map(str, data["aux_layers"]), "--draft-vocab-size", str(args.draft_vocab_size),
+        "--num-layers", "1", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
+        "--total-seq-len", str(args.max_tokens), "--hidden-states-dtype", dtype,
+        "--train-data-ratio", repr(data["train_data_ratio"]), "--num-workers", "0", "--on-missing", "raise",
+        "--optimizer", "adamw", "--lr", str(args.lr), "--weight-decay", "0", "--scheduler-type", "cosine",
+        "--scheduler-warmup-steps", str(args.warmup_steps), "--ttt-steps", str(ttt), "--ttt-step-loss-decay", "0.8",
+        "--epochs", "1000", "--seed", str(args.seed), "--save-path", str(out / "checkpoints"),
+        "--log-dir", str(out / "logs"), *args.their_arg]
+
+
+def run_theirs(args, dtype: str, ttt: int, root: Path, data: dict) -> dict:
+    out = root / f"theirs-{dtype}-ttt{ttt}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    steps_path = out / "steps.jsonl"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--theirs-child", str(steps_path), str(args.minutes),
+           "--", *theirs_flags(args, dtype, ttt, data, out)]
+    print(f"\n$ PYTHONPATH={os.environ.get('PYTHONPATH', '')} OMP_NUM_THREADS={args.threads} {shlex.join(cmd)}",
+          flush=True)
+    result = measure(cmd, env_for(args), out.parent / f"{out.name}.log")
+    steps = [json.loads(line) for line in steps_path.read_text().splitlines()] if steps_path.exists() else []
+    return {**result, **rates(steps, args.skip_steps), "command": cmd, "log": str(out.parent / f"{out.name}.log"),
+            "first_loss": steps[0]["loss"] if steps else None, "last_loss": steps[-1]["loss"] if steps else None}
+
+
+class BudgetReached(Exception):
+    """Raised from the step callback once the training-time budget is spent (ends speculators' run)."""
+
+
+def theirs_child(steps_path: str, minutes: float, flags: list[str]) -> None:
+    """Train with speculators' own CLI entry point (``speculators.train.cli.main``) in this process, with
+    the CPU patches of the module doc; one JSON line per optimizer step to ``steps_path``."""
+    import torch
+    import speculators.train.cli as cli
+    import speculators.train.trainer as trainer_mod
+    from speculators.train.config import TrainConfig
+
+    # Patch 1: speculators moves the model and every batch to get_local_rank() (0 = cuda:0).
+    trainer_mod.get_local_rank = lambda: "cpu"
+    # Patch 2: their step timer synchronizes the accelerator; without one that raises.
+    if not torch.accelerator.is_available():
+        torch.accelerator.synchronize = lambda *a, **k: None
+    budget, log = 60 * minutes, open(steps_path, "w")
+
+    class BenchTrainer(trainer_mod.Trainer):
+        def __init__(self, model, config, train_loader, val_loader=None):
+            # Patch 3: our store holds the target's post-norm last state (vLLM hands over the pre-norm
+            # one, which the draft normalises with the target's norm before the verifier lm_head).
+            model.verifier_norm = torch.nn.Identity()
+            forward = model.forward
+
+            def counted(**batch):  # real tokens: each packed sample lost its first token to shift_batch
+                doc = batch["document_ids"]
+                self._tokens = int((doc >= 0).sum()) + int(doc.max()) + 1
+                out = forward(**batch)
+                self._loss = float(out[1].detach())
+                return out
+
+            model.forward = counted
+            self._total_s, self._total_tokens, self._steps = 0.0, 0, 0
+            super().__init__(model, config, train_loader, val_loader)
+            self.device_type = "cpu"  # Patch 4: autocast on the CPU (speculators falls back to "cuda")
+
+        def train_epoch(self, epoch, *, step_callback=None):
+            self._last = time.perf_counter()
+            return super().train_epoch(epoch, step_callback=self._on_step)
+
+        def _on_step(self):
+            now = time.perf_counter()
+            self._total_s += now - self._last
+            self._last = now
+            self._total_tokens += self._tokens
+            self._steps += 1
+            log.write(json.dumps({"step": self._steps, "tokens": self._total_tokens, "train_s": self._total_s,
+                                  "loss": self._loss}) + "\n")
+            log.flush()
+            if self._total_s >= budget:
+                raise BudgetReached
+
+    cli.Trainer = BenchTrainer
+    try:
+        cli.main(TrainConfig.resolve(flags))
+    except BudgetReached:
+        print(f"time budget of {minutes} min reached", flush=True)
+    finally:
+        log.close()
+
+
+# --------------------------------------------------------------------------- report
+
+
+def speculators_missing() -> str | None:
+    """None when speculators' trainer imports here, else why not."""
+    if importlib.util.find_spec("speculators") is None:
+        return "the speculators package is not installed"
+    try:
+        import speculators.train.cli  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means: skip
+        return f"speculators.train.cli does not import ({type(e).__name__}: {e})"
+    return None
+
+
+def ratio(a, b) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
+
+
+def fmt(value, spec: str) -> str:
+    return format(value, spec) if value is not None else format("-", ">" + spec.split(".")[0])
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"\n{'setting':<13} {'trainer':<8} {'steps':>6} {'tokens':>9} {'steady tok/s':>12} {'all tok/s':>10} "
+          f"{'peak RSS MiB':>12} {'peak anon MiB':>13}")
+    for r in results:
+        print(f"{r['setting']:<13} {r['trainer']:<8} {r['steps']:>6} {r['tokens']:>9} "
+              f"{fmt(r['steady_tokens_per_s'], '12.0f')} {fmt(r['tokens_per_s'], '10.0f')} "
+              f"{fmt(r['peak_rss_mib'], '12.0f')} {fmt(r['peak_anon_mib'], '13.0f')}")
+    by = {(r["setting"], r["trainer"]): r for r in results}
+    settings = list(dict.fromkeys(r["setting"] for r in results))
+    pairs = [(s, by[s, "ours"], by[s, "theirs"]) for s in settings if (s, "ours") in by and (s, "theirs") in by]
+    if pairs:
+        print(f"\n{'ours/theirs':<13} {'steady tok/s':>12} {'all tok/s':>10} {'peak RSS':>9} {'peak anon':>10}")
+        for s, o, t in pairs:
+            print(f"{s:<13} {ratio(o['steady_tokens_per_s'], t['steady_tokens_per_s']):>12} "
+                  f"{ratio(o['tokens_per_s'], t['tokens_per_s']):>10} {ratio(o['peak_rss_mib'], t['peak_rss_mib']):>9} "
+                  f"{ratio(o['peak_anon_mib'], t['peak_anon_mib']):>10}")
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--theirs-child"]:  # internal: one speculators run in this process
+        steps_path, minutes, sep, *flags = argv[1:]
+        if sep != "--":
+            raise SystemExit("usage: --theirs-child STEPS.jsonl MINUTES -- <speculators train flags>")
+        theirs_child(steps_path, float(minutes), flags)
+        return
+    args = parse_args(argv)
+    settings = [parse_setting(s) for s in args.settings]
+    trainers = [args.only] if args.only else ["ours", "theirs"]
+    if "theirs" in trainers and (why := speculators_missing()):
+        print(f"SKIP speculators: {why}; install speculators (v0.9) or put it on PYTHONPATH to compare "
+              f"against it", file=sys.stderr)
+        trainers.remove("theirs")
+        if not trainers:
+            return
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="compare-speculators-")).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    data = None
+    if "theirs" in trainers:
+        from transformers import AutoConfig
+
+        from specheads.targets import resolve_target_path
+
+        vocab = AutoConfig.from_pretrained(resolve_target_path(args.target)).vocab_size
+        t0 = time.perf_counter()
+        data = convert_store(args.features, args.prepared, root / "speculators-data", vocab,
+                             args.draft_vocab_size, args.eval_samples, args.seed)
+        print(f"speculators data: {data['num_train']} training rows ({data['train_tokens']} tokens) + "
+              f"{data['num_heldout']} held out, {data['hidden_dtype']} hidden states, in {data['data_path']} "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    results = []
+    for dtype, ttt in settings:
+        for trainer in trainers:
+            r = run_ours(args, dtype, ttt, root) if trainer == "ours" else run_theirs(args, dtype, ttt, root, data)
+            r = {"setting": f"{dtype}:ttt{ttt}", "trainer": trainer, **r}
+            if r["rc"] != 0 or not r["steps"]:
+                print(f"{trainer} {r['setting']}: failed (exit {r['rc']}); log {r['log']}:\n"
+                      + "".join(Path(r["log"]).read_text().splitlines(keepends=True)[-30:]), file=sys.stderr)
+            print(json.dumps({k: v for k, v in r.items() if k != "command"}), flush=True)
+            results.append(r)
+    print_table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "workdir": str(root), "runs": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
