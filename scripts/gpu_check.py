@@ -21,6 +21,8 @@ Sections (each adds rows to one figures table; any mismatch makes the exit statu
    give the same tokens and the same per-depth tested/accepted counts, the reports the same α and τ,
    the kernels must really have run (call count), and the lossless checks must hold. Plus the engine
    at batch 64 with ``verify_backend`` triton / torch / None (row by row): same tokens, same counts.
+5. memory: ``Target.release_layers`` (training from a feature store) gives the allocator back at least the
+   decoder layers' bytes (``torch.cuda.memory_allocated``), and ``layers_loaded`` the same logits again.
 
 Exit status: 0 all checks ran and matched; 1 a mismatch (or a crash in a check); 3 nothing
 mismatched but a section could not run (e.g. transformers missing), so the check is incomplete.
@@ -434,13 +436,36 @@ def check_engine_batch(table: Table, target, noisy, smoke: bool, cuda: bool) -> 
 # ------------------------------------------------------------------ main
 
 
+def check_released_layers(table: Table, cuda: bool) -> None:
+    """Training from a feature store frees the target's decoder layers (``Target.release_layers``): on the
+    GPU the allocator must get their bytes back, and ``layers_loaded`` must give the same logits again."""
+    import torch
+
+    device = "cuda" if cuda else "cpu"
+    target = tiny_target(512, device)
+    ids = torch.randint(0, 512, (2, 16), device=device)
+    with torch.no_grad():
+        want = target.model(ids).logits
+    layer_bytes = sum(p.numel() * p.element_size() for p in target.layers.parameters())
+    before = torch.cuda.memory_allocated() if cuda else 0
+    target.release_layers(lambda: tiny_target(512, device))
+    freed = before - torch.cuda.memory_allocated() if cuda else None
+    with target.layers_loaded(), torch.no_grad():
+        got = target.model(ids).logits
+    same = bool(torch.equal(got, want))
+    ok = same and target.layers_released and (freed is None or freed >= layer_bytes)
+    table.add("memory", "release_layers frees the decoder layers; layers_loaded gives the same logits",
+              "ok" if ok else "MISMATCH", layer_bytes=layer_bytes,
+              freed_bytes="n/a (cpu)" if freed is None else freed, same_logits=same)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="no GPU: tiny shapes, kernels in the Triton interpreter")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="write gpu_check.json and gpu_check.md here")
     ap.add_argument("--budget-s", type=float, default=300.0,
                     help="the run's time budget: kernel timings stop at 60%% of it (the checks go on)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["imports", "kernels", "e2e"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["imports", "kernels", "e2e", "memory"])
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     if args.cpu_smoke:
@@ -471,6 +496,7 @@ def main(argv=None) -> int:
         sections.append(("kernels", lambda: check_kernels(table, args.cpu_smoke, cuda, t_start + args.budget_s * 0.6)))
     sections.append(("e2e", lambda: check_end_to_end(table, args.cpu_smoke, cuda,
                                                      Path(tempfile.mkdtemp(prefix="gpu_check_head_")))))
+    sections.append(("memory", lambda: check_released_layers(table, cuda)))
     for name, fn in sections:
         if name in args.skip:
             continue

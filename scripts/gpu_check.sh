@@ -9,7 +9,7 @@
 #
 # 1. scripts/gpu_check.py: kernel decisions vs the references (V 32k/128k, trees of 8-64 nodes, batch
 #    1-64), kernel vs reference timings, and the evaluator end to end with kernels on vs off (same
-#    tokens, same α); prints the figures table, writes $OUT/gpu_check.{json,md} when OUT is set.
+#    tokens, same α), and the freed target layers' GPU memory; prints the figures table, writes $OUT/gpu_check.{json,md} when OUT is set.
 # 2. the repo's GPU tests: pytest -m gpu over tests/kernels and tests/decoding/test_gpu.py (skipped
 #    without CUDA, so the smoke run only proves they are collected and reachable).
 #
