@@ -7,8 +7,8 @@
   draft logits of a chunk are recomputed in the backward pass instead of being kept.
 * ``feature_loss``: EAGLE-1's smooth-L1 regression of the next feature.
 
-Both row-wise products pad their ``N`` selected rows up to a multiple of ``ROW_MULTIPLE`` with zero rows
-(dropped from the results; a zero row of ``probs`` adds nothing to the loss or its gradient). ``N`` is
+Both call the head (or the target's LM head) on their ``N`` selected rows padded up to a multiple of
+``ROW_MULTIPLE`` with zero rows, whose logits are dropped at once (nothing else is padded or copied). ``N`` is
 new at nearly every training step, and under bfloat16 autocast on a CPU oneDNN makes (and caches, with
 its own packed copy of the weights) one matmul primitive per new shape: a few recurring shapes keep
 that cache small and hit.
@@ -83,7 +83,7 @@ def target_argmax(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: tor
 
 
 def _soft_ce_chunk(head: Callable, h: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logp = torch.log_softmax(head(h).float(), dim=-1)
+    logp = torch.log_softmax(head(pad_rows(h))[: h.shape[0]].float(), dim=-1)
     return -(p * logp).sum(), logp.argmax(-1)
 
 
@@ -95,13 +95,10 @@ def soft_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
     Returns (loss_sum scalar, argmax (N,) long). Chunks of ``chunk`` rows; when there is more
     than one chunk and ``use_checkpoint``, each chunk's logits are recomputed in backward.
     """
-    N = hidden.shape[0]
-    if N == 0:
+    if hidden.shape[0] == 0:
         return hidden.sum() * 0.0, torch.empty(0, dtype=torch.long, device=hidden.device)
-    hidden, probs = pad_rows(hidden), pad_rows(probs)
     if hidden.shape[0] <= chunk:
-        loss, pred = _soft_ce_chunk(head, hidden, probs)
-        return loss, pred[:N]
+        return _soft_ce_chunk(head, hidden, probs)
     total, preds = hidden.new_zeros((), dtype=torch.float32), []
     for s in range(0, hidden.shape[0], chunk):
         h, p = hidden[s:s + chunk], probs[s:s + chunk]
@@ -111,7 +108,7 @@ def soft_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
             loss, pred = _soft_ce_chunk(head, h, p)
         total = total + loss
         preds.append(pred)
-    return total, torch.cat(preds)[:N]
+    return total, torch.cat(preds)
 
 
 def feature_loss(pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
