@@ -194,3 +194,33 @@ def test_unrolled_accuracy_on_the_targets_path():
     assert m["onpath1_total"] == T - 3 and m["onpath1_correct"] == T - 3
     # row 1 is right too (plan 0 == reference 0) but off the path: counted in step0 only
     assert m["step0_total"] == 2 * (T - 2) and m["step0_correct"] == 2 * (T - 2)
+
+
+def test_unrolled_attention_saves_no_dense_scores_for_backward():
+    """Later unroll steps keep no (B, heads, T, >=T) score or probability tensor for the backward pass (the
+    fused kernel saves its output and row statistics), and their gradients match the dense reference."""
+    torch.manual_seed(0)
+    B, nh, nkv, T, D = 2, 4, 2, 32, 8
+    q = torch.randn(B, nh, T, D, requires_grad=True)
+    ks = [torch.randn(B, nkv, T, D, requires_grad=True) for _ in range(3)]
+    vs = [torch.randn(B, nkv, T, D, requires_grad=True) for _ in range(3)]
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = unrolled_attention(q, ks, vs, D ** -0.5)
+    assert max(saved) < B * nh * T * T, max(saved)
+    out.square().sum().backward()
+    grads = [q.grad] + [k.grad for k in ks] + [v.grad for v in vs]
+    leaves = [x.detach().clone().requires_grad_() for x in [q] + ks + vs]
+    qr, kr, vr = leaves[0], leaves[1:4], leaves[4:]
+    k = torch.cat(kr, 2).repeat_interleave(nh // nkv, 1)
+    v = torch.cat(vr, 2).repeat_interleave(nh // nkv, 1)
+    mask = torch.cat([torch.ones(T, T).tril(), torch.eye(T), torch.eye(T)], 1).bool()
+    ref = torch.softmax(((qr @ k.transpose(-1, -2)) * D ** -0.5).masked_fill(~mask, float("-inf")), -1) @ v
+    ref.square().sum().backward()
+    for g, leaf in zip(grads, leaves):
+        assert_close(g, leaf.grad, atol=1e-4, rtol=1e-4)
