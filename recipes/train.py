@@ -52,6 +52,7 @@ class LoopSchema:
     max_minutes: Optional[float] = None
     onednn_cache: Optional[int] = None
     free_target_layers: bool = True
+    malloc_trim_every: int = 0
     grad_accum: int = 1
     max_grad_norm: Optional[float] = 1.0
     mixed_precision: str = "auto"

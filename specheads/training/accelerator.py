@@ -158,6 +158,30 @@ def limit_onednn_cache(capacity: int | None) -> None:
     os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(capacity)
 
 
+_LIBC: list = []  # the C library's handle, looked up once (None where it has no malloc_trim)
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim(0)``); False where the C library
+    has no such call (not glibc). Training on CPU frees and reallocates tensors of many sizes each step;
+    glibc keeps the freed pages, so anonymous memory creeps up step after step (EAGLE-3 TTT 3 under bf16
+    autocast on 2 cores: 1438 MiB after 1.5 minutes; trimmed after every step 1180 MiB, ~10 % fewer
+    tokens/s: the returned pages are faulted in again the next step)."""
+    if not _LIBC:
+        import ctypes
+        import ctypes.util
+
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.append(libc if hasattr(libc, "malloc_trim") else None)
+        except OSError:
+            _LIBC.append(None)
+    if _LIBC[0] is None:
+        return False
+    _LIBC[0].malloc_trim(0)
+    return True
+
+
 def rss_anon_mb(status: str = "/proc/self/status") -> float | None:
     """Resident anonymous memory now (MB; Linux's ``RssAnon``): what the process allocated, without
     the page cache of mapped files (a feature store read through mmap); None where it is not reported."""

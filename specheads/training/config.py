@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specheads.errors import ConfigError
+
 
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite; the run stops without saving."""
@@ -48,6 +50,7 @@ class TrainConfig:
     micro_batch_size: int = 1  # only told to DeepSpeed, which wants it in its config
     onednn_cache: int | None = None  # CPU: cap oneDNN's primitive cache (accelerator.limit_onednn_cache); None = default
     free_target_layers: bool = True  # offline: free the target's decoder layers while training (train(reload_target=))
+    malloc_trim_every: int = 0  # CPU: give the C heap's free pages back every N optimizer steps (accelerator.trim_heap); 0 = never
     max_minutes: float | None = None  # time budget: stop (checkpoint, evaluate, save) once training took this long
     # Measured acceptance at each held-out evaluation: decode this many held-out prompts with the head
     # (greedy, top-1 chain of measure_k drafts, measure_tokens new tokens); 0 turns it off. The
@@ -60,3 +63,7 @@ class TrainConfig:
     # forwards, and a fan's τ still grows with its width (a TTT-2 quickstart head: 1.49, 1.56, 1.61, 1.65
     # for w = 2, 3, 4, 6); a few seconds of decoding per width at the end of training.
     measure_fans: tuple[int, ...] = field(default_factory=lambda: (2, 3, 4, 6))
+
+    def __post_init__(self):
+        if self.malloc_trim_every < 0:
+            raise ConfigError(f"train.malloc_trim_every must be >= 0 (0 = never), got {self.malloc_trim_every}")

@@ -29,7 +29,7 @@ import torch
 
 from specheads.methods.base import Method, TrainingModule
 from specheads.targets import Target
-from specheads.training.accelerator import peak_rss_mb, resume_path, rss_anon_mb, gathered, make_accelerator, make_optimizer
+from specheads.training.accelerator import peak_rss_mb, resume_path, rss_anon_mb, trim_heap, gathered, make_accelerator, make_optimizer
 from specheads.training.batches import BatchSource, micro_batches, prepare_batch
 from specheads.training.checkpoint import load_checkpoint, remove_partial, save_checkpoint
 from specheads.training.config import NonFiniteLossError, OptimConfig, TrainConfig
@@ -114,6 +114,8 @@ def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, sch
         t0 = time.perf_counter()
         loss, metrics, tokens = _optimizer_step(method, model, target, stream, cfg, acc, optimizer, params, st)
         st.step += 1
+        if cfg.malloc_trim_every and st.step % cfg.malloc_trim_every == 0 and acc.device.type == "cpu":
+            trim_heap()
         st.tokens += tokens
         st.train_s += time.perf_counter() - t0
         if acc.num_processes > 1:  # one clock for all ranks: a time budget stops and decays them alike

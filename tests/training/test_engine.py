@@ -15,6 +15,7 @@ from specheads.models.medusa import MedusaHeads
 from specheads.methods import build_method
 from specheads.training.batches import prepare_batch
 from specheads.training.config import NonFiniteLossError, OptimConfig, TrainConfig
+from specheads.errors import ConfigError
 from specheads.training.engine import train
 from specheads.acceptance_math import chain_tau
 from specheads.training.heldout import estimate_tau, summarize_counts
@@ -193,3 +194,47 @@ def test_summary_reports_anonymous_memory_apart_from_the_mapped_store(tmp_path):
         assert s["peak_anon_mb"] <= s["peak_rss_mb"] * 1.01
     else:
         assert s["peak_anon_mb"] is None and not sampled
+
+
+def test_trim_heap_returns_the_c_heaps_free_pages(tmp_path):
+    """Freed small blocks stay resident in glibc's heap (a live block above them pins its top) until
+    trim_heap gives them back; elsewhere trim_heap says it did nothing."""
+    import ctypes
+    import ctypes.util
+
+    from specheads.training.accelerator import rss_anon_mb, trim_heap
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if not hasattr(libc, "malloc_trim") or rss_anon_mb() is None:
+        assert trim_heap() is False or rss_anon_mb() is None
+        return
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = []
+    for _ in range(40_000):  # 2 KiB each (far below the mmap threshold): ~80 MiB of heap, touched
+        b = libc.malloc(2048)
+        ctypes.memset(b, 1, 2048)
+        blocks.append(b)
+    pin = libc.malloc(2048)
+    for b in blocks:
+        libc.free(b)
+    held = rss_anon_mb()
+    assert trim_heap() is True
+    released = held - rss_anon_mb()
+    libc.free(pin)
+    assert released > 40, released
+
+
+def test_training_trims_the_heap_every_n_steps_on_cpu(tmp_path, monkeypatch):
+    import specheads.training.engine as engine
+
+    calls = []
+    monkeypatch.setattr(engine, "trim_heap", lambda: calls.append(1) or True)
+    train_src, held = sources()
+    train(Medusa1Method(num_heads=2), _tiny(), train_src, _cfg(tmp_path / "a", max_steps=4), OptimConfig(), held)
+    assert calls == []  # 0: never
+    train(Medusa1Method(num_heads=2), _tiny(), train_src, _cfg(tmp_path / "b", max_steps=4, malloc_trim_every=2),
+          OptimConfig(), held)
+    assert len(calls) == 2
+    with pytest.raises(ConfigError, match="malloc_trim_every"):
+        _cfg(tmp_path / "c", malloc_trim_every=-1)
