@@ -177,8 +177,10 @@ def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
         return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, scale=scale,
                                               enable_gqa=nh != nkv)
     mask = unroll_mask(T, len(keys), q.dtype, q.device)
-    return F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask,
-                                          scale=scale, enable_gqa=nh != nkv)
+    k, v, gqa = torch.cat(keys, dim=2), torch.cat(values, dim=2), nh != nkv
+    if gqa and q.device.type != "cpu":  # CUDA's memory-efficient kernel takes a mask, not unequal head counts
+        k, v, gqa = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1), False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 class DraftAttention(nn.Module):

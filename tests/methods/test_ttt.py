@@ -224,3 +224,27 @@ def test_unrolled_attention_saves_no_dense_scores_for_backward():
     ref.square().sum().backward()
     for g, leaf in zip(grads, leaves):
         assert_close(g, leaf.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_unrolled_attention_on_cuda_matches_cpu_without_dense_scores():
+    """On CUDA a grouped-query unroll step goes to a fused kernel that takes the mask (the key/value heads
+    repeated: the memory-efficient kernel does not take unequal head counts): the CPU values, and a peak
+    far below the (B, heads, T, 3T) scores the math fallback would hold."""
+    torch.manual_seed(0)
+    B, nh, nkv, T, D = 2, 32, 8, 2048, 64
+    q = torch.randn(B, nh, T, D, dtype=torch.bfloat16)
+    ks = [torch.randn(B, nkv, T, D, dtype=torch.bfloat16) for _ in range(3)]
+    vs = [torch.randn(B, nkv, T, D, dtype=torch.bfloat16) for _ in range(3)]
+    ref = unrolled_attention(q.float(), [k.float() for k in ks], [v.float() for v in vs], D ** -0.5)
+    qc = q.cuda().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = unrolled_attention(qc, [k.cuda() for k in ks], [v.cuda() for v in vs], D ** -0.5)
+    out.float().square().sum().backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+    assert peak < B * nh * T * 3 * T * 2 / 4, peak  # a quarter of the bf16 scores alone
