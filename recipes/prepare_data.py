@@ -23,10 +23,17 @@ def main(cfg: DictConfig) -> None:
         run(cfg)
 
 
+def template_kwargs(target_cfg: DictConfig) -> dict:
+    """The target's chat-template switches (``target.chat_template_kwargs``) as a plain dict."""
+    kw = target_cfg.get("chat_template_kwargs")
+    return OmegaConf.to_container(kw, resolve=True) if kw else {}
+
+
 def run(cfg: DictConfig) -> None:
     regen = cfg.get("regenerate")
     pcfg = PrepareConfig(**OmegaConf.to_object(cfg.data),
-                         regenerate=RegenerateConfig(**regen) if regen else None)
+                         regenerate=RegenerateConfig(**regen) if regen else None,
+                         chat_template_kwargs=template_kwargs(cfg.target))
     if regen:
         target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.device)
     else:  # only the tokenizer is needed
@@ -35,7 +42,7 @@ def run(cfg: DictConfig) -> None:
         log.info("%s is already prepared with this configuration; skipping (overwrite=true redoes it)", cfg.output_dir)
         return
     meta = prepare(target, pcfg, cfg.output_dir)
-    print(f"prepared {meta['num_samples']} conversations, {meta['num_tokens']} tokens "
+    print(f"prepared {meta['num_samples']} samples, {meta['num_tokens']} tokens "
           f"({meta['num_loss_tokens']} assistant) -> {cfg.output_dir}; skipped: {meta['skipped']}")
 
 

@@ -33,9 +33,9 @@ def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, gen: to
 
 
 @torch.inference_mode()
-def generate_static(model, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int, pad_token_id: int,
+def generate_static(model, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | list[int], pad_token_id: int,
                     temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> list[tuple[list[int], bool]]:
-    """(generated ids up to, not including, ``eos_token_id``; finished) per prompt.
+    """(generated ids up to, not including, ``eos_token_id`` (one id or several stop ids); finished) per prompt.
 
     ``finished`` is False when a row reached ``max_new_tokens`` without the end-of-turn token.
     """
@@ -59,6 +59,7 @@ def generate_static(model, prompts: list[list[int]], max_new_tokens: int, eos_to
     if temperature > 0:
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
+    stops = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
     cache = StaticCache(config=model.config, max_cache_len=total)
     cache_kw = _cache_argument(model)
     out = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions, **{cache_kw: cache},
@@ -72,7 +73,7 @@ def generate_static(model, prompts: list[list[int]], max_new_tokens: int, eos_to
     for step in range(max_new_tokens):
         nxt = _next_tokens(out.logits[:, -1], temperature, top_p, gen)
         generated[active, step] = nxt
-        ended = nxt == eos_token_id
+        ended = torch.isin(nxt, stops)
         finished[active[ended]] = True
         if bool(finished.all()) or step + 1 == max_new_tokens:  # rows still in the batch may have ended earlier
             break
@@ -84,9 +85,9 @@ def generate_static(model, prompts: list[list[int]], max_new_tokens: int, eos_to
         out = model(input_ids=nxt[:, None], attention_mask=mask[:, : width + step + 1],
                     position_ids=(lengths + step)[:, None], **{cache_kw: cache}, use_cache=True,
                     cache_position=torch.tensor([width + step], device=device))
-    answers = []
+    answers, stop_set = [], set(stops.tolist())
     for row, ok in zip(generated.tolist(), finished.tolist()):
-        answers.append((row[: row.index(eos_token_id)], True) if ok else (row, False))
+        answers.append((row[: next(i for i, t in enumerate(row) if t in stop_set)], True) if ok else (row, False))
     return answers
 
 

@@ -14,12 +14,12 @@ import os
 import shutil
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from specheads.data.regenerate import RegenerateConfig, count_truncated, regenerate
-from specheads.data.render import TemplateError, ToolTurnError, assistant_spans, chat_template_sha, render
+from specheads.data.render import ChatRenderer, TemplateError, ToolTurnError, chat_template_sha, render_samples
 from specheads.data.sources import SkipReport, iter_conversations
 from specheads.errors import InputNotFoundError, UserError
 from specheads.targets import Target, tokenizer_fingerprint
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 FORMAT = "specheads.prepared/1"
 META_FILE = "specheads_meta.json"
 NO_LOSS_TOKENS = "no assistant token within max_length"
-TEMPLATE_REFUSED = "chat template not prefix-stable"
+TEMPLATE_REFUSED = "chat template cannot render the chat"
 NO_REGENERATED_ANSWER = "no regenerated answer (prompt over regenerate.max_prompt_tokens, or empty answer)"
 TOOL_TURN_NOT_RENDERED = "tool turn the chat template does not render"
 REGENERATE_VERSION = 2  # 2: regenerated answers are the target's token ids (1 decoded and re-tokenized them)
@@ -46,7 +46,8 @@ class PrepareError(UserError, ValueError):
 @dataclass
 class PrepareConfig:
     """source/path/split: see ``iter_conversations``; num_samples: conversations to keep (None: all);
-    regenerate: replace answers with the target's own (None: keep the dataset's answers)."""
+    regenerate: replace answers with the target's own (None: keep the dataset's answers);
+    chat_template_kwargs: the template's switches, as the serving engine passes them (``enable_thinking``)."""
 
     source: str = "sharegpt"
     path: str | None = None
@@ -55,6 +56,7 @@ class PrepareConfig:
     num_samples: int | None = 1000
     domain: str = "chat"
     regenerate: RegenerateConfig | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str, Any]:
@@ -71,32 +73,43 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
     if not convs:
         raise PrepareError(f"no usable conversation in source '{cfg.source}' {cfg.path or ''}: {report.summary()}")
     later = Counter()
+    renderer = ChatRenderer(tok, cfg.chat_template_kwargs)  # a tokenizer without a template is refused here
+    first_error: dict[str, str] = {}
     if cfg.regenerate is not None:
-        convs = [c for c in convs if _renders(c, tok, later)]  # regenerate only chats the template can render
+        convs = [c for c in convs if _renders(c, renderer, cfg.max_length, later, first_error)]  # regenerate only chats the template can render
         asked = len(convs)
-        convs = regenerate(target, convs, out_dir.with_name(out_dir.name + ".regen.jsonl"), cfg.regenerate)
+        convs = regenerate(target, convs, out_dir.with_name(out_dir.name + ".regen.jsonl"), cfg.regenerate,
+                           template_kwargs=cfg.chat_template_kwargs)
         if asked > len(convs):
             later[NO_REGENERATED_ANSWER] += asked - len(convs)
     rows: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": [], "domain": []}
     truncated = cut_answers = 0
+    split = {"chats": 0, "samples": 0, "extra_tokens": 0, "turns_written_after_prompt": 0}
+    reasoning_turns = 0
     for conv in convs:
-        try:
-            r = render(conv, tok, cfg.max_length)
-        except ToolTurnError:
-            later[TOOL_TURN_NOT_RENDERED] += 1
+        out = _render(conv, renderer, cfg.max_length, later, first_error)
+        if out is None:
             continue
-        except TemplateError:
-            later[TEMPLATE_REFUSED] += 1
-            continue
-        if not any(r.loss_mask):
+        kept = [r for r in out.samples if any(r.loss_mask)]
+        if not kept:
             later[NO_LOSS_TOKENS] += 1
             continue
-        truncated += r.truncated
+        if out.split:
+            split["chats"] += 1
+            split["samples"] += len(kept)
+            split["extra_tokens"] += sum(len(r.input_ids) for r in kept) - len(renderer.tokens(renderer.text(
+                [{k: v for k, v in m.items() if k != "token_ids"} for m in conv.messages])))
+        split["turns_written_after_prompt"] += out.written_turns
+        reasoning_turns += sum(1 for m in conv.messages if m.get("reasoning_content") or "</think>" in m["content"])
+        truncated += sum(r.truncated for r in kept)
         cut_answers += count_truncated([conv])
-        for k, v in (("id", conv.id), ("input_ids", r.input_ids), ("loss_mask", r.loss_mask), ("domain", conv.domain)):
-            rows[k].append(v)
+        for r in kept:
+            for k, v in (("id", conv.id + r.suffix), ("input_ids", r.input_ids), ("loss_mask", r.loss_mask),
+                         ("domain", conv.domain)):
+                rows[k].append(v)
     if not rows["id"]:
-        raise PrepareError(f"every conversation was dropped while rendering: {dict(later)}")
+        why = "; ".join(f"{n} ({reason}; first: {first_error.get(reason, '?')})" for reason, n in later.items())
+        raise PrepareError(f"every conversation was dropped while rendering: {why}")
     meta = {
         "format": FORMAT, "target": target.name, "tokenizer_fingerprint": tokenizer_fingerprint(tok),
         "chat_template_sha": chat_template_sha(tok), "max_length": cfg.max_length,
@@ -104,6 +117,9 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
         "num_loss_tokens": sum(map(sum, rows["loss_mask"])), "num_truncated": truncated,
         "source": {"source": cfg.source, "path": cfg.path, "split": cfg.split, **report.to_dict()},
         "skipped": dict(report.counts + later), "regenerated": cfg.regenerate is not None,
+        "chat_template_kwargs": dict(cfg.chat_template_kwargs),
+        # chats whose template rewrites earlier turns: one sample per turn (the context repeated in extra_tokens)
+        "per_turn_samples": split, "reasoning_turns": reasoning_turns,
         "regenerate": asdict(cfg.regenerate) if cfg.regenerate else None,
         "regenerate_version": REGENERATE_VERSION if cfg.regenerate else None,
         # regenerated chats ending with an answer cut at max_new_tokens (kept open: no end-of-turn token)
@@ -114,22 +130,32 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
     log.info("prepared %d conversations (%d tokens, %d truncated to %d) in %.1f s; %s%s",
              meta["num_samples"], meta["num_tokens"], truncated, cfg.max_length, meta["seconds"], report.summary(),
              "".join(f"; dropped {n} ({why})" for why, n in later.items()))
+    if split["chats"]:
+        log.info("the chat template rewrites earlier turns: %d chats became %d per-turn samples (%d tokens of "
+                 "repeated context, %.0f%% of the prepared tokens)", split["chats"], split["samples"],
+                 split["extra_tokens"], 100 * split["extra_tokens"] / max(1, meta["num_tokens"]))
     if cut_answers:
         log.info("%d regenerated chats end with an answer cut at regenerate.max_new_tokens (kept without an "
                  "end-of-turn token; counted as regenerated_truncated in %s)", cut_answers, META_FILE)
     return meta
 
 
-def _renders(conv, tok, later: Counter) -> bool:
-    """Whether the chat template renders the chat with an exact mask (else the reason is counted)."""
+def _render(conv, renderer, max_length: int, later: Counter, first_error: dict[str, str]):
+    """The chat's samples (``render_samples``), or None with the reason counted (and its first message kept)."""
     try:
-        assistant_spans(conv, tok)
-        return True
-    except ToolTurnError:
+        return render_samples(conv, renderer, max_length)
+    except ToolTurnError as e:
+        first_error.setdefault(TOOL_TURN_NOT_RENDERED, str(e))
         later[TOOL_TURN_NOT_RENDERED] += 1
-    except TemplateError:
+    except TemplateError as e:
+        first_error.setdefault(TEMPLATE_REFUSED, str(e))
         later[TEMPLATE_REFUSED] += 1
-    return False
+    return None
+
+
+def _renders(conv, renderer, max_length: int, later: Counter, first_error: dict[str, str]) -> bool:
+    """Whether the chat template renders the chat with an exact mask (else the reason is counted)."""
+    return _render(conv, renderer, max_length, later, first_error) is not None
 
 
 def _config_key(cfg: PrepareConfig) -> dict[str, Any]:

@@ -8,7 +8,9 @@ with the conversations not yet in it.
 
 Answers are the target's tokens exactly: each regenerated turn keeps the generated ``token_ids`` (the
 end-of-turn token excluded; the chat template closes the turn with it), the prompt of a later turn
-is built from those ids (``render.render_exact``), and the prepared row holds the same ids. An
+is built from those ids where the template keeps earlier turns verbatim (``render.prompt_ids``), and
+the prepared row holds the same ids. A thinking target's reasoning stays in the ids as it generated it;
+the message also holds it apart (``reasoning_content``) for templates that drop it from history. An
 answer that reached ``max_new_tokens`` without the end-of-turn token is kept as the chat's last turn,
 marked ``truncated``: it is never closed as if the target had finished it, and it is counted
 (``regenerated_truncated`` in specheads_meta.json, and the log). Journal records carry a key of the
@@ -29,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from specheads.data.batch_generate import generate_static
-from specheads.data.render import TemplateError, render_exact
+from specheads.data.render import REASONING, ChatRenderer, TemplateError, prompt_ids, split_reasoning
 from specheads.data.sources import Conversation
 from specheads.errors import UserError
 from specheads.targets import Target
@@ -63,9 +65,12 @@ class JournalError(UserError, ValueError):
     """The regeneration journal holds a line that is not a record (the message names the file and line)."""
 
 
-def settings_key(target: Target, cfg: RegenerateConfig) -> str:
-    """What a journaled answer depends on: the generation settings and the target (batch size aside)."""
+def settings_key(target: Target, cfg: RegenerateConfig, template_kwargs: dict | None = None) -> str:
+    """What a journaled answer depends on: the generation settings, the template's switches and the target
+    (batch size aside)."""
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("batch_size", "loop")}
+    if template_kwargs:
+        settings["chat_template_kwargs"] = dict(template_kwargs)
     ident = {"settings": settings, "target": target.name, "tokenizer": target.tokenizer_fingerprint(),
              "config": target.config_hash() if target.model is not None else None, "format": 2}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
@@ -109,15 +114,16 @@ def _append(f, conv: Conversation, key: str) -> None:
 
 @torch.no_grad()
 def _generate(target: Target, prompts: list[list[int]], cfg: RegenerateConfig,
-              generator_seed: int) -> list[tuple[list[int], bool]]:
+              generator_seed: int, stops: list[int]) -> list[tuple[list[int], bool]]:
     """(generated ids up to, not including, the end-of-turn token; finished) per prompt (token ids).
 
-    ``finished`` is False for an answer cut at ``max_new_tokens`` (no end-of-turn token generated).
+    ``stops``: the ids that end a turn (the eos token and the template's turn closer, e.g. Gemma's
+    ``<end_of_turn>``). ``finished`` is False for an answer cut at ``max_new_tokens`` (no stop generated).
     """
     tok = target.tokenizer
     pad = tok.pad_token_id
     if cfg.loop == "static":
-        return generate_static(target.model, prompts, cfg.max_new_tokens, tok.eos_token_id, pad,
+        return generate_static(target.model, prompts, cfg.max_new_tokens, stops, pad,
                                temperature=cfg.temperature, top_p=cfg.top_p, seed=generator_seed)
     width = max(map(len, prompts))
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=target.device)
@@ -128,24 +134,38 @@ def _generate(target: Target, prompts: list[list[int]], cfg: RegenerateConfig,
     out = target.model.generate(
         input_ids=input_ids, attention_mask=attention, max_new_tokens=cfg.max_new_tokens, do_sample=sample,
         temperature=cfg.temperature if sample else None, top_p=cfg.top_p if sample else None,
-        top_k=None, pad_token_id=pad, eos_token_id=tok.eos_token_id,
+        top_k=None, pad_token_id=pad, eos_token_id=stops,
     )
     answers = []
     for row in out[:, width:].tolist():
-        if tok.eos_token_id in row:  # finished: what follows the end-of-turn token is padding
-            answers.append((row[: row.index(tok.eos_token_id)], True))
+        ends = [i for i, t in enumerate(row) if t in stops]
+        if ends:  # finished: what follows the end-of-turn token is padding
+            answers.append((row[: ends[0]], True))
         else:  # generate ran every row to max_new_tokens: all of them are generated tokens
             answers.append((row[: cfg.max_new_tokens], False))
     return answers
 
 
-def _regenerate_batch(target: Target, batch: list[Conversation], cfg: RegenerateConfig, seed: int) -> list[Conversation]:
+def turn_stop_ids(renderer: ChatRenderer) -> list[int]:
+    """The ids that end an assistant turn: the eos token and the special token the template closes a turn with."""
+    tok = renderer.tokenizer
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    text = renderer.text(probe)
+    at = text.rfind("Hello") + len("Hello")
+    closer = text[at:renderer.closer_at(text, at)]
+    ids = {tok.eos_token_id} | {t for t in renderer.tokens(closer) if t in tok.all_special_ids}
+    return sorted(i for i in ids if i is not None)
+
+
+def _regenerate_batch(target: Target, batch: list[Conversation], cfg: RegenerateConfig, seed: int,
+                      renderer: ChatRenderer) -> list[Conversation]:
     """Regenerate up to cfg.max_turns assistant turns of each conversation, turn by turn.
 
     A chat keeps its messages up to its last regenerated answer; a prompt over ``max_prompt_tokens``,
     an empty answer or a cut one (kept, marked ``truncated``) ends it.
     """
     tok = target.tokenizer
+    stops = turn_stop_ids(renderer)
     work = [[dict(m) for m in c.messages] for c in batch]
     end = [0] * len(batch)  # each chat keeps work[j][:end[j]]
     stopped = [False] * len(batch)
@@ -155,9 +175,9 @@ def _regenerate_batch(target: Target, batch: list[Conversation], cfg: Regenerate
             idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
             if stopped[j] or turn >= len(idx):
                 continue
-            # the prompt holds the earlier regenerated turns as their own token ids
+            # the prompt holds the earlier regenerated turns as their own token ids where the template keeps them
             try:
-                prompt, _ = render_exact(msgs[: idx[turn]], tok, add_generation_prompt=True, conv_id=batch[j].id)
+                prompt = prompt_ids(msgs[: idx[turn]], renderer, conv_id=batch[j].id)
             except TemplateError as e:
                 log.warning("conversation %s: no prompt for turn %d (%s); the chat ends before it", batch[j].id, turn, e)
                 stopped[j] = True
@@ -169,13 +189,16 @@ def _regenerate_batch(target: Target, batch: list[Conversation], cfg: Regenerate
             prompts.append(prompt)
         if not todo:
             break
-        answers = _generate(target, prompts, cfg, seed * 1000 + turn)
+        answers = _generate(target, prompts, cfg, seed * 1000 + turn, stops)
         for (j, i), (ids, finished) in zip(todo, answers):
             text = tok.decode(ids)
             if not text.strip():
                 stopped[j] = True  # an empty answer ends the chat before this turn
                 continue
-            work[j][i] = {"role": "assistant", "content": text, "token_ids": ids}
+            reasoning, answer = split_reasoning(text)  # the target's reasoning kept apart, as templates take it
+            work[j][i] = {"role": "assistant", "content": answer, "token_ids": ids}
+            if reasoning is not None:
+                work[j][i][REASONING] = reasoning
             end[j] = i + 1
             if not finished:  # cut at max_new_tokens: the chat ends with this open turn, never closed
                 work[j][i]["truncated"] = True
@@ -184,7 +207,7 @@ def _regenerate_batch(target: Target, batch: list[Conversation], cfg: Regenerate
 
 
 def regenerate(target: Target, conversations: Iterable[Conversation], journal: str | Path,
-               cfg: RegenerateConfig, total: int | None = None) -> list[Conversation]:
+               cfg: RegenerateConfig, total: int | None = None, template_kwargs: dict | None = None) -> list[Conversation]:
     """Regenerate answers for every conversation, resuming from ``journal``.
 
     Returns the conversations in input order; ones whose regenerated chat holds no assistant
@@ -199,7 +222,8 @@ def regenerate(target: Target, conversations: Iterable[Conversation], journal: s
     target.tokenizer.padding_side = "left"
     journal = Path(journal)
     journal.parent.mkdir(parents=True, exist_ok=True)
-    key = settings_key(target, cfg)
+    renderer = ChatRenderer(target.tokenizer, template_kwargs)
+    key = settings_key(target, cfg, template_kwargs)
     done = read_journal(journal, key)
     convs = list(conversations)
     # chats of similar first-prompt length share a batch (less left padding); the journal keeps input order moot
@@ -210,7 +234,7 @@ def regenerate(target: Target, conversations: Iterable[Conversation], journal: s
                                                         desc="regenerate", unit="chat") as bar:
         for b in range(0, len(todo), cfg.batch_size):
             batch = todo[b: b + cfg.batch_size]
-            for conv in _regenerate_batch(target, batch, cfg, cfg.seed + b):
+            for conv in _regenerate_batch(target, batch, cfg, cfg.seed + b, renderer):
                 done[conv.id] = conv
                 _append(f, conv, key)
             bar.update(len(batch))

@@ -31,7 +31,9 @@ ROLE_MAP = {
     # `observation`. Kept when the target's chat template renders them (see specheads.data.render).
     "tool": "tool", "function": "tool", "ipython": "tool", "observation": "tool",
 }
-TOOL_KEYS = ("name", "tool_call_id")  # carried over from a tool turn (some templates print or require them)
+TOOL_KEYS = ("name", "tool_call_id")
+REASONING = "reasoning_content"  # an assistant turn's reasoning (Qwen3 / DeepSeek-R1 field name), kept apart from content
+REASONING_KEYS = (REASONING, "reasoning", "thinking")  # the field names data sets use for it  # carried over from a tool turn (some templates print or require them)
 UTF8_BOM = b"\xef\xbb\xbf"
 
 # Skip reasons (the keys of SkipReport.counts).
@@ -49,7 +51,9 @@ class SourceError(UserError, ValueError):
 @dataclass
 class Conversation:
     """messages: [{"role": "system"|"user"|"assistant"|"tool", "content": str}], starting with a user turn
-    (after an optional system turn) and holding at least one assistant turn. A regenerated assistant turn
+    (after an optional system turn) and holding at least one assistant turn. An assistant turn may hold
+    ``reasoning_content`` (its reasoning, from a ``reasoning_content``/``reasoning``/``thinking`` field;
+    inline ``<think>`` text stays in ``content``). A regenerated assistant turn
     also holds ``token_ids`` (the target's own tokens, exactly) and ``truncated`` (cut at the length cap,
     so not closed with the end-of-turn token); see specheads.data.regenerate."""
 
@@ -113,6 +117,9 @@ def normalize(record: Any, index: int, report: SkipReport, default_domain: str =
             report.skip(EMPTY_TURN, where)
             return None
         message = {"role": role, "content": content}
+        reasoning = next((turn[k] for k in REASONING_KEYS if isinstance(turn.get(k), str) and turn[k].strip()), None)
+        if role == "assistant" and reasoning is not None:
+            message[REASONING] = reasoning  # rendered the way the target's chat template places reasoning
         if role == "tool":
             message.update({k: str(turn[k]) for k in TOOL_KEYS if turn.get(k) is not None})
         messages.append(message)

@@ -40,7 +40,7 @@ def test_regenerate_replaces_answers_and_resumes_without_redoing(tiny_chat_targe
     prompts = []
     real = regen_mod._generate
     monkeypatch.setattr(regen_mod, "_generate",
-                        lambda t, p, c, s: prompts.extend(t.tokenizer.decode(x) for x in p) or real(t, p, c, s))
+                        lambda t, p, c, s, stops: prompts.extend(t.tokenizer.decode(x) for x in p) or real(t, p, c, s, stops))
     resumed = regenerate(tiny_chat_target, convs(5), journal, cfg)
     assert [(c.id, c.messages) for c in resumed] == [(c.id, c.messages) for c in full]
     assert prompts and not any("question 0 " in p or "question 1 " in p for p in prompts), "finished chats were redone"

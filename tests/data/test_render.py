@@ -90,7 +90,7 @@ def test_tool_turns_refused_by_name_when_the_template_cannot_render_them(smollm2
 
 
 def test_regenerated_turns_are_placed_as_their_token_ids(smollm2_tokenizer):
-    from specheads.data.render import render_exact
+    from specheads.data.render import prompt_ids
 
     tok = smollm2_tokenizer
     he, llo = tok.convert_tokens_to_ids(["he", "llo"])
@@ -102,9 +102,9 @@ def test_regenerated_turns_are_placed_as_their_token_ids(smollm2_tokenizer):
     r = render(Conversation("x", msgs), tok, max_length=4096)
     assert turn_token_groups(r) == [[he, llo, tok.eos_token_id], [llo, he, tok.eos_token_id]]
     # the prompt of the second turn (built the same way) is a prefix of the chat
-    prompt, _ = render_exact(msgs[:3], tok, add_generation_prompt=True)
+    prompt = prompt_ids(msgs[:3], tok)
     assert r.input_ids[:len(prompt)] == prompt and r.input_ids[len(prompt):len(prompt) + 2] == [llo, he]
-    assert prompt[:len(render_exact(msgs[:1], tok, add_generation_prompt=True)[0])] == \
+    assert prompt[:len(prompt_ids(msgs[:1], tok))] == \
         tok.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     # the text around the turns is the template's
     assert tok.decode(r.input_ids) == tok.apply_chat_template(msgs, tokenize=False)
