@@ -220,24 +220,15 @@ def check_tool_turns(messages: list[dict], text: str) -> None:
             raise ToolTurnError("the chat template does not render tool turns (their content is missing from its text)")
 
 
-def _mask_spans(renderer: ChatRenderer, text: str, spans: list[tuple[int, int]], max_length: int,
-                turns: tuple[int, ...], suffix: str) -> Rendered:
-    """Tokenize ``text`` and mark the tokens that start inside a span (spans sorted)."""
-    enc = renderer.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    mask = [0] * len(ids)
-    s = 0
-    for t, (start, _end) in enumerate(offsets):
-        while s < len(spans) and start >= spans[s][1]:
-            s += 1
-        if s < len(spans) and spans[s][0] <= start < spans[s][1]:
-            mask[t] = 1
-    return Rendered(ids[:max_length], mask[:max_length], len(ids) > max_length, turns, suffix)
-
-
 def render_samples(conv: Conversation, tokenizer, max_length: int, template_kwargs: dict | None = None) -> ChatSamples:
     """The samples of a conversation: one when the template keeps history as generated, else one per
-    turn that history rewrites (see the module docstring). Samples longer than ``max_length`` are cut."""
+    turn that history rewrites (see the module docstring). Samples longer than ``max_length`` are cut.
+
+    Token ids are the serving engine's: a turn's prompt tokenized whole, its generated text tokenized
+    after it (a boundary where the two would merge, as Qwen3's ``</think>\n\n`` + answer, stays split).
+    An earlier turn shares a later turn's sample only when its prompt and generated ids are a prefix of
+    that sample's ids; turns whose prompt alone fills ``max_length`` end the chat.
+    """
     renderer = tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer, template_kwargs)
     if any("token_ids" in m for m in conv.messages):
         return render_exact(conv.messages, renderer, max_length, conv_id=conv.id)
@@ -246,23 +237,31 @@ def render_samples(conv: Conversation, tokenizer, max_length: int, template_kwar
     check_tool_turns(msgs, full)
     turns, written = {}, 0
     for i, m in enumerate(msgs):
-        if m["role"] == "assistant":
-            try:
-                prompt, generated, w = renderer.turn(msgs, i)
-            except TemplateError as e:
-                raise TemplateError(f"conversation {conv.id}: {e}") from e
-            turns[i] = (prompt, generated)
-            written += w
+        if m["role"] != "assistant":
+            continue
+        try:
+            prompt, generated, w = renderer.turn(msgs, i)
+        except TemplateError as e:
+            raise TemplateError(f"conversation {conv.id}: {e}") from e
+        turns[i] = (renderer.tokens(prompt), renderer.tokens(generated), prompt + generated)
+        written += w
+        if len(turns[i][0]) >= max_length:  # later turns start past the length cap
+            break
     samples, pending = [], sorted(turns)
     while pending:
         last = pending[-1]
-        text = "".join(turns[last])
-        if last == max(turns) and full.startswith(text):
-            text = full  # the whole chat, as the template renders it
-        covered = tuple(j for j in pending if text.startswith("".join(turns[j])))
-        spans = [(len(turns[j][0]), len(turns[j][0]) + len(turns[j][1])) for j in covered]
-        suffix = "" if text is full else f"{TURN_SUFFIX}{last}"
-        samples.append(_mask_spans(renderer, text, spans, max_length, covered, suffix))
+        prompt, generated, text = turns[last]
+        ids, suffix = prompt + generated, f"{TURN_SUFFIX}{last}"
+        if last == max(turns) and full.startswith(text):  # the whole chat, as the template renders it
+            ids, suffix = ids + renderer.tokens(full[len(text):]), ""
+        mask = [0] * len(ids)
+        covered = []
+        for j in pending:
+            p, g, _ = turns[j]
+            if ids[:len(p) + len(g)] == p + g:
+                covered.append(j)
+                mask[len(p):len(p) + len(g)] = [1] * len(g)
+        samples.append(Rendered(ids[:max_length], mask[:max_length], len(ids) > max_length, tuple(covered), suffix))
         pending = [j for j in pending if j not in covered]
     samples.reverse()
     if len(samples) == 1:

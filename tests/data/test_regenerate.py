@@ -165,3 +165,28 @@ def test_journal_records_of_other_settings_are_redone(echo_target, tmp_path):
     assert cut[0].messages[-1].get("truncated")
     full = regenerate(echo_target, conv, tmp_path / "j.jsonl", RegenerateConfig(batch_size=2, max_new_tokens=8))
     assert not full[0].messages[-1].get("truncated") and len(full[0].messages[-1]["token_ids"]) == 2
+
+
+def test_thinking_template_regenerated_turns_are_per_turn_samples_of_the_exact_prompt_and_ids(echo_target, tmp_path):
+    """A Qwen3-style template shows the final turn with a think block the echo target never wrote at that
+    point: each turn is its own sample, the prompt the target was given followed by what it generated."""
+    from specheads.data.prepare import PrepareConfig, load_prepared, prepare
+    from tests.data.chat_templates import QWEN3_STYLE
+
+    tok = echo_target.tokenizer
+    tok.chat_template = QWEN3_STYLE
+    he, llo, end = tok.convert_tokens_to_ids(["he", "llo", "<|im_end|>"])
+    regen = RegenerateConfig(batch_size=2, max_new_tokens=8, max_turns=2)
+    meta = prepare(echo_target, PrepareConfig(source="jsonl", path=str(chat_rows(tmp_path / "c.jsonl", 2)),
+                                              num_samples=None, regenerate=regen), tmp_path / "out")
+    ds, _ = load_prepared(tmp_path / "out")
+    assert ds["id"] == ["a@turn1", "a@turn3"] and meta["per_turn_samples"]["samples"] == 2
+    msgs = [{"role": "user", "content": "Say hello 0"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "Say hello 1"}]
+    for row, context in zip(ds, (msgs[:1], msgs)):
+        ids, mask = row["input_ids"], row["loss_mask"]
+        assert ids[-3:] == [he, llo, end] and mask == [0] * (len(ids) - 3) + [1, 1, 1]
+        assert tok.decode(ids[:-3]) == tok.apply_chat_template(context, add_generation_prompt=True, tokenize=False)
+    # the second prompt holds the first answer as the ids the target generated, not re-tokenized text
+    second = ds[1]["input_ids"]
+    assert any(second[k:k + 3] == [he, llo, end] for k in range(len(second) - 6))
