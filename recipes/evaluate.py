@@ -134,7 +134,9 @@ def run(cfg: DictConfig) -> dict:
     ecfg = EvalConfig(methods, BenchmarkSpec(**ev), max_new, tuple(cfg.temperatures), tuple(cfg.batch_sizes),
                       cfg.batch_prompts, cfg.seed, repeats=repeats,
                       exact_forward=cfg.exact_forward, cpu_linears=cfg.cpu_linears, paired=cfg.paired,
-                      grouped_attention=cfg.grouped_attention)
+                      grouped_attention=cfg.grouped_attention,
+                      chat_template_kwargs=OmegaConf.to_container(cfg.target.chat_template_kwargs, resolve=True)
+                      if cfg.target.get("chat_template_kwargs") else {})
     target_path = cfg.target.name_or_path
     adapted = verifier_for(cfg.head_method, cfg.head_dir)
     for name, path in (cfg.heads or {}).items():

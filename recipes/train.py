@@ -183,17 +183,21 @@ def build_data(cfg: DictConfig, method, target) -> tuple[DatasetBatches, Dataset
 
 def keep_chat_heldout_out(dataset, train_idx: list[int], eval_idx: list[int]) -> tuple[list[int], list[int]]:
     """Move the evaluator's held-out chat rows (``chat_heldout_ids``) from training to held-out, so the
-    chat domain of ``specheads evaluate`` is never trained on."""
+    chat domain of ``specheads evaluate`` is never trained on, and keep each chat's per-turn samples on
+    one side: a training row whose chat has a held-out row is held out too."""
+    from specheads.data.render import chat_id
     from specheads.evaluation.benchmarks import chat_heldout_ids
 
     ids = dataset.ids if hasattr(dataset, "ids") else [str(x) for x in dataset.dataset["id"]] \
         if dataset.has_ids else [str(i) for i in range(len(dataset))]
-    held = chat_heldout_ids(list(map(str, ids)))
-    moved = [i for i in train_idx if str(ids[i]) in held]
+    ids = list(map(str, ids))
+    held = {chat_id(x) for x in chat_heldout_ids(ids)} | {chat_id(ids[i]) for i in eval_idx}
+    moved = [i for i in train_idx if chat_id(ids[i]) in held]
     if not moved:
         return train_idx, eval_idx
-    log.info("%d row(s) of the evaluator's held-out chat slice moved out of training", len(moved))
-    return [i for i in train_idx if str(ids[i]) not in held], sorted(set(eval_idx) | set(moved))
+    log.info("%d row(s) of held-out chats (the evaluator's slice, or another turn of a held-out chat) moved out "
+             "of training", len(moved))
+    return [i for i in train_idx if chat_id(ids[i]) not in held], sorted(set(eval_idx) | set(moved))
 
 
 def set_vocab_rows(method, cfg: DictConfig, train_src) -> None:

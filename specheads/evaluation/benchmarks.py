@@ -78,10 +78,14 @@ def load_humaneval(limit: int | None = 4, path: str | Path | None = None) -> lis
 
 
 def chat_heldout_ids(sample_ids: list[str]) -> set[str]:
-    """The held-out chat slice: the last 1% (at least one) of the sample ids, sorted as strings.
-    Training never trains on these rows (``recipes/train.py`` moves them to its held-out split)."""
-    ids = sorted(sample_ids)
-    return set(ids[len(ids) - max(1, math.ceil(len(ids) / 100)):]) if ids else set()
+    """The held-out chat slice: the sample ids of the last 1% (at least one) of the chats, sorted as
+    strings (a chat's per-turn samples, ``<chat id>@turn<i>``, go together). Training never trains on
+    these rows (``recipes/train.py`` moves them to its held-out split)."""
+    from specheads.data.render import chat_id
+
+    chats = sorted({chat_id(x) for x in sample_ids})
+    held = set(chats[len(chats) - max(1, math.ceil(len(chats) / 100)):]) if chats else set()
+    return {x for x in sample_ids if chat_id(x) in held}
 
 
 def chat_sample_ids(prompts: list[EvalPrompt]) -> set[str]:
@@ -147,9 +151,10 @@ def load_benchmarks(spec: BenchmarkSpec) -> list[EvalPrompt]:
     return out
 
 
-def encode(prompt: EvalPrompt, tokenizer, answers: dict[str, str]) -> list[int]:
-    """Token ids of a prompt through the chat template. ``answers[id of turn t]`` holds the model's
-    answer to earlier turns (needed for turn >= 2)."""
+def encode(prompt: EvalPrompt, tokenizer, answers: dict[str, str], template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a prompt through the chat template (with its switches, ``template_kwargs``), as a
+    serving engine renders it. ``answers[id of turn t]`` holds the model's answer to earlier turns
+    (needed for turn >= 2)."""
     if prompt.input_ids is not None:
         return list(prompt.input_ids)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -162,7 +167,7 @@ def encode(prompt: EvalPrompt, tokenizer, answers: dict[str, str]) -> list[int]:
             if key not in answers:
                 raise KeyError(f"prompt {prompt.id}: the answer to turn {t + 1} ({key}) was not generated first")
             messages.append({"role": "assistant", "content": answers[key]})
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -126,6 +126,7 @@ class EvalConfig:
     cpu_linears: str = "auto"  # oneDNN-prepacked CPU linear layers (specheads.decoding.cpu_linears): auto | packed | plain
     paired: bool = True  # time a plain decode of each prompt right before its speculative one (see above)
     grouped_attention: bool = True  # GQA targets on SDPA: fold the heads instead of copying the KV cache (grouped_attention.py)
+    chat_template_kwargs: dict = field(default_factory=dict)  # the template's switches (enable_thinking), as served
 
 
 Progress = Callable[[str], None]
@@ -221,7 +222,7 @@ def _plain_pass(target, runner, prompts, cfg, eos, progress):
     answers: dict[str, str] = {}
     enc, toks, runs = [], [], []
     for i, p in enumerate(sorted(prompts, key=lambda p: p.turn)):
-        pid = encode(p, target.tokenizer, answers)
+        pid = encode(p, target.tokenizer, answers, cfg.chat_template_kwargs)
         if i == 0:
             _warm_up(runner, None, pid, cfg, eos)
         res = speculative_generate(runner, None, [pid], cfg.max_new_tokens, 0.0, "greedy", eos)

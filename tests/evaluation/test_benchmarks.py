@@ -46,6 +46,15 @@ def test_turn2_includes_model_answer(smollm2_tokenizer):
     assert "MY ANSWER" in text and p2.turns[1] in text and text.rstrip().endswith("assistant")
 
 
+def test_prompts_are_encoded_with_the_templates_switches(smollm2_tokenizer):
+    from tests.data.chat_templates import QWEN3_STYLE, with_template
+
+    tok = with_template(smollm2_tokenizer, QWEN3_STYLE, think_tags=True)
+    p1 = load_mtbench(per_category=1)[0]
+    assert tok.decode(encode(p1, tok, {})).endswith("<|im_start|>assistant\n")
+    assert tok.decode(encode(p1, tok, {}, {"enable_thinking": False})).endswith("assistant\n<think>\n\n</think>\n\n")
+
+
 def test_chat_heldout_cuts_at_first_assistant_token(tmp_path):
     from specheads.data.prepare import write_prepared
 

@@ -164,3 +164,19 @@ def test_recipe_caps_the_onednn_primitive_cache_before_training(setup, tmp_path,
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "32"
     with pytest.raises(ValueError, match="onednn_cache"):
         limit_onednn_cache(-1)
+
+
+def test_a_chats_per_turn_samples_stay_on_one_side_of_the_split():
+    import datasets
+
+    from engine_helpers import progression_rows
+    from specheads.data.features import TokenDataset
+    from specheads.evaluation.benchmarks import chat_heldout_ids
+
+    rows = progression_rows(300)
+    rows["id"] = [f"c{i // 3:03d}@turn{2 * (i % 3) + 1}" for i in range(300)]  # 100 chats, 3 samples each
+    ds = TokenDataset(datasets.Dataset.from_dict(rows))
+    assert chat_heldout_ids(rows["id"]) == {"c099@turn1", "c099@turn3", "c099@turn5"}  # 1% of the chats, whole
+    train_idx, eval_idx = load_recipe().keep_chat_heldout_out(ds, [i for i in range(300) if i != 4], [4])
+    assert sorted(eval_idx) == [3, 4, 5, 297, 298, 299]  # chat c001 (row 4 held out) and the evaluator's c099
+    assert not set(train_idx) & set(eval_idx) and len(train_idx) == 294
