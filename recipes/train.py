@@ -12,6 +12,7 @@ command resumes from the last checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import os
 import logging
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from specheads.errors import user_errors
+from specheads.errors import ConfigError, user_errors
 
 from specheads.methods import build_method
 from specheads.training.accelerator import limit_onednn_cache, make_accelerator
@@ -44,6 +45,7 @@ class DataSchema:
     eval_max_tokens: Optional[int] = 8192
     max_length: Optional[int] = None
     pad_to_multiple_of: int = 64  # pad batch lengths to a multiple (a few recurring shapes: conf/train.yaml)
+    epochs: Optional[float] = None  # passes over the training rows; sets train.max_steps
 
 
 @dataclass
@@ -234,11 +236,22 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if hasattr(method, "bind"):  # methods whose features depend on the target (EAGLE-3's layer ids)
         method.bind(target)
     train_src, eval_src = build_data(cfg, method, target)
+    if cfg.data.epochs:
+        tcfg.max_steps = steps_for_epochs(cfg.data.epochs, len(train_src), acc.num_processes, tcfg.grad_accum)
+        log.info("data.epochs=%s: %d optimizer steps (%d batches per epoch)", cfg.data.epochs, tcfg.max_steps,
+                 len(train_src))
     set_vocab_rows(method, cfg, train_src)
     summary = train(method, target, train_src, tcfg, ocfg, eval_src, acc, reload_target=_reloader(cfg, target, acc))
     if eval_src is not None and acc.is_main_process:
         add_bigram_baselines(summary, train_src, eval_src, cfg)
     return summary
+
+
+def steps_for_epochs(epochs: float, batches_per_epoch: int, processes: int, grad_accum: int) -> int:
+    """Optimizer steps for ``epochs`` passes: each step takes ``processes x grad_accum`` batches."""
+    if epochs <= 0:
+        raise ConfigError(f"data.epochs must be positive, got {epochs}")
+    return max(1, math.ceil(epochs * batches_per_epoch / (processes * grad_accum)))
 
 
 def _reloader(cfg: DictConfig, target, acc):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from specheads.errors import ConfigError
 from specheads.methods.base import ARGMAX_KEY, FeatureSpec, StepOutput
 from specheads.methods.losses import column_logits, target_argmax, target_probs
 from specheads.methods.ttt import TargetRows, summarize_steps, ttt_loss, unrolled_accuracy
@@ -96,6 +97,11 @@ class Eagle3Method:
         return FeatureSpec(aux_layers=self.aux_layers, need_last=True)
 
     def bind(self, target: Target) -> "Eagle3Method":
+        """Learn the target's layer count; aux layers it does not have are refused here, before any work."""
+        bad = [i for i in (self.aux_layers or ()) if not 0 <= int(i) < target.num_layers]
+        if bad:
+            raise ConfigError(f"method.aux_layers {list(self.aux_layers)}: layer(s) {bad} out of range for target "
+                              f"'{target.name}' with {target.num_layers} decoder layers (0..{target.num_layers - 1})")
         self._num_target_layers = target.num_layers
         return self
 
