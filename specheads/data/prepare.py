@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from specheads.data.regenerate import RegenerateConfig, count_truncated, regenerate
-from specheads.data.render import ChatRenderer, TemplateError, ToolTurnError, chat_template_sha, render_samples
+from specheads.data.render import (ChatRenderer, TemplateError, ToolTurnError, chat_id, chat_template_sha,
+                                   render_samples)
 from specheads.data.sources import SkipReport, iter_conversations
 from specheads.errors import InputNotFoundError, UserError
 from specheads.targets import Target, tokenizer_fingerprint
@@ -127,8 +128,8 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
         "seconds": round(time.time() - t0, 1), "config": _config_key(cfg),
     }
     _write(rows, meta, out_dir)
-    log.info("prepared %d conversations (%d tokens, %d truncated to %d) in %.1f s; %s%s",
-             meta["num_samples"], meta["num_tokens"], truncated, cfg.max_length, meta["seconds"], report.summary(),
+    log.info("prepared %d samples from %d conversations (%d tokens, %d truncated to %d) in %.1f s; %s%s",
+             meta["num_samples"], len({chat_id(x) for x in rows["id"]}), meta["num_tokens"], truncated, cfg.max_length, meta["seconds"], report.summary(),
              "".join(f"; dropped {n} ({why})" for why, n in later.items()))
     if split["chats"]:
         log.info("the chat template rewrites earlier turns: %d chats became %d per-turn samples (%d tokens of "
