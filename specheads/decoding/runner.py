@@ -12,7 +12,12 @@ marked invalid in ``valid`` and masked out of attention), so one forward serves 
 
 The mask goes to the Hugging Face model as a 4D float additive mask ``(B, 1, q, kv)``, which
 transformers returns as-is for eager and SDPA attention; positions go as explicit
-``position_ids``.
+``position_ids``. Since a given mask replaces the model's own, the sliding window of a family that has
+one (Mistral, Phi-3, Gemma-2/3, gpt-oss: ``AttentionLayout``) is applied here, by position (a key at
+position k is seen from position p when p - k < window, as transformers' ``sliding_window_overlay``),
+as one mask when every layer slides, else one mask per layer type (``{"full_attention": ...,
+"sliding_attention": ...}``, which those models' forwards take). The cache keeps every entry of every
+layer (a sliding layer's transformers cache drops old entries, which tree commits cannot address).
 """
 
 from __future__ import annotations
@@ -25,7 +30,41 @@ import torch
 from torch import nn
 
 from specheads.decoding.slots import TreeSlots
-from specheads.targets import capture_layer_inputs
+from specheads.targets import UnsupportedTargetError, capture_layer_inputs, model_family, output_logits
+
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How a target's layers attend: ``window`` (tokens) of its sliding layers or None; ``per_type``: the
+    model takes one mask per layer type (its config lists ``layer_types``), else one mask for all layers."""
+
+    window: int | None = None
+    per_type: bool = False
+
+    @classmethod
+    def of(cls, config) -> "AttentionLayout":
+        """Read from a transformers config; raises ``UnsupportedTargetError`` for layer kinds tree verification
+        does not model (chunked attention, KV sharing, ...), or sliding layers of different widths."""
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        kinds, kwargs = get_layer_types_and_kwargs(text)
+        other = sorted(set(kinds) - set(ATTENTION_KINDS))
+        if other:
+            raise UnsupportedTargetError(f"{model_family(config)}: tree verification supports full and sliding-window "
+                                         f"attention layers, this target has {other} layers")
+        windows = {kw["sliding_window"] for k, kw in zip(kinds, kwargs) if k == "sliding_attention"}
+        if len(windows) > 1:
+            raise UnsupportedTargetError(f"{model_family(config)}: sliding layers of different windows {sorted(windows)} "
+                                         "(tree verification applies one window)")
+        window = windows.pop() if windows else None
+        per_type = getattr(text, "layer_types", None) is not None
+        if window is not None and not per_type and set(kinds) != {"sliding_attention"}:
+            raise UnsupportedTargetError(f"{model_family(config)}: some layers slide but the config lists no layer_types, "
+                                         "so the model cannot take a mask per layer type")
+        return cls(window, per_type)
 
 
 @dataclass
@@ -49,6 +88,7 @@ class TargetRunner:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.aux_layers = tuple(aux_layers)
+        self.attention = AttentionLayout.of(model.config)
         self.forward_calls = 0
         self.batch_size = 0
         # transformers 5 renamed ``past_key_values`` to ``cache``; accept either.
@@ -69,7 +109,7 @@ class TargetRunner:
         from transformers import DynamicCache
 
         self.batch_size = batch_size
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = DynamicCache()  # no config: full layers everywhere (a sliding layer's would drop entries)
         self.slots = TreeSlots(batch_size, self.device)
 
     @property
@@ -87,6 +127,17 @@ class TargetRunner:
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         return mask[:, None]
 
+    def _masks(self, allowed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The model's attention mask(s) for q entries at positions ``pos`` (B, q) with ``allowed`` (B, q, kv)."""
+        window = self.attention.window
+        if window is None:
+            return self._additive(allowed)
+        near = pos[:, :, None] - self.slots.key_positions()[:, None, :] < window
+        sliding = self._additive(allowed & near)
+        if not self.attention.per_type:
+            return sliding
+        return {"full_attention": self._additive(allowed), "sliding_attention": sliding}
+
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, parents: torch.Tensor, live: torch.Tensor | None = None,
                 logits: bool = True, logits_at: torch.Tensor | None = None) -> ForwardOutput:
@@ -103,7 +154,7 @@ class TargetRunner:
             live = torch.ones_like(tokens, dtype=torch.bool)
         pos, allowed = self.slots.extend(parents, live)
         with capture_layer_inputs(self.decoder.layers, self.aux_layers) as captured:
-            out = self.decoder(input_ids=tokens, attention_mask=self._additive(allowed), position_ids=pos,
+            out = self.decoder(input_ids=tokens, attention_mask=self._masks(allowed, pos), position_ids=pos,
                                use_cache=True, **{self._cache_kw: self.cache})
         self.forward_calls += 1
         last = out.last_hidden_state
@@ -112,7 +163,7 @@ class TargetRunner:
         if logits:
             sel = last if logits_at is None else last.gather(
                 1, logits_at[..., None].expand(-1, -1, last.shape[-1]))
-            lg = self.lm_head(sel)
+            lg = output_logits(self.model.config, self.lm_head, sel)
         return ForwardOutput(lg, last, aux)
 
     def forward_chain(self, tokens: list[list[int]], **kw) -> ForwardOutput:

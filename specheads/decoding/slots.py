@@ -62,6 +62,12 @@ class TreeSlots:
         mask = torch.cat([self.valid[:, None, :].expand(B, q, -1), anc[:, s:, :]], dim=2)
         return pos[:, s:], mask
 
+    def key_positions(self) -> torch.Tensor:
+        """(B, S_c + s) position of every cache slot: a committed slot's is the count of valid slots before it
+        (holes get the next one's, and are masked anyway), a scratch entry's its tree position."""
+        committed = torch.cumsum(self.valid.long(), 1) - self.valid.long()
+        return torch.cat([committed, self.scratch_pos], 1)
+
     def chain_parents(self, lens: torch.Tensor, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Parents and live flags (B, q) for per-row chains of ``lens`` entries after each row's
         last live scratch entry (or the committed end)."""

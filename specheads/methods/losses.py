@@ -62,8 +62,11 @@ def column_logits(target, columns: torch.Tensor) -> Callable[[torch.Tensor], tor
     weight = head.weight.index_select(0, columns.to(head.weight.device))
     bias = None if getattr(head, "bias", None) is None else head.bias.index_select(0, columns.to(head.bias.device))
 
+    cap = getattr(target.config, "final_logit_softcapping", None)
+
     def fn(hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, weight.to(hidden.device), None if bias is None else bias.to(hidden.device))
+        logits = F.linear(hidden, weight.to(hidden.device), None if bias is None else bias.to(hidden.device))
+        return logits if not cap else torch.tanh(logits / cap) * cap  # as ``Target.logits`` (output_logits)
 
     return fn
 

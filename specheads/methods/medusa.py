@@ -41,7 +41,7 @@ from torch import nn
 
 from specheads.decoding.drafters import TreeShape
 from specheads.models.medusa import MedusaHeads, medusa_for_target
-from specheads.targets import Target
+from specheads.targets import Target, output_logits
 from specheads.methods.losses import soft_cross_entropy, target_argmax, target_probs
 from specheads.methods.base import FeatureSpec, StepOutput
 
@@ -401,14 +401,19 @@ class Medusa2Model(nn.Module):
 
     def _next_token_logits(self, h, input_ids, ok):
         pos = _next_token_positions(ok)
-        return self.base().lm_head(h[pos]).float(), input_ids[:, 1:][ok[:, 1:]], pos  # (N, V), (N,), (B, T)
+        return self._logits(h[pos]), input_ids[:, 1:][ok[:, 1:]], pos  # (N, V), (N,), (B, T)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The (adapted) target's float32 logits, soft-capped like its own forward (``output_logits``)."""
+        base = self.base()
+        return output_logits(base.config, base.lm_head, h).float()
 
     def _target_term(self, h, input_ids, attention_mask, ok) -> torch.Tensor:
         logits, y, pos = self._next_token_logits(h, input_ids, ok)
         n = max(1, y.numel())
         if self.cfg.target_loss == "lm":
             return F.cross_entropy(logits, y, reduction="sum") / n
-        ref = self.base().lm_head(self.reference_hidden(input_ids, attention_mask)[pos]).float()
+        ref = self._logits(self.reference_hidden(input_ids, attention_mask)[pos])
         t = self.cfg.kl_temperature
         kl = F.kl_div(F.log_softmax(logits / t, -1), F.log_softmax(ref / t, -1), log_target=True, reduction="sum")
         return kl * t * t / n
@@ -416,7 +421,7 @@ class Medusa2Model(nn.Module):
     @torch.no_grad()
     def _drift_sums(self, h, input_ids, attention_mask, ok, next_logits=None) -> dict[str, float]:
         logits, y, pos = next_logits or self._next_token_logits(h, input_ids, ok)
-        ref = self.base().lm_head(self.reference_hidden(input_ids, attention_mask)[pos]).float()
+        ref = self._logits(self.reference_hidden(input_ids, attention_mask)[pos])
         lp, lq = F.log_softmax(logits, -1), F.log_softmax(ref, -1)
         n = float(y.numel())
         return {

@@ -62,7 +62,7 @@ class Eagle1Model(PreTrainedModel):
         if target.hidden_size != self.config.hidden_size or target.vocab_size != self.config.vocab_size:
             raise ValueError(f"target {target.name} (hidden {target.hidden_size}, vocab {target.vocab_size}) does not "
                              f"match this EAGLE-1 head (hidden {self.config.hidden_size}, vocab {self.config.vocab_size})")
-        self.__dict__["_embed"] = target.embed_tokens
+        self.__dict__["_embed"] = target.raw_embedding  # the plain table, as the engines give a drafter
         self.__dict__["_lm_head"] = target.lm_head
         return self
 

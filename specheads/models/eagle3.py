@@ -84,7 +84,7 @@ class Eagle3Model(PreTrainedModel):
         if target.hidden_size != self.config.hidden_size or target.vocab_size != self.config.vocab_size:
             raise ValueError(f"target {target.name} (hidden {target.hidden_size}, vocab {target.vocab_size}) does not "
                              f"match this EAGLE-3 head (hidden {self.config.hidden_size}, vocab {self.config.vocab_size})")
-        self.__dict__["_embed"] = target.embed_tokens
+        self.__dict__["_embed"] = target.raw_embedding  # the plain table, as the engines give a drafter
         return self
 
     def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:

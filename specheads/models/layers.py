@@ -67,6 +67,10 @@ def draft_fields_from_target(target_config) -> dict:
     rope = getattr(target_config, "rope_parameters", None)
     if rope is None:
         rope = {"rope_type": "default", "rope_theta": getattr(target_config, "rope_theta", 10000.0)}
+    if all(isinstance(v, dict) for v in rope.values()):
+        # RoPE per layer type (Gemma-3: local and global bases): the draft layer attends to the whole context
+        # like the target's full-attention layers, and an engine's Llama config takes one set of parameters.
+        rope = rope.get("full_attention") or next(iter(rope.values()))
     fields["rope_parameters"] = dict(rope)
     return fields
 
