@@ -44,11 +44,14 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
                     **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention interface: query (B, H, q, d), key/value (B, Hkv, kv, d), mask additive
     (B, 1, q, kv) float, boolean (True = attend) or None (causal, the q queries being the last q keys).
-    Returns (B, q, H, d) in the query's dtype."""
-    for name in ("softcap", "s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"exact attention does not implement {name}= (model {type(module).__name__}); "
-                                      f"evaluate with exact_forward=off")
+    Returns (B, q, H, dv) in the query's dtype. Like transformers' eager attention of the families that
+    have them: ``softcap`` caps the scaled scores (``cap * tanh(s / cap)``, Gemma-2) before the mask;
+    ``s_aux`` (gpt-oss's attention sinks, one logit per query head) is an extra softmax column, dropped
+    after the softmax. A value head dim other than the query's (DeepSeek's MLA) is kept."""
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError(f"exact attention does not implement position_bias= (model {type(module).__name__}); "
+                                  f"evaluate with exact_forward=off")
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux", kwargs.get("sinks"))
     if dropout and module.training:
         raise ValueError("exact attention is for inference: dropout during training is not supported")
     b, h, q, d = query.shape
@@ -60,6 +63,8 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     qd = query.to(torch.float64).reshape(b, hkv, g * q, d)
     scores = torch.matmul(qd, key.to(torch.float64).transpose(-1, -2))
     scores.mul_(d ** -0.5 if scaling is None else scaling)
+    if softcap:
+        scores = torch.tanh(scores / softcap).mul_(softcap)
     scores = scores.view(b, hkv, g, q, kv)
     if attention_mask is None:
         causal = torch.ones(q, kv, dtype=torch.bool, device=query.device).tril(kv - q)
@@ -68,9 +73,14 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         scores.masked_fill_(~attention_mask[..., :kv].unsqueeze(2), float("-inf"))
     else:
         scores.add_(attention_mask[..., :kv].to(torch.float64).unsqueeze(2))
-    probs = torch.softmax(scores.view(b, hkv, g * q, kv), -1)
-    out = torch.matmul(probs, value.to(torch.float64))  # (B, Hkv, g*q, d)
-    return out.view(b, h, q, d).transpose(1, 2).to(query.dtype).contiguous(), None
+    scores = scores.view(b, hkv, g * q, kv)
+    if sinks is not None:  # head j*g + i's sink logit, beside each of its q rows
+        sink = sinks.to(torch.float64).view(1, hkv, g, 1).expand(b, hkv, g, q).reshape(b, hkv, g * q, 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :kv]
+    else:
+        probs = torch.softmax(scores, -1)
+    out = torch.matmul(probs, value.to(torch.float64))  # (B, Hkv, g*q, dv)
+    return out.view(b, h, q, value.shape[-1]).transpose(1, 2).to(query.dtype).contiguous(), None
 
 
 def _register() -> None:

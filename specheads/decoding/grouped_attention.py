@@ -53,16 +53,18 @@ def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
     mg = mask.unsqueeze(2).expand(mask.shape[0], 1, g, q, kv).reshape(mask.shape[0], 1, g * q, kv)
     out = torch.nn.functional.scaled_dot_product_attention(
         qg, key, value, attn_mask=mg, dropout_p=dropout if module.training else 0.0, scale=scaling)
-    return out.view(b, h, q, d).transpose(1, 2).contiguous(), None
+    return out.view(b, h, q, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 def use_grouped_attention(model: nn.Module) -> bool:
     """Switch a grouped-query model that runs transformers' SDPA to ``grouped_sdpa_attention`` (in
     place); returns whether it did. Other models (eager, exact or flash attention, one query head per
-    key/value head) are left as they are."""
+    key/value head, attention with soft-capped scores or sinks, which SDPA cannot take) are left as they are."""
     cfg = model.config
     heads, kv_heads = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
     if cfg._attn_implementation != "sdpa" or not heads or not kv_heads or heads == kv_heads:
+        return False
+    if getattr(cfg, "attn_logit_softcapping", None) or any(n.endswith("sinks") for n, _ in model.named_parameters()):
         return False
     from transformers import AttentionInterface
 
