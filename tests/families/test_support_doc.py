@@ -1,0 +1,66 @@
+"""docs/support_matrix.md is what scripts/support_matrix.py renders from the current family tests.
+
+Two checks: the doc was made from the family tests that exist now (their ids' digest, from a
+``--collect-only`` run), and, when the family tests ran earlier in this session (``pytest tests/families``),
+every (family, stage) they logged has the doc's cell (✓, ✗ or R).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import support_log
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("support_matrix", REPO / "scripts" / "support_matrix.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _family_test_ids() -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "tests/families", "--ignore", "tests/families/test_support_doc.py"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return [ln for ln in out.splitlines() if "::" in ln]
+
+
+def test_doc_was_generated_from_the_current_family_tests():
+    sm = _script()
+    cells, digest = sm.parse_doc(sm.DOC.read_text())
+    assert cells, f"{sm.DOC} holds no matrix; run python scripts/support_matrix.py"
+    assert digest == sm.test_ids_digest(_family_test_ids()), \
+        "the family tests changed since docs/support_matrix.md was generated: run python scripts/support_matrix.py"
+
+
+def test_doc_agrees_with_this_sessions_outcomes():
+    if not support_log.SESSION:
+        pytest.skip("no family test ran before this one in this session (run pytest tests/families)")
+    sm = _script()
+    doc, _ = sm.parse_doc(sm.DOC.read_text())
+    outcomes: dict[tuple[str, str], str] = {}
+    for line in support_log.SESSION:
+        key = (line["family"], line["stage"])
+        if outcomes.get(key, "passed") == "passed":
+            outcomes[key] = line["outcome"]
+    wrong = {key: (doc.get(key), out) for key, out in outcomes.items() if not str(doc.get(key)).startswith(sm.symbol(out))}
+    assert not wrong, f"docs/support_matrix.md disagrees with this run (doc cell, outcome): {wrong}; " \
+                      "run python scripts/support_matrix.py"
+
+
+def test_render_round_trips_every_outcome():
+    sm = _script()
+    cells = {("llama", "collect_store"): "passed", ("llama", "export_vllm"): "failed",
+             ("gemma2", "evaluate_tree"): "refused: gemma2: no way", ("gemma2", "prepare"): "passed"}
+    doc, digest = sm.parse_doc(sm.render(cells, ["a::b"]))
+    assert doc[("llama", "collect_store")] == "✓" and doc[("llama", "export_vllm")] == "✗"
+    assert doc[("gemma2", "evaluate_tree")] == "R1" and doc[("gemma2", "prepare")] == "✓"
+    assert doc[("llama", "prepare")] == "—" and digest == sm.test_ids_digest(["a::b"])
