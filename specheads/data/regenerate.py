@@ -34,7 +34,7 @@ from specheads.data.batch_generate import generate_static
 from specheads.data.render import REASONING, ChatRenderer, TemplateError, prompt_ids, split_reasoning
 from specheads.data.sources import Conversation
 from specheads.errors import UserError
-from specheads.targets import Target
+from specheads.targets import Target, eos_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def _regenerate_batch(target: Target, batch: list[Conversation], cfg: Regenerate
     an empty answer or a cut one (kept, marked ``truncated``) ends it.
     """
     tok = target.tokenizer
-    stops = turn_stop_ids(renderer)
+    stops = sorted(set(turn_stop_ids(renderer)) | set(eos_token_ids(target)))  # the generation config's ids too
     work = [[dict(m) for m in c.messages] for c in batch]
     end = [0] * len(batch)  # each chat keeps work[j][:end[j]]
     stopped = [False] * len(batch)
