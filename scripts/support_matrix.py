@@ -37,7 +37,8 @@ FAMILY_ORDER = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "g
 
 
 def read_log(path: Path) -> tuple[dict[tuple[str, str], str], list[str]]:
-    """((family, stage) -> outcome, test ids). A stage several tests log is passed only if all passed."""
+    """((family, stage) -> outcome, ids of the tests that logged). A stage several tests log is passed only
+    if all passed."""
     cells: dict[tuple[str, str], str] = {}
     tests: list[str] = []
     for ln in path.read_text().splitlines():
@@ -110,6 +111,13 @@ def symbol(outcome: str | None) -> str:
     return {"passed": "✓"}.get(outcome, "R" if outcome.startswith("refused") else "✗")
 
 
+def collect_test_ids(paths=DEFAULT_TESTS) -> list[str]:
+    """The ids of the tests under ``paths`` (pytest --collect-only), the doc test left out."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *paths,
+                          "--ignore", DOC_TEST], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return [ln for ln in out.splitlines() if "::" in ln]
+
+
 def run_tests(paths, log: Path) -> int:
     env = dict(os.environ, SPECHEADS_SUPPORT_LOG=str(log), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, "--ignore", DOC_TEST]
@@ -129,14 +137,14 @@ def main(argv=None) -> int:
             log = Path(tmp) / "support.jsonl"
             log.touch()
             rc = run_tests(args.tests, log)
-            cells, tests = read_log(log)
+            cells, logged = read_log(log)
     else:
-        cells, tests = read_log(args.log)
+        cells, logged = read_log(args.log)
     if not cells:
         print("no support lines were logged: nothing written", file=sys.stderr)
         return rc or 1
-    args.out.write_text(render(cells, tests))
-    print(f"wrote {args.out} ({len(cells)} cells from {len(tests)} tests; pytest exit {rc})")
+    args.out.write_text(render(cells, collect_test_ids(args.tests)))
+    print(f"wrote {args.out} ({len(cells)} cells from {len(logged)} tests; pytest exit {rc})")
     return rc
 
 

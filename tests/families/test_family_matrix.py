@@ -304,3 +304,24 @@ def test_export(family, engine, worlds, support):
         head = w.head({"medusa": "medusa1"}.get(method, method))
         out = export_head(head, w.root / f"export-{method}-{engine}", engine=engine, target=str(w.target_dir))
         _check_export(w, method, engine, out)
+
+
+def test_attention_the_runner_cannot_mask_is_refused_in_one_line():
+    """Layer kinds tree verification does not model (chunked attention, as Llama-4's) are a one-line user
+    error naming the family, before any decoding; the families above all get their layout."""
+    from transformers import LlamaConfig
+
+    from specheads.decoding.runner import AttentionLayout
+    from specheads.errors import UserError, one_line
+    from family_models import family_config
+
+    config = LlamaConfig(num_hidden_layers=2, layer_types=["chunked_attention", "full_attention"],
+                         attention_chunk_size=8)
+    with pytest.raises(UserError, match=r"^llama: .*\['chunked_attention'\]") as e:
+        AttentionLayout.of(config)
+    assert one_line(e.value) == str(e.value)
+    layouts = {f: AttentionLayout.of(family_config(f)) for f in FAMILIES}
+    assert {f for f, lay in layouts.items() if lay.window == WINDOW} == {"mistral", "gemma2", "gemma3_text", "phi3",
+                                                                          "gpt_oss"}
+    assert all(layouts[f].per_type for f in ("gemma2", "gemma3_text", "gpt_oss"))
+    assert not any(layouts[f].per_type for f in ("mistral", "phi3"))

@@ -8,8 +8,6 @@ every (family, stage) they logged has the doc's cell (✓, ✗ or R).
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,18 +24,11 @@ def _script():
     return module
 
 
-def _family_test_ids() -> list[str]:
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          "tests/families", "--ignore", "tests/families/test_support_doc.py"],
-                         cwd=REPO, capture_output=True, text=True, check=True).stdout
-    return [ln for ln in out.splitlines() if "::" in ln]
-
-
 def test_doc_was_generated_from_the_current_family_tests():
     sm = _script()
     cells, digest = sm.parse_doc(sm.DOC.read_text())
     assert cells, f"{sm.DOC} holds no matrix; run python scripts/support_matrix.py"
-    assert digest == sm.test_ids_digest(_family_test_ids()), \
+    assert digest == sm.test_ids_digest(sm.collect_test_ids()), \
         "the family tests changed since docs/support_matrix.md was generated: run python scripts/support_matrix.py"
 
 
