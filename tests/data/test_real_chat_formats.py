@@ -84,22 +84,26 @@ def check(family: str, msgs: list[dict], n_samples: int, kwargs: dict | None = N
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_plain_two_turn_chat(family):
+def test_plain_two_turn_chat(family, support):
+    support(f"chat:{family}", "prepare")
     check(family, chat(), 2 if family in REWRITES else 1)
 
 
 @pytest.mark.parametrize("family", REASONING)
-def test_reasoning_turns(family):
+def test_reasoning_turns(family, support):
+    support(f"chat:{family}", "prepare")
     check(family, chat(reasoning=True), 2)
 
 
-def test_qwen3_thinking_off():
+def test_qwen3_thinking_off(support):
+    support("chat:qwen3", "prepare")
     # enable_thinking=False: the generation prompt holds the empty think block, the model writes the answer
     check("qwen3", chat(), 2, {"enable_thinking": False}, generated=lambda c, r: f"{c}<|im_end|>")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_system_prompt(family):
+def test_system_prompt(family, support):
+    support(f"chat:{family}", "prepare")
     # Mistral v0.3 puts the system prompt in the last user turn: each turn's prompt differs from history
     check(family, chat(system=True), 2 if family in REWRITES | {"mistral"} else 1)
 

@@ -50,8 +50,8 @@ def test_doc_agrees_with_this_sessions_outcomes():
 def test_render_round_trips_every_outcome():
     sm = _script()
     cells = {("llama", "collect_store"): "passed", ("llama", "export_vllm"): "failed",
-             ("gemma2", "evaluate_tree"): "refused: gemma2: no way", ("gemma2", "prepare"): "passed"}
+             ("gemma2", "evaluate_tree"): "refused: gemma2: no way", ("chat:qwen3", "prepare"): "passed"}
     doc, digest = sm.parse_doc(sm.render(cells, ["a::b"]))
     assert doc[("llama", "collect_store")] == "✓" and doc[("llama", "export_vllm")] == "✗"
-    assert doc[("gemma2", "evaluate_tree")] == "R1" and doc[("gemma2", "prepare")] == "✓"
-    assert doc[("llama", "prepare")] == "—" and digest == sm.test_ids_digest(["a::b"])
+    assert doc[("gemma2", "evaluate_tree")] == "R1" and doc[("chat:qwen3", "prepare")] == "✓"
+    assert doc[("llama", "export_sglang")] == "—" and digest == sm.test_ids_digest(["a::b"])
