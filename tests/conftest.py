@@ -55,3 +55,32 @@ def smollm2_tokenizer():
     from specheads.targets import load_tokenizer
 
     return load_tokenizer("smollm2")
+
+
+# --------------------------------------------------------------------------- support log (docs/support_matrix.md)
+# A test that takes the ``support`` fixture and names what it covers (``support(family, stage)``) logs its
+# outcome when SPECHEADS_SUPPORT_LOG is set (tests/families/support_log.py; scripts/support_matrix.py).
+import sys as _sys  # noqa: E402
+from pathlib import Path as _Path  # noqa: E402
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parent / "families"))
+from support_log import SupportRecord, write_line  # noqa: E402
+
+
+@pytest.fixture
+def support(request) -> SupportRecord:
+    record = SupportRecord()
+    record.family = getattr(getattr(request.node, "callspec", None), "params", {}).get("family")
+    request.node._support_record = record
+    return record
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    record = getattr(item, "_support_record", None)
+    if record is None or record.family is None or record.stage is None:
+        return
+    if report.when == "call" or (report.when == "setup" and report.failed):
+        write_line(record, report.passed, item.nodeid)
