@@ -115,6 +115,16 @@ def default_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
 # --------------------------------------------------------------------------- loading
 
 
+def check_aux_layers(aux_layers, target: "Target", setting: str = "aux_layers") -> None:
+    """Refuse aux layers the target does not have (a ``ConfigError`` naming them), before any work."""
+    from specheads.errors import ConfigError
+
+    bad = [i for i in (aux_layers or ()) if not 0 <= int(i) < target.num_layers]
+    if bad:
+        raise ConfigError(f"{setting} {list(aux_layers)}: layer(s) {bad} out of range for target '{target.name}' "
+                          f"with {target.num_layers} decoder layers (0..{target.num_layers - 1})")
+
+
 def _file_key(path: Path) -> str:
     st = path.stat()
     return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]

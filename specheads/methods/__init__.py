@@ -15,6 +15,7 @@ METHODS: dict[str, str] = {
     "medusa2": "specheads.methods.medusa:Medusa2Method",
     "eagle1": "specheads.methods.eagle1:Eagle1Method",
     "eagle3": "specheads.methods.eagle3:Eagle3Method",
+    "dflash": "specheads.methods.dflash:DFlashMethod",
 }
 
 

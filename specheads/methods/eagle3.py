@@ -12,13 +12,12 @@ from pathlib import Path
 
 import torch
 
-from specheads.errors import ConfigError
 from specheads.methods.base import ARGMAX_KEY, FeatureSpec, StepOutput
 from specheads.methods.losses import column_logits, target_argmax, target_probs
 from specheads.methods.ttt import TargetRows, summarize_steps, ttt_loss, unrolled_accuracy
 from specheads.models.eagle3 import Eagle3Config, Eagle3Model
 from specheads.models.vocab import build_draft_vocab, count_loss_tokens, coverage
-from specheads.targets import Target, default_eagle3_layers
+from specheads.targets import Target, check_aux_layers, default_eagle3_layers
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +97,7 @@ class Eagle3Method:
 
     def bind(self, target: Target) -> "Eagle3Method":
         """Learn the target's layer count; aux layers it does not have are refused here, before any work."""
-        bad = [i for i in (self.aux_layers or ()) if not 0 <= int(i) < target.num_layers]
-        if bad:
-            raise ConfigError(f"method.aux_layers {list(self.aux_layers)}: layer(s) {bad} out of range for target "
-                              f"'{target.name}' with {target.num_layers} decoder layers (0..{target.num_layers - 1})")
+        check_aux_layers(self.aux_layers, target, "method.aux_layers")
         self._num_target_layers = target.num_layers
         return self
 

@@ -114,6 +114,33 @@ def soft_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
     return total, torch.cat(preds)
 
 
+def _hard_ce_chunk(head: Callable, h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = head(pad_rows(h))[: h.shape[0]].float()
+    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
+
+
+def hard_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
+                       chunk: int = 2048, use_checkpoint: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy of ``head(hidden)`` against token ``labels``, and the argmax.
+
+    head: (n, H) -> (n, V) logits; hidden: (N, H); labels: (N,) long. Returns (loss (N,), argmax (N,) long),
+    ``chunk`` rows at a time; past one chunk, with ``use_checkpoint``, each chunk's logits are recomputed in
+    the backward pass instead of being kept.
+    """
+    if hidden.shape[0] <= chunk:
+        return _hard_ce_chunk(head, hidden, labels)
+    losses, preds = [], []
+    for s in range(0, hidden.shape[0], chunk):
+        h, y = hidden[s:s + chunk], labels[s:s + chunk]
+        if use_checkpoint and torch.is_grad_enabled():
+            loss, pred = checkpoint(_hard_ce_chunk, head, h, y, use_reentrant=False)
+        else:
+            loss, pred = _hard_ce_chunk(head, h, y)
+        losses.append(loss)
+        preds.append(pred)
+    return torch.cat(losses), torch.cat(preds)
+
+
 def feature_loss(pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
     """Summed (over rows) smooth-L1 between predicted and true features, averaged over H. (N, H) -> scalar."""
     return F.smooth_l1_loss(pred.float(), true.float(), reduction="none").mean(-1).sum()

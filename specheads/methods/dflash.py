@@ -1,0 +1,179 @@
+"""DFlash training (model: ``specheads.models.dflash``).
+
+Each step draws ``anchors`` random anchor positions per row among the positions whose next token is an
+assistant token (without replacement; fewer when a row has fewer), builds one block per anchor (the anchor's
+token, then mask tokens) and runs every block of a row in one forward over the row's context states. Slot
+``j >= 1`` of the block anchored at ``a`` predicts the token at ``a+j`` with weight ``exp(-(j-1)/gamma)``
+times ``loss_mask[a+j]``; the loss is the weighted mean cross-entropy (SpecForge's and ModelOpt's form).
+Labels are the target's greedy tokens (``labels=target``: its argmax at ``a+j-1``, what greedy verification
+accepts; speculators' ``ce`` form) or the data's (``labels=data``: ``input_ids[a+j]``).
+
+Held-out metrics, per block slot: ``step{j-1}`` top-1 agreement with the labels and ``joint{j-1}`` (slots
+``1..j`` all right), whose sum plus one is the chain acceptance length of one block at T=0 (``tau_joint``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from specheads.methods.base import ARGMAX_KEY, FeatureSpec, StepOutput
+from specheads.methods.losses import hard_cross_entropy, target_argmax
+from specheads.methods.ttt import summarize_steps
+from specheads.models.dflash import DFlashConfig, DFlashModel, block_attention_mask
+from specheads.targets import Target, check_aux_layers, default_eagle3_layers
+
+log = logging.getLogger(__name__)
+
+
+class DFlashMethod:
+    """num_layers: draft layers (z-lab's published drafts 5; 1 keeps a CPU run short); block_size: B (16 as
+    z-lab and speculators' CLI; 8 in ModelOpt's recipe); aux_layers: fused target layers, null = (2, N//2, N-3),
+    EAGLE-3's, so one feature store serves both; mask_token_id: null = ``models.dflash.default_mask_token``;
+    anchors: blocks per row per step (512 in the public recipes on a GPU); gamma: the loss decay over slots (7
+    for B=16, 4 for B=8 in ModelOpt's recipe); labels: ``target`` or ``data``."""
+
+    name = "dflash"
+
+    def __init__(self, num_layers: int = 1, block_size: int = 16, aux_layers=None, mask_token_id: int | None = None,
+                 anchors: int = 64, gamma: float = 7.0, labels: str = "target", eval_anchors: int | None = None,
+                 head_chunk: int = 2048, target_chunk: int = 1024):
+        if num_layers < 1:
+            raise ValueError(f"dflash: num_layers must be at least 1, got {num_layers}")
+        if block_size < 2:
+            raise ValueError(f"dflash: block_size must be at least 2 (the anchor and one drafted token), got {block_size}")
+        if anchors < 1 or (eval_anchors is not None and eval_anchors < 1):
+            raise ValueError(f"dflash: anchors must be at least 1, got {anchors} / {eval_anchors}")
+        if not gamma > 0:
+            raise ValueError(f"dflash: gamma must be positive, got {gamma}")
+        if labels not in ("target", "data"):
+            raise ValueError(f"dflash: labels must be 'target' or 'data', got {labels!r}")
+        self.num_layers, self.block_size, self.mask_token_id = num_layers, block_size, mask_token_id
+        self.aux_layers = tuple(aux_layers) if aux_layers is not None else None
+        self.anchors, self.eval_anchors = anchors, eval_anchors or anchors
+        self.gamma, self.labels = float(gamma), labels
+        self.head_chunk, self.target_chunk = head_chunk, target_chunk
+        self._num_target_layers: int | None = None
+
+    @property
+    def feature_spec(self) -> FeatureSpec:
+        if self.aux_layers is None:
+            if self._num_target_layers is None:
+                raise RuntimeError("DFlashMethod with default aux_layers must be bound to a target first (bind)")
+            return FeatureSpec(aux_layers=default_eagle3_layers(self._num_target_layers), need_last=True)
+        return FeatureSpec(aux_layers=self.aux_layers, need_last=True)
+
+    def bind(self, target: Target) -> "DFlashMethod":
+        """Learn the target's layer count; aux layers it does not have are refused here, before any work."""
+        check_aux_layers(self.aux_layers, target, "method.aux_layers")
+        self._num_target_layers = target.num_layers
+        return self
+
+    def build(self, target: Target) -> DFlashModel:
+        self.bind(target)
+        config = DFlashConfig.from_target(target, self.num_layers, self.block_size, self.feature_spec.aux_layers,
+                                          self.mask_token_id)
+        return DFlashModel(config).to(target.device).attach(target)
+
+    def slot_weights(self, device=None) -> torch.Tensor:
+        """(B,) loss weight of each block slot: 0 for the anchor, exp(-(j-1)/gamma) for slot j >= 1."""
+        j = torch.arange(self.block_size, device=device, dtype=torch.float32)
+        return torch.where(j > 0, torch.exp(-(j - 1) / self.gamma), torch.zeros_like(j))
+
+    def sample_anchors(self, batch: dict, n: int, generator: torch.Generator | None = None):
+        """(anchors (B, n) long, valid (B, n) bool): positions ``a >= 1`` whose next token is an assistant
+        token, ``n`` per row drawn without replacement (rows with fewer get invalid extras, masked out)."""
+        mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+        B, T = mask.shape
+        cand = torch.zeros_like(mask)
+        cand[:, 1:T - 1] = mask[:, 2:]
+        n = max(1, min(n, T))
+        score = torch.rand(B, T, generator=generator, device=mask.device if generator is None else generator.device)
+        score = score.to(mask.device).masked_fill(~cand, -1.0)
+        top = score.topk(n, dim=1)
+        anchors, valid = top.indices, top.values >= 0
+        order = anchors.masked_fill(~valid, T).argsort(dim=1)  # valid anchors first, by position
+        return anchors.gather(1, order), valid.gather(1, order)
+
+    def _blocks(self, model: DFlashModel, batch: dict, target: Target, n: int, generator=None):
+        """Run one block per anchor; returns (h (B, n, bs, H), labels (B, n, bs), weights (B, n, bs))."""
+        ids, att, lm = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
+        B, T = ids.shape
+        bs = self.block_size
+        anchors, valid = self.sample_anchors(batch, n, generator)
+        n = anchors.shape[1]
+        cache = model.new_cache()
+        positions = torch.arange(T, device=ids.device).expand(B, -1)
+        model.extend_context(cache, model.fuse(batch["hidden_aux"]), positions)
+        block_ids = model.block_inputs(ids.gather(1, anchors)).reshape(B, n * bs)
+        block_pos = (anchors[:, :, None] + torch.arange(bs, device=ids.device)).reshape(B, n * bs)
+        mask = block_attention_mask(anchors, bs, T, att)
+        h = model.decode(block_ids, block_pos, cache, mask).view(B, n, bs, -1)
+        where = block_pos.view(B, n, bs)  # the position slot j predicts: a + j
+        inside = (where < T) & valid[:, :, None]
+        at = where.clamp(max=T - 1)
+        if self.labels == "data":
+            labels = ids.gather(1, at.view(B, -1)).view(B, n, bs)
+        else:
+            argmax = batch.get(ARGMAX_KEY)
+            if argmax is None:
+                argmax = target_argmax(target.logits, batch["hidden_last"], self.target_chunk)
+            labels = argmax.gather(1, (at - 1).clamp(min=0).view(B, -1)).view(B, n, bs)
+        counted = inside & lm.gather(1, at.view(B, -1)).view(B, n, bs) & att.gather(1, at.view(B, -1)).view(B, n, bs)
+        weights = self.slot_weights(ids.device)[None, None, :] * counted
+        return h, labels, weights
+
+    def loss(self, model: DFlashModel, batch: dict, target: Target) -> StepOutput:
+        h, labels, weights = self._blocks(model, batch, target, self.anchors)
+        sel = weights > 0
+        if not bool(sel.any()):
+            return StepOutput(loss=h.sum() * 0.0, metrics={"blocks": 0.0})
+        ce, pred = hard_cross_entropy(model.logits, h[sel], labels[sel], self.head_chunk)
+        w = weights[sel]
+        loss = (ce * w).sum() / w.sum()
+        right = pred == labels[sel]
+        slot = torch.arange(self.block_size, device=h.device).expand_as(sel)[sel]
+        metrics = {"blocks": float(sel.any(-1).sum())}
+        for j in range(1, self.block_size):
+            here = slot == j
+            if bool(here.any()):
+                metrics[f"step{j - 1}_acc"] = float(right[here].float().mean())
+        return StepOutput(loss=loss, metrics=metrics)
+
+    @torch.no_grad()
+    def evaluate(self, model: DFlashModel, batch: dict, target: Target) -> dict[str, float]:
+        """Per-slot top-1 agreement with the labels (``step{j-1}``) and slots 1..j all right (``joint{j-1}``),
+        as sums over a fixed draw of anchors."""
+        gen = torch.Generator(device=batch["input_ids"].device).manual_seed(0)
+        h, labels, weights = self._blocks(model, batch, target, self.eval_anchors, gen)
+        counted = weights > 0
+        right = torch.zeros_like(counted)
+        if bool(counted.any()):
+            right[counted] = model.logits(h[counted]).argmax(-1) == labels[counted]
+        out: dict[str, float] = {}
+        chain = torch.ones_like(counted[:, :, 0])  # slots 1..j-1 counted and right
+        for j in range(1, self.block_size):
+            c, r = counted[:, :, j], right[:, :, j]
+            out[f"step{j - 1}_correct"], out[f"step{j - 1}_total"] = float(r.sum()), float(c.sum())
+            first = counted[:, :, 1]  # the blocks whose first drafted slot is counted
+            chain = chain & c & r
+            out[f"joint{j - 1}_correct"], out[f"joint{j - 1}_total"] = float((chain & first).sum()), float(first.sum())
+        return out
+
+    @staticmethod
+    def summarize(metrics: dict[str, float]) -> dict[str, float]:
+        """Engine hook: ``tau_joint`` (one block's chain acceptance length at T=0) and ``tau_estimate``."""
+        return summarize_steps(metrics)
+
+    @staticmethod
+    def drafter(model, shape):
+        """The drafter the evaluator uses (measured acceptance during training)."""
+        from specheads.decoding.head_drafters import DFlashDrafter
+
+        return DFlashDrafter(model, shape)
+
+    def save(self, model: DFlashModel, out_dir: str, target: Target) -> None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir)
