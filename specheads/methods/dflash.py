@@ -6,7 +6,9 @@ token, then mask tokens) and runs every block of a row in one forward over the r
 ``j >= 1`` of the block anchored at ``a`` predicts the token at ``a+j`` with weight ``exp(-(j-1)/gamma)``
 times ``loss_mask[a+j]``; the loss is the weighted mean cross-entropy (SpecForge's and ModelOpt's form).
 Labels are the target's greedy tokens (``labels=target``: its argmax at ``a+j-1``, what greedy verification
-accepts; speculators' ``ce`` form) or the data's (``labels=data``: ``input_ids[a+j]``).
+accepts; speculators' ``ce`` form) or the data's (``labels=data``: ``input_ids[a+j]``). ``lk_weight`` > 0 mixes
+in the acceptance objective of the LK losses (arXiv 2602.23881): ``-log sum_x min(p, q)`` against the
+target's distribution ``p`` at ``a+j-1`` (``losses.acceptance_nll``), ``(1 - w) * CE + w * that`` per slot.
 
 Held-out metrics, per block slot: ``step{j-1}`` top-1 agreement with the labels and ``joint{j-1}`` (slots
 ``1..j`` all right), whose sum plus one is the chain acceptance length of one block at T=0 (``tau_joint``).
@@ -39,7 +41,7 @@ class DFlashMethod:
 
     def __init__(self, num_layers: int = 1, block_size: int = 16, aux_layers=None, mask_token_id: int | None = None,
                  anchors: int = 64, gamma: float = 7.0, labels: str = "target", eval_anchors: int | None = None,
-                 head_chunk: int = 2048, target_chunk: int = 1024):
+                 head_chunk: int = 2048, target_chunk: int = 1024, lk_weight: float = 0.0):
         if num_layers < 1:
             raise ValueError(f"dflash: num_layers must be at least 1, got {num_layers}")
         if block_size < 2:
@@ -48,13 +50,15 @@ class DFlashMethod:
             raise ValueError(f"dflash: anchors must be at least 1, got {anchors} / {eval_anchors}")
         if not gamma > 0:
             raise ValueError(f"dflash: gamma must be positive, got {gamma}")
+        if not 0.0 <= lk_weight <= 1.0:
+            raise ValueError(f"dflash: lk_weight must lie in [0, 1], got {lk_weight}")
         if labels not in ("target", "data"):
             raise ValueError(f"dflash: labels must be 'target' or 'data', got {labels!r}")
         self.num_layers, self.block_size, self.mask_token_id = num_layers, block_size, mask_token_id
         self.aux_layers = tuple(aux_layers) if aux_layers is not None else None
         self.anchors, self.eval_anchors = anchors, eval_anchors or anchors
         self.gamma, self.labels = float(gamma), labels
-        self.head_chunk, self.target_chunk = head_chunk, target_chunk
+        self.head_chunk, self.target_chunk, self.lk_weight = head_chunk, target_chunk, float(lk_weight)
         self._num_target_layers: int | None = None
 
     @property
@@ -98,7 +102,8 @@ class DFlashMethod:
         return anchors.gather(1, order), valid.gather(1, order)
 
     def _blocks(self, model: DFlashModel, batch: dict, target: Target, n: int, generator=None):
-        """Run one block per anchor; returns (h (B, n, bs, H), labels (B, n, bs), weights (B, n, bs))."""
+        """Run one block per anchor; returns (h (B, n, bs, H), labels (B, n, bs), weights (B, n, bs), source
+        (B, n, bs): the position whose target state predicts each slot's token, a + j - 1)."""
         ids, att, lm = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
         B, T = ids.shape
         bs = self.block_size
@@ -123,14 +128,20 @@ class DFlashMethod:
             labels = argmax.gather(1, (at - 1).clamp(min=0).view(B, -1)).view(B, n, bs)
         counted = inside & lm.gather(1, at.view(B, -1)).view(B, n, bs) & att.gather(1, at.view(B, -1)).view(B, n, bs)
         weights = self.slot_weights(ids.device)[None, None, :] * counted
-        return h, labels, weights
+        return h, labels, weights, (at - 1).clamp(min=0)
 
     def loss(self, model: DFlashModel, batch: dict, target: Target) -> StepOutput:
-        h, labels, weights = self._blocks(model, batch, target, self.anchors)
+        h, labels, weights, source = self._blocks(model, batch, target, self.anchors)
         sel = weights > 0
         if not bool(sel.any()):
             return StepOutput(loss=h.sum() * 0.0, metrics={"blocks": 0.0})
-        ce, pred = hard_cross_entropy(model.logits, h[sel], labels[sel], self.head_chunk)
+        target_h = None
+        if self.lk_weight:
+            B = h.shape[0]
+            rows = torch.arange(B, device=h.device)[:, None, None].expand_as(source)
+            target_h = batch["hidden_last"][rows[sel], source[sel]]
+        ce, pred = hard_cross_entropy(model.logits, h[sel], labels[sel], self.head_chunk, target_hidden=target_h,
+                                      target_head=target.logits, lk_weight=self.lk_weight)
         w = weights[sel]
         loss = (ce * w).sum() / w.sum()
         right = pred == labels[sel]
@@ -147,7 +158,7 @@ class DFlashMethod:
         """Per-slot top-1 agreement with the labels (``step{j-1}``) and slots 1..j all right (``joint{j-1}``),
         as sums over a fixed draw of anchors."""
         gen = torch.Generator(device=batch["input_ids"].device).manual_seed(0)
-        h, labels, weights = self._blocks(model, batch, target, self.eval_anchors, gen)
+        h, labels, weights, _ = self._blocks(model, batch, target, self.eval_anchors, gen)
         counted = weights > 0
         right = torch.zeros_like(counted)
         if bool(counted.any()):

@@ -114,28 +114,50 @@ def soft_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
     return total, torch.cat(preds)
 
 
-def _hard_ce_chunk(head: Callable, h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def acceptance_nll(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """(N,) -log sum_x min(p(x), q(x)): minus the log of the probability that speculative sampling accepts a
+    token drawn from the draft q (Leviathan et al. 2023), p the target's distribution. The objective the LK
+    losses (arXiv 2602.23881) optimise directly instead of its proxy, the KL divergence or cross-entropy."""
+    q = torch.softmax(draft_logits.float(), dim=-1)
+    p = torch.softmax(target_logits.float(), dim=-1)
+    return -torch.log(torch.minimum(p, q).sum(-1).clamp_min(1e-12))
+
+
+def _hard_ce_chunk(head: Callable, h: torch.Tensor, labels: torch.Tensor, target_h: torch.Tensor | None,
+                   target_head: Callable | None, lk_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
     logits = head(pad_rows(h))[: h.shape[0]].float()
-    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
+    loss = F.cross_entropy(logits, labels, reduction="none")
+    if lk_weight:
+        with torch.no_grad():
+            target = target_head(pad_rows(target_h))[: h.shape[0]]
+        loss = (1 - lk_weight) * loss + lk_weight * acceptance_nll(logits, target)
+    return loss, logits.argmax(-1)
 
 
 def hard_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
-                       chunk: int = 2048, use_checkpoint: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                       chunk: int = 2048, use_checkpoint: bool = True, target_hidden: torch.Tensor | None = None,
+                       target_head: Callable | None = None, lk_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row cross-entropy of ``head(hidden)`` against token ``labels``, and the argmax.
 
     head: (n, H) -> (n, V) logits; hidden: (N, H); labels: (N,) long. Returns (loss (N,), argmax (N,) long),
     ``chunk`` rows at a time; past one chunk, with ``use_checkpoint``, each chunk's logits are recomputed in
-    the backward pass instead of being kept.
+    the backward pass instead of being kept. With ``lk_weight`` > 0 each row's loss is
+    ``(1 - lk_weight) * CE + lk_weight * acceptance_nll`` against ``target_head(target_hidden)`` (the target's
+    logits for the same rows: (N, H) post-norm states).
     """
+    if lk_weight and (target_hidden is None or target_head is None):
+        raise ValueError("lk_weight needs the target's hidden states and logits function")
+    args = (target_head, lk_weight)
     if hidden.shape[0] <= chunk:
-        return _hard_ce_chunk(head, hidden, labels)
+        return _hard_ce_chunk(head, hidden, labels, target_hidden, *args)
     losses, preds = [], []
     for s in range(0, hidden.shape[0], chunk):
         h, y = hidden[s:s + chunk], labels[s:s + chunk]
+        t = None if target_hidden is None else target_hidden[s:s + chunk]
         if use_checkpoint and torch.is_grad_enabled():
-            loss, pred = checkpoint(_hard_ce_chunk, head, h, y, use_reentrant=False)
+            loss, pred = checkpoint(_hard_ce_chunk, head, h, y, t, *args, use_reentrant=False)
         else:
-            loss, pred = _hard_ce_chunk(head, h, y)
+            loss, pred = _hard_ce_chunk(head, h, y, t, *args)
         losses.append(loss)
         preds.append(pred)
     return torch.cat(losses), torch.cat(preds)

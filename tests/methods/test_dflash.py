@@ -57,22 +57,22 @@ def test_a_block_never_reads_the_context_at_or_after_its_anchor(setup):
     gen = torch.Generator().manual_seed(0)
     anchors, valid = method.sample_anchors(batch, 1, gen)
     a = int(anchors[0, 0])
-    h, _, _ = method._blocks(model, batch, target, 1, torch.Generator().manual_seed(0))
+    h, *_ = method._blocks(model, batch, target, 1, torch.Generator().manual_seed(0))
     later = dict(batch)
     later["hidden_aux"] = batch["hidden_aux"].clone()
     later["hidden_aux"][0, a:] += 5.0  # the anchor's own state and everything after it
-    h2, _, _ = method._blocks(model, later, target, 1, torch.Generator().manual_seed(0))
+    h2, *_ = method._blocks(model, later, target, 1, torch.Generator().manual_seed(0))
     assert torch.allclose(h[0], h2[0], atol=1e-6)
     earlier = dict(batch)
     earlier["hidden_aux"] = batch["hidden_aux"].clone()
     earlier["hidden_aux"][0, a - 1] += 5.0
-    h3, _, _ = method._blocks(model, earlier, target, 1, torch.Generator().manual_seed(0))
+    h3, *_ = method._blocks(model, earlier, target, 1, torch.Generator().manual_seed(0))
     assert not torch.allclose(h[0], h3[0], atol=1e-4)
 
 
 def test_many_blocks_in_one_training_forward_equal_one_block_drafted_from_a_cache(setup):
     target, method, model, batch = setup
-    h, _, _ = method._blocks(model, batch, target, 6, torch.Generator().manual_seed(3))
+    h, *_ = method._blocks(model, batch, target, 6, torch.Generator().manual_seed(3))
     anchors, valid = method.sample_anchors(batch, 6, torch.Generator().manual_seed(3))
     bs = method.block_size
     for i in range(anchors.shape[1]):
@@ -92,7 +92,31 @@ def test_slot_weights_decay_and_skip_the_anchor():
     assert w[0] == 0 and torch.allclose(w[1:], torch.exp(-torch.arange(3.0) / 2.0))
 
 
+def test_acceptance_objective_is_minus_log_of_the_overlap_of_the_distributions():
+    from specheads.methods.losses import acceptance_nll
+
+    p, q = torch.tensor([[0.0, 2.0, 0.0]]), torch.tensor([[0.0, 2.0, 0.0]])
+    assert acceptance_nll(q, p).item() == pytest.approx(0.0, abs=1e-6)  # same distribution: always accepted
+    pt, qt = torch.softmax(p, -1), torch.softmax(torch.tensor([[2.0, 0.0, 0.0]]), -1)
+    want = -torch.log(torch.minimum(pt, qt).sum())
+    assert acceptance_nll(torch.tensor([[2.0, 0.0, 0.0]]), p).item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_lk_weight_mixes_the_acceptance_objective_into_the_loss(setup):
+    target, _, model, batch = setup
+    plain = build_method("dflash", block_size=4, anchors=6, num_layers=2)
+    mixed = build_method("dflash", block_size=4, anchors=6, num_layers=2, lk_weight=0.5)
+    torch.manual_seed(0)
+    a = plain.loss(model, batch, target).loss
+    torch.manual_seed(0)
+    b = mixed.loss(model, batch, target).loss
+    assert torch.isfinite(b) and not torch.allclose(a, b)
+    b.backward()
+    assert model.fc.weight.grad is not None and model.fc.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("bad, match", [({"block_size": 1}, "block_size"), ({"labels": "x"}, "labels"),
+                                        ({"lk_weight": 1.5}, "lk_weight"),
                                         ({"gamma": 0}, "gamma"), ({"anchors": 0}, "anchors")])
 def test_bad_settings_are_refused(bad, match):
     from specheads.errors import ConfigError
