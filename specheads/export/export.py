@@ -247,7 +247,18 @@ def target_tensor(target, origin: TargetOrigin, suffix: str) -> torch.Tensor:
             for name in sf.keys():
                 if name == suffix or name.endswith("." + suffix):
                     return sf.get_tensor(name)
+    if suffix == "lm_head.weight" and _ties_embeddings(folder):
+        return target_tensor(target, origin, "embed_tokens.weight")  # a tied LM head is saved as the embedding
     raise ExportError(f"target folder {folder} holds no tensor named *{suffix}")
+
+
+def _ties_embeddings(folder: Path) -> bool:
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    text = cfg.get("text_config") or cfg
+    return bool(text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
 
 
 def _info_from_config(name: str, config, head_cfg: dict, hub_id: str | None = None) -> TargetInfo:
@@ -605,9 +616,9 @@ def push_export(plan: "ExportPlan", repo_spec: str, private: bool = True, dry_ru
 
 # --------------------------------------------------------------------------- model card
 
-_TITLES = {"medusa": "Medusa", "eagle1": "EAGLE-1", "eagle3": "EAGLE-3"}
-_VLLM_METHOD = {"medusa": "medusa", "eagle1": "eagle", "eagle3": "eagle3"}
-_SGLANG_ALGO = {"eagle1": "EAGLE", "eagle3": "EAGLE3"}
+_TITLES = {"medusa": "Medusa", "eagle1": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash"}
+_VLLM_METHOD = {"medusa": "medusa", "eagle1": "eagle", "eagle3": "eagle3", "dflash": "dflash"}
+_SGLANG_ALGO = {"eagle1": "EAGLE", "eagle3": "EAGLE3", "dflash": "DFLASH"}
 # Which engines serve each method (read from the loaders; docs/export.md). Layout -> engines that read it.
 SERVED_BY = {
     ("medusa", "vllm"): "vLLM up to 0.32 (checked: 0.32.0); not vLLM 0.33 (no Medusa method); not SGLang (no Medusa "
@@ -620,6 +631,13 @@ SERVED_BY = {
     ("eagle3", "sglang"): "SGLang (checked: 0.5.23)",
     ("eagle3", "speculators"): "speculators (checked: 0.9.0, `Eagle3DraftModel.from_pretrained`) and vLLM, which "
                                "converts the speculators format itself (checked: 0.33.0)",
+    ("dflash", "vllm"): "vLLM (checked: 0.34.0, method `dflash`) and SGLang (checked: 0.5.23, algorithm `DFLASH`): "
+                        "the same z-lab-format folder",
+    ("dflash", "sglang"): "SGLang (checked: 0.5.23, algorithm `DFLASH`) and vLLM (checked: 0.34.0, method `dflash`): "
+                          "the same z-lab-format folder",
+    ("dflash", "speculators"): "vLLM (checked: 0.34.0), which converts the speculators format itself; **not SGLang** "
+                               "(0.5.23 reads only the z-lab format: use the `sglang/` folder); speculators' own "
+                               "loader not checked",
 }
 
 
@@ -695,6 +713,8 @@ def serve_params(method: str, cfg: dict, engine: str, report: list[dict] | None,
     The speculators and medusa layouts are served by vLLM (and TGI): they take vLLM's profile."""
     if engine in ("speculators", "medusa"):
         engine = "vllm"
+    if method == "dflash":
+        return _dflash_serve_params(cfg, engine, report, spec_tokens)
     if spec_tokens is not None:
         return ServeParams(spec_tokens, spec_tokens, 1, spec_tokens + 1, "given by spec_tokens (a chain)")
     for r in report or ():
@@ -711,6 +731,24 @@ def serve_params(method: str, cfg: dict, engine: str, report: list[dict] | None,
     return ServeParams(n, n, 1, n + 1, "evaluate's default vLLM profile (not measured here)")
 
 
+def _dflash_serve_params(cfg: dict, engine: str, report: list[dict] | None, spec_tokens: int | None) -> ServeParams:
+    """DFlash drafts one block per step: ``block_size - 1`` tokens after the anchor (vLLM's
+    ``num_speculative_tokens``; SGLang's ``--speculative-num-draft-tokens`` counts the anchor: the block size)."""
+    B = int(cfg["block_size"])
+    k, source = B - 1, f"the trained block ({B} slots: the anchor and {B - 1} drafted tokens)"
+    if spec_tokens is not None:
+        k, source = int(spec_tokens), "given by spec_tokens (a chain)"
+    else:
+        for r in report or ():
+            if r["profile"] == engine and (m := re.fullmatch(r"chain(\d+)", r["shape"] or "")):
+                k, source = int(m.group(1)), f"the measured {r['name']} profile ({r['shape']})"
+                break
+    if not 1 <= k <= B - 1:
+        raise ExportError(f"a DFlash head with block_size {B} drafts 1..{B - 1} tokens per step; got {k} "
+                          "(the slots past the trained block were never trained)")
+    return ServeParams(k, 1, 1, k + 1, source)
+
+
 def serve_commands(layout: Layout, card: CardInputs, folder: str) -> dict[str, str]:
     """The exact command lines that serve ``folder`` (the exported engine folder) with its target."""
     method, cfg = layout.method, card.cfg
@@ -725,6 +763,9 @@ def serve_commands(layout: Layout, card: CardInputs, folder: str) -> dict[str, s
             out["tgi"] = (f"text-generation-launcher --model-id {folder}   # serves config.json's "
                           "base_model_name_or_path with these heads")
         return out
+    if method == "dflash":  # one block per step: no steps or top-k
+        return {"shell": f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+                         f"--speculative-draft-model-path {folder} --speculative-num-draft-tokens {p.draft_tokens}"}
     shell = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm "
              f"{_SGLANG_ALGO[method]} --speculative-draft-model-path {folder} --speculative-num-steps {p.steps} "
              f"--speculative-eagle-topk {p.topk} --speculative-num-draft-tokens {p.draft_tokens}")
@@ -758,6 +799,16 @@ def _facts(layout: Layout, card: CardInputs) -> list[tuple[str, str]]:
         rows.append(("draft vocabulary", f"{cfg['draft_vocab_size']} of {cfg['vocab_size']} target tokens (d2t/t2d)"))
         rows.append(("aux layers", f"inputs of target decoder layers {cfg['aux_layers']} (= HF hidden_states "
                                    f"indices); written as {layout.engine} ids {ids}"))
+    if layout.method == "dflash":
+        c = layout.config
+        key, ids = (("aux_hidden_state_layer_ids", c["aux_hidden_state_layer_ids"]) if layout.engine == "speculators"
+                    else ("dflash_config.target_layer_ids", c["dflash_config"]["target_layer_ids"]))
+        rows.append(("draft vocabulary", f"full target vocabulary ({cfg['vocab_size']}, target LM head)"))
+        rows.append(("block", f"{cfg['block_size']} slots (the anchor, then {cfg['block_size'] - 1} mask tokens, "
+                              f"mask_token_id {cfg['mask_token_id']}): up to {cfg['block_size'] - 1} drafted tokens per "
+                              "step, one draft forward"))
+        rows.append(("aux layers", f"inputs of target decoder layers {cfg['aux_layers']} (= HF hidden_states "
+                                   f"indices); written as {key} {ids}"))
     s = card.train_summary
     if s:
         rows.append(("training", f"{s.get('steps')} steps, {s.get('train_tokens')} tokens, held-out τ estimate "
@@ -847,9 +898,18 @@ def card_text(layout: Layout, card: CardInputs, folder: str) -> str:
             py_set = [f"{TARGET_PLACEHOLDER} = {set_target[0].split('=', 1)[1].split()[0]!r}  # REPLACE: see the "
                       "warning above"] if set_target else []
             L += ["```python", "from vllm import LLM", *py_set, cmds["python"], "```", ""]
-    if layout.engine == "speculators":
+    if layout.engine == "speculators" and layout.method == "eagle3":
         L += ["With speculators itself: `from speculators import SpeculatorModel; "
               f"SpeculatorModel.from_pretrained({folder!r})`.", ""]
+    if layout.method == "dflash" and layout.engine in ("vllm", "sglang"):
+        other = "sglang" if layout.engine == "vllm" else "vllm"
+        cmds = serve_commands(replace(layout, engine=other), card, folder)
+        L += [f"The same folder serves {'SGLang' if other == 'sglang' else 'vLLM'} "
+              f"({serve_params('dflash', card.cfg, other, card.report, card.spec_tokens).source}):", "",
+              "```bash", *set_target, cmds["shell"], "```", ""]
+    if layout.method == "dflash" and layout.engine == "speculators":
+        L += ["SGLang cannot read this folder (no speculators-format reader in 0.5.23): serve the `sglang/` (or "
+              "`vllm/`) export with `--speculative-algorithm DFLASH` instead.", ""]
     n = len(layout.tensors)
     L += ["## Layout", ""] + [f"- {n_}" for n_ in layout.notes]
     L += [f"- Files: `config.json`, `{layout.weights_file}` ({n} tensors), `specheads_export.json`"

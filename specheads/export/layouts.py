@@ -40,12 +40,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-METHODS = ("medusa", "eagle1", "eagle3")
+METHODS = ("medusa", "eagle1", "eagle3", "dflash")
 ENGINES = ("vllm", "sglang", "speculators", "medusa")
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format and loader were checked
 FLOAT = "float"  # any floating dtype, the same for every float tensor of a file
 
-_MODEL_TYPES = {"medusa": "medusa", "specheads_eagle1": "eagle1", "specheads_eagle3": "eagle3"}
+_MODEL_TYPES = {"medusa": "medusa", "specheads_eagle1": "eagle1", "specheads_eagle3": "eagle3",
+                "specheads_dflash": "dflash"}
 _ARCHITECTURES = {  # (method, engine) -> the architecture written (the medusa layout writes none)
     ("medusa", "vllm"): "MedusaModel",
     ("eagle1", "vllm"): "EagleLlamaForCausalLM",
@@ -54,6 +55,9 @@ _ARCHITECTURES = {  # (method, engine) -> the architecture written (the medusa l
     ("eagle3", "sglang"): "LlamaForCausalLMEagle3",
     ("eagle3", "speculators"): "Eagle3DraftModel",
     ("medusa", "medusa"): "MedusaModel",
+    ("dflash", "vllm"): "DFlashDraftModel",  # z-lab's format (vLLM registry -> qwen3_dflash.DFlashQwen3ForCausalLM)
+    ("dflash", "sglang"): "DFlashDraftModel",  # the same folder (SGLang srt/models/dflash.py EntryClass)
+    ("dflash", "speculators"): "DFlashSpeculator",  # speculators' format, which vLLM converts (algos.update_dflash)
 }
 _LLAMA_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "vocab_size",
@@ -192,6 +196,17 @@ def head_tensors(method: str, cfg: dict) -> dict[str, TensorSpec]:
                     "d2t": TensorSpec((cfg["draft_vocab_size"],), "int64"),
                     "t2d": TensorSpec((cfg["vocab_size"],), "bool")})
         return out
+    if method == "dflash":
+        _need(cfg, "aux_layers", "block_size", "mask_token_id")
+        Ht = cfg.get("target_hidden_size") or H
+        out = {"fc.weight": TensorSpec((H, len(cfg["aux_layers"]) * Ht)), "hidden_norm.weight": TensorSpec((H,)),
+               "norm.weight": TensorSpec((H,))}
+        hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
+        for i in range(cfg["num_hidden_layers"]):
+            out.update(_attention_layer(cfg, f"layers.{i}", H, input_norm=True, hidden_norm=False))
+            out[f"layers.{i}.self_attn.q_norm.weight"] = TensorSpec((hd,))
+            out[f"layers.{i}.self_attn.k_norm.weight"] = TensorSpec((hd,))
+        return out
     raise LayoutError(f"unknown method {method!r}; expected one of {METHODS}")
 
 
@@ -233,13 +248,21 @@ def _check_target(method: str, cfg: dict, target: TargetInfo) -> None:
         raise LayoutError(f"head hidden_size {H} != target {target.name} hidden_size {target.hidden_size}")
     if cfg["vocab_size"] != target.vocab_size:
         raise LayoutError(f"head vocab_size {cfg['vocab_size']} != target {target.name} vocab_size {target.vocab_size}")
-    if method == "eagle3":
+    if method in ("eagle3", "dflash"):
         Ht = cfg.get("target_hidden_size") or H
         if Ht != target.hidden_size:
             raise LayoutError(f"head target_hidden_size {Ht} != target {target.name} hidden_size {target.hidden_size}")
         bad = [i for i in cfg["aux_layers"] if not (target.num_layers is None or 0 <= i < target.num_layers)]
         if bad:
             raise LayoutError(f"aux layers {bad} do not exist in target {target.name} ({target.num_layers} layers)")
+    if method == "dflash":
+        mask = cfg["mask_token_id"]
+        if not 0 <= int(mask) < target.vocab_size:
+            raise LayoutError(f"mask_token_id {mask} is not a row of target {target.name}'s embedding (vocab "
+                              f"{target.vocab_size}); vLLM and SGLang embed the masked slots with the target's rows")
+        n = cfg.get("num_target_layers")
+        if n is not None and target.num_layers is not None and n != target.num_layers:
+            raise LayoutError(f"head num_target_layers {n} != target {target.name} ({target.num_layers} layers)")
 
 
 def build_layout(method: str, engine: str, cfg: dict, target: TargetInfo, spec_tokens: int = 3) -> Layout:
@@ -254,6 +277,9 @@ def build_layout(method: str, engine: str, cfg: dict, target: TargetInfo, spec_t
                           f"{' or '.join(engines_for(method))}")
     src = head_tensors(method, cfg)
     _check_target(method, cfg, target)
+    if method == "dflash":
+        return (_dflash_speculators(cfg, target, src, spec_tokens) if engine == "speculators"
+                else _dflash(cfg, engine, target, src))
     if engine == "speculators":
         return _eagle3_speculators(cfg, target, src, spec_tokens)
     if engine == "medusa":
@@ -390,3 +416,111 @@ def _medusa_original(cfg: dict, target: TargetInfo, src: dict) -> Layout:
              "vLLM 0.32 reads this folder too: it maps the names (`_remap_old_checkpoint_key`) and the config keys; "
              "medusa_fc_bias is written because vLLM would otherwise drop the block biases.", MEDUSA_ENGINES]
     return Layout("medusa", "medusa", config, tensors, rules, notes, weights_file="medusa_lm_head.safetensors")
+
+
+# --------------------------------------------------------------------------- DFlash
+
+DFLASH_SERVED = ("vLLM (checked: 0.34.0, `DFlashDraftModel` -> `qwen3_dflash.DFlashQwen3ForCausalLM`, method "
+                 "\"dflash\") and SGLang (checked: 0.5.23, `--speculative-algorithm DFLASH`) load this folder; vLLM "
+                 "before 0.34 was not checked.")
+
+
+def dflash_target_layer_ids(engine: str, aux_layers) -> list[int]:
+    """Our aux layers (inputs of decoder layers) -> z-lab's ``dflash_config.target_layer_ids``, ascending.
+
+    Those ids name decoder layers whose *output* is used (HF ``hidden_states[id + 1]``), so ours minus one:
+    vLLM adds one back (``get_eagle3_aux_layers_from_config``: our id, the stream entering that layer), SGLang
+    captures the input of layer ``id + 1`` (``set_dflash_layers_to_capture``). SGLang refuses a negative id
+    (``resolve_target_layer_ids``: 0 <= id < N), so our layer 0 (the embedding output) is vLLM-only.
+    """
+    layers = [int(i) for i in aux_layers]
+    if len(set(layers)) != len(layers):
+        raise LayoutError(f"aux layers {layers} repeat a layer; the engines capture each layer once, so the "
+                          "fc input would be narrower than the head's (retrain with distinct aux layers)")
+    ids = [i - 1 for i in sorted(layers)]
+    if engine == "sglang" and ids[0] < 0:
+        raise LayoutError(f"aux layer 0 (the embedding output) would be target_layer_id -1, which SGLang 0.5.23 "
+                          "refuses (0 <= id < N); export with engine=vllm or engine=speculators, or retrain on "
+                          "layers >= 1")
+    return ids
+
+
+def _qwen3_config(cfg: dict, target: TargetInfo) -> dict:
+    """The draft layers as a Qwen3 config (what both engines parse; all layers full, bidirectional attention)."""
+    L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
+    out = {k: cfg[k] for k in _LLAMA_FIELDS if cfg.get(k) is not None}
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        # vLLM's DFlash layer falls back to rope_theta 1e6 (set_default_rope_theta) when the config has none.
+        out["rope_theta"] = rope["rope_theta"]
+    out.update(model_type="qwen3", num_hidden_layers=L, vocab_size=target.vocab_size,
+               head_dim=cfg.get("head_dim") or H // cfg["num_attention_heads"], tie_word_embeddings=False,
+               attention_bias=False, layer_types=["full_attention"] * L, use_sliding_window=False,
+               sliding_window=None, max_window_layers=L)
+    return out
+
+
+def _dflash_tensors(cfg: dict, src: dict) -> tuple[dict, dict]:
+    tensors, rules = dict(src), _identity(src)
+    aux = [int(i) for i in cfg["aux_layers"]]
+    order = tuple(sorted(range(len(aux)), key=lambda j: aux[j]))
+    if order != tuple(range(len(aux))):
+        rules["fc.weight"] = Rule("fc.weight", chunk_order=order)
+    return tensors, rules
+
+
+def _dflash(cfg: dict, engine: str, target: TargetInfo, src: dict) -> Layout:
+    """z-lab's DFlash format: one folder that vLLM (0.34) and SGLang (0.5.23) load as it is."""
+    aux = [int(i) for i in cfg["aux_layers"]]
+    ids = dflash_target_layer_ids(engine, aux)
+    config = {"architectures": [_ARCHITECTURES["dflash", engine]], **_qwen3_config(cfg, target)}
+    config.update(block_size=int(cfg["block_size"]), num_target_layers=cfg.get("num_target_layers") or target.num_layers,
+                  target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
+                  dflash_config={"mask_token_id": int(cfg["mask_token_id"]), "target_layer_ids": ids})
+    tensors, rules = _dflash_tensors(cfg, src)
+    notes = [f"Aux layers {aux} (inputs of target decoder layers) are written as dflash_config.target_layer_ids {ids} "
+             "(decoder layers whose output is used: ours minus one).",
+             "Token embedding and LM head are the target's (not in the file; both engines share them).",
+             "All layers `full_attention` with no `causal` override: both engines run them bidirectionally, "
+             "as the head was trained.", DFLASH_SERVED]
+    return Layout("dflash", engine, config, tensors, rules, notes)
+
+
+def _dflash_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
+    """speculators' DFlash format (``speculators_model_type: dflash``), which vLLM 0.34 converts itself; SGLang
+    0.5.23 has no reader for it."""
+    H = cfg["hidden_size"]
+    aux = [int(i) for i in cfg["aux_layers"]]
+    dflash_target_layer_ids("vllm", aux)  # refuses repeats
+    ids = sorted(aux)  # vLLM's aux_hidden_state_layer_ids count layer inputs, like ours
+    B = int(cfg["block_size"])
+    config = {"architectures": [_ARCHITECTURES["dflash", "speculators"]], "speculators_model_type": "dflash",
+              "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": _qwen3_config(cfg, target),
+              "draft_vocab_size": target.vocab_size, "target_hidden_size": cfg.get("target_hidden_size") or H,
+              "block_size": B, "aux_hidden_state_layer_ids": ids, "mask_token_id": int(cfg["mask_token_id"]),
+              "sample_from_anchor": False,
+              # vLLM writes dflash_config.causal = not sliding_window_non_causal, which overrides every layer;
+              # speculators itself defaults it to false (all layers causal): written explicitly.
+              "sliding_window_non_causal": True, "tie_word_embeddings": False,
+              "speculators_config": {
+                  "algorithm": "dflash", "default_proposal_method": "greedy",
+                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(spec_tokens),
+                                        "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                  "verifier": {"name_or_path": target.hub_id or target.path,
+                               "architectures": list(target.architectures)}}}
+    tensors, rules = _dflash_tensors(cfg, src)
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = TensorSpec((target.vocab_size, H))
+        rules[name] = Rule(name, from_target=True)
+    notes = [f"Aux layers {aux} (inputs of target decoder layers) are written as aux_hidden_state_layer_ids {ids} "
+             "(vLLM's convention, ours); vLLM derives dflash_config.target_layer_ids (minus one) itself.",
+             "`sliding_window_non_causal: true`: vLLM turns it into `dflash_config.causal: false`; without it "
+             "speculators' default (false) would make vLLM run every layer causally, unlike training.",
+             "embed_tokens.weight and lm_head.weight are copies of the target's (speculators' format carries them; "
+             "vLLM shares the target's when they are equal).",
+             "Served by vLLM (checked: 0.34.0, which converts this format); SGLang 0.5.23 reads only the z-lab "
+             "format (the `sglang/` or `vllm/` folder)."]
+    if target.hub_id is None:
+        notes.append(f"speculators_config.verifier.name_or_path is the local target folder `{target.path}` (no hub id "
+                     "was known); re-export with target_id=<hub id> before publishing.")
+    return Layout("dflash", "speculators", config, tensors, rules, notes)

@@ -7,7 +7,7 @@ The folder's ``specheads_export.json`` names the method, the layout and the head
 tensors are read from the exported weights file and mapped back through the inverse of the layout's
 rules (EAGLE-3 ``fc`` column blocks put back in the head's aux-layer order, ``layers.0.*`` back to
 ``midlayer.*``, the original Medusa names back to ``blocks``/``lm_heads``). Tensors a layout adds
-(SGLang's zero ``fc.bias``, speculators' target embedding) are checked and dropped; the draft-vocabulary
+(SGLang's zero ``fc.bias``, speculators' target embedding and, for DFlash, LM head) are dropped; the draft-vocabulary
 maps a layout leaves out for a full vocabulary are rebuilt (identity). The model is loaded with
 ``strict=True``, so a name the inverse mapping misses is an error.
 """
@@ -32,6 +32,9 @@ def _model_class(head_cfg: dict):
     if method == "eagle1":
         from specheads.models.eagle1 import Eagle1Config, Eagle1Model
         return Eagle1Config, Eagle1Model
+    if method == "dflash":
+        from specheads.models.dflash import DFlashConfig, DFlashModel
+        return DFlashConfig, DFlashModel
     from specheads.models.eagle3 import Eagle3Config, Eagle3Model
     return Eagle3Config, Eagle3Model
 
@@ -77,7 +80,8 @@ def exported_head_state(folder: str | Path) -> tuple[dict, dict[str, torch.Tenso
 
 
 def load_exported(folder: str | Path):
-    """The specheads model (Medusa heads, ``Eagle1Model`` or ``Eagle3Model``) an exported folder holds."""
+    """The specheads model (Medusa heads, ``Eagle1Model``, ``Eagle3Model`` or ``DFlashModel``) an exported folder
+    holds (EAGLE and DFlash models unattached: ``model.attach(target)`` lends them the target's embedding)."""
     head_cfg, state = exported_head_state(folder)
     config_cls, model_cls = _model_class(head_cfg)
     fields = {k: v for k, v in head_cfg.items() if k not in ("model_type", "transformers_version", "architectures")}

@@ -199,3 +199,124 @@ def vllm032_medusa_params(config: dict) -> dict[str, tuple]:
                 p[f"blocks.{k}.layers.{j}.bias"] = (h,)
         p[f"lm_heads.{k}.weight"] = (config["vocab_size"], h)
     return p
+
+
+# --------------------------------------------------------------------------- DFlash
+# Wheels: vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl, sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl.
+CHECKED_DFLASH = {"vllm": ("0.34.0",), "sglang": ("0.5.23",)}
+
+VLLM_DFLASH = {
+    "version": "0.34.0",
+    # model_executor/models/registry.py: "DFlashDraftModel": ("qwen3_dflash", "DFlashQwen3ForCausalLM");
+    # transformers_utils/configs/eagle.py EAGLEConfig(method="dflash") keeps an architecture starting with "DFlash".
+    "architecture": "DFlashDraftModel", "method": "dflash",
+    # 0.34.0 has only the V2 model runner: v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
+    # get_eagle3_aux_layers_from_config, the same rules as AUX_ID_RULES["vllm-v2"] (dflash_config.target_layer_ids
+    # + 1 when there is no top-level eagle_aux_hidden_state_layer_ids).
+    "aux_runner": "vllm-v2",
+    # model_executor/models/qwen3_dflash.py _get_dflash_fc_input_size: (target_hidden_size or hidden_size) x
+    # len(aux ids) (num_hidden_layers when there are none).
+    "fc_in": "(target_hidden_size or hidden_size) * len(aux ids)",
+    # qwen3_dflash.DFlashQwen3DecoderLayer: set_default_rope_theta(config, 1e6) (transformers_utils/config.py) when
+    # rope_parameters has no rope_theta; is_neox_style defaults to True (HF rotate_half = neox).
+    "rope_theta_default": 1_000_000, "neox_default": True,
+    # DFlashQwen3ForCausalLM.load_weights: "t2d" skipped; "d2t" -> draft_id_to_target_id; every name but lm_head gets
+    # "model."; embed_tokens / draft_id_to_target_id / mask_embedding are dropped from the expected set when absent
+    # (the target's are shared); AutoWeightsLoader (models/utils.py) raises "There is no module or parameter named"
+    # for an unknown key (".bias" suffixes ignored); missing keys are not tracked (load_weights returns None).
+    "unknown_key": "error", "missing_key": "not tracked",
+    # DFlashQwen3Model.hf_to_vllm_mapper: q/k/v -> qkv_proj, gate/up -> gate_up_proj, midlayer -> layers.0.
+    "stacked": {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj",
+                ".gate_proj": ".gate_up_proj", ".up_proj": ".gate_up_proj"},
+    "own_lm_head_iff_in_file": True,  # ParallelLMHead(draft_vocab_size); the target's is shared when absent
+}
+
+# transformers_utils/configs/speculators/algos.py update_dflash (0.34.0), after base.py validate_speculators_config
+# (VLLM_SPECULATORS_REQUIRED) and extract_transformers_pre_trained_config (starts from transformer_layer_config).
+VLLM_SPECULATORS_DFLASH = {"required": ("aux_hidden_state_layer_ids", "mask_token_id"),
+                           "sliding_window_non_causal_default": True,
+                           # what speculators itself writes when not told otherwise (the report's pitfall; vLLM
+                           # PR 56692 open): every layer causal in vLLM
+                           "speculators_writes_by_default": {"sliding_window_non_causal": False}}
+
+
+def vllm_speculators_dflash_to_draft_config(config: dict) -> dict:
+    """The drafter config vLLM 0.34 builds from a speculators DFlash config.json (restated from update_dflash)."""
+    out = dict(config["transformer_layer_config"])
+    out["architectures"] = ["DFlashDraftModel"]
+    out["draft_vocab_size"] = config.get("draft_vocab_size")
+    if config.get("target_hidden_size") is not None:
+        out["target_hidden_size"] = config["target_hidden_size"]
+    aux = config["aux_hidden_state_layer_ids"]
+    out["eagle_aux_hidden_state_layer_ids"] = aux
+    out["dflash_config"] = {"mask_token_id": config["mask_token_id"], "target_layer_ids": [i - 1 for i in aux],
+                            "sample_from_anchor": config.get("sample_from_anchor", False),
+                            "causal": not config.get("sliding_window_non_causal",
+                                                     VLLM_SPECULATORS_DFLASH["sliding_window_non_causal_default"])}
+    return out
+
+
+def vllm_dflash_layer_causal(config: dict, layer: int) -> bool:
+    """qwen3_dflash._dflash_layer_causal (0.34.0): is_causal, else dflash_config.causal (all layers), else
+    layer_types[i] == "sliding_attention" (no layer_types: non-causal)."""
+    if config.get("is_causal") is not None:
+        return bool(config["is_causal"])
+    override = (config.get("dflash_config") or {}).get("causal")
+    if override is not None:
+        return bool(override)
+    types = config.get("layer_types")
+    return bool(types) and types[layer] == "sliding_attention"
+
+
+def vllm_dflash_fc_in(config: dict, num_layers: int) -> int:
+    ids = resolve_aux_ids("vllm-v2", config, num_layers)
+    return (config.get("target_hidden_size") or config["hidden_size"]) * len(ids)
+
+
+SGLANG_DFLASH = {
+    "version": "0.5.23",
+    # srt/models/dflash.py EntryClass includes DFlashDraftModel; --speculative-algorithm DFLASH.
+    "architecture": "DFlashDraftModel", "algorithm": "DFLASH",
+    # srt/speculative/dflash_utils.py parse_dflash_draft_config: dflash_config.target_layer_ids, else top-level
+    # target_layer_ids, else build_target_layer_ids(N, draft layers); resolve_target_layer_ids refuses id < 0 or
+    # id >= N (N = the runtime target's layers, spec_aux_hidden_state.py); block_size and num_target_layers from
+    # dflash_config, else top level (block_size default 16); mask_token_id from dflash_config, else top level.
+    "reads_speculators_format": False,  # no speculators_model_type handling anywhere in the wheel
+    # srt/models/llama.py / qwen3.py set_dflash_layers_to_capture: layers_to_capture = [id + 1]; a layer in that
+    # list hands over its *input* (capture before layer i runs): id v -> our v + 1.
+    "capture_shift": +1,
+    # srt/models/dflash.py DFlashDraftModel: fc = Linear(len(target_layer_ids) * hidden_size, hidden_size), shape
+    # checked in load_weights; load_weights: q/k/v -> qkv_proj, gate/up -> gate_up_proj, "model." prefix optional,
+    # an unknown name is silently ignored ("Ignore unexpected weights"), missing ones are not tracked.
+    "unknown_key": "ignored", "missing_key": "not tracked",
+    # _get_dflash_layer_attention_params: layer_types None or "full_attention" -> ENCODER_ONLY (bidirectional)
+    # unless config.is_causal; "sliding_attention" -> causal unless is_causal is false.
+}
+
+
+def sglang_dflash_target_layer_ids(config: dict, num_layers: int) -> list[int]:
+    """The capture ids SGLang resolves (restated from parse_dflash_draft_config / resolve_target_layer_ids)."""
+    ids = (config.get("dflash_config") or {}).get("target_layer_ids", config.get("target_layer_ids"))
+    if ids is None:
+        raise AssertionError("no target_layer_ids: SGLang would pick build_target_layer_ids' default layers")
+    for v in ids:
+        if not 0 <= int(v) < num_layers:
+            raise ValueError(f"DFLASH target_layer_ids contains an out-of-range layer id {v} (N={num_layers})")
+    return [int(v) for v in ids]
+
+
+def sglang_dflash_captured_layers(config: dict, num_layers: int) -> list[int]:
+    """Our layer ids of the states SGLang hands the DFlash drafter, in concatenation order (layer order)."""
+    return sorted({v + SGLANG_DFLASH["capture_shift"] for v in sglang_dflash_target_layer_ids(config, num_layers)})
+
+
+def vllm_dflash_captured_layers(config: dict, num_layers: int) -> list[int]:
+    return captured_layers(VLLM_DFLASH["aux_runner"], config, num_layers)
+
+
+def sglang_dflash_layer_causal(config: dict, layer: int) -> bool:
+    types = config.get("layer_types")
+    kind = "full_attention" if types is None else types[layer]
+    if config.get("is_causal") is not None:
+        return bool(config["is_causal"])
+    return kind == "sliding_attention"
