@@ -1,5 +1,5 @@
-"""Drafters over trained heads: Medusa (static tree or chain) and EAGLE-1/3 (dynamic EAGLE-2
-tree or chain). They read the target's features of committed positions (see ``drafters.py``).
+"""Drafters over trained heads: Medusa (static tree or chain), EAGLE-1/3 (dynamic EAGLE-2
+tree or chain) and DFlash (one block forward: a chain, or a tree of per-slot candidates). They read the target's features of committed positions (see ``drafters.py``).
 
 Medusa: at the last committed position t (the pending token is ids[t+1], the target's own
 prediction), head k proposes ids[t+k+2]; a static tree picks, per depth d, the ranks listed in
@@ -10,6 +10,12 @@ the feature at t+1 and logits for ids[t+2]. Drafted nodes feed their parent's pr
 back. The drafter's own KV cache follows the same committed/scratch discipline as the target's
 (``TreeSlots``); draft entries are discarded after each proposal, so accepted positions are
 re-fed with the target's real features.
+
+DFlash: every committed position's fused aux-layer states go into the drafter's context cache once
+(never rolled back: only verified positions enter it). One forward on the block [pending token
+(the anchor, at position p), mask x (B-1)] at positions p..p+B-1, whose queries see the context
+(positions < p) and the whole block, gives slot j's logits for the token at p+j. The anchor's own
+state is not context (the target computes it only when it verifies the block).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch
 
 from specheads.decoding.drafters import Drafter, TreeShape
 from specheads.decoding.slots import TreeSlots
-from specheads.decoding.tree import DraftTree, dynamic_trees, probs, static_tree
+from specheads.decoding.tree import DraftTree, dynamic_trees, normalize_choices, probs, static_tree
 
 
 def _nparams(module) -> int:
@@ -205,6 +211,151 @@ class EagleDrafter(Drafter):
         T = torch.stack(toks, 1)
         Q = torch.stack(qs, 1) if qs else None
         return [DraftTree.chain(T[b].tolist(), None if Q is None else Q[b], draft_forwards=k) for b in range(B)]
+
+
+class DFlashDrafter(Drafter):
+    """A DFlash head (``specheads.models.dflash.DFlashModel``) as a batched drafter: one draft forward per step.
+
+    Shapes (``TreeShape``; None = the whole block as a chain of B-1):
+      * ``chain`` of ``k <= B-1``: slot j's top-1 (greedy) or a draw from softmax(slot j / T) with that
+        distribution as ``q`` (the slots are drafted in parallel, so each draw is independent of the earlier
+        ones and ``q`` is exactly its conditional law: the p/q chain test stays exact).
+      * ``dynamic`` (depth <= B-1, topk, total_tokens): an EAGLE-2-style tree whose nodes at depth j take
+        slot j's top-k candidates, whatever their parent (the block is drafted in parallel); levels grow from
+        the ``topk`` best paths by summed log-probability and the ``total_tokens`` best nodes are kept.
+        ``TreeShape.fan(w)`` is slot 1's w best tokens.
+      * ``static`` (Medusa-style choices, depth <= B-1): rank ``c[d]`` of slot ``d+1`` along each choice.
+    Trees carry no ``q``: at T > 0 they go through the target-only walk (exact for distinct siblings).
+
+    The block always holds all B slots (slot outputs depend on the whole bidirectional block, as in
+    training); only the slots the shape reads go through the LM head. Rows commit different numbers of
+    positions per step, so the per-row context cache has holes (``ctx_valid`` False, masked out), squeezed
+    out when they outnumber the entries.
+    """
+
+    name = "dflash"
+    needs_features = True
+    squeeze_slack = 16  # holes tolerated beyond as many as the entries before the cache is squeezed
+
+    def __init__(self, model, shape: TreeShape | None = None):
+        B = int(model.block_size)
+        shape = shape if shape is not None else TreeShape("chain", k=B - 1)
+        if shape.kind == "chain":
+            depth = shape.k
+        elif shape.kind == "dynamic":
+            depth = shape.depth
+        else:
+            if not shape.choices:
+                raise ValueError("a static DFlash tree needs choices (per-slot ranks, as Medusa's)")
+            shape = TreeShape("static", choices=tuple(normalize_choices(shape.choices)))
+            depth = max(len(c) for c in shape.choices)
+        if depth > B - 1:
+            raise ValueError(f"a DFlash block of {B} slots drafts at most {B - 1} tokens (slot 0 is the anchor); "
+                             f"the shape {shape.label()} reaches depth {depth}")
+        self.model, self.shape, self.depth, self.block = model, shape, depth, B
+        self.aux_layers = tuple(model.config.aux_layers)
+        # the target's LM head is read on every draft forward (the embedding is a lookup)
+        self.params_per_forward = _nparams(model) + model.config.hidden_size * model.config.vocab_size
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.last_logits: torch.Tensor | None = None  # (B, depth, V) of the latest proposal (tests read it)
+
+    # -- state
+    def start(self, prompts, feats):
+        B = len(prompts)
+        self.cache = self.model.new_cache()
+        self.ctx_valid = torch.zeros(B, 0, dtype=torch.bool, device=self.device)
+        self.ctx_pos = torch.zeros(B, 0, dtype=torch.long, device=self.device)
+        self.fed = [0] * B  # context positions in the cache per row (0 .. fed-1)
+        self.pending = [feats.hidden_aux[b, : len(p) - 1] for b, p in enumerate(prompts)]
+
+    def observe(self, row, tokens, hidden_last, hidden_aux):
+        self.pending[row] = torch.cat([self.pending[row], hidden_aux.to(self.pending[row].device)])
+
+    def _feed(self, active) -> None:
+        """Append every active row's newly committed positions to the context cache, in one forward."""
+        B = len(active)
+        lens = [len(self.pending[b]) if active[b] else 0 for b in range(B)]
+        q = max(lens, default=0)
+        if q == 0:
+            return
+        x = torch.zeros(B, q, self.pending[0].shape[-1], dtype=self.pending[0].dtype, device=self.device)
+        valid = torch.zeros(B, q, dtype=torch.bool, device=self.device)
+        pos = torch.tensor(self.fed, device=self.device)[:, None] + torch.arange(q, device=self.device)
+        for b, n in enumerate(lens):
+            if n:
+                x[b, :n] = self.pending[b].to(self.device)
+                valid[b, :n] = True
+                self.pending[b] = self.pending[b][:0]
+                self.fed[b] += n
+        self.model.extend_context(self.cache, self.model.fuse(x), pos)
+        self.ctx_valid = torch.cat([self.ctx_valid, valid], 1)
+        self.ctx_pos = torch.cat([self.ctx_pos, pos], 1)
+        self._squeeze()
+
+    def _squeeze(self) -> None:
+        """Drop the holes once they outnumber the entries: each row's entries first, in order."""
+        S, keep = self.ctx_valid.shape[1], int(self.ctx_valid.sum(1).max())
+        if S <= 2 * keep + self.squeeze_slack:
+            return
+        order = torch.sort((~self.ctx_valid).to(torch.uint8), dim=1, stable=True).indices[:, :keep]
+        self.cache.select(order)
+        self.ctx_valid, self.ctx_pos = self.ctx_valid.gather(1, order), self.ctx_pos.gather(1, order)
+
+    def block_mask(self, anchor_pos: torch.Tensor) -> torch.Tensor:
+        """(B, block, S + block) bool: the valid context before each row's anchor, and the whole block."""
+        B, bs = len(anchor_pos), self.block
+        ctx = self.ctx_valid & (self.ctx_pos < anchor_pos[:, None])
+        own = torch.ones(B, bs, bs, dtype=torch.bool, device=self.device)
+        return torch.cat([ctx[:, None, :].expand(B, bs, -1), own], 2)
+
+    @torch.no_grad()
+    def block_logits(self, seqs, active) -> torch.Tensor:
+        """(B, depth, V) logits of slots 1..depth of every row's block (the context fed first)."""
+        self._feed(active)
+        B = len(seqs)
+        p = torch.tensor([len(s) - 1 for s in seqs], device=self.device)
+        for b in range(B):
+            if active[b] and self.fed[b] != int(p[b]):
+                raise RuntimeError(f"DFlash row {b}: the context holds {self.fed[b]} positions but the anchor sits "
+                                   f"at {int(p[b])} (observe() missed committed positions)")
+        anchors = torch.tensor([s[-1] for s in seqs], device=self.device)
+        block = self.model.block_inputs(anchors)
+        pos = p[:, None] + torch.arange(self.block, device=self.device)
+        h = self.model.decode(block, pos, self.cache if len(self.cache) else None, self.block_mask(p))
+        return self.model.logits(h[:, 1: 1 + self.depth]).double()
+
+    @torch.no_grad()
+    def propose(self, seqs, active, temperature, generator):
+        logits = self.last_logits = self.block_logits(seqs, active)
+        if self.shape.kind == "chain":
+            trees = self._chains(logits, temperature, generator)
+        elif self.shape.kind == "dynamic":
+            logp = torch.log_softmax(logits, -1)
+            level = iter(range(1, self.depth))
+            def expand(nodes, tokens, parents):  # depth j's candidates: slot j's, whatever the parent
+                j = next(level)
+                return logp[:, j, None].expand(-1, max(len(n) for n in nodes), -1)
+            trees = dynamic_trees(logp[:, 0], expand, self.depth, self.shape.topk, self.shape.total_tokens)
+        else:
+            ranks = 1 + max(max(c) for c in self.shape.choices)
+            top = logits.topk(min(ranks, logits.shape[-1]), dim=-1).indices.cpu()
+            trees = [static_tree(top[b], self.shape.choices) for b in range(len(seqs))]
+        for t in trees:
+            t.draft_forwards = 1
+        return [t if a else DraftTree.empty() for t, a in zip(trees, active)]
+
+    def draw(self, logits: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, k, V) logits -> tokens (B, k) and the distribution each was drawn from (None at T = 0)."""
+        if temperature <= 0:
+            return logits.argmax(-1).cpu(), None
+        q = probs(logits, temperature).cpu()
+        toks = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=generator).view(q.shape[:2])
+        return toks, q
+
+    def _chains(self, logits, temperature, generator) -> list[DraftTree]:
+        toks, q = self.draw(logits[:, : self.shape.k], temperature, generator)
+        return [DraftTree.chain(toks[b].tolist(), None if q is None else q[b]) for b in range(len(toks))]
 
 
 def _to_target_vocab(q: torch.Tensor, d2t_full: torch.Tensor, V_t: int) -> torch.Tensor:

@@ -56,7 +56,11 @@ def far_draft(target):
 
 @pytest.fixture(scope="module")
 def exact(target):
-    """(V, V, V) exact probabilities of the first three tokens at temperature 1."""
+    return exact_law(target)
+
+
+def exact_law(target) -> torch.Tensor:
+    """(V, V, V) exact probabilities of the first three tokens at temperature 1 (test_dflash_drafter.py too)."""
     seqs = torch.tensor([PROMPT + list(c) for c in itertools.product(range(V), repeat=3)])
     with torch.no_grad():
         logp = torch.log_softmax(target(seqs).logits.double(), -1)
