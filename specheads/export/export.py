@@ -8,7 +8,7 @@ Input: the ``save_pretrained`` folder that ``Method.save`` writes (``config.json
 is checked against ``layouts.head_tensors`` (name, shape, dtype): a missing or unknown key fails
 naming the key. Output: one folder per engine layout (``out_dir`` itself for one layout,
 ``out_dir/<engine>`` for several: ``both`` = vllm + sglang, ``all`` = every layout the method has:
-vllm, sglang, speculators (EAGLE-3) and medusa (the original Medusa/TGI layout)) with ``config.json``,
+vllm, sglang, speculators (EAGLE-3, DFlash) and medusa (the original Medusa/TGI layout)) with ``config.json``,
 the weights, ``specheads_export.json`` and a model card ``README.md``. The whole ``out_dir`` is written
 to a temporary sibling and renamed into place, so a failure never leaves a half-written folder; every
 file is made world-readable (0644, folders 0755) before the rename, as ``save_pretrained`` output is
@@ -367,7 +367,7 @@ def export_head(head_dir: str | Path, out_dir: str | Path, engine: str = "both",
                 hub_api=None) -> Path:
     """Export ``head_dir`` for ``engine`` into ``out_dir``; returns ``out_dir``.
 
-    engine: one of ``vllm``, ``sglang``, ``speculators`` (EAGLE-3), ``medusa`` (the original Medusa / TGI
+    engine: one of ``vllm``, ``sglang``, ``speculators`` (EAGLE-3, DFlash), ``medusa`` (the original Medusa / TGI
     layout), a comma-separated list, ``both`` (vllm + sglang) or ``all`` (every layout the method has);
     target_id: the hub id a user serves the target by, for a target given as a local folder or GGUF
     (the card then names it, with ``base_model``); eval_report may be ``"auto"``: the evaluate stage's

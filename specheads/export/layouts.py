@@ -28,10 +28,16 @@ The facts (read from the loaders themselves; table and sources in docs/export.md
   level (vLLM's convention); weights named ``layers.0.*`` and **the token embedding included**
   (``embed_tokens.weight``, the target's): speculators marks an unloaded embedding with NaN, which
   transformers' ``from_pretrained`` re-initialises, so a folder without it drafts on random embeddings.
-  EAGLE-3 only (speculators 0.9 has no EAGLE-1 or Medusa model).
+  EAGLE-3 here (speculators 0.9 has no EAGLE-1 or Medusa model); DFlash has its own speculators layout below.
 * **medusa** (the original FasterDecoding Medusa layout, which TGI and vLLM 0.32's
   ``_remap_old_checkpoint_key`` read): ``config.json`` with ``medusa_num_heads``/``medusa_num_layers``
   and weights ``{k}.{j}.linear.weight|bias`` (residual blocks), ``{k}.{num_layers}.weight`` (LM head).
+
+* **DFlash** (vLLM 0.34.0, SGLang 0.5.23; ``docs/export.md``): z-lab's format, one folder both engines load
+  (``DFlashDraftModel``, a Qwen3 config with every layer ``full_attention`` = bidirectional,
+  ``dflash_config.target_layer_ids`` = our aux layers minus one, no embedding or LM head), written as ``vllm/``
+  and ``sglang/``; and speculators' format (``speculators_model_type: dflash``, our aux ids,
+  ``sliding_window_non_causal: true``, the target's embedding and LM head), which vLLM converts and SGLang cannot read.
 
 Everything here works on plain dicts (``config.json`` contents) so it can be checked without torch.
 """
