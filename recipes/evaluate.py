@@ -1,6 +1,7 @@
 """Recipe: evaluate drafters on a target with real (tree) speculative decoding.
 
     python recipes/evaluate.py [head_method=eagle3 head_dir=runs/x/train] [eval=full] [output_dir=...]
+    python recipes/evaluate.py head_method=dflash head_dir=runs/dflash   (the block as a chain, and a tree)
     specheads evaluate ...            (same overrides)
 """
 

@@ -45,14 +45,18 @@ from specheads.targets import Target, eos_token_ids
 from specheads.training.run_log import read_train_summary
 
 log = logging.getLogger(__name__)
-DRAFTERS = ("ngram", "lookahead", "early_exit", "two_model", "medusa", "eagle1", "eagle3")
+DRAFTERS = ("ngram", "lookahead", "early_exit", "two_model", "medusa", "eagle1", "eagle3", "dflash")
+HEADS = ("medusa", "eagle1", "eagle3", "dflash")
+# the ``model_type`` of each head family's saved config.json (checked against the drafter asked for)
+HEAD_MODEL_TYPES = {"medusa": "medusa", "eagle1": "specheads_eagle1", "eagle3": "specheads_eagle3",
+                    "dflash": "specheads_dflash"}
 
 
 @dataclass
 class MethodSpec:
     """One drafting configuration.
 
-    drafter: ngram | lookahead | early_exit | two_model | medusa | eagle1 | eagle3; shape: chain/dynamic/static
+    drafter: ngram | lookahead | early_exit | two_model | medusa | eagle1 | eagle3 | dflash; shape: chain/dynamic/static
     (lookahead: its trie of verified n-grams, depth N-1, at most G branches; ``lookahead`` = (W, N, G));
     verify: auto | chain | tree | typical (T > 0; T = 0 is always greedy); profile: a serving
     engine this configuration reproduces (vllm, sglang) or None.
@@ -82,7 +86,7 @@ class MethodSpec:
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
             raise ValueError(f"method '{self.name}': unknown drafter '{self.drafter}' (one of {', '.join(DRAFTERS)})")
-        if self.drafter in ("medusa", "eagle1", "eagle3") and not self.head_dir:
+        if self.drafter in HEADS and not self.head_dir:
             raise ValueError(f"method '{self.name}': drafter '{self.drafter}' needs head_dir")
         if self.auto_shape and self.drafter not in ("eagle1", "eagle3"):
             raise ValueError(f"method '{self.name}': an automatic shape is chosen for EAGLE heads only")
@@ -463,6 +467,15 @@ def _build_drafter(spec: MethodSpec, target: Target, cfg: EvalConfig | None) -> 
     if spec.drafter == "two_model":
         return _two_model(spec, target)
     head = resolve_head_dir(spec.head_dir)
+    check_head_kind(spec.drafter, head)
+    if spec.drafter == "dflash":
+        from specheads.decoding.head_drafters import DFlashDrafter
+        from specheads.models.dflash import DFlashModel
+
+        # the draft runs in the target's dtype (its embedding and LM head are the target's own)
+        model = DFlashModel.from_pretrained(head).to(target.device, target.dtype).eval().attach(target)
+        pack_like(model, target.model)
+        return DFlashDrafter(model, spec.shape)
     if spec.drafter == "medusa":
         from specheads.decoding.head_drafters import MedusaDrafter
         from specheads.models.medusa import MedusaHeads
@@ -491,6 +504,29 @@ def _build_drafter(spec: MethodSpec, target: Target, cfg: EvalConfig | None) -> 
     model = cls.from_pretrained(head).to(target.device).eval().attach(target)
     pack_like(model, target.model)
     return EagleDrafter(model, spec.shape, spec.drafter)
+
+
+def head_model_type(head_dir: str) -> str | None:
+    """The ``model_type`` of a head folder's config.json (None when it names none)."""
+    return json.loads((Path(resolve_head_dir(head_dir)) / "config.json").read_text()).get("model_type")
+
+
+def check_head_kind(drafter: str, head_dir: str) -> None:
+    """Refuse a head folder of another family than ``drafter`` (read from its config's ``model_type``)."""
+    kind = head_model_type(head_dir)
+    known = {v: k for k, v in HEAD_MODEL_TYPES.items()}
+    if kind in known and known[kind] != drafter:
+        raise UserError(f"{head_dir} holds a head of another family ({known[kind]}: model_type {kind}), not {drafter}: "
+                        f"evaluate it with head_method={known[kind]}")
+
+
+def dflash_block_size(head_dir: str) -> int:
+    """B of a saved DFlash head (slot 0 the anchor, B-1 drafted tokens)."""
+    check_head_kind("dflash", head_dir)
+    cfg = json.loads((Path(resolve_head_dir(head_dir)) / "config.json").read_text())
+    if "block_size" not in cfg:
+        raise UserError(f"{head_dir}: its config.json names no block_size; is it a DFlash head?")
+    return int(cfg["block_size"])
 
 
 def _check_medusa_target(heads, head_dir: str, target: Target) -> None:
@@ -588,6 +624,9 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                  head_ngram_table_tokens: int = 1_000_000) -> list[MethodSpec]:
     """The method list for an evaluation: the head's own shape, its serving profiles, and baselines.
 
+    DFlash (``dflash``, B read from the head's config): the block drafted as a chain of B-1 (``dflash-chain{B-1}``,
+    what the reference and the engines draft) and a tree of per-slot candidates (``dflash-tree``: ``tree`` with
+    its depth capped at B-1; ``DFlashDrafter``); no serving profile rows.
     head_shape: ``tree`` (the EAGLE-2 dynamic ``tree``) or ``auto`` (EAGLE: the chain this machine's
     verify cost curve and the head's held-out acceptance favour, chosen at evaluation: ``shape_choice``);
     lookahead: {window, ngram, guesses} of the lookahead baseline (default 5, 4, 5); head_ngram > 0: the
@@ -620,8 +659,17 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                 sgl = TreeShape("dynamic", depth=serving.sglang_steps, topk=serving.sglang_topk,
                                 total_tokens=serving.sglang_num_draft_tokens - 1)
                 out.append(MethodSpec(f"{method}-sglang", method, sgl, verify, head_dir=head_dir, profile="sglang"))
+        elif method == "dflash":
+            if head_shape == "auto":
+                raise ValueError("head_shape=auto chooses an EAGLE head's shape; a DFlash head drafts its block as a "
+                                 "chain (and a tree with head_shape=tree)")
+            B = dflash_block_size(head_dir)
+            out.append(MethodSpec(f"dflash-chain{B - 1}", "dflash", TreeShape("chain", k=B - 1), verify,
+                                  head_dir=head_dir))
+            out.append(MethodSpec("dflash-tree", "dflash", replace(tree, depth=min(tree.depth, B - 1)), verify,
+                                  head_dir=head_dir))
         else:
-            raise ValueError(f"method '{method}': use medusa, eagle1 or eagle3 (or none for baselines only)")
+            raise ValueError(f"method '{method}': use medusa, eagle1, eagle3 or dflash (or none for baselines only)")
         if head_ngram:
             own = out[0]
             name = f"{own.name}+ngram{head_ngram}" + (f"+x{head_ngram_extend}" if head_ngram_extend else "")
@@ -629,7 +677,7 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                                   ngram_extend=head_ngram_extend, ngram_extend_len=head_ngram_extend_len,
                                   ngram_table=head_ngram_table if head_ngram_extend else None,
                                   ngram_table_tokens=head_ngram_table_tokens))
-        if "vllm" in serving.engines:
+        if "vllm" in serving.engines and method != "dflash":
             out.append(MethodSpec(f"{method}-vllm", method, vllm, verify, head_dir=head_dir, profile="vllm"))
     chain = TreeShape("chain", k=chain_k)
     for b in baselines or ():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.conftest import make_tiny_model
 from specheads.decoding.drafters import TreeShape
@@ -349,3 +350,91 @@ def test_paired_timing_survives_a_machine_that_slows_down(target, tmp_path, monk
             write_report(report, tmp_path)
             assert "paired: in each of 2 timed pass(es)" in (tmp_path / "report.md").read_text()
     assert ratios[True] > 5 * ratios[False]
+
+
+def _dflash_dir(target, root, agree: bool = False):
+    """A saved DFlash head (B = 4) for ``target``; ``agree``: its norm zeroed, so it always drafts what the LM head
+    prefers for a zero state (pair it with ``_constant_target``)."""
+    from specheads.models.dflash import DFlashConfig, DFlashModel
+
+    torch.manual_seed(0)
+    m = DFlashModel(DFlashConfig.from_target(target, num_layers=1, block_size=4, aux_layers=(0, 1)))
+    if agree:
+        with torch.no_grad():
+            m.norm.weight.zero_()
+    m.save_pretrained(root / "head")
+    (root / "train_summary.json").write_text(json.dumps({"tau_estimate": 1.3}))
+    return root
+
+
+def _constant_target(target, token: int = 100) -> Target:
+    """``target`` whose final norm is zeroed and whose LM head gains a bias toward ``token``: it always emits it,
+    and so does a DFlash head with its norm zeroed (it reads the same LM head), so every draft is accepted."""
+    import copy
+
+    model = copy.deepcopy(target.model)
+    old = model.lm_head
+    head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(old.weight)
+        head.bias.zero_()
+        head.bias[token] = 5.0
+        model.model.norm.weight.zero_()
+    model.lm_head = head
+    return Target(model, target.tokenizer, name="tiny-constant")
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(target, tmp_path_factory):
+    return _dflash_dir(target, tmp_path_factory.mktemp("dflash"))
+
+
+@pytest.mark.parametrize("agree", [False, True])
+def test_evaluate_a_dflash_head_beside_the_baselines(target, tmp_path, monkeypatch, agree):
+    """head_method=dflash: the block as a chain of B-1 and a tree of per-slot candidates, lossless, α per block
+    position (depths 1..B-1), τ and speed-ups like any head, beside a baseline; B read from the head's config.
+    A random head (never accepted) and one that always agrees with its (constant) target."""
+    import specheads.evaluation.suite as suite
+
+    if agree:
+        target = _constant_target(target)
+    dflash_dir = _dflash_dir(target, tmp_path / "dflash", agree)
+
+    methods = plan_methods("dflash", str(dflash_dir), ["ngram"], chain_k=3,
+                           tree=TreeShape("dynamic", depth=5, topk=2, total_tokens=8))
+    assert [(m.name, m.shape.label()) for m in methods] == [
+        ("dflash-chain3", "chain3"), ("dflash-tree", "tree(d3,k2,n8)"), ("ngram-chain3", "chain3")]
+    real = suite.load_benchmarks
+    monkeypatch.setattr(suite, "load_benchmarks", lambda s: [p for p in real(s) if p.domain in ("coding", "code")][:3])
+    spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1, 2), humaneval=1, chat=0)
+    report = evaluate(target, EvalConfig(methods, spec, max_new_tokens=9, temperatures=(0.0, 1.0), batch_sizes=(1, 3),
+                                         batch_prompts=3, repeats=1))
+    for m in report["methods"]:
+        assert m["lossless"]["exact"] and m["batch"]["3"]["matches_batch1_plain"], m["name"]
+        row = m["by_temperature"]["0.0"]["all"]
+        assert row["tau"] >= 1.0 and "speedup" in row
+    chain, tree = report["methods"][:2]
+    assert chain["drafter"] == "dflash" and chain["train_tau"] == 1.3
+    row = chain["by_temperature"]["0.0"]["all"]
+    assert row["draft_forwards_per_step"] == 1.0  # the whole block in one forward
+    assert len(tree["by_temperature"]["0.0"]["all"]["nodes_by_depth"]) == 3
+    if agree:  # one α per drafted block slot; each step emits the block and the bonus (9 = 4 + 4 + 1)
+        assert row["alpha_by_position"] == [1.0, 1.0, 1.0] and row["tau"] == 3.0
+        assert chain["by_temperature"]["1.0"]["all"]["alpha_by_position"][:2] == [1.0, 1.0]
+    else:
+        assert row["alpha_by_position"] == [0.0] and row["tau"] == 1.0
+    paths = write_report(report, tmp_path / "report")
+    assert "dflash-chain3" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_head_kind_is_read_from_the_head_config(dflash_dir, head_dirs, tmp_path):
+    from specheads.errors import UserError
+    from specheads.evaluation.suite import check_head_kind, head_model_type
+
+    assert head_model_type(str(dflash_dir)) == "specheads_dflash"
+    with pytest.raises(UserError, match=r"another family \(dflash"):
+        check_head_kind("eagle3", str(dflash_dir))
+    with pytest.raises(UserError, match=r"another family \(eagle1"):
+        plan_methods("dflash", str(head_dirs / "eagle1"), [])
+    with pytest.raises(ValueError, match="head_shape=auto"):
+        plan_methods("dflash", str(dflash_dir), [], head_shape="auto")
