@@ -30,10 +30,12 @@ def stage_commands(cfg: DictConfig) -> list[tuple[str, str, list[str]]]:
     train_out, report = run / "train" / cfg.head, run / "eval" / cfg.head
     data = ([f"features_dir={features}"] if cfg.offline else [f"prepared_dir={prepared}"])
     eval_method = "medusa" if cfg.head.startswith("medusa") else cfg.head
+    # DFlash fuses EAGLE-3's layers by default: one feature store (and one collection) serves both heads
+    store_method = "eagle3" if cfg.head == "dflash" else cfg.head
     stages = [
         ("prepare", "prepare_data.py", [f"output_dir={prepared}"]),
         ("collect", "collect_hidden_states.py",
-         [f"prepared_dir={prepared}", f"out_dir={features}", f"method={cfg.head}"]),
+         [f"prepared_dir={prepared}", f"out_dir={features}", f"method={store_method}"]),
         ("train", "train.py", [f"method={cfg.head}", f"output_dir={train_out}", f"prepared_dir={prepared}", *data]),
         ("evaluate", "evaluate.py", [f"head_method={eval_method}", f"head_dir={train_out}",
                                      f"eval.chat_dir={prepared}", f"output_dir={report}",

@@ -164,3 +164,18 @@ def test_the_real_pipeline_config_invalidates_evaluate_and_export_when_train_cha
                                tmp_path) == list(STAGES)
     assert pipeline.run_stages(commands("stages.train=['train.max_steps=7']", "stages.prepare=['data.num_samples=3']"),
                                tmp_path) == []
+
+
+def test_dflash_after_eagle3_reuses_its_feature_store(tmp_path, launches):
+    from hydra import compose, initialize_config_dir
+
+    def commands(*overrides):
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("pipeline", overrides=[f"run_dir={tmp_path}", *overrides])
+        return pipeline.stage_commands(cfg)
+
+    assert pipeline.run_stages(commands(), tmp_path) == list(STAGES)
+    dflash = commands("head=dflash")
+    assert "method=eagle3" in dict((n, o) for n, _, o in dflash)["collect"]
+    assert "method=dflash" in dict((n, o) for n, _, o in dflash)["train"]
+    assert pipeline.run_stages(dflash, tmp_path) == ["train", "evaluate", "export"]  # no second collection
