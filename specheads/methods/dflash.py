@@ -180,9 +180,14 @@ class DFlashMethod:
 
     @staticmethod
     def drafter(model, shape):
-        """The drafter the evaluator uses (measured acceptance during training)."""
+        """The drafter the evaluator uses (measured acceptance during training): a chain is cut to the B-1
+        tokens one block drafts."""
+        from dataclasses import replace
+
         from specheads.decoding.head_drafters import DFlashDrafter
 
+        if shape.kind == "chain" and shape.k > model.block_size - 1:
+            shape = replace(shape, k=model.block_size - 1)
         return DFlashDrafter(model, shape)
 
     def save(self, model: DFlashModel, out_dir: str, target: Target) -> None:

@@ -178,6 +178,7 @@ class DFlashModel(PreTrainedModel):
                              f"(vocabulary {target.vocab_size})")
         self.__dict__["_embed"] = target.raw_embedding
         self.__dict__["_lm_head"] = target.logits  # post-norm hidden -> target logits (soft-capped where capped)
+        self.__dict__["_head_dtype"] = target.lm_head.weight.dtype
         return self
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -221,7 +222,7 @@ class DFlashModel(PreTrainedModel):
         """(..., H) pre-norm states -> (..., V) logits over the target's vocabulary (its LM head)."""
         if self._lm_head is None:
             raise RuntimeError("DFlashModel has no LM head: call model.attach(target) first")
-        return self._lm_head(self.norm(h))
+        return self._lm_head(self.norm(h).to(self._head_dtype))  # a float32 head on a bfloat16 target too
 
     def block_inputs(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """(...,) anchor tokens -> (..., B) block tokens: the anchor, then mask tokens."""

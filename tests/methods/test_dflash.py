@@ -146,3 +146,19 @@ def test_a_few_steps_learn_the_targets_greedy_tokens(tmp_path):
     assert ev["step0_acc"] > 0.1 and ev["tau_joint"] > 1.1, ev  # chance is 1/256
     loaded = DFlashModel.from_pretrained(summary["head_dir"]).attach(target)
     assert loaded.config.block_size == 4 and loaded.config.aux_layers == list(method.feature_spec.aux_layers)
+
+
+def test_training_measures_a_chain_no_longer_than_a_block(setup):
+    from specheads.decoding.drafters import TreeShape
+
+    _, method, model, _ = setup  # block_size 4: three drafted tokens
+    assert method.drafter(model, TreeShape("chain", k=5)).shape.k == 3
+    assert method.drafter(model, TreeShape("chain", k=2)).shape.k == 2
+
+
+def test_a_float32_head_reads_a_bfloat16_targets_lm_head():
+    target = make_tiny_target("llama", layers=4, dtype=torch.bfloat16)
+    method = build_method("dflash", block_size=4)
+    model = method.build(target).float()
+    logits = model.logits(torch.randn(2, 3, target.hidden_size))
+    assert logits.shape == (2, 3, target.vocab_size) and torch.isfinite(logits.float()).all()
