@@ -197,6 +197,8 @@ def head_tensors(method: str, cfg: dict) -> dict[str, TensorSpec]:
             raise LayoutError(f"EAGLE-3 heads have one layer; config says num_hidden_layers={cfg['num_hidden_layers']}")
         Ht = cfg.get("target_hidden_size") or H
         out = {"fc.weight": TensorSpec((H, len(cfg["aux_layers"]) * Ht))}
+        if cfg.get("fc_norm"):  # EAGLE-3.1: one RMSNorm per fused feature before fc
+            out.update({f"fc_norm.{i}.weight": TensorSpec((Ht,)) for i in range(len(cfg["aux_layers"]))})
         out.update(_attention_layer(cfg, "midlayer", 2 * H, input_norm=True, hidden_norm=True))
         out.update({"norm.weight": TensorSpec((H,)), "lm_head.weight": TensorSpec((cfg["draft_vocab_size"], H)),
                     "d2t": TensorSpec((cfg["draft_vocab_size"],), "int64"),
@@ -325,6 +327,8 @@ def _eagle3(cfg: dict, engine: str, target: TargetInfo, src: dict) -> Layout:
     config.update(draft_vocab_size=cfg["draft_vocab_size"], target_hidden_size=cfg.get("target_hidden_size")
                   or cfg["hidden_size"], norm_before_residual=False,
                   eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True})
+    if cfg.get("fc_norm"):
+        config["fc_norm"] = True  # vLLM 0.34's and SGLang 0.5.23's LlamaForCausalLMEagle3 read it (fc_norm.{i})
     if engine == "vllm":
         # vLLM's V2 model runner (the default in 0.32/0.33 when Triton is present) reads only the top-level
         # key (or eagle_config.layer_ids) and otherwise captures (2, N//2, N-3); V1 reads either.
@@ -333,12 +337,20 @@ def _eagle3(cfg: dict, engine: str, target: TargetInfo, src: dict) -> Layout:
     order = tuple(sorted(range(len(aux)), key=lambda j: aux[j]))
     if order != tuple(range(len(aux))):
         rules["fc.weight"] = Rule("fc.weight", chunk_order=order)
+        rules.update(_fc_norm_rules(cfg, order))
     notes = [f"Aux layers {aux} (inputs of target decoder layers) are written as {engine} ids {ids}.",
              "The token embedding is the target's (not in the file); t2d is kept for reference, the loader skips it."]
     if engine == "vllm" and cfg["draft_vocab_size"] >= target.vocab_size:
         del tensors["d2t"], rules["d2t"]
         notes.append("No d2t: vLLM has no draft-to-target map when the draft vocabulary is the full vocabulary.")
     return Layout("eagle3", engine, config, tensors, rules, notes)
+
+
+def _fc_norm_rules(cfg: dict, order: tuple[int, ...]) -> dict[str, Rule]:
+    """``fc_norm.{k}`` written from the head's ``fc_norm.{order[k]}``: the norms follow fc's column blocks."""
+    if not cfg.get("fc_norm"):
+        return {}
+    return {f"fc_norm.{k}.weight": Rule(f"fc_norm.{j}.weight") for k, j in enumerate(order)}
 
 
 MEDUSA_BASE_PLACEHOLDER = "REPLACE-WITH-TARGET-HUB-ID-OR-PATH"
@@ -358,7 +370,8 @@ def _eagle3_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: i
     config = {"architectures": [_ARCHITECTURES["eagle3", "speculators"]], "speculators_model_type": "eagle3",
               "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
               "draft_vocab_size": cfg["draft_vocab_size"], "target_hidden_size": cfg.get("target_hidden_size") or H,
-              "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+              "norm_before_residual": False, "norm_before_fc": False, "fc_norm": bool(cfg.get("fc_norm")),
+              "norm_output": False,
               "embed_requires_grad": False, "eagle_aux_hidden_state_layer_ids": ids, "tie_word_embeddings": False,
               "speculators_config": {
                   "algorithm": "eagle3", "default_proposal_method": "greedy",
@@ -374,6 +387,7 @@ def _eagle3_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: i
     order = tuple(sorted(range(len(aux)), key=lambda j: aux[j]))
     if order != tuple(range(len(aux))):
         rules["fc.weight"] = Rule("fc.weight", chunk_order=order)
+        rules.update(_fc_norm_rules(cfg, order))
     tensors["embed_tokens.weight"] = TensorSpec((target.vocab_size, H))
     rules["embed_tokens.weight"] = Rule("embed_tokens.weight", from_target=True)
     notes = [f"Aux layers {aux} (inputs of target decoder layers) are written as ids {ids} (vLLM's convention).",

@@ -47,7 +47,8 @@ class Eagle3Method:
     loss_rows: ``assistant`` trains on the rows whose next token is an assistant token (``loss_mask``), ``all``
     on every non-padding row (prompts too: a store holds the target's features and argmax there as well, so
     the same collection yields more training rows; held-out metrics stay on assistant tokens, and the draft
-    vocabulary is still counted on assistant tokens, what drafting predicts).
+    vocabulary is still counted on assistant tokens, what drafting predicts);
+    fc_norm: an RMSNorm per fused feature before ``fc`` (EAGLE-3.1, vLLM's and speculators' ``fc_norm``).
     """
 
     name = "eagle3"
@@ -57,7 +58,7 @@ class Eagle3Method:
                  step_decay: float = 0.8, target_chunk: int = 1024, head_chunk: int = 2048,
                  init_lm_head_from_target: bool = False, vocab_rows=None, freeze_lm_head: bool = False,
                  feature_weight: float = 0.0, init_layer_from_target: bool = False, offpath_weight: float = 1.0,
-                 feature_noise: float = 0.0, loss_rows: str = "assistant"):
+                 feature_noise: float = 0.0, loss_rows: str = "assistant", fc_norm: bool = False):
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         if freeze_lm_head and not init_lm_head_from_target:
@@ -84,6 +85,7 @@ class Eagle3Method:
         if loss_rows not in ("assistant", "all"):
             raise ValueError(f"loss_rows must be 'assistant' or 'all', got {loss_rows!r}")
         self.loss_rows = loss_rows
+        self.fc_norm = bool(fc_norm)
         self._num_target_layers: int | None = None
 
     @property
@@ -103,7 +105,7 @@ class Eagle3Method:
 
     def build(self, target: Target) -> Eagle3Model:
         self.bind(target)
-        config = Eagle3Config.from_target(target, self.draft_vocab_size, self.feature_spec.aux_layers)
+        config = Eagle3Config.from_target(target, self.draft_vocab_size, self.feature_spec.aux_layers, self.fc_norm)
         model = Eagle3Model(config).to(target.device).attach(target)
         if self.vocab_data is None:
             raise ValueError("Eagle3Method needs vocab_data (a prepared dataset) to pick the draft vocabulary: "

@@ -40,7 +40,8 @@ class Eagle3Config(LlamaConfig):
     """A one-layer Llama config plus the EAGLE-3 fields.
 
     draft_vocab_size: rows of lm_head; target_hidden_size: width of each fused target feature;
-    aux_layers: target layer inputs fused by fc (see specheads.targets); target: the target's name.
+    aux_layers: target layer inputs fused by fc (see specheads.targets); target: the target's name;
+    fc_norm: one RMSNorm per fused feature before fc (EAGLE-3.1; vLLM's ``fc_norm``, speculators' ``--fc-norm``).
     """
 
     model_type = "specheads_eagle3"
@@ -48,12 +49,13 @@ class Eagle3Config(LlamaConfig):
     target_hidden_size: int | None = None
     aux_layers: list[int] | None = None
     target: str | None = None
+    fc_norm: bool = False
 
     @classmethod
-    def from_target(cls, target: Target, draft_vocab_size: int, aux_layers=None) -> "Eagle3Config":
+    def from_target(cls, target: Target, draft_vocab_size: int, aux_layers=None, fc_norm: bool = False) -> "Eagle3Config":
         aux = list(aux_layers) if aux_layers is not None else list(default_eagle3_layers(target.num_layers))
         return cls(num_hidden_layers=1, draft_vocab_size=min(draft_vocab_size, target.vocab_size),
-                   target_hidden_size=target.hidden_size, aux_layers=aux, target=target.name,
+                   target_hidden_size=target.hidden_size, aux_layers=aux, target=target.name, fc_norm=fc_norm,
                    tie_word_embeddings=False, **draft_fields_from_target(target.config))
 
 
@@ -67,6 +69,8 @@ class Eagle3Model(PreTrainedModel):
         H = config.hidden_size
         n_aux = len(config.aux_layers or (0, 0, 0))
         self.fc = nn.Linear(n_aux * (config.target_hidden_size or H), H, bias=False)
+        self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size or H, config.rms_norm_eps)
+                                     for _ in range(n_aux)) if getattr(config, "fc_norm", False) else None
         self.midlayer = DraftDecoderLayer(config, layer=0, embeds_input=True)
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
@@ -103,8 +107,12 @@ class Eagle3Model(PreTrainedModel):
 
     # -- drafting API
     def fuse(self, hidden_aux: torch.Tensor) -> torch.Tensor:
-        """(B, q, n_aux * H_target) target features -> (B, q, H) drafter input."""
-        return self.fc(hidden_aux.to(self.fc.weight.dtype))
+        """(B, q, n_aux * H_target) target features -> (B, q, H) drafter input (each feature normed first
+        with ``fc_norm``)."""
+        x = hidden_aux.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], dim=-1)
+        return self.fc(x)
 
     def decode(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                attn_mask: torch.Tensor | None = None, cache: KVCache | UnrollCache | None = None) -> torch.Tensor:

@@ -708,3 +708,29 @@ def test_push_to_hub_layouts_privacy_and_dry_run(target, target_dir, tmp_path, m
     assert "hf_secret_token_value" not in printed + caplog.text
     with pytest.raises(ExportError, match="repo id"):
         export_head(head, tmp_path / "out4", "vllm", str(target_dir), push_to_hub="acme/{name}")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "speculators"])
+def test_fc_norm_heads_export_their_norms_in_the_engines_layer_order(engine, target, target_dir, tmp_path):
+    """EAGLE-3.1's per-feature norms (vLLM 0.34 and SGLang 0.5.23 read ``fc_norm`` and ``fc_norm.{i}``): the
+    engine normalises each captured state, in ascending layer order, then applies fc: the head's own fusion."""
+    from specheads.export.reload import load_exported
+
+    head = Eagle3Model(Eagle3Config.from_target(target, DV, aux_layers=AUX, fc_norm=True))
+    _randomize(head)
+    counts = torch.randint(0, 1000, (V,), generator=torch.Generator().manual_seed(1))
+    head.set_draft_vocab(*build_draft_vocab(counts, DV))
+    out = export_head(save_head(head, tmp_path), tmp_path / "out", engine=engine, target=str(target_dir))
+    config, got = json.loads((out / "config.json").read_text()), tensors(out)
+    assert config["fc_norm"] is True and sorted(k for k in got if k.startswith("fc_norm")) == \
+        [f"fc_norm.{i}.weight" for i in range(3)]
+    feats = {layer: torch.randn(2, 5, H) for layer in AUX}
+    eps = head.config.rms_norm_eps
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    theirs = torch.cat([rms(feats[layer], got[f"fc_norm.{k}.weight"]) for k, layer in enumerate(sorted(AUX))], -1)
+    assert_close(theirs @ got["fc.weight"].T, head.fuse(torch.cat([feats[i] for i in AUX], -1)))
+    back = load_exported(out)
+    assert back.config.fc_norm and all(torch.equal(back.state_dict()[k], v) for k, v in head.state_dict().items())

@@ -361,3 +361,17 @@ def test_loss_rows_all_trains_prompt_rows_too(target, ttt_steps):
     assert every.evaluate(model, batch, target) == plain.evaluate(model, batch, target)
     with pytest.raises(ValueError, match="loss_rows"):
         Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), loss_rows="prompt")
+
+
+def test_fc_norm_normalises_each_fused_layer_before_fc_and_trains_its_norms(target):
+    method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), fc_norm=True)
+    model = method.build(target)
+    assert model.config.fc_norm and len(model.fc_norm) == 3
+    x = torch.randn(2, 5, 3 * H)
+    scaled = torch.cat([c * s for c, s in zip(x.chunk(3, -1), (10.0, 0.1, 3.0))], -1)
+    assert_close(model.fuse(scaled), model.fuse(x))  # each feature's scale is normalised away
+    out = method.loss(model, _batch(target, method), target)
+    out.loss.backward()
+    assert all(n.weight.grad is not None and n.weight.grad.abs().sum() > 0 for n in model.fc_norm)
+    plain = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows()).build(target)
+    assert plain.fc_norm is None and not plain.config.fc_norm
