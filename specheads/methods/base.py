@@ -49,6 +49,34 @@ class StepOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+class FusedLayers:
+    """What the methods that fuse target layers (EAGLE-3, DFlash) share: ``aux_layers`` as set, or the default
+    ``(2, N//2, N-3)`` once ``bind(target)`` has told the target's depth ``N``."""
+
+    aux_layers: tuple[int, ...] | None = None
+    _num_target_layers: int | None = None
+
+    @property
+    def feature_spec(self) -> FeatureSpec:
+        """Needs the target's layer count when ``aux_layers`` is unset: call ``bind(target)`` or ``build`` first."""
+        from specheads.targets import default_eagle3_layers
+
+        if self.aux_layers is None:
+            if self._num_target_layers is None:
+                raise RuntimeError(f"{type(self).__name__}.feature_spec: aux_layers is unset; call bind(target) or "
+                                   "build(target) first")
+            return FeatureSpec(aux_layers=default_eagle3_layers(self._num_target_layers), need_last=True)
+        return FeatureSpec(aux_layers=tuple(self.aux_layers), need_last=True)
+
+    def bind(self, target: Target):
+        """Learn the target's layer count; aux layers it does not have are refused here, before any work."""
+        from specheads.targets import check_aux_layers
+
+        check_aux_layers(self.aux_layers, target, "method.aux_layers")
+        self._num_target_layers = target.num_layers
+        return self
+
+
 class Method(Protocol):
     """One head family. A batch is a dict of tensors:
 

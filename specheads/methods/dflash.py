@@ -21,16 +21,16 @@ from pathlib import Path
 
 import torch
 
-from specheads.methods.base import ARGMAX_KEY, FeatureSpec, StepOutput
+from specheads.methods.base import ARGMAX_KEY, FusedLayers, StepOutput
 from specheads.methods.losses import hard_cross_entropy, target_argmax
 from specheads.methods.ttt import summarize_steps
 from specheads.models.dflash import DFlashConfig, DFlashModel, block_attention_mask
-from specheads.targets import Target, check_aux_layers, default_eagle3_layers
+from specheads.targets import Target
 
 log = logging.getLogger(__name__)
 
 
-class DFlashMethod:
+class DFlashMethod(FusedLayers):
     """num_layers: draft layers (z-lab's published drafts 5; 1 keeps a CPU run short); block_size: B (16 as
     z-lab and speculators' CLI; 8 in ModelOpt's recipe); aux_layers: fused target layers, null = (2, N//2, N-3),
     EAGLE-3's, so one feature store serves both; mask_token_id: null = ``models.dflash.default_mask_token``;
@@ -59,21 +59,6 @@ class DFlashMethod:
         self.anchors, self.eval_anchors = anchors, eval_anchors or anchors
         self.gamma, self.labels = float(gamma), labels
         self.head_chunk, self.target_chunk, self.lk_weight = head_chunk, target_chunk, float(lk_weight)
-        self._num_target_layers: int | None = None
-
-    @property
-    def feature_spec(self) -> FeatureSpec:
-        if self.aux_layers is None:
-            if self._num_target_layers is None:
-                raise RuntimeError("DFlashMethod with default aux_layers must be bound to a target first (bind)")
-            return FeatureSpec(aux_layers=default_eagle3_layers(self._num_target_layers), need_last=True)
-        return FeatureSpec(aux_layers=self.aux_layers, need_last=True)
-
-    def bind(self, target: Target) -> "DFlashMethod":
-        """Learn the target's layer count; aux layers it does not have are refused here, before any work."""
-        check_aux_layers(self.aux_layers, target, "method.aux_layers")
-        self._num_target_layers = target.num_layers
-        return self
 
     def build(self, target: Target) -> DFlashModel:
         self.bind(target)

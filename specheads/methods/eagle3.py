@@ -12,17 +12,17 @@ from pathlib import Path
 
 import torch
 
-from specheads.methods.base import ARGMAX_KEY, FeatureSpec, StepOutput
+from specheads.methods.base import ARGMAX_KEY, FusedLayers, StepOutput
 from specheads.methods.losses import column_logits, target_argmax, target_probs
 from specheads.methods.ttt import TargetRows, summarize_steps, ttt_loss, unrolled_accuracy
 from specheads.models.eagle3 import Eagle3Config, Eagle3Model
 from specheads.models.vocab import build_draft_vocab, count_loss_tokens, coverage
-from specheads.targets import Target, check_aux_layers, default_eagle3_layers
+from specheads.targets import Target
 
 log = logging.getLogger(__name__)
 
 
-class Eagle3Method:
+class Eagle3Method(FusedLayers):
     """EAGLE-3 training: training-time test over ``ttt_steps`` steps, soft CE on the draft vocabulary.
 
     draft_vocab_size: draft vocabulary (capped at the target's); vocab_data: prepared dataset whose
@@ -86,22 +86,6 @@ class Eagle3Method:
             raise ValueError(f"loss_rows must be 'assistant' or 'all', got {loss_rows!r}")
         self.loss_rows = loss_rows
         self.fc_norm = bool(fc_norm)
-        self._num_target_layers: int | None = None
-
-    @property
-    def feature_spec(self) -> FeatureSpec:
-        """Needs the target's layer count when ``aux_layers`` is unset: call ``bind(target)`` or ``build`` first."""
-        if self.aux_layers is None:
-            if self._num_target_layers is None:
-                raise RuntimeError("Eagle3Method.feature_spec: aux_layers is unset; call bind(target) or build(target) first")
-            return FeatureSpec(aux_layers=default_eagle3_layers(self._num_target_layers), need_last=True)
-        return FeatureSpec(aux_layers=self.aux_layers, need_last=True)
-
-    def bind(self, target: Target) -> "Eagle3Method":
-        """Learn the target's layer count; aux layers it does not have are refused here, before any work."""
-        check_aux_layers(self.aux_layers, target, "method.aux_layers")
-        self._num_target_layers = target.num_layers
-        return self
 
     def build(self, target: Target) -> Eagle3Model:
         self.bind(target)

@@ -35,7 +35,7 @@ from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
 
 from specheads.models.layers import (DraftMLP, KVCache, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb,
-                                    draft_fields_from_target)
+                                    draft_fields_from_target, fusion_linear)
 from specheads.targets import Target, default_eagle3_layers
 
 
@@ -149,8 +149,7 @@ class DFlashModel(PreTrainedModel):
     def __init__(self, config: DFlashConfig):
         super().__init__(config)
         H = config.hidden_size
-        n_aux = len(config.aux_layers or (0, 0, 0))
-        self.fc = nn.Linear(n_aux * (config.target_hidden_size or H), H, bias=False)
+        self.fc = fusion_linear(config)
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(H, config.rms_norm_eps)

@@ -33,7 +33,7 @@ from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
 
 from specheads.models.layers import (DraftDecoderLayer, KVCache, RMSNorm, RotaryEmbedding, UnrollCache,
-                                    draft_fields_from_target)
+                                    draft_fields_from_target, fusion_linear)
 from specheads.targets import Target, default_eagle3_layers
 
 class Eagle3Config(LlamaConfig):
@@ -68,7 +68,7 @@ class Eagle3Model(PreTrainedModel):
         super().__init__(config)
         H = config.hidden_size
         n_aux = len(config.aux_layers or (0, 0, 0))
-        self.fc = nn.Linear(n_aux * (config.target_hidden_size or H), H, bias=False)
+        self.fc = fusion_linear(config)
         self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size or H, config.rms_norm_eps)
                                      for _ in range(n_aux)) if getattr(config, "fc_norm", False) else None
         self.midlayer = DraftDecoderLayer(config, layer=0, embeds_input=True)

@@ -75,6 +75,12 @@ def draft_fields_from_target(target_config) -> dict:
     return fields
 
 
+def fusion_linear(config) -> nn.Linear:
+    """``fc`` of a drafter that fuses target layers (EAGLE-3, DFlash): (H, len(aux_layers) * H_target), no bias."""
+    H = config.hidden_size
+    return nn.Linear(len(config.aux_layers or (0, 0, 0)) * (config.target_hidden_size or H), H, bias=False)
+
+
 class KVCache:
     """Keys and values of a drafter's layers, each ``(B, n_kv_heads, S, head_dim)``.
 
