@@ -35,13 +35,15 @@ class DFlashMethod(FusedLayers):
     z-lab and speculators' CLI; 8 in ModelOpt's recipe); aux_layers: fused target layers, null = (2, N//2, N-3),
     EAGLE-3's, so one feature store serves both; mask_token_id: null = ``models.dflash.default_mask_token``;
     anchors: blocks per row per step (512 in the public recipes on a GPU); gamma: the loss decay over slots (7
-    for B=16, 4 for B=8 in ModelOpt's recipe); labels: ``target`` or ``data``."""
+    for B=16, 4 for B=8 in ModelOpt's recipe); labels: ``target`` or ``data``; init_layer_from_target: start
+    as EAGLE-3's option does (``init_from_target``)."""
 
     name = "dflash"
 
     def __init__(self, num_layers: int = 1, block_size: int = 16, aux_layers=None, mask_token_id: int | None = None,
                  anchors: int = 64, gamma: float = 7.0, labels: str = "target", eval_anchors: int | None = None,
-                 head_chunk: int = 2048, target_chunk: int = 1024, lk_weight: float = 0.0):
+                 head_chunk: int = 2048, target_chunk: int = 1024, lk_weight: float = 0.0,
+                 init_layer_from_target: bool = False):
         if num_layers < 1:
             raise ValueError(f"dflash: num_layers must be at least 1, got {num_layers}")
         if block_size < 2:
@@ -59,12 +61,16 @@ class DFlashMethod(FusedLayers):
         self.anchors, self.eval_anchors = anchors, eval_anchors or anchors
         self.gamma, self.labels = float(gamma), labels
         self.head_chunk, self.target_chunk, self.lk_weight = head_chunk, target_chunk, float(lk_weight)
+        self.init_layer_from_target = init_layer_from_target
 
     def build(self, target: Target) -> DFlashModel:
         self.bind(target)
         config = DFlashConfig.from_target(target, self.num_layers, self.block_size, self.feature_spec.aux_layers,
                                           self.mask_token_id)
-        return DFlashModel(config).to(target.device).attach(target)
+        model = DFlashModel(config).to(target.device).attach(target)
+        if self.init_layer_from_target:
+            init_from_target(model, target)
+        return model
 
     def slot_weights(self, device=None) -> torch.Tensor:
         """(B,) loss weight of each block slot: 0 for the anchor, exp(-(j-1)/gamma) for slot j >= 1."""
@@ -178,3 +184,31 @@ class DFlashMethod(FusedLayers):
     def save(self, model: DFlashModel, out_dir: str, target: Target) -> None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out_dir)
+
+
+def init_from_target(model: DFlashModel, target: Target) -> None:
+    """Start each draft layer as the target's decoder layer whose input is the highest fused layer (then the
+    ones after it): its projections, MLP and norms; ``hidden_norm`` as that layer's input norm and ``fc`` passing
+    the highest fused state through, so the context's keys and values start as that layer's own; ``norm`` as
+    the target's final norm. ``q_norm``/``k_norm`` are copied where the target has them."""
+    aux = list(model.config.aux_layers)
+    H = target.hidden_size
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            src = target.layers[min(aux[-1] + i, target.num_layers - 1)]
+            pairs = [(layer.input_layernorm, src.input_layernorm), (layer.post_attention_layernorm,
+                                                                    src.post_attention_layernorm), (layer.mlp, src.mlp)]
+            pairs += [(getattr(layer.self_attn, n), getattr(src.self_attn, n)) for n in
+                      ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm") if hasattr(src.self_attn, n)]
+            for dst, w in pairs:
+                for name, param in dst.named_parameters():
+                    value = w.get_parameter(name)
+                    if param.shape != value.shape:
+                        raise ValueError(f"init_layer_from_target: {name} of the target's layer is "
+                                         f"{tuple(value.shape)}, the drafter's {tuple(param.shape)}")
+                    param.copy_(value)
+        model.hidden_norm.weight.copy_(target.layers[aux[-1]].input_layernorm.weight)
+        model.norm.weight.copy_(target.decoder.norm.weight)
+        width = model.fc.weight.shape[1] // len(aux)
+        model.fc.weight.zero_()
+        model.fc.weight[:, (len(aux) - 1) * width:].copy_(torch.eye(H, width))

@@ -162,3 +162,20 @@ def test_a_float32_head_reads_a_bfloat16_targets_lm_head():
     model = method.build(target).float()
     logits = model.logits(torch.randn(2, 3, target.hidden_size))
     assert logits.shape == (2, 3, target.vocab_size) and torch.isfinite(logits.float()).all()
+
+
+def test_init_layer_from_target_gives_the_context_that_layers_keys_and_values():
+    target = make_tiny_target("llama", layers=4)
+    method = build_method("dflash", block_size=4, init_layer_from_target=True)
+    model = method.build(target)
+    aux = method.feature_spec.aux_layers
+    batch = add_features(batch_of(1), target, method.feature_spec)
+    cache = model.new_cache()
+    T = batch["input_ids"].shape[1]
+    model.extend_context(cache, model.fuse(batch["hidden_aux"]), torch.arange(T)[None])
+    src = target.layers[aux[-1]]
+    h = src.input_layernorm(target.forward_features(batch["input_ids"], batch["attention_mask"], (aux[-1],)).aux[0])
+    v = src.self_attn.v_proj(h).view(1, T, -1, model.config.head_dim).transpose(1, 2)
+    assert torch.allclose(cache.values[0], v, atol=1e-5)  # the context's values are the target layer's own
+    assert torch.equal(model.layers[0].mlp.down_proj.weight, src.mlp.down_proj.weight)
+    assert torch.equal(model.norm.weight, target.decoder.norm.weight)
