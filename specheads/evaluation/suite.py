@@ -659,10 +659,7 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                 sgl = TreeShape("dynamic", depth=serving.sglang_steps, topk=serving.sglang_topk,
                                 total_tokens=serving.sglang_num_draft_tokens - 1)
                 out.append(MethodSpec(f"{method}-sglang", method, sgl, verify, head_dir=head_dir, profile="sglang"))
-        elif method == "dflash":
-            if head_shape == "auto":
-                raise ValueError("head_shape=auto chooses an EAGLE head's shape; a DFlash head drafts its block as a "
-                                 "chain (and a tree with head_shape=tree)")
+        elif method == "dflash":  # one block per step: its chain and its tree (head_shape=auto chooses nothing)
             B = dflash_block_size(head_dir)
             out.append(MethodSpec(f"dflash-chain{B - 1}", "dflash", TreeShape("chain", k=B - 1), verify,
                                   head_dir=head_dir))

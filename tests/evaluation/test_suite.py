@@ -436,5 +436,6 @@ def test_head_kind_is_read_from_the_head_config(dflash_dir, head_dirs, tmp_path)
         check_head_kind("eagle3", str(dflash_dir))
     with pytest.raises(UserError, match=r"another family \(eagle1"):
         plan_methods("dflash", str(head_dirs / "eagle1"), [])
-    with pytest.raises(ValueError, match="head_shape=auto"):
-        plan_methods("dflash", str(dflash_dir), [], head_shape="auto")
+    # head_shape=auto (the main job's setting) leaves a DFlash head its chain and tree
+    assert [m.name for m in plan_methods("dflash", str(dflash_dir), [], head_shape="auto")] == \
+        [m.name for m in plan_methods("dflash", str(dflash_dir), [])] == ["dflash-chain3", "dflash-tree"]
