@@ -10,7 +10,7 @@
 # 1. scripts/gpu_check.py: kernel decisions vs the references (V 32k/128k, trees of 8-64 nodes, batch
 #    1-64), kernel vs reference timings, and the evaluator end to end with kernels on vs off (same
 #    tokens, same α), and the freed target layers' GPU memory; prints the figures table, writes $OUT/gpu_check.{json,md} when OUT is set.
-# 2. the repo's GPU tests: pytest -m gpu over tests/kernels, tests/decoding/test_gpu.py and tests/methods/test_ttt.py (skipped
+# 2. the repo's GPU tests: pytest -m gpu over tests/kernels, tests/decoding/test_gpu.py, tests/methods/test_ttt.py and test_dflash.py (skipped
 #    without CUDA, so the smoke run only proves they are collected and reachable).
 #
 # Exit status: 0 everything ran and matched; 1 a mismatch, a failing GPU test or a crash; 3 nothing
@@ -48,7 +48,7 @@ if "$PY" -c "import pytest" 2>/dev/null; then
   # no plugin auto-loading: whatever else the machine has installed stays out of the run
   PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout "${GPU_TESTS_TIMEOUT:-140}" "$PY" -m pytest -p gpu_check \
     -p no:cacheprovider -m gpu -q -rs \
-    tests/kernels/test_verify_kernels.py tests/decoding/test_gpu.py tests/methods/test_ttt.py 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+    tests/kernels/test_verify_kernels.py tests/decoding/test_gpu.py tests/methods/test_ttt.py tests/methods/test_dflash.py 2>&1 | tee "$OUT_DIR/gpu_tests.log"
   trc=${PIPESTATUS[0]}
   case $trc in
     0) ;;

@@ -179,3 +179,16 @@ def test_init_layer_from_target_gives_the_context_that_layers_keys_and_values():
     assert torch.allclose(cache.values[0], v, atol=1e-5)  # the context's values are the target layer's own
     assert torch.equal(model.layers[0].mlp.down_proj.weight, src.mlp.down_proj.weight)
     assert torch.equal(model.norm.weight, target.decoder.norm.weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_block_forward_on_cuda_equals_the_cpu_one(setup):
+    """CUDA repeats the key/value heads before the masked fused attention (the CPU path passes enable_gqa)."""
+    target, method, model, batch = setup
+    h_cpu, *_ = method._blocks(model, batch, target, 4, torch.Generator().manual_seed(0))
+    target.model.cuda()
+    model.cuda().attach(target)
+    gpu = {k: v.cuda() for k, v in batch.items()}
+    h_gpu, *_ = method._blocks(model, gpu, target, 4, torch.Generator().manual_seed(0))
+    assert torch.allclose(h_gpu.cpu(), h_cpu, atol=1e-4)
