@@ -149,13 +149,18 @@ def test_markers_from_before_fingerprints_rerun_the_stage_without_clearing(tmp_p
     assert pipeline.run_stages(st, tmp_path) == []
 
 
-def test_the_real_pipeline_config_invalidates_evaluate_and_export_when_train_changes(tmp_path, launches):
+def real_commands(run_dir: Path, *overrides: str):
+    """stage_commands of conf/pipeline.yaml with ``overrides``, under ``run_dir``."""
     from hydra import compose, initialize_config_dir
 
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("pipeline", overrides=[f"run_dir={run_dir}", *overrides])
+    return pipeline.stage_commands(cfg)
+
+
+def test_the_real_pipeline_config_invalidates_evaluate_and_export_when_train_changes(tmp_path, launches):
     def commands(*overrides):
-        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-            cfg = compose("pipeline", overrides=[f"run_dir={tmp_path}", *overrides])
-        return pipeline.stage_commands(cfg)
+        return real_commands(tmp_path, *overrides)
 
     assert pipeline.run_stages(commands(), tmp_path) == list(STAGES)
     assert pipeline.run_stages(commands("stages.train=['train.max_steps=7']"), tmp_path) == ["train", "evaluate",
@@ -167,12 +172,8 @@ def test_the_real_pipeline_config_invalidates_evaluate_and_export_when_train_cha
 
 
 def test_dflash_after_eagle3_reuses_its_feature_store(tmp_path, launches):
-    from hydra import compose, initialize_config_dir
-
     def commands(*overrides):
-        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-            cfg = compose("pipeline", overrides=[f"run_dir={tmp_path}", *overrides])
-        return pipeline.stage_commands(cfg)
+        return real_commands(tmp_path, *overrides)
 
     assert pipeline.run_stages(commands(), tmp_path) == list(STAGES)
     dflash = commands("head=dflash")

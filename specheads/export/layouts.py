@@ -358,6 +358,14 @@ MEDUSA_ENGINES = ("Served by vLLM up to 0.32 (method \"medusa\", checked against
                   "error); vLLM 0.33 has no Medusa method, and SGLang has no Medusa loader.")
 
 
+def _speculators_config(algorithm: str, spec_tokens: int, target: TargetInfo) -> dict:
+    """speculators' ``speculators_config``: the algorithm, a greedy proposal of ``spec_tokens`` and the verifier."""
+    return {"algorithm": algorithm, "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(spec_tokens),
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "verifier": {"name_or_path": target.hub_id or target.path, "architectures": list(target.architectures)}}
+
+
 def _eagle3_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
     """speculators' own EAGLE-3 format (``Eagle3DraftModel``): one folder that speculators and vLLM load."""
     H = cfg["hidden_size"]
@@ -373,12 +381,7 @@ def _eagle3_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: i
               "norm_before_residual": False, "norm_before_fc": False, "fc_norm": bool(cfg.get("fc_norm")),
               "norm_output": False,
               "embed_requires_grad": False, "eagle_aux_hidden_state_layer_ids": ids, "tie_word_embeddings": False,
-              "speculators_config": {
-                  "algorithm": "eagle3", "default_proposal_method": "greedy",
-                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(spec_tokens),
-                                        "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-                  "verifier": {"name_or_path": target.hub_id or target.path,
-                               "architectures": list(target.architectures)}}}
+              "speculators_config": _speculators_config("eagle3", spec_tokens, target)}
     tensors: dict[str, TensorSpec] = {}
     rules: dict[str, Rule] = {}
     for name, spec in src.items():
@@ -522,12 +525,7 @@ def _dflash_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: i
               # vLLM writes dflash_config.causal = not sliding_window_non_causal, which overrides every layer;
               # speculators itself defaults it to false (all layers causal): written explicitly.
               "sliding_window_non_causal": True, "tie_word_embeddings": False,
-              "speculators_config": {
-                  "algorithm": "dflash", "default_proposal_method": "greedy",
-                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(spec_tokens),
-                                        "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-                  "verifier": {"name_or_path": target.hub_id or target.path,
-                               "architectures": list(target.architectures)}}}
+              "speculators_config": _speculators_config("dflash", spec_tokens, target)}
     tensors, rules = _dflash_tensors(cfg, src)
     for name in ("embed_tokens.weight", "lm_head.weight"):
         tensors[name] = TensorSpec((target.vocab_size, H))
