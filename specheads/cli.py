@@ -5,6 +5,7 @@
     specheads train method=eagle3
     specheads evaluate
     specheads export
+    specheads plan target=qwen3_8b plan.num_samples=500000   # store bytes, memory per layout, time, before any run
     specheads run            # the whole pipeline on the embedded default (see recipes/pipeline.py)
     specheads --conf-dir     # where the shipped Hydra configs are (e.g. conf/launcher/*.yaml for accelerate)
 
@@ -28,6 +29,7 @@ VERBS = {
     "evaluate": "evaluate.py",
     "export": "export.py",
     "run": "pipeline.py",
+    "plan": "plan.py",
 }
 
 
