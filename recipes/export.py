@@ -7,6 +7,7 @@
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import hydra
@@ -15,6 +16,7 @@ from omegaconf import MISSING, DictConfig
 
 from specheads.errors import user_errors
 from specheads.export import export_head
+from specheads.export.serve import exported_lines
 
 log = logging.getLogger("specheads.export")
 
@@ -44,7 +46,11 @@ def run(cfg: DictConfig) -> str:
                        eval_report=cfg.eval_report, data=cfg.training_data, dtype=cfg.dtype, spec_tokens=cfg.spec_tokens,
                        overwrite=cfg.overwrite, push_to_hub=cfg.push_to_hub, target_id=cfg.target_id,
                        hub_private=cfg.hub_private, push_dry_run=cfg.push_dry_run)
-    print(f"exported {cfg.head_dir} -> {path} (model card: README.md in each engine folder)")
+    lines = exported_lines(path, cfg.target_id or (cfg.target.name_or_path
+                                                   if Path(cfg.target.name_or_path).expanduser().is_dir() else None))
+    print(f"exported {cfg.head_dir} -> {path} (model card: README.md in each engine folder)\n\n"
+          "Serve it from here (draft settings: the evaluation's recommendation for GPU serving, when a report was "
+          "given):\n\n" + "\n".join(f"  {line}" for line in lines))
     return str(path)
 
 

@@ -187,15 +187,46 @@ def run_stage(name: str, recipe: str, overrides: list[str]) -> float:
     return round(time.time() - t0, 1)
 
 
+# --------------------------------------------------------------------------- the end of a run
+
+
+def end_summary(run_dir: str | Path, head: str, offline: bool, target_here: str | None = None) -> str:
+    """What the run leaves behind and what to do next: the evaluation's per-domain table (report.md), where
+    every output is, and the commands that serve the exported head from here (``specheads.export.serve``).
+
+    target_here: the target's local folder when it is one (the commands serve it as is)."""
+    from specheads.export.serve import exported_lines
+
+    run = Path(run_dir)
+    report, export = run / "eval" / head / "report.md", run / "export" / head
+    L = [report.read_text().rstrip(), ""] if report.is_file() else []
+    places = [("prepared data", run / "prepared"), ("feature store", run / "features" if offline else None),
+              ("trained head", run / "train" / head / "head"),
+              ("training summary", run / "train" / head / "train_summary.json"),
+              ("evaluation report", report), ("export", export)]
+    L += [f"specheads run: {run} ({head})", ""]
+    for label, path in places:
+        if path is not None:
+            L.append(f"  {label:<18} {path}" + ("" if path.exists() else "   (not written)"))
+    if export.is_dir():
+        L += [f"  {'model cards':<18} README.md in each export folder (portable serve lines, measured acceptance)",
+              "", "Serve the exported head from here (draft settings: the evaluation's recommendation for GPU "
+              "serving):", ""] + [f"  {line}" for line in exported_lines(export, target_here)]
+    return "\n".join(L)
+
+
+def local_target_folder(name_or_path: str) -> str | None:
+    """The target as a local folder the engines can serve as is, or None (a hub id, or the embedded name)."""
+    return name_or_path if Path(name_or_path).expanduser().is_dir() else None
+
+
 @hydra.main(config_path="../conf", config_name="pipeline", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     t0 = time.time()
     run_stages(stage_commands(cfg), Path(cfg.run_dir), cfg.only)
-    report = Path(cfg.run_dir) / "eval" / cfg.head / "report.md"
-    if report.exists():
-        print(report.read_text())
-    log.info("pipeline finished in %.1f min; run folder: %s", (time.time() - t0) / 60, cfg.run_dir)
     OmegaConf.save(cfg, Path(cfg.run_dir) / "pipeline.yaml")
+    log.info("pipeline finished in %.1f min; run folder: %s", (time.time() - t0) / 60, cfg.run_dir)
+    print(end_summary(cfg.run_dir, cfg.head, cfg.offline, local_target_folder(str(cfg.target.name_or_path))))
 
 
 if __name__ == "__main__":

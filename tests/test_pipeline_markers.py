@@ -180,3 +180,31 @@ def test_dflash_after_eagle3_reuses_its_feature_store(tmp_path, launches):
     assert "method=eagle3" in dict((n, o) for n, _, o in dflash)["collect"]
     assert "method=dflash" in dict((n, o) for n, _, o in dflash)["train"]
     assert pipeline.run_stages(dflash, tmp_path) == ["train", "evaluate", "export"]  # no second collection
+
+
+def test_end_summary_lists_the_outputs_the_table_and_the_serve_lines(tmp_path):
+    """The end of `specheads run`: the evaluation table, where each output is, and the exported head's serve
+    commands (built by specheads.export.serve from the export's own record)."""
+    from specheads.export import export_head
+    from tests.conftest import make_tiny_target
+    from tests.export.test_export import make_head, save_head
+    from tests.export.test_serve import write_report
+
+    target = make_tiny_target("llama", vocab=256, hidden=64, layers=4)
+    target.model.save_pretrained(tmp_path / "tiny-target")
+    run = tmp_path / "run"
+    head = save_head(make_head("eagle3", target), run / "train" / "eagle3")
+    (run / "eval" / "eagle3").mkdir(parents=True)
+    (run / "eval" / "eagle3" / "report.md").write_text("| domain | tau |\n|---|---|\n| all | 2.30 |\n")
+    export_head(head, run / "export" / "eagle3", "all", str(tmp_path / "tiny-target"),
+                eval_report=write_report(run / "eval" / "eagle3" / "report.json"))
+    text = pipeline.end_summary(run, "eagle3", offline=True, target_here=str(tmp_path / "tiny-target"))
+    assert text.startswith("| domain | tau |") and "| all | 2.30 |" in text
+    assert f"trained head       {run / 'train' / 'eagle3' / 'head'}" in text
+    assert f"feature store      {run / 'features'}   (not written)" in text
+    assert f"export             {run / 'export' / 'eagle3'}" in text
+    vllm = (f"""vllm serve {tmp_path / 'tiny-target'} --speculative-config '{{"method": "eagle3", "model": """
+            f""""{run / 'export' / 'eagle3' / 'vllm'}", "num_speculative_tokens": 2}}'""")
+    assert vllm in text and text.rstrip().splitlines()[-1].lstrip().startswith("vllm serve ")  # speculators/
+    assert "--speculative-draft-model-path " + str(run / "export" / "eagle3" / "sglang") in text
+    assert pipeline.local_target_folder("smollm2") is None

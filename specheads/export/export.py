@@ -17,6 +17,7 @@ meant to be (safetensors' atomic writes create 0600 files).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -32,6 +33,9 @@ from safetensors.torch import load_file, save_file
 from specheads.errors import SpecheadsError
 from specheads.export.layouts import (ENGINES, FLOAT, Layout, LayoutError, TargetInfo, TensorSpec,
                                       build_layout, engines_for, head_tensors, method_of)
+from specheads.export.serve import (FOLDER_PLACEHOLDER, NO_SGLANG, TARGET_VAR, ServeParams, provenance_serve,
+                                    serve_commands, target_line)
+from specheads.export.serve import serve_params as _serve_params
 from specheads.training.run_log import read_train_summary
 
 log = logging.getLogger(__name__)
@@ -44,7 +48,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16",
                 torch.float16: "float16"}
 FILE_MODE, DIR_MODE = 0o644, 0o755  # what save_pretrained output is meant to be: readable by a server's user
-TARGET_PLACEHOLDER = "TARGET"  # the serve commands' target when no hub id is known
+TARGET_PLACEHOLDER = TARGET_VAR  # the serve commands' target when no hub id is known
 # Hub models that the embedded targets were converted from (the card names them as the likely original).
 KNOWN_ORIGINS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
@@ -150,9 +154,10 @@ class TargetOrigin:
         """Why the card cannot name the target for you, or None when it can."""
         if self.hub_id:
             return None
-        what = {"embedded": f"the embedded default `{self.spec}` (a GGUF file dequantized to a local folder)",
-                "gguf": f"the GGUF file `{self.spec}` (dequantized to a local folder)",
-                "local": f"the local folder `{self.spec}`"}.get(self.kind, f"`{self.spec}`")
+        spec = Path(self.spec).name if os.path.isabs(self.spec) else self.spec  # no path of this machine
+        what = {"embedded": f"the embedded default `{spec}` (a GGUF file dequantized to a local folder)",
+                "gguf": f"the GGUF file `{spec}` (dequantized to a local folder)",
+                "local": f"the local folder `{spec}`"}.get(self.kind, f"`{spec}`")
         text = (f"The head was trained against {what}, which has no hub id: replace `{TARGET_PLACEHOLDER}` in the "
                 "commands below with the hub id or path of exactly that model (same weights and tokenizer)")
         if self.hint:
@@ -443,11 +448,7 @@ def write_export(plan: ExportPlan) -> None:
     try:
         for e, layout in plan.layouts.items():
             sub, final = (tmp / e, plan.out / e) if plan.nested else (tmp, plan.out)
-            provenance = {"format": EXPORT_FORMAT, "method": plan.method, "engine": e,
-                          "head_dir": str(plan.head.resolve()), "target": plan.card.target.name,
-                          "target_id": plan.card.origin.hub_id, "aux_layers": plan.card.cfg.get("aux_layers"),
-                          "dtype": _DTYPE_NAMES[plan.dtype], "weights": layout.weights_file,
-                          "head_config": plan.card.cfg}
+            provenance = _provenance(plan, e, layout, final)
             if plan.adapted is not None and e == "medusa":
                 # TGI serves base_model_name_or_path: for Medusa-2 the adapted target copied beside the heads.
                 layout.config["base_model_name_or_path"] = str(final / plan.adapted.name)
@@ -458,12 +459,35 @@ def write_export(plan: ExportPlan) -> None:
             if plan.adapted is not None:
                 # Copied, not hard-linked: save_pretrained rewrites files in place, which would change a link.
                 shutil.copytree(plan.adapted, sub / plan.adapted.name)
-            _write_card(sub, layout, plan.card, final)
+            _write_card(sub, layout, plan.card)
         make_world_readable(tmp)
         _replace_dir(tmp, plan.out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _provenance(plan: ExportPlan, engine: str, layout: Layout, final: Path) -> dict:
+    """``specheads_export.json``: what was exported, from what, and the draft settings of its serve lines; no
+    absolute path of this machine (the head as a path relative to the export folder, with its weights' hash)."""
+    card = plan.card
+    p = serve_params(plan.method, card.cfg, engine, card.report, card.spec_tokens)
+    digest = hashlib.sha256()
+    for f in _weight_files(plan.head):
+        digest.update(f.read_bytes())
+    return {"format": EXPORT_FORMAT, "method": plan.method, "engine": engine,
+            "head_dir": os.path.relpath(plan.head.resolve(), final), "head_sha256": digest.hexdigest(),
+            "target": portable_name(card.target.name), "target_id": card.origin.hub_id,
+            "target_hint": card.origin.hint, "aux_layers": card.cfg.get("aux_layers"),
+            "dtype": _DTYPE_NAMES[plan.dtype], "weights": layout.weights_file,
+            "adapted_target": card.cfg.get("adapted_target") if card.adapted else None,
+            "serve": provenance_serve(plan.method, engine, p),
+            "head_config": {k: portable_name(v) if isinstance(v, str) else v for k, v in card.cfg.items()}}
+
+
+def portable_name(value: str) -> str:
+    """An absolute path of this machine -> its last part (what a card or an uploaded file may name); else as is."""
+    return Path(value).name if os.path.isabs(value) else value
 
 
 def _copy_medusa_tree(head: Path, sub: Path) -> None:
@@ -544,14 +568,15 @@ def describe_data(data: str | None, summary: dict | None) -> str | None:
     folder = data if data is not None else (summary or {}).get("prepared_dir")
     meta_path = Path(folder) / "specheads_meta.json" if folder else None
     if meta_path is None or not meta_path.is_file():
-        return data
+        return portable_name(data) if data else data
     meta = json.loads(meta_path.read_text())
     src = meta.get("source") or {}
     origin = src.get("path") or src.get("source") or "?"
     regen = "answers regenerated by the target" if meta.get("regenerated") else "original answers"
     return (f"{origin} ({src.get('split', '?')} split): {meta.get('num_samples')} conversations, "
             f"{meta.get('num_tokens')} tokens ({meta.get('num_loss_tokens')} assistant), max_length "
-            f"{meta.get('max_length')}, {regen}; prepared for {meta.get('target')} in `{folder}`")
+            f"{meta.get('max_length')}, {regen}; prepared for {portable_name(str(meta.get('target')))} in "
+            f"`{Path(folder).name}`")
 
 
 def find_eval_report(head: Path) -> Path | None:
@@ -617,8 +642,6 @@ def push_export(plan: "ExportPlan", repo_spec: str, private: bool = True, dry_ru
 # --------------------------------------------------------------------------- model card
 
 _TITLES = {"medusa": "Medusa", "eagle1": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash"}
-_VLLM_METHOD = {"medusa": "medusa", "eagle1": "eagle", "eagle3": "eagle3", "dflash": "dflash"}
-_SGLANG_ALGO = {"eagle1": "EAGLE", "eagle3": "EAGLE3", "dflash": "DFLASH"}
 # Which engines serve each method (read from the loaders; docs/export.md). Layout -> engines that read it.
 SERVED_BY = {
     ("medusa", "vllm"): "vLLM up to 0.32 (checked: 0.32.0); not vLLM 0.33 (no Medusa method); not SGLang (no Medusa "
@@ -672,17 +695,21 @@ def load_eval_report(path: str | Path, method: str | None = None) -> list[dict]:
     """Measured rows of an evaluate ``report.json`` for heads of ``method`` (all rows when None).
 
     Each row: ``{name, drafter, profile, shape, temperature, domain, alpha, tau, alpha_by_position,
-    lossless}`` (``lossless``: the method's ``{checked, mismatches, exact}`` or None when not checked).
+    lossless, recommendation}`` (``lossless``: the method's ``{checked, mismatches, exact}`` or None when not
+    checked; ``recommendation``: the report's ``recommendation`` entry of that method, temperature and domain,
+    ``recommend.recommend``'s, or None).
     """
     path = Path(path)
     if not path.is_file():
         raise ExportError(f"eval report {path} not found (expected the evaluate stage's report.json)")
     try:
         report = json.loads(path.read_text())
+        rec = report.get("recommendation") or {}
         rows = [{"name": m["name"], "drafter": m.get("drafter"), "profile": m.get("profile"), "shape": m.get("shape"),
                  "temperature": temp, "domain": domain, "alpha": r.get("alpha"), "tau": r.get("tau"),
                  "alpha_by_position": r.get("alpha_by_position"), "lossless": m.get("lossless"),
-                 "lossless_verify": m.get("lossless_verify", True)}
+                 "lossless_verify": m.get("lossless_verify", True),
+                 "recommendation": ((rec.get(m["name"]) or {}).get(temp) or {}).get(domain)}
                 for m in report["methods"] for temp, domains in m["by_temperature"].items()
                 for domain, r in domains.items()]
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
@@ -696,88 +723,29 @@ def load_eval_report(path: str | Path, method: str | None = None) -> list[dict]:
     return mine
 
 
-@dataclass
-class ServeParams:
-    """Draft settings of the serve commands: vLLM's chain length; SGLang's steps, top-k and tree size."""
-
-    tokens: int
-    steps: int
-    topk: int
-    draft_tokens: int
-    source: str
+def serve_params(method: str, cfg: dict, engine: str, report: list[dict] | None,
+                 spec_tokens: int | None) -> ServeParams:
+    """``serve.serve_params``, its refusals as export errors."""
+    try:
+        return _serve_params(method, cfg, engine, report, spec_tokens)
+    except ValueError as e:
+        raise ExportError(str(e)) from e
 
 
-def serve_params(method: str, cfg: dict, engine: str, report: list[dict] | None, spec_tokens: int | None) -> ServeParams:
-    """The measured serving profile of ``engine`` from the report when there is one, else evaluate's defaults.
-
-    The speculators and medusa layouts are served by vLLM (and TGI): they take vLLM's profile."""
-    if engine in ("speculators", "medusa"):
-        engine = "vllm"
-    if method == "dflash":
-        return _dflash_serve_params(cfg, engine, report, spec_tokens)
-    if spec_tokens is not None:
-        return ServeParams(spec_tokens, spec_tokens, 1, spec_tokens + 1, "given by spec_tokens (a chain)")
-    for r in report or ():
-        shape = r["shape"] or ""
-        if r["profile"] == engine and (m := re.fullmatch(r"chain(\d+)", shape)):
-            k = int(m.group(1))
-            return ServeParams(k, k, 1, k + 1, f"the measured {r['name']} profile ({shape})")
-        if r["profile"] == engine and (m := re.fullmatch(r"tree\(d(\d+),k(\d+),n(\d+)\)", shape)):
-            d, k, n = map(int, m.groups())
-            return ServeParams(d, d, k, n + 1, f"the measured {r['name']} profile ({shape})")
-    n = min(3, cfg["num_heads"]) if method == "medusa" else 3
-    if engine == "sglang":
-        return ServeParams(n, 5, 4, 8, "evaluate's default SGLang profile (not measured here)")
-    return ServeParams(n, n, 1, n + 1, "evaluate's default vLLM profile (not measured here)")
-
-
-def _dflash_serve_params(cfg: dict, engine: str, report: list[dict] | None, spec_tokens: int | None) -> ServeParams:
-    """DFlash drafts one block per step: ``block_size - 1`` tokens after the anchor (vLLM's
-    ``num_speculative_tokens``; SGLang's ``--speculative-num-draft-tokens`` counts the anchor: the block size)."""
-    B = int(cfg["block_size"])
-    k, source = B - 1, f"the trained block ({B} slots: the anchor and {B - 1} drafted tokens)"
-    if spec_tokens is not None:
-        k, source = int(spec_tokens), "given by spec_tokens (a chain)"
-    else:
-        for r in report or ():
-            if r["profile"] == engine and (m := re.fullmatch(r"chain(\d+)", r["shape"] or "")):
-                k, source = int(m.group(1)), f"the measured {r['name']} profile ({r['shape']})"
-                break
-    if not 1 <= k <= B - 1:
-        raise ExportError(f"a DFlash head with block_size {B} drafts 1..{B - 1} tokens per step; got {k} "
-                          "(the slots past the trained block were never trained)")
-    return ServeParams(k, 1, 1, k + 1, source)
-
-
-def serve_commands(layout: Layout, card: CardInputs, folder: str) -> dict[str, str]:
-    """The exact command lines that serve ``folder`` (the exported engine folder) with its target."""
-    method, cfg = layout.method, card.cfg
-    p = serve_params(method, cfg, layout.engine, card.report, card.spec_tokens)
-    target = f"{folder}/{cfg['adapted_target']}" if card.adapted else card.serve_target
-    py_target = repr(target) if not target.startswith("$") else target[1:]
-    if layout.engine in ("vllm", "speculators", "medusa"):
-        spec = {"method": _VLLM_METHOD[method], "model": folder, "num_speculative_tokens": p.tokens}
-        out = {"shell": f"vllm serve {target} --speculative-config '{json.dumps(spec)}'",
-               "python": f"LLM(model={py_target}, speculative_config={spec!r})"}
-        if layout.engine == "medusa":
-            out["tgi"] = (f"text-generation-launcher --model-id {folder}   # serves config.json's "
-                          "base_model_name_or_path with these heads")
-        return out
-    if method == "dflash":  # one block per step: no steps or top-k
-        return {"shell": f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-                         f"--speculative-draft-model-path {folder} --speculative-num-draft-tokens {p.draft_tokens}"}
-    shell = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm "
-             f"{_SGLANG_ALGO[method]} --speculative-draft-model-path {folder} --speculative-num-steps {p.steps} "
-             f"--speculative-eagle-topk {p.topk} --speculative-num-draft-tokens {p.draft_tokens}")
-    return {"shell": shell}
+def _card_commands(layout: Layout, card: CardInputs, folder: str, engine: str | None = None) -> dict[str, str]:
+    """The serve lines of the card for the draft at ``folder`` (the placeholder, a hub id or a download)."""
+    engine = engine or layout.engine
+    p = serve_params(layout.method, card.cfg, engine, card.report, card.spec_tokens)
+    return serve_commands(layout.method, engine, card.serve_target, folder, p,
+                          card.cfg["adapted_target"] if card.adapted else None)
 
 
 def _facts(layout: Layout, card: CardInputs) -> list[tuple[str, str]]:
     cfg, t, o = card.cfg, card.target, card.origin
     if o.hub_id:
-        where = f"`{o.hub_id}`" + (f" (read here from `{o.path}`)" if o.path and o.kind != "hub" else "")
+        where = f"`{o.hub_id}`" + (" (read from a local copy)" if o.path and o.kind != "hub" else "")
     else:
-        where = f"{t.name}: a local folder or file, no hub id (see the warning)"
+        where = f"{portable_name(t.name)}: a local folder or file, no hub id (see the warning)"
     arch = (layout.config.get("architectures") or ["none (TGI needs none)"])[0]
     rows = [("target", f"{where}; hidden {t.hidden_size}, vocab {t.vocab_size}"
              + (f", {t.num_layers} layers" if t.num_layers else "")),
@@ -825,7 +793,7 @@ def _acceptance(card: CardInputs, engine: str) -> list[str]:
         return ["Not measured: no evaluation report was given to the export (eval_report=.../report.json, or "
                 "eval_report=auto with the pipeline's run folder)."]
     profile = "vllm" if engine in ("speculators", "medusa") else engine
-    src = f" (`{card.report_path}`)" if card.report_path else ""
+    src = f" (`{Path(*Path(card.report_path).parts[-3:])}`)" if card.report_path else ""
     L = [f"Measured by `specheads evaluate` on this head{src} (α = accepted ÷ tested drafts; τ = tokens per target "
          f"forward, bonus included). Rows marked ◀ use the {profile} serving profile.", "",
          "| drafting | shape | T | domain | α | τ | α by draft position |", "|---|---|---|---|---|---|---|"]
@@ -858,7 +826,7 @@ def _lossless(card: CardInputs) -> list[str]:
     return L
 
 
-def card_text(layout: Layout, card: CardInputs, folder: str) -> str:
+def card_text(layout: Layout, card: CardInputs) -> str:
     """The README.md of one exported engine folder."""
     title = _TITLES[layout.method]
     front = ([f"base_model: {card.base_model}"] if card.base_model else []) + \
@@ -879,34 +847,25 @@ def card_text(layout: Layout, card: CardInputs, folder: str) -> str:
         L += [f"Medusa is served by: {SERVED_BY[layout.method, layout.engine]}.", ""]
     set_target = []
     if not card.origin.hub_id and not card.adapted:
-        guess = card.origin.hint or "/path/to/the/target/model"
-        set_target = [f"{TARGET_PLACEHOLDER}={guess}   # REPLACE: see the warning above"]
-    where = [("this folder", folder, [])]
-    if layout.engine in card.hub:
-        repo_id, sub = card.hub[layout.engine]
-        if sub is None:
-            where.append((f"the Hub repo `{repo_id}`", repo_id, []))
-        else:
-            local = f"./{repo_id.split('/')[1]}"
-            where.append((f"the Hub repo `{repo_id}`, folder `{sub}/` (download it first)", f"{local}/{sub}",
-                          [f"huggingface-cli download {repo_id} --include '{sub}/*' --local-dir {local}"]))
-    for label, path, pre in where:
-        cmds = serve_commands(layout, card, path)
-        L += [f"From {label}:", "", "```bash", *pre, *set_target, cmds["shell"]] + \
-             ([cmds["tgi"]] if "tgi" in cmds else []) + ["```", ""]
-        if "python" in cmds:
-            py_set = [f"{TARGET_PLACEHOLDER} = {set_target[0].split('=', 1)[1].split()[0]!r}  # REPLACE: see the "
-                      "warning above"] if set_target else []
-            L += ["```python", "from vllm import LLM", *py_set, cmds["python"], "```", ""]
+        set_target = [target_line(card.origin.hint, "REPLACE: see the warning above")]
+    label, folder, pre = _card_destination(layout, card)
+    cmds = _card_commands(layout, card, folder)
+    L += [f"From {label}:", "", "```bash", *pre, *set_target, cmds["shell"]] + \
+         ([cmds["tgi"]] if "tgi" in cmds else []) + \
+         ([NO_SGLANG[layout.method]] if layout.method in NO_SGLANG else []) + ["```", ""]
+    if "python" in cmds:
+        py_set = [f"{TARGET_PLACEHOLDER} = {set_target[0].split('=', 1)[1].split()[0]!r}  # REPLACE: see the "
+                  "warning above"] if set_target else []
+        L += ["```python", "from vllm import LLM", *py_set, cmds["python"], "```", ""]
     if layout.engine == "speculators" and layout.method == "eagle3":
         L += ["With speculators itself: `from speculators import SpeculatorModel; "
               f"SpeculatorModel.from_pretrained({folder!r})`.", ""]
     if layout.method == "dflash" and layout.engine in ("vllm", "sglang"):
         other = "sglang" if layout.engine == "vllm" else "vllm"
-        cmds = serve_commands(replace(layout, engine=other), card, folder)
+        cmds = _card_commands(layout, card, folder, other)
         L += [f"The same folder serves {'SGLang' if other == 'sglang' else 'vLLM'} "
               f"({serve_params('dflash', card.cfg, other, card.report, card.spec_tokens).source}):", "",
-              "```bash", *set_target, cmds["shell"], "```", ""]
+              "```bash", *pre, *set_target, cmds["shell"], "```", ""]
     if layout.method == "dflash" and layout.engine == "speculators":
         L += ["SGLang cannot read this folder (no speculators-format reader in 0.5.23): serve the `sglang/` (or "
               "`vllm/`) export with `--speculative-algorithm DFLASH` instead.", ""]
@@ -917,5 +876,22 @@ def card_text(layout: Layout, card: CardInputs, folder: str) -> str:
     return "\n".join(L)
 
 
-def _write_card(sub: Path, layout: Layout, card: CardInputs, final: Path) -> None:
-    (sub / "README.md").write_text(card_text(layout, card, str(final)))
+def _card_destination(layout: Layout, card: CardInputs) -> tuple[str, str, list[str]]:
+    """(where the draft is, what the commands name it by, lines to run first): the Hub repo it was pushed to
+    (a subfolder or a Medusa-2 head's adapted target: downloaded first), else a placeholder for this folder:
+    the card never names a path of the exporting machine."""
+    if layout.engine not in card.hub:
+        return "this folder", FOLDER_PLACEHOLDER, []
+    repo_id, sub = card.hub[layout.engine]
+    if sub is None and not card.adapted:
+        return f"the Hub repo `{repo_id}`", repo_id, []
+    local = f"./{repo_id.split('/')[1]}"
+    if sub is None:
+        return (f"the Hub repo `{repo_id}` (download it first: the adapted target inside it is the model served)",
+                local, [f"huggingface-cli download {repo_id} --local-dir {local}"])
+    return (f"the Hub repo `{repo_id}`, folder `{sub}/` (download it first)", f"{local}/{sub}",
+            [f"huggingface-cli download {repo_id} --include '{sub}/*' --local-dir {local}"])
+
+
+def _write_card(sub: Path, layout: Layout, card: CardInputs) -> None:
+    (sub / "README.md").write_text(card_text(layout, card))

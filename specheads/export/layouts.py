@@ -45,6 +45,7 @@ Everything here works on plain dicts (``config.json`` contents) so it can be che
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 METHODS = ("medusa", "eagle1", "eagle3", "dflash")
 ENGINES = ("vllm", "sglang", "speculators", "medusa")
@@ -403,7 +404,8 @@ def _eagle3_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: i
     if target.hub_id is None:
         # speculators 0.9 needs a verifier: Eagle3DraftModel.load_verifier_weights reads its config even when
         # name_or_path is null (and fails), so the local folder is named; vLLM auto-serves only a hub id.
-        notes.append(f"speculators_config.verifier.name_or_path is the local target folder `{target.path}` (no hub id "
+        notes.append(f"speculators_config.verifier.name_or_path is the exporting machine's local target folder "
+                     f"(`{Path(target.path or target.name).name}`; no hub id "
                      "was known): speculators' from_pretrained reads the verifier's config from it; re-export with "
                      "target_id=<hub id> before publishing (vLLM serves a speculators folder on its own only when "
                      "the verifier is a hub id).")
@@ -539,6 +541,7 @@ def _dflash_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: i
              "Served by vLLM (checked: 0.34.0, which converts this format); SGLang 0.5.23 reads only the z-lab "
              "format (the `sglang/` or `vllm/` folder)."]
     if target.hub_id is None:
-        notes.append(f"speculators_config.verifier.name_or_path is the local target folder `{target.path}` (no hub id "
+        notes.append(f"speculators_config.verifier.name_or_path is the exporting machine's local target folder "
+                     f"(`{Path(target.path or target.name).name}`; no hub id "
                      "was known); re-export with target_id=<hub id> before publishing.")
     return Layout("dflash", "speculators", config, tensors, rules, notes)

@@ -370,7 +370,8 @@ def test_medusa2_export_carries_the_adapted_target(target_dir, tmp_path):
     original = tensors(target_dir)
     assert any(not torch.equal(adapted[k], original[k]) for k in original if k in adapted)
     card = (out / "README.md").read_text()
-    assert f"vllm serve {out}/target --speculative-config" in card and '"method": "medusa"' in card
+    assert "vllm serve <path-or-repo-id-of-this-folder>/target --speculative-config" in card
+    assert '"method": "medusa"' in card and str(tmp_path) not in card
     assert json.loads((out / "config.json").read_text())["num_heads"] == 2
     both = export_head(tmp_path / "head", tmp_path / "out2", "all", str(target_dir))
     tgi = json.loads((both / "medusa" / "config.json").read_text())
@@ -408,12 +409,13 @@ def test_model_card_states_the_facts_and_commands(target, target_dir, tmp_path):
     assert "inputs of target decoder layers [3, 0, 2]" in vllm and "vllm ids [0, 2, 3]" in vllm
     assert "| eagle3-vllm ◀ | chain2 | 0.0 | all | 0.610 | 2.450 | 0.800, 0.600, 0.400 |" in vllm
     assert "| eagle3-sglang ◀ | tree(d4,k2,n9) |" in sgl and "ngram" not in vllm  # baselines are not this head
-    spec = {"method": "eagle3", "model": str(out / "vllm"), "num_speculative_tokens": 2}  # the measured profile
+    folder = "<path-or-repo-id-of-this-folder>"  # the card never names a path of the exporting machine
+    spec = {"method": "eagle3", "model": folder, "num_speculative_tokens": 2}  # the measured profile
     # A local target folder has no hub id: a placeholder, set by a line to edit, and a warning; never the local path.
     assert f"vllm serve $TARGET --speculative-config '{json.dumps(spec)}'" in vllm
     assert "TARGET=/path/to/the/target/model   # REPLACE" in vllm and "> **Warning**: The head was trained" in vllm
     assert (f"python -m sglang.launch_server --model-path $TARGET --speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path {out / 'sglang'} --speculative-num-steps 4 --speculative-eagle-topk 2 "
+            f"--speculative-draft-model-path {folder} --speculative-num-steps 4 --speculative-eagle-topk 2 "
             "--speculative-num-draft-tokens 10") in sgl
     assert f"serve {target_dir.resolve()}" not in vllm + sgl and "base_model" not in vllm
     assert "sglang ids [-1, 1, 2]" in sgl
@@ -518,7 +520,7 @@ def test_card_names_the_target_by_its_hub_id(target, target_dir, tmp_path):
     out = export_head(head, tmp_path / "out", "vllm", str(target_dir), eval_report=report, target_id="org/tiny-llama")
     card = (out / "README.md").read_text()
     assert card.startswith("---\nbase_model: org/tiny-llama\n") and "> **Warning**" not in card
-    spec = {"method": "eagle3", "model": str(out), "num_speculative_tokens": 2}
+    spec = {"method": "eagle3", "model": "<path-or-repo-id-of-this-folder>", "num_speculative_tokens": 2}
     assert f"vllm serve org/tiny-llama --speculative-config '{json.dumps(spec)}'" in card
     assert "LLM(model='org/tiny-llama'" in card and str(target_dir) not in card.split("## Serve it")[1]
     assert "| eagle3-vllm ◀ | chain2 | 0.0 | all | 0.610 | 2.450 |" in card and "exact on all 4 prompts" in card
@@ -549,7 +551,7 @@ def test_eval_report_auto_finds_the_pipeline_report(target, target_dir, tmp_path
     _report(tmp_path / "run" / "eval" / "eagle3" / "report.json")
     out = export_head(head, tmp_path / "out", "vllm", str(target_dir), eval_report="auto")
     card = (out / "README.md").read_text()
-    assert "| eagle3-vllm ◀ | chain2 |" in card and str(tmp_path / "run" / "eval" / "eagle3" / "report.json") in card
+    assert "| eagle3-vllm ◀ | chain2 |" in card and "(`eval/eagle3/report.json`)" in card and str(tmp_path) not in card
     alone = save_head(make_head("eagle3", target), tmp_path / "alone")
     out2 = export_head(alone, tmp_path / "out2", "vllm", str(target_dir), eval_report="auto")
     card = (out2 / "README.md").read_text()
