@@ -1,0 +1,221 @@
+"""Render the measurement tables of README.md and docs/benchmarks.md from docs/benchmarks.json.
+
+    python scripts/results_tables.py            # rewrite the tables between their marker comments
+    python scripts/results_tables.py --check    # exit 1 (naming the file) where a table differs
+
+docs/benchmarks.json is the one record of measured runs (newest first). Each table sits between
+``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in its file; everything outside the markers is left alone,
+so the figures are written once, in the JSON. tests/test_docs.py checks that the files match this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "docs" / "benchmarks.json"
+README = REPO / "README.md"
+BENCHMARKS = REPO / "docs" / "benchmarks.md"
+# method key -> what a reader calls it (the order of the README's results table)
+METHOD_NAMES = {
+    "eagle3+lookup+table": "EAGLE-3 + prompt-lookup branch + n-gram table (main job's default)",
+    "eagle3+lookup": "EAGLE-3 + prompt-lookup branch",
+    "eagle3": "EAGLE-3 head alone",
+    "eagle3-vllm": "EAGLE-3, vLLM's chain profile",
+    "ngram": "n-gram prompt lookup (no training)",
+    "dflash": "DFlash head alone",
+    "dflash+lookup": "DFlash + prompt-lookup branch",
+}
+STAGES = ("prepare", "collect", "train", "evaluate", "export")
+
+
+def load(path: Path = DATA) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _f(x, nd: int = 2) -> str:
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def _x(x) -> str:
+    return "–" if x is None else f"{x:.2f}×"
+
+
+def _commit(run: dict) -> str:
+    return f"`{run['commit']}`" if run.get("commit") else "not recorded"
+
+
+def latest_main_job(data: dict) -> dict:
+    """The newest fresh-clone run of the main job with a recorded commit and per-method figures."""
+    return next(r for r in data["runs"] if r["kind"] == "main_job" and r.get("fresh_clone") and r.get("commit")
+                and r.get("methods"))
+
+
+def _family(method: str) -> str:
+    """``eagle3+lookup`` -> ``eagle3``, ``eagle3-vllm`` -> ``eagle3``."""
+    return re.split(r"[+-]", method)[0]
+
+
+def results_table(data: dict) -> str:
+    """README: one row per method, from the newest main-job clone; methods it did not run from the newest
+    run that has them (a head-to-head comparison), each row naming its date, commit and where it is described."""
+    main = latest_main_job(data)
+    rows = [(m, main) for m in main["methods"]]
+    seen = {m["method"] for m in main["methods"]}
+    families = {_family(m) for m in seen}  # a comparison run's EAGLE-3 rows are another head: left out
+    for run in data["runs"]:
+        new = [m for m in run.get("methods", []) if m["method"] not in seen and m["method"] in METHOD_NAMES
+               and _family(m["method"]) not in families]
+        rows += [(m, run) for m in new]
+        seen |= {m["method"] for m in new}
+    lines = ["| method | shape | τ | α | CPU speed-up T=0 | T=1 | measured |", "|---|---|---|---|---|---|---|"]
+    for m, run in rows:
+        where = run.get("source", "docs/benchmarks.md")
+        lines.append(f"| {METHOD_NAMES[m['method']]} | {m.get('shape') or '–'} | {_f(m.get('tau'))} | "
+                     f"{_f(m.get('alpha'))} | {_x(m.get('speedup'))} | {_x(m.get('t1_speedup'))} | "
+                     f"{run['date']}, commit {_commit(run)}, [{Path(where).stem}]({where}) |")
+    return "\n".join(lines)
+
+
+def _stage_times(run: dict) -> str:
+    st = run.get("stages_s") or {}
+    return ", ".join(f"{s} {st[s]:.0f} s" for s in STAGES if s in st)
+
+
+def quickstart_times(data: dict) -> str:
+    """README: what the two Quickstart commands took on the newest measured clone."""
+    main = latest_main_job(data)
+    test = data["test_runs"][0]
+    return (f"Measured on a fresh clone of commit `{main['commit']}` ({main['date']}, {main['machine']}): set-up "
+            f"{main['setup_s']} s, then **{main['total_min']} minutes** for the run ({_stage_times(main)}). "
+            f"The tests: {test['passed']} passed, {test['skipped']} skipped in {test['tests_min']} min "
+            f"({test['total_min']} min with set-up; commit `{test['commit']}`, {test['date']}).")
+
+
+def run_summary(data: dict) -> str:
+    """README: the summary lines the run prints at the end (report.md), for the newest main-job clone, with
+    the cells that run recorded; a cell it did not record is shown as ``n/r``."""
+    main = latest_main_job(data)
+    nr = "n/r"
+    lines = ["| method | α T=0.0 | τ T=0.0 | speed-up (CPU) T=0.0 | speed-up (CPU) T=1.0 | lossless |",
+             "|---|---|---|---|---|---|"]
+    for m in main["methods"]:
+        cells = [m.get("name", m["method"])]
+        cells += [nr if m.get(k) is None else f"{m[k]:.2f}" for k in ("alpha", "tau", "speedup", "t1_speedup")]
+        cells.append(main.get("lossless", nr))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _best(run: dict, prefix: str) -> dict | None:
+    """The run's best-scoring drafter whose method starts with ``prefix`` and has a speed-up."""
+    ms = [m for m in run.get("methods", []) if m["method"].startswith(prefix) and m.get("speedup") is not None]
+    return max(ms, key=lambda m: m["speedup"]) if ms else None
+
+
+def _cell(m: dict | None, with_alpha: bool = False) -> str:
+    if m is None:
+        return "–"
+    parts = [f"τ {_f(m['tau'])}"] if m.get("tau") is not None else []
+    if with_alpha and m.get("alpha") is not None:
+        parts.append(f"α {_f(m['alpha'])}")
+    parts.append(_x(m.get("speedup")))
+    shape = f" ({m['shape']})" if m.get("shape") else ""
+    return ", ".join(parts) + shape
+
+
+def history_table(data: dict) -> str:
+    """docs/benchmarks.md: every main-job run, newest first."""
+    lines = ["| date | commit | fresh clone | machine | what ran | set-up + run | stages | training (EAGLE-3) | "
+             "EAGLE-3 with lookup branch | EAGLE-3 head alone | n-gram | vLLM chain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["runs"]:
+        if r["kind"] != "main_job":
+            continue
+        tr = (r.get("train") or {}).get("eagle3") or {}
+        train = ", ".join(p for p in (
+            f"{tr['steps']} steps" if "steps" in tr else "",
+            f"{tr['tokens_per_s']} tokens/s" if "tokens_per_s" in tr else "",
+            f"held-out step-0 top-1 {tr['heldout_step0_top1']:.3f}" if "heldout_step0_top1" in tr else "",
+            f"peak anonymous memory {tr['peak_anon_mb']} MB" if "peak_anon_mb" in tr else "") if p) or "–"
+        total = (f"{r['setup_s']} s + " if r.get("setup_s") else "") + f"{r['total_min']} min"
+        by = {m["method"]: m for m in r.get("methods", [])}
+        best = _best(r, "eagle3+")  # the head with the lookup branch (and table); none before the branch existed
+        lines.append(" | ".join([
+            f"| {r['date']}", _commit(r), "yes" if r.get("fresh_clone") else "no", r["machine"], r["what"], total,
+            _stage_times(r) or "–", train,
+            f"{best['method']}: {_cell(best, True)}" if best else "–",
+            _cell(by.get("eagle3"), best is None),
+            _cell(by.get("ngram")), _cell(by.get("eagle3-vllm"))]) + " |")
+    return "\n".join(lines)
+
+
+def followups_list(data: dict) -> str:
+    """docs/benchmarks.md: the extra decodes of a run's head (other prompts, more passes), and run notes."""
+    lines = []
+    for r in data["runs"]:
+        if r["kind"] != "main_job":
+            continue
+        items = list(r.get("followups", [])) + ([f"note: {r['note']}"] if r.get("note") else [])
+        for item in items:
+            lines.append(f"- {r['date']}, commit {_commit(r)}: {item}")
+    return "\n".join(lines)
+
+
+def tests_table(data: dict) -> str:
+    lines = ["| date | commit | machine | command | passed | skipped | tests | with set-up |", "|---|---|---|---|---|---|---|---|"]
+    for t in data["test_runs"]:
+        lines.append(f"| {t['date']} | {_commit(t)} | {t['machine']} | `{t['run']}` | {t['passed']} | {t['skipped']} | "
+                     f"{t['tests_min']} min | {t['total_min']} min |")
+    return "\n".join(lines)
+
+
+def blocks(data: dict) -> dict[Path, dict[str, str]]:
+    """{file: {marker name: the text between its markers}}."""
+    return {README: {"results": results_table(data), "quickstart-times": quickstart_times(data),
+                     "run-summary": run_summary(data)},
+            BENCHMARKS: {"history": history_table(data), "history-notes": followups_list(data),
+                         "test-runs": tests_table(data)}}
+
+
+def render(text: str, name: str, content: str, path: Path | str = "") -> str:
+    """``text`` with the part between ``<!-- name:begin -->`` and ``<!-- name:end -->`` replaced by ``content``."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    pattern = re.compile(re.escape(begin) + r"\n.*?" + re.escape(end), re.S)
+    if len(pattern.findall(text)) != 1:
+        raise SystemExit(f"{path}: needs exactly one {begin} ... {end} pair, each marker on its own line")
+    return pattern.sub(lambda _: f"{begin}\n{content}\n{end}", text)
+
+
+def rendered(data: dict) -> dict[Path, tuple[str, str]]:
+    """{file: (its text now, its text with every table rendered)}."""
+    out = {}
+    for path, parts in blocks(data).items():
+        old = new = path.read_text(encoding="utf-8")
+        for name, content in parts.items():
+            new = render(new, name, content, path)
+        out[path] = (old, new)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="only check; exit 1 where a file's tables are out of date")
+    args = ap.parse_args(argv)
+    stale = []
+    for path, (old, new) in rendered(load()).items():
+        if old != new:
+            stale.append(path)
+            if not args.check:
+                path.write_text(new, encoding="utf-8")
+    for path in stale:
+        print(f"{path.relative_to(REPO)}: {'out of date' if args.check else 'rewritten'}")
+    return 1 if (args.check and stale) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
