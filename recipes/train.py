@@ -175,31 +175,90 @@ def build_data(cfg: DictConfig, method, target) -> tuple[DatasetBatches, Dataset
     # Hold out at most a tenth of a small set, so training keeps most of the data.
     n_eval = min(cfg.data.eval_samples, len(dataset) // 10)
     train_idx, eval_idx = split_rows(len(dataset), n_eval, cfg.seed)
-    train_idx, eval_idx = keep_chat_heldout_out(dataset, train_idx, eval_idx)
+    prepared_ids = _prepared_ids(cfg, dataset)
+    train_idx, eval_idx = keep_chat_heldout_out(dataset, train_idx, eval_idx, prepared_ids)
     cut = cfg.data.max_length
     train_src = DatasetBatches(dataset, cfg.data.max_tokens, cfg.data.batch_size, True, cfg.seed, train_idx, cut,
                                cfg.data.pad_to_multiple_of)
-    eval_src = DatasetBatches(dataset, cfg.data.eval_max_tokens, None, False, cfg.seed, eval_idx, cut) if n_eval else None
+    eval_src = DatasetBatches(dataset, cfg.data.eval_max_tokens, None, False, cfg.seed, eval_idx, cut) \
+        if n_eval and eval_idx else None
     return train_src, eval_src
 
 
-def keep_chat_heldout_out(dataset, train_idx: list[int], eval_idx: list[int]) -> tuple[list[int], list[int]]:
-    """Move the evaluator's held-out chat rows (``chat_heldout_ids``) from training to held-out, so the
-    chat domain of ``specheads evaluate`` is never trained on, and keep each chat's per-turn samples on
-    one side: a training row whose chat has a held-out row is held out too."""
+def _row_ids(dataset) -> list[str]:
+    ids = dataset.ids if hasattr(dataset, "ids") else [str(x) for x in dataset.dataset["id"]] \
+        if dataset.has_ids else [str(i) for i in range(len(dataset))]
+    return list(map(str, ids))
+
+
+def _prepared_dir(cfg: DictConfig, dataset) -> str | None:
+    """The prepared set the rows come from (``prepared_dir``, or the one the feature store was collected from)."""
+    return cfg.prepared_dir or ((getattr(dataset, "manifest", None) or {}).get("source") or {}).get("prepared_dir")
+
+
+def _prepared_ids(cfg: DictConfig, dataset) -> list[str] | None:
+    """The sample ids of the prepared set a feature store was collected from (the evaluator takes its chat
+    slice from them), when it is there (None for a prepared set: its ids are the rows'); warns when the
+    prepared set was prepared before duplicate conversations were removed."""
+    from specheads.data.prepare import load_prepared
+
+    meta = _prepared_meta(cfg, dataset)
+    if meta is not None and not meta.get("dedup"):
+        log.warning("%s was prepared before duplicate conversations were removed: a training row may repeat a "
+                    "prompt the evaluator scores; prepare it again (`specheads prepare overwrite=true`)",
+                    _prepared_dir(cfg, dataset))
+    if cfg.prepared_dir or meta is None:
+        return None
+    return [str(x) for x in load_prepared(_prepared_dir(cfg, dataset))[0]["id"]]
+
+
+def _prepared_meta(cfg: DictConfig, dataset) -> dict | None:
+    from specheads.data.prepare import META_FILE
+
+    path = _prepared_dir(cfg, dataset)
+    return json.loads(Path(path, META_FILE).read_text()) if path and Path(path, META_FILE).exists() else None
+
+
+def keep_chat_heldout_out(dataset, train_idx: list[int], eval_idx: list[int],
+                          prepared_ids: list[str] | None = None) -> tuple[list[int], list[int]]:
+    """Leave the evaluator's held-out chat slice (``chat_heldout_ids`` of the rows' ids, and of
+    ``prepared_ids``, the prepared set they came from, whose slice the evaluator scores) out of training
+    *and* out of the held-out rows: the chat domain of ``specheads evaluate`` is never trained on, and
+    nothing measured on the held-out rows before scoring (the measured fans and chain reach the
+    evaluator's shape choice reads, Medusa's tree calibration, the bigram baselines) reads a prompt it
+    scores. Each chat's per-turn samples stay on one side: a training row whose chat has a held-out
+    row is held out too."""
     from specheads.data.render import chat_id
     from specheads.evaluation.benchmarks import chat_heldout_ids
 
-    ids = dataset.ids if hasattr(dataset, "ids") else [str(x) for x in dataset.dataset["id"]] \
-        if dataset.has_ids else [str(i) for i in range(len(dataset))]
-    ids = list(map(str, ids))
-    held = {chat_id(x) for x in chat_heldout_ids(ids)} | {chat_id(ids[i]) for i in eval_idx}
+    ids = _row_ids(dataset)
+    scored = {chat_id(x) for x in chat_heldout_ids(ids)}
+    if prepared_ids is not None:
+        scored |= {chat_id(x) for x in chat_heldout_ids(prepared_ids)}
+    held = {chat_id(ids[i]) for i in eval_idx} - scored
+    left_out = sum(chat_id(x) in scored for x in ids)
     moved = [i for i in train_idx if chat_id(ids[i]) in held]
-    if not moved:
-        return train_idx, eval_idx
-    log.info("%d row(s) of held-out chats (the evaluator's slice, or another turn of a held-out chat) moved out "
-             "of training", len(moved))
-    return [i for i in train_idx if chat_id(ids[i]) not in held], sorted(set(eval_idx) | set(moved))
+    if left_out or moved:
+        log.info("%d row(s) of the evaluator's chat slice left out of training and held-out rows; %d row(s) of "
+                 "held-out chats (another turn of a held-out chat) moved out of training", left_out, len(moved))
+    train = [i for i in train_idx if chat_id(ids[i]) not in held | scored]
+    return train, sorted({i for i in eval_idx if chat_id(ids[i]) not in scored} | set(moved))
+
+
+def split_record(cfg: DictConfig, train_src, eval_src) -> dict[str, Any]:
+    """How the rows were split, for ``train_summary.json`` (the evaluator checks it before its shape
+    choice reads the held-out acceptance, and reports it): rows in all, trained on, held out (their ids),
+    and left out as the evaluator's chat slice (neither trained on nor read by any held-out measurement);
+    the prepared set's duplicate counts (``specheads.data.dedup``), None when it was prepared without them."""
+    dataset = train_src.dataset
+    held = len(eval_src.indices) if eval_src is not None else 0
+    dedup = (_prepared_meta(cfg, dataset) or {}).get("dedup")
+    ids = _row_ids(dataset)
+    return {"rows": len(dataset), "train_rows": len(train_src.indices), "heldout_rows": held,
+            "evaluation_rows_left_out": len(dataset) - len(train_src.indices) - held,
+            "heldout_excludes_evaluation": True,
+            "heldout_ids": [ids[i] for i in (eval_src.indices if eval_src is not None else ())],
+            "dedup": {k: v for k, v in dedup.items() if k != "examples"} if dedup else None}
 
 
 def set_vocab_rows(method, cfg: DictConfig, train_src) -> None:
@@ -242,8 +301,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                  len(train_src))
     set_vocab_rows(method, cfg, train_src)
     summary = train(method, target, train_src, tcfg, ocfg, eval_src, acc, reload_target=_reloader(cfg, target, acc))
-    if eval_src is not None and acc.is_main_process:
-        add_bigram_baselines(summary, train_src, eval_src, cfg)
+    if acc.is_main_process:
+        from specheads.data.store import atomic_write_json
+
+        summary["heldout_split"] = split_record(cfg, train_src, eval_src)
+        if eval_src is not None:
+            add_bigram_baselines(summary, train_src, eval_src, cfg)  # rewrites train_summary.json
+        else:
+            atomic_write_json(Path(cfg.output_dir) / "train_summary.json", summary)
     return summary
 
 

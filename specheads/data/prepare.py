@@ -3,6 +3,11 @@
 Output (see docs/architecture.md): a ``datasets.save_to_disk`` folder with columns
 ``id, input_ids, loss_mask, domain`` and ``specheads_meta.json`` recording the tokenizer identity,
 chat template, max length and what was skipped, so later stages can refuse a mismatch.
+
+Duplicate conversations are removed before anything else (``specheads.data.dedup``): of the
+``num_samples`` conversations read, one whose first user turn (normalised) repeats an earlier one's,
+or is an MT-bench or HumanEval prompt, is dropped with its per-turn samples; the counts are the
+metadata's ``dedup``.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specheads.data.regenerate import RegenerateConfig, count_truncated, regenerate
+from specheads.data.dedup import DEDUP_VERSION, DedupReport, benchmark_keys, drop_duplicates
+from specheads.data.regenerate import RegenerateConfig, count_retokenized, count_truncated, regenerate
 from specheads.data.render import (ChatRenderer, TemplateError, ToolTurnError, chat_id, chat_template_sha,
                                    render_samples)
 from specheads.data.sources import SkipReport, iter_conversations
@@ -46,7 +52,8 @@ class PrepareError(UserError, ValueError):
 
 @dataclass
 class PrepareConfig:
-    """source/path/split: see ``iter_conversations``; num_samples: conversations to keep (None: all);
+    """source/path/split: see ``iter_conversations``; num_samples: conversations to read (None: all), of which
+    duplicates are dropped (``specheads.data.dedup``);
     regenerate: replace answers with the target's own (None: keep the dataset's answers);
     chat_template_kwargs: the template's switches, as the serving engine passes them (``enable_thinking``)."""
 
@@ -73,6 +80,13 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
         iter_conversations(cfg.source, cfg.path, cfg.split, report, cfg.domain), cfg.num_samples))
     if not convs:
         raise PrepareError(f"no usable conversation in source '{cfg.source}' {cfg.path or ''}: {report.summary()}")
+    dedup = DedupReport()
+    convs = drop_duplicates(convs, benchmark_keys(), dedup)
+    if dedup.within or dedup.of_evaluation:
+        log.info("dropped %d conversation(s) repeating an earlier one's first user turn and %d whose first user "
+                 "turn is an MT-bench or HumanEval prompt (%s)", dedup.within, dedup.of_evaluation,
+                 "examples, dropped -> kept or matched: " + "; ".join(
+                     f"{a} -> {b}" for a, b in dedup.examples["within"][:2] + dedup.examples["of_evaluation"][:2]))
     later = Counter()
     renderer = ChatRenderer(tok, cfg.chat_template_kwargs)  # a tokenizer without a template is refused here
     first_error: dict[str, str] = {}
@@ -125,6 +139,11 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
         "regenerate_version": REGENERATE_VERSION if cfg.regenerate else None,
         # regenerated chats ending with an answer cut at max_new_tokens (kept open: no end-of-turn token)
         "regenerated_truncated": cut_answers if cfg.regenerate else None,
+        # answers from a serving endpoint that returned text only: chats re-tokenized, and those whose
+        # re-tokenization differs from the engine's ids or text
+        "regenerated_retokenized": count_retokenized(convs) if cfg.regenerate and cfg.regenerate.endpoint else None,
+        # duplicate conversations dropped before rendering (specheads.data.dedup)
+        "dedup": dedup.to_dict(),
         "seconds": round(time.time() - t0, 1), "config": _config_key(cfg),
     }
     _write(rows, meta, out_dir)
@@ -174,6 +193,7 @@ def prepared_is_current(out_dir: str | Path, cfg: PrepareConfig, target: Target)
         return False
     return (meta.get("config") == _config_key(cfg)
             and meta.get("tokenizer_fingerprint") == tokenizer_fingerprint(target.tokenizer)
+            and (meta.get("dedup") or {}).get("version") == DEDUP_VERSION  # else prepared before this dedup
             and (cfg.regenerate is None or meta.get("regenerate_version") == REGENERATE_VERSION))
 
 

@@ -35,12 +35,14 @@ class EvalPrompt:
 
 @dataclass
 class BenchmarkSpec:
-    """Which prompts to evaluate. ``None`` = all of that set; 0 = none."""
+    """Which prompts to evaluate. ``None`` = all of that set; 0 = none. The defaults are
+    ``conf/eval/default.yaml``'s: one MT-bench question per category, both turns (16 prompts), 2 HumanEval
+    prompts and, with ``chat_dir``, 2 held-out chat prompts (20 in all)."""
 
-    mtbench_per_category: int | None = 2
+    mtbench_per_category: int | None = 1
     mtbench_turns: tuple[int, ...] = (1, 2)
-    humaneval: int | None = 4
-    chat: int | None = 4
+    humaneval: int | None = 2
+    chat: int | None = 2
     chat_dir: str | None = None
     jsonl: str | None = None
     jsonl_limit: int | None = None
@@ -79,8 +81,10 @@ def load_humaneval(limit: int | None = 4, path: str | Path | None = None) -> lis
 
 def chat_heldout_ids(sample_ids: list[str]) -> set[str]:
     """The held-out chat slice: the sample ids of the last 1% (at least one) of the chats, sorted as
-    strings (a chat's per-turn samples, ``<chat id>@turn<i>``, go together). Training never trains on
-    these rows (``recipes/train.py`` moves them to its held-out split)."""
+    strings (a chat's per-turn samples, ``<chat id>@turn<i>``, go together). Training leaves these rows
+    out of its training *and* held-out rows (``recipes/train.py``), so nothing measured before scoring
+    (the shape choice's acceptance) reads them; the prepared set holds no other chat with the same first
+    user turn (``specheads.data.dedup``)."""
     from specheads.data.render import chat_id
 
     chats = sorted({chat_id(x) for x in sample_ids})
@@ -91,6 +95,32 @@ def chat_heldout_ids(sample_ids: list[str]) -> set[str]:
 def chat_sample_ids(prompts: list[EvalPrompt]) -> set[str]:
     """The prepared-dataset ids of the held-out chats among ``prompts`` (``load_chat_heldout``'s rows)."""
     return {p.id.removeprefix("chat/") for p in prompts if p.benchmark == "chat"}
+
+
+def scored_chat_ids(prompts: list[EvalPrompt]) -> set[str]:
+    """The chats (``render.chat_id``: every per-turn sample of one) of the held-out chat prompts among ``prompts``."""
+    from specheads.data.render import chat_id
+
+    return {chat_id(x) for x in chat_sample_ids(prompts)}
+
+
+def separation_record(spec: BenchmarkSpec, prompts: list[EvalPrompt]) -> dict:
+    """What keeps the scored prompts apart from training, for the report: the prompts scored per
+    benchmark, and the duplicate conversations the chat slice's prepared set dropped
+    (``specheads.data.dedup``; None without a chat slice, ``prepared_without_dedup`` when the set was
+    prepared before duplicates were removed)."""
+    scored: dict[str, int] = defaultdict(int)
+    for p in prompts:
+        scored[p.benchmark or "other"] += 1
+    out: dict = {"scored": dict(scored), "chat_dir": spec.chat_dir, "prepared_dedup": None}
+    if spec.chat_dir and spec.chat != 0:
+        from specheads.data.prepare import META_FILE
+
+        meta = json.loads((Path(spec.chat_dir) / META_FILE).read_text())
+        dedup = meta.get("dedup")
+        out["prepared_dedup"] = {k: v for k, v in dedup.items() if k != "examples"} if dedup else None
+        out["prepared_without_dedup"] = not dedup
+    return out
 
 
 def load_chat_heldout(prepared_dir: str | Path, limit: int | None = 4) -> list[EvalPrompt]:

@@ -55,6 +55,7 @@ def markdown(report: dict) -> str:
     lines += ["Plain decoding: " + "; ".join(f"T={t} {_spread(rows['all'], 'tokens_per_s', 1)} tokens/s"
                                              for t, rows in by_t.items()) + ".", ""]
     lines += _precision_md(report)
+    lines += separation_md(report.get("data_separation"))
     if report["methods"]:
         lines += summary_md(report)
     for m in report["methods"]:
@@ -95,6 +96,25 @@ def _precision_md(report: dict) -> list[str]:
         elif lin.get("linears") == "packed":
             how += f"; {lin['packed_linears']} linear layers prepacked for oneDNN"
     return [f"Target forwards (plain and speculative alike): {dtype}, {how}.", ""]
+
+
+def separation_md(sep: dict | None) -> list[str]:
+    """What keeps the scored prompts out of training: prompts scored per benchmark and the duplicate
+    conversations the chat slice's prepared set dropped (``specheads.data.dedup``)."""
+    if not sep:
+        return []
+    scored = ", ".join(f"{name} {n}" for name, n in sep["scored"].items())
+    line = f"Prompts scored: {scored}."
+    d = sep.get("prepared_dedup")
+    if d:
+        line += (f" The chat slice's prepared set ({sep['chat_dir']}) dropped {d['duplicates_within']} conversation(s) "
+                 f"repeating an earlier one and {d['duplicates_of_evaluation_prompts']} matching one of "
+                 f"{d['evaluation_prompts_checked']} MT-bench/HumanEval prompts (key: {d['key']}) of "
+                 f"{d['conversations_read']} read; training leaves the chat slice out of its training and held-out rows.")
+    elif sep.get("prepared_without_dedup"):
+        line += (f" The chat slice's prepared set ({sep['chat_dir']}) was prepared before duplicate conversations "
+                 "were removed: a training row may repeat a scored chat prompt.")
+    return [line, ""]
 
 
 def summary_md(report: dict) -> list[str]:
@@ -218,10 +238,14 @@ def _shape_choice_md(ch: dict | None) -> list[str]:
                       f"{_f(ch['c'], 3)}) = {_f(p['speedup'])}" for p in ch["predictions"])
     reach = ", ".join(_f(r) for r in ch["reach"])
     fans = ", ".join(f"width {w} τ {_f(t)}" for w, t in (ch.get("fans") or {}).items())
+    split = ch.get("heldout_split") or {}
+    rows = (f" ({split['heldout_rows']} held-out rows of {split['rows']}, none of them a scored prompt or its chat; "
+            f"{split['evaluation_rows_left_out']} rows of the evaluator's chat slice left out of training and "
+            "held-out rows)") if "heldout_rows" in split else ""
     return [f"Shape chosen automatically: **{ch['label']}** (chainK: K drafts in a row; fanW: the W best first "
             f"drafts, verified together). Verify cost on this machine (plain forwards, "
             f"plain forward {_f(1000 * ch['plain_forward_s'], 1)} ms): {curve}; draft forward c = {_f(ch['c'], 3)}; "
-            f"on the head's training-side held-out prompts, share of steps reaching draft depth d: {reach}"
+            f"on the head's training-side held-out prompts{rows}, share of steps reaching draft depth d: {reach}"
             + (f"; fans: {fans}" if fans else "") + f". Predicted speed-up per shape: {preds}.", ""]
 
 
@@ -232,7 +256,9 @@ def _recommend_md(rec: dict, m: dict) -> list[str]:
     kind = next(iter(rec[T].values()))["kind"]
     what, K = ("chain length", "K") if kind == "chain" else ("tree depth (draft tokens per step)", "depth")
     L = [f"Recommended {what} per domain (T={T}), predicted from this run's acceptance per depth and cost, "
-         f"never beyond the depth it drafted; at the configuration that ran, predicted beside measured:", "",
+         f"never beyond the depth it drafted (chosen after scoring, on the scored prompts themselves: a "
+         f"suggestion for the next run, not a figure measured out of sample); at the configuration that ran, "
+         f"predicted beside measured:", "",
          f"| domain | best {K} (GPU) | pred. speed-up GPU | best {K} (CPU) | pred. speed-up CPU | ran {K} | "
          "τ pred / measured | speed-up CPU pred / measured |", "|---|---|---|---|---|---|---|---|"]
     for d, r in rec[T].items():

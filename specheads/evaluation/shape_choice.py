@@ -1,5 +1,8 @@
 """Pick a head's draft shape for *this* machine: its measured verify cost curve and the head's
-acceptance measured on training-side held-out prompts (never on the evaluation prompts).
+acceptance measured on training-side held-out prompts (never on the evaluation prompts: training leaves
+the evaluator's chat slice out of its held-out rows, the prepared set holds no duplicate of a scored
+prompt, and the evaluator refuses a head whose ``heldout_split`` record is missing or whose held-out
+rows share a chat with a scored prompt: ``check_heldout_split``).
 
 Candidates are chains and fans (the ``w`` best first drafts of one draft forward, verified together:
 on a CPU, where verifying a few more tokens is cheap but not free, a fan of 2 beat a chain of 1:
@@ -24,6 +27,7 @@ from typing import Sequence
 import torch
 
 from specheads.acceptance_math import chain_tau, speedup_from_tau
+from specheads.errors import UserError
 from specheads.training.run_log import read_train_summary
 
 
@@ -68,6 +72,32 @@ def monotone_curve(curve: dict[int, float]) -> dict[int, float]:
             blocks[-1][1] += count
     values = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
     return dict(zip(sorted(curve), values))
+
+
+def heldout_split(head_dir: str | None) -> dict | None:
+    """How the head's training split its rows (``train_summary.json``'s ``heldout_split``, written by
+    ``recipes/train.py``), None for a head trained before it was recorded."""
+    return (read_train_summary(head_dir) or {}).get("heldout_split")
+
+
+def check_heldout_split(name: str, head_dir: str | None, scored_chats: set[str]) -> dict:
+    """The head's ``heldout_split``, with ``heldout_chats_scored`` (0), when its acceptance figures may be
+    read before scoring: recorded, its held-out rows leaving the evaluator's chat slice out, and none of
+    its held-out chats among ``scored_chats`` (the chat ids of the prompts being scored); else a UserError."""
+    from specheads.data.render import chat_id
+
+    split = heldout_split(head_dir)
+    if not split or not split.get("heldout_excludes_evaluation"):
+        raise UserError(f"{name}: head_shape=auto reads the head's acceptance measured on its held-out rows, and "
+                        f"the train_summary.json of {head_dir} does not record a held-out split that leaves out the "
+                        "evaluator's chat prompts (trained by an older version); retrain the head, or set "
+                        "head_shape=tree")
+    shared = sorted({chat_id(x) for x in split.get("heldout_ids") or ()} & scored_chats)
+    if shared:
+        raise UserError(f"{name}: the head's held-out rows include chat(s) this evaluation scores ({', '.join(shared[:3])}"
+                        f"{'...' if len(shared) > 3 else ''}): its measured acceptance cannot choose the shape; "
+                        "evaluate the chat slice of the prepared set the head was trained on, or set head_shape=tree")
+    return {**{k: v for k, v in split.items() if k != "heldout_ids"}, "heldout_chats_scored": 0}
 
 
 def measured_fans(head_dir: str | None) -> dict[int, float]:

@@ -38,7 +38,8 @@ from specheads.decoding.runner import TargetRunner
 from specheads.decoding.tree import normalize_choices
 from specheads.decoding.verify import LOSSLESS
 from specheads.errors import InputNotFoundError, UserError
-from specheads.evaluation.benchmarks import BenchmarkSpec, EvalPrompt, chat_sample_ids, encode, load_benchmarks
+from specheads.evaluation.benchmarks import (BenchmarkSpec, EvalPrompt, encode, load_benchmarks, scored_chat_ids,
+                                             separation_record)
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
 from specheads.evaluation.recommend import recommend
 from specheads.targets import Target, eos_token_ids
@@ -161,6 +162,7 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
               "plain_by_temperature": {str(T): _timed_rows(passes) for T, passes in plain.items()},
               "plain_seconds": plain_seconds, "exact_forward": exact, "cpu_linears": linears,
               "target_dtype": str(target.dtype),
+              "data_separation": separation_record(cfg.benchmarks, prompts),
               "methods": []}
     plain_tokens = {p.id: r for p, r in zip(prompts, ids["tokens"])}
     checkpoint(report)
@@ -169,7 +171,7 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
         if spec.auto_shape:
             key = (spec.drafter, spec.head_dir)
             if key not in chosen:
-                chosen[key] = _choose_shape(spec, target, runner, ids, eos, progress)
+                chosen[key] = _choose_shape(spec, target, runner, ids, eos, progress, prompts)
             spec.shape = _chosen_shape(chosen[key])
             report.setdefault("shape_choice", {})[spec.name] = chosen[key]
         drafter = build_drafter(spec, target, prompts, ids, cfg)
@@ -191,18 +193,21 @@ def _chosen_shape(choice: dict) -> TreeShape:
     return TreeShape("chain", k=choice["k"]) if choice["kind"] == "chain" else TreeShape.fan(choice["k"])
 
 
-def _choose_shape(spec, target, runner, ids, eos, progress) -> dict:
+def _choose_shape(spec, target, runner, ids, eos, progress, prompts=()) -> dict:
     """The chain or fan the verify cost curve of this machine and the head's acceptance, measured on
     training-side held-out prompts, favour (``shape_choice``), with what it measured. Timing only runs
-    on an evaluation prompt; no acceptance figure comes from one."""
+    on an evaluation prompt; no acceptance figure comes from one: the head's held-out split must leave
+    out the evaluator's chat slice and share no chat with ``prompts`` (``check_heldout_split``)."""
 
-    from specheads.evaluation.shape_choice import choose_shape, measured_fans, measured_reach, verify_cost_curve
+    from specheads.evaluation.shape_choice import (check_heldout_split, choose_shape, measured_fans, measured_reach,
+                                                   verify_cost_curve)
 
     reach, fans = measured_reach(spec.head_dir), measured_fans(spec.head_dir)
     if not reach:
         raise UserError(f"{spec.name}: head_shape=auto needs the head's measured acceptance per draft depth "
                         f"(measured_reach1.. in the train_summary.json of {spec.head_dir}, written when training "
                         "ran with train.measure_prompts > 0); retrain with it, or set head_shape=tree")
+    split = check_heldout_split(spec.name, spec.head_dir, scored_chat_ids(list(prompts)))
     prompt = ids["prompt_ids"][0]
     n_max = max([len(reach) + 1] + [w + 1 for w in fans])
     progress(f"{spec.name}: measuring the verify cost of 1..{n_max} tokens")
@@ -216,6 +221,7 @@ def _choose_shape(spec, target, runner, ids, eos, progress) -> dict:
     extra = long.stats[0].draft_forwards - short.stats[0].draft_forwards
     per_forward = (long.draft_time - short.draft_time) / max(extra, 1)
     choice = choose_shape(reach, curve, max(per_forward, 0.0) / curve[1], fans)
+    choice["heldout_split"] = split
     log.info("%s: %s chosen (predicted speed-up %s)", spec.name, choice["label"],
              ", ".join(f"{p['label']}: {p['speedup']:.2f}" for p in choice["predictions"]))
     return choice
@@ -403,7 +409,7 @@ def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg:
     if spec.ngram_branch:
         table = None
         if spec.ngram_table:
-            skip = chat_sample_ids(prompts or [])
+            skip = scored_chat_ids(prompts or [])  # every sample of a scored chat, not only the scored one
             table = load_ngram_table(spec.ngram_table, target, exclude_ids=skip, max_tokens=spec.ngram_table_tokens)
             log.info("%s: n-gram table of %d n-grams from %s (%d evaluation chats left out)", spec.name,
                      len(table), spec.ngram_table, len(skip))
@@ -416,11 +422,16 @@ def load_ngram_table(path: str, target: Target, exclude_ids=(), orders=(3, 2),
                      max_tokens: int | None = 1_000_000) -> NgramTable:
     """The n-gram table (``NgramTable``) of a feature store (its tokens, with the target's argmax as the
     next token where the store holds it) or of a prepared dataset (its tokens), rows ``exclude_ids`` left
-    out (the chats being evaluated), rows read in order until ``max_tokens`` tokens (None: all; a GPU-scale
+    out (sample ids, or chat ids: every per-turn sample of the chat; the evaluator passes the chats it
+    scores), rows read in order until ``max_tokens`` tokens (None: all; a GPU-scale
     store holds far more than a table needs, and only the shards read are opened and checksummed). The
     store or dataset must come from the target's tokenizer."""
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"the n-gram table's max_tokens must be >= 1 or None, got {max_tokens}")
+    from specheads.data.render import chat_id
+
+    exclude_ids = set(map(str, exclude_ids))
+    skip = lambda sid: str(sid) in exclude_ids or chat_id(sid) in exclude_ids  # noqa: E731
     root = Path(path)
     if not root.is_dir():
         raise InputNotFoundError(f"n-gram table source {path}: no such folder (give a feature store or a "
@@ -430,7 +441,7 @@ def load_ngram_table(path: str, target: Target, exclude_ids=(), orders=(3, 2),
         from specheads.methods.base import ARGMAX_KEY
 
         ds = FeatureDataset(root, target=target)
-        keep = list(_leading(((i, n) for i, (sid, n) in enumerate(zip(ds.ids, ds.lengths)) if sid not in exclude_ids),
+        keep = list(_leading(((i, n) for i, (sid, n) in enumerate(zip(ds.ids, ds.lengths)) if not skip(sid)),
                              max_tokens))
         rows = zip(ds.column_rows(keep, "input_ids"), ds.column_rows(keep, ARGMAX_KEY) or [None] * len(keep))
     else:
@@ -438,7 +449,7 @@ def load_ngram_table(path: str, target: Target, exclude_ids=(), orders=(3, 2),
 
         data, meta = load_prepared(root)
         check_prepared_matches(meta, target)
-        ids = (r["input_ids"] for r in data if str(r["id"]) not in exclude_ids)  # one lazy pass
+        ids = (r["input_ids"] for r in data if not skip(str(r["id"])))  # one lazy pass
         rows = ((t, None) for t in _leading(((t, len(t)) for t in ids), max_tokens))
     return NgramTable.build(rows, orders)
 

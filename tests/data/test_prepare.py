@@ -27,6 +27,8 @@ def test_prepare_writes_dataset_and_meta(smollm2_tokenizer, tmp_path):
     ds, meta2 = load_prepared(tmp_path / "out")
     assert meta2 == meta and len(ds) == 6 and meta["skipped"] == {"no assistant turn": 1}
     assert meta["num_loss_tokens"] == sum(sum(r) for r in ds["loss_mask"])
+    assert (meta["dedup"]["conversations_read"], meta["dedup"]["duplicates_within"],
+            meta["dedup"]["duplicates_of_evaluation_prompts"]) == (6, 0, 0)
     assert all(len(a) == len(b) <= 64 for a, b in zip(ds["input_ids"], ds["loss_mask"]))
     check_prepared_matches(meta, target)
     with pytest.raises(DataMismatchError, match="another tokenizer"):

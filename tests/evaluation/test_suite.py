@@ -202,7 +202,10 @@ def test_auto_shape_picks_a_chain_from_the_cost_curve_and_held_out_reach(target,
 
     head = tmp_path / "run" / "head"
     shutil.copytree(head_dirs / "eagle1", head)
-    (head.parent / "train_summary.json").write_text(json.dumps({"eval": {"measured_reach1": 0.9, "measured_reach2": 0.8}}))
+    split = {"rows": 100, "train_rows": 91, "heldout_rows": 8, "evaluation_rows_left_out": 1,
+             "heldout_excludes_evaluation": True, "heldout_ids": ["c001"], "dedup": None}  # as recipes/train.py writes it
+    (head.parent / "train_summary.json").write_text(json.dumps({"eval": {"measured_reach1": 0.9, "measured_reach2": 0.8},
+                                                                "heldout_split": split}))
     spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1,), humaneval=1, chat=0)
     real = suite.load_benchmarks
     monkeypatch.setattr(suite, "load_benchmarks", lambda s: [p for p in real(s) if p.domain == "code"][:1])
@@ -215,13 +218,17 @@ def test_auto_shape_picks_a_chain_from_the_cost_curve_and_held_out_reach(target,
     report = evaluate(target, cfg)
     ch = report["shape_choice"]["eagle1-auto"]
     assert ch["label"] == "chain1" and ch["reach"] == [0.9, 0.8] and ch["c"] > 0
+    assert ch["heldout_split"]["heldout_rows"] == 8 and ch["heldout_split"]["heldout_chats_scored"] == 0
     assert report["methods"][0]["shape"] == "chain1" and report["methods"][0]["lossless"]["exact"]
     write_report(report, tmp_path / "r")
-    assert "Shape chosen automatically: **chain1**" in (tmp_path / "r" / "report.md").read_text()
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "Shape chosen automatically: **chain1**" in md
+    assert "held-out prompts (8 held-out rows of 100, none of them a scored prompt or its chat; 1 rows" in md
+    assert "Prompts scored: humaneval 1." in md
     # A fan of two first drafts measured well above the chain, on a curve where 3 tokens cost about one:
     # the fan is drafted (one draft forward, a two-leaf tree) and stays lossless.
     (head.parent / "train_summary.json").write_text(json.dumps({"eval": {
-        "measured_reach1": 0.3, "measured_reach2": 0.0, "measured_fan2_tau": 1.9}}))
+        "measured_reach1": 0.3, "measured_reach2": 0.0, "measured_fan2_tau": 1.9}, "heldout_split": split}))
     monkeypatch.setattr("specheads.evaluation.shape_choice.verify_cost_curve",
                         lambda runner, prompt, ns, reps=7: {n: 1.0 + 0.01 * n for n in ns})
     fan = evaluate(target, EvalConfig(plan_methods("eagle1", str(head), [], head_shape="auto")[:1], spec,
@@ -250,7 +257,7 @@ def test_auto_shape_picks_a_chain_from_the_cost_curve_and_held_out_reach(target,
     write_report(both, tmp_path / "r2")
     assert "Lookup branch extended: the best 1 first draft(s)" in (tmp_path / "r2" / "report.md").read_text()
     assert all(m["lossless"]["exact"] for m in both["methods"])
-    (head.parent / "train_summary.json").write_text(json.dumps({"eval": {}}))
+    (head.parent / "train_summary.json").write_text(json.dumps({"eval": {}, "heldout_split": split}))
     with pytest.raises(UserError, match="measure_prompts"):
         evaluate(target, EvalConfig(plan_methods("eagle1", str(head), [], head_shape="auto")[:1], spec,
                                     max_new_tokens=4, temperatures=(0.0,), batch_sizes=(1,), repeats=1))

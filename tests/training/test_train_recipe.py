@@ -76,6 +76,11 @@ def test_recipe_trains_each_medusa_method(setup, tmp_path, method):
     assert 0 <= written["baselines"]["bigram_d1_acc"] <= 1
     assert written["beats_bigram"] == (written["eval"]["head0_top1_acc"] > written["baselines"]["bigram_d1_acc"])
     assert (tmp_path / "head" / "config.json").exists() and (tmp_path / "checkpoints" / "step_0000003").is_dir()
+    # How the rows were split (the evaluator checks it before its shape choice reads held-out acceptance):
+    # 40 rows, 4 held out, the evaluator's chat slice (1 chat of 40) neither trained on nor held out.
+    split = written["heldout_split"]
+    assert (split["rows"], split["heldout_rows"], split["evaluation_rows_left_out"], split["train_rows"]) == (40, 4, 1, 35)
+    assert split["heldout_excludes_evaluation"] and len(split["heldout_ids"]) == 4 and split["dedup"] is None
     if method == "medusa2":
         assert (tmp_path / "head" / "target" / "config.json").exists()
         assert summary["eval"]["drift_kl"] >= 0
@@ -148,8 +153,12 @@ def test_the_evaluators_chat_slice_is_never_trained_on():
     assert held_ids == {"s97", "s98", "s99"}
     rows = [int(i[1:]) for i in held_ids]
     train_idx, eval_idx = load_recipe().keep_chat_heldout_out(ds, list(range(240)), list(range(240, 250)))
-    assert not set(rows) & set(train_idx) and set(rows) <= set(eval_idx)
-    assert len(train_idx) == 237 and len(eval_idx) == 13
+    # neither trained on nor held out: no measurement before scoring (the shape choice's) reads them
+    assert not set(rows) & (set(train_idx) | set(eval_idx))
+    assert len(train_idx) == 237 and eval_idx == list(range(240, 250))
+    # a held-out row of the slice (the random split drew it) is left out too
+    train_idx, eval_idx = load_recipe().keep_chat_heldout_out(ds, list(range(1, 250)), [0, rows[0]])
+    assert eval_idx == [0] and len(train_idx) == 250 - 1 - 3
 
 
 def test_recipe_caps_the_onednn_primitive_cache_before_training(setup, tmp_path, monkeypatch):
@@ -178,5 +187,5 @@ def test_a_chats_per_turn_samples_stay_on_one_side_of_the_split():
     ds = TokenDataset(datasets.Dataset.from_dict(rows))
     assert chat_heldout_ids(rows["id"]) == {"c099@turn1", "c099@turn3", "c099@turn5"}  # 1% of the chats, whole
     train_idx, eval_idx = load_recipe().keep_chat_heldout_out(ds, [i for i in range(300) if i != 4], [4])
-    assert sorted(eval_idx) == [3, 4, 5, 297, 298, 299]  # chat c001 (row 4 held out) and the evaluator's c099
-    assert not set(train_idx) & set(eval_idx) and len(train_idx) == 294
+    assert eval_idx == [3, 4, 5]  # chat c001 (row 4 held out); the evaluator's c099 is neither trained on nor held out
+    assert not set(train_idx) & {3, 4, 5, 297, 298, 299} and len(train_idx) == 294
