@@ -32,11 +32,11 @@ def template_kwargs(target_cfg: DictConfig) -> dict:
 def run(cfg: DictConfig) -> None:
     regen = cfg.get("regenerate")
     pcfg = PrepareConfig(**OmegaConf.to_object(cfg.data),
-                         regenerate=RegenerateConfig(**regen) if regen else None,
+                         regenerate=RegenerateConfig(**OmegaConf.to_container(regen, resolve=True)) if regen else None,
                          chat_template_kwargs=template_kwargs(cfg.target))
-    if regen:
+    if regen and not regen.get("endpoint"):
         target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.device)
-    else:  # only the tokenizer is needed
+    else:  # only the tokenizer is needed (a serving endpoint answers, or nothing is regenerated)
         target = Target.tokenizer_only(load_tokenizer(cfg.target.name_or_path), cfg.target.name_or_path)
     if not cfg.overwrite and prepared_is_current(cfg.output_dir, pcfg, target):
         log.info("%s is already prepared with this configuration; skipping (overwrite=true redoes it)", cfg.output_dir)

@@ -356,7 +356,8 @@ class RawEmbedding(nn.Module):
 def eos_token_ids(target: "Target") -> list[int]:
     """Every end-of-sequence id the target's generation config, model config or tokenizer names."""
     ids = set()
-    for src in (getattr(target.model, "generation_config", None), target.config, target.tokenizer):
+    for src in (getattr(target.model, "generation_config", None), getattr(target.model, "config", None),
+                target.tokenizer):  # a tokenizer-only target (answers from an endpoint) has no model
         e = getattr(src, "eos_token_id", None) if src is not None else None
         if isinstance(e, int):
             ids.add(e)

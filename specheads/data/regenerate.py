@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from specheads.data.batch_generate import generate_static
+from specheads.data.endpoint import EndpointClient, EndpointConfig
 from specheads.data.render import REASONING, ChatRenderer, TemplateError, prompt_ids, split_reasoning
 from specheads.data.sources import Conversation
 from specheads.errors import UserError
@@ -55,10 +56,13 @@ class RegenerateConfig:
     max_prompt_tokens: int = 1024
     seed: int = 0
     loop: str = "static"
+    endpoint: EndpointConfig | dict | None = None  # a serving engine answers instead of the local target
 
     def __post_init__(self):
         if self.loop not in ("static", "hf"):
             raise UserError(f"regenerate.loop must be 'static' or 'hf', got {self.loop!r}")
+        if isinstance(self.endpoint, dict):
+            self.endpoint = EndpointConfig(**self.endpoint)
 
 
 class JournalError(UserError, ValueError):
@@ -68,11 +72,14 @@ class JournalError(UserError, ValueError):
 def settings_key(target: Target, cfg: RegenerateConfig, template_kwargs: dict | None = None) -> str:
     """What a journaled answer depends on: the generation settings, the template's switches and the target
     (batch size aside)."""
-    settings = {k: v for k, v in asdict(cfg).items() if k not in ("batch_size", "loop")}
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("batch_size", "loop", "endpoint")}
     if template_kwargs:
         settings["chat_template_kwargs"] = dict(template_kwargs)
     ident = {"settings": settings, "target": target.name, "tokenizer": target.tokenizer_fingerprint(),
              "config": target.config_hash() if target.model is not None else None, "format": 2}
+    if cfg.endpoint is not None:  # the engine's answers: who served them, and how they were asked
+        e = cfg.endpoint
+        ident["endpoint"] = {"url": e.url, "model": e.model, "prompt_format": e.prompt_format, "extra_body": e.extra_body}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -158,7 +165,7 @@ def turn_stop_ids(renderer: ChatRenderer) -> list[int]:
 
 
 def _regenerate_batch(target: Target, batch: list[Conversation], cfg: RegenerateConfig, seed: int,
-                      renderer: ChatRenderer) -> list[Conversation]:
+                      renderer: ChatRenderer, client: EndpointClient | None = None) -> list[Conversation]:
     """Regenerate up to cfg.max_turns assistant turns of each conversation, turn by turn.
 
     A chat keeps its messages up to its last regenerated answer; a prompt over ``max_prompt_tokens``,
@@ -189,14 +196,22 @@ def _regenerate_batch(target: Target, batch: list[Conversation], cfg: Regenerate
             prompts.append(prompt)
         if not todo:
             break
-        answers = _generate(target, prompts, cfg, seed * 1000 + turn, stops)
-        for (j, i), (ids, finished) in zip(todo, answers):
+        flags = [{}] * len(prompts)
+        if client is None:
+            answers = _generate(target, prompts, cfg, seed * 1000 + turn, stops)
+        else:
+            got = client.complete_all(prompts, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
+                                      seed * 1000 + turn, stops)
+            answers = [(a.ids, a.finished) for a in got]
+            flags = [{"retokenized": True} if a.retokenized else {} for a in got]
+            flags = [{**f, "retokenize_mismatch": True} if a.mismatch else f for f, a in zip(flags, got)]
+        for (j, i), (ids, finished), flag in zip(todo, answers, flags):
             text = tok.decode(ids)
             if not text.strip():
                 stopped[j] = True  # an empty answer ends the chat before this turn
                 continue
             reasoning, answer = split_reasoning(text)  # the target's reasoning kept apart, as templates take it
-            work[j][i] = {"role": "assistant", "content": answer, "token_ids": ids}
+            work[j][i] = {"role": "assistant", "content": answer, "token_ids": ids, **flag}
             if reasoning is not None:
                 work[j][i][REASONING] = reasoning
             end[j] = i + 1
@@ -223,6 +238,12 @@ def regenerate(target: Target, conversations: Iterable[Conversation], journal: s
     journal = Path(journal)
     journal.parent.mkdir(parents=True, exist_ok=True)
     renderer = ChatRenderer(target.tokenizer, template_kwargs)
+    client = None
+    if cfg.endpoint is not None:
+        client = EndpointClient(cfg.endpoint)
+        cfg.endpoint.model = client.connect()  # fails here, before any work, when the server is not there
+        log.info("answers from %s (model %s), %d requests at a time", cfg.endpoint.url, client.model,
+                 cfg.endpoint.concurrency)
     key = settings_key(target, cfg, template_kwargs)
     done = read_journal(journal, key)
     convs = list(conversations)
@@ -230,11 +251,14 @@ def regenerate(target: Target, conversations: Iterable[Conversation], journal: s
     todo = sorted((c for c in convs if c.id not in done), key=_first_prompt_chars)
     if done:
         log.info("resuming regeneration: %d conversations already in %s, %d to go", len(done), journal, len(todo))
+    log.info("regenerating the answers of %d conversations with the target, %d per batch, up to %d new tokens per "
+             "turn (the bar counts conversations; a batch reports when all its turns are done)", len(todo),
+             cfg.batch_size, cfg.max_new_tokens)
     with journal.open("a", encoding="utf-8") as f, tqdm(total=len(convs), initial=len(convs) - len(todo),
                                                         desc="regenerate", unit="chat") as bar:
         for b in range(0, len(todo), cfg.batch_size):
             batch = todo[b: b + cfg.batch_size]
-            for conv in _regenerate_batch(target, batch, cfg, cfg.seed + b, renderer):
+            for conv in _regenerate_batch(target, batch, cfg, cfg.seed + b, renderer, client):
                 done[conv.id] = conv
                 _append(f, conv, key)
             bar.update(len(batch))
@@ -257,6 +281,14 @@ def _first_prompt_chars(conv: Conversation) -> int:
             break
         n += len(m.get("content") or "")
     return n
+
+
+def count_retokenized(conversations: Iterable[Conversation]) -> dict[str, int]:
+    """Chats with an engine's answer re-tokenized from its text, and those whose re-tokenization differs
+    (from the engine's ids, or from its text when decoded)."""
+    convs = list(conversations)
+    return {"retokenized": sum(1 for c in convs if any(m.get("retokenized") for m in c.messages)),
+            "retokenize_mismatch": sum(1 for c in convs if any(m.get("retokenize_mismatch") for m in c.messages))}
 
 
 def count_truncated(conversations: Iterable[Conversation]) -> int:
