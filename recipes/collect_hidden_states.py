@@ -59,6 +59,7 @@ def main(cfg: DictConfig) -> None:
 def collect(cfg: DictConfig) -> None:
     rank = int(os.environ.get("RANK", 0))
     dataset, meta = load_prepared(cfg.prepared_dir)
+    log.info("loading the target %s (%s) for %d prepared rows", cfg.target.name_or_path, cfg.target.dtype, len(dataset))
     target = load_target(cfg.target.name_or_path, cfg.target.dtype,
                          process_device(cfg.target.get("device", "cpu"), rank),
                          parallel=cfg.target.get("parallel", "none"), tp_size=cfg.target.get("tp_size") or None,

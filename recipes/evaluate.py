@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from specheads.decoding.drafters import TreeShape
 from specheads.errors import user_errors
-from specheads.evaluation.benchmarks import BenchmarkSpec
+from specheads.progress import evaluation_steps
+from specheads.evaluation.benchmarks import BenchmarkSpec, load_benchmarks
 from specheads.evaluation.report import write_report
 from specheads.evaluation.suite import EvalConfig, ServingProfiles, evaluate, plan_methods, verifier_for
 from specheads.targets import load_target
@@ -149,8 +150,11 @@ def run(cfg: DictConfig) -> dict:
         log.info("Medusa-2 head: its adapted target %s is the verifier (plain decoding and the lossless check "
                  "run on it; the original %s is not used)", adapted, target_path)
         target_path = adapted
+    log.info("loading the target %s (%s)", target_path, cfg.target.dtype)
     target = load_target(target_path, cfg.target.dtype, cfg.target.device)
-    with tqdm(desc="evaluate", unit="run") as bar:
+    total = evaluation_steps(len(load_benchmarks(ecfg.benchmarks)), ecfg.methods, ecfg.temperatures, ecfg.repeats,
+                             ecfg.paired, ecfg.batch_sizes, ecfg.batch_prompts)
+    with tqdm(desc="evaluate", unit="step", total=total, dynamic_ncols=True) as bar:
         report = evaluate(target, ecfg, progress=lambda msg: (bar.set_postfix_str(msg), bar.update(1)),
                           checkpoint=lambda partial: write_report(partial, cfg.output_dir))
     paths = write_report(report, cfg.output_dir)

@@ -42,6 +42,8 @@ ConfigStore.instance().store(name="export_schema", node=ExportRecipeConfig)
 
 
 def run(cfg: DictConfig) -> str:
+    log.info("exporting %s for %s: reading the head and the target, writing and re-checking each layout",
+             cfg.head_dir, cfg.engine)
     path = export_head(cfg.head_dir, cfg.out_dir, engine=cfg.engine, target=cfg.target.name_or_path,
                        eval_report=cfg.eval_report, data=cfg.training_data, dtype=cfg.dtype, spec_tokens=cfg.spec_tokens,
                        overwrite=cfg.overwrite, push_to_hub=cfg.push_to_hub, target_id=cfg.target_id,

@@ -26,6 +26,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from torch.utils.data import Dataset, Sampler
+from tqdm import tqdm
 
 from specheads.data.store import (
     MANIFEST, PLAN, STORE_FORMAT, CorruptShardError, InsufficientDiskError, ShardRecord, ShardWriter,
@@ -246,7 +247,8 @@ class CollectOptions:
     estimate_time: time one small forward first to log the expected collection time;
     write: False for the ranks of a tensor-parallel group other than its first: they run the same
     forward passes (collectives) on the same share but leave writing to it. With a tensor-parallel
-    target, rank / world_size are the group's data-parallel rank and size (``ParallelLayout``).
+    target, rank / world_size are the group's data-parallel rank and size (``ParallelLayout``);
+    progress: show a bar of the tokens collected (rank 0).
     """
 
     dtype: str = "bfloat16"
@@ -260,6 +262,7 @@ class CollectOptions:
     verify_done: bool = True
     estimate_time: bool = True
     write: bool = True
+    progress: bool = True  # a bar over this rank's tokens (rank 0), with its ETA
 
 
 def plan_shards(lengths: Sequence[int], shard_tokens: int, shard_samples: int) -> list[list[int]]:
@@ -421,14 +424,20 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
         return {"rank": opts.rank, "shards_written": 0, "shards_skipped": len(mine) - len(todo), "samples": 0,
                 "tokens": 0, "seconds": time.perf_counter() - t0, "tokens_per_s": 0.0, "manifest": None}
     writer = ShardWriter(root, header["dtype"], max(1, len(spec.aux_layers)), header["plan_hash"])
+    # this rank's tokens still to collect: tqdm's ETA is their count left at the pace so far (rank 0 shows it)
+    bar = tqdm(total=todo_tokens, desc=f"collect rank {opts.rank}" if opts.world_size > 1 else "collect",
+               unit="tok", unit_scale=True, dynamic_ncols=True, disable=opts.rank != 0 or not opts.progress)
     try:
         for s in todo:
             for b in plan[s]:
                 writer.add(compute_features(target, collate_features(tokens.rows(b)), spec, argmax=spec.need_last))
+                bar.update(sum(tokens.lengths[i] for i in b))
             writer.finish(s, [ids[i] for i in shards[s]])
     except BaseException:
         writer.close(check=False)  # keep the shards finished so far; the original error propagates
         raise
+    finally:
+        bar.close()
     records = writer.close()
     seconds = time.perf_counter() - t0
     done_tokens = sum(r.num_tokens for r in records)

@@ -149,7 +149,7 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     if cfg.grouped_attention and use_grouped_attention(target.model):
         exact["attention"] = GROUPED_ATTENTION
     if cfg.cpu_linears == "auto":
-        progress("timing the target's linear layers packed and plain")
+        log.info("timing the target's linear layers packed and plain")  # a phase, not a step of the bar
     linears = choose_cpu_linears(target.model, cfg.cpu_linears)  # the baseline never gets the slower layout
     runner = TargetRunner(target.model)
     t0 = time.perf_counter()

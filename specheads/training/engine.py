@@ -90,6 +90,7 @@ def train(method: Method, target: Target, train_data: BatchSource, cfg: TrainCon
     logger = RunLogger(cfg, out, acc, method.name, st.step)
     try:
         last_eval = _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, scheduler, st, logger, ckpt_root)
+        logger.end_progress()
         summary = _finish(method, model, target, eval_data, cfg, acc, st, last_eval, resumed, out)
     except BaseException:
         logger.close()
@@ -129,7 +130,7 @@ def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, sch
                 record["rss_anon_mb"] = anon
                 st.peak_anon_mb = max(st.peak_anon_mb or 0.0, anon)
         logger.log(st.step, record, to_wandb=log_step)
-        logger.progress(st.step, loss, record["lr"])
+        logger.progress(st.step, loss, record["lr"], st.train_s)
         if eval_data is not None and cfg.eval_every and st.step % cfg.eval_every == 0 and st.step < cfg.max_steps:
             last_eval = evaluate(method, model, target, eval_data, acc, _measure_opts(cfg))
             logger.log(st.step, {f"eval/{k}": v for k, v in last_eval.items()})
@@ -191,11 +192,17 @@ def _optimizer_step(method, model, target, stream, cfg, acc, optimizer, params, 
 
 def _finish(method, model, target, eval_data, cfg, acc, st, last_eval, resumed, out: Path) -> dict[str, Any]:
     if eval_data is not None:
+        if acc.is_main_process:  # minutes with no bar: say what runs
+            log.info("training stopped at step %d; held-out evaluation%s", st.step,
+                     f" and a measured decode of {cfg.measure_prompts} held-out prompts with the head (acceptance per "
+                     "draft depth)" if cfg.measure_prompts else "")
         last_eval = evaluate(method, model, target, eval_data, acc, _measure_opts(cfg))
         if acc.is_main_process:
             log.info("held-out after step %d: %s", st.step,
                      {k: round(v, 4) for k, v in last_eval.items() if isinstance(v, float)})
     head_dir = out / "head"
+    if acc.is_main_process:
+        log.info("saving the head to %s", head_dir)
     _save_head(method, model, target, acc, head_dir)
     # The ranks of a tensor-parallel target group train on the same batches: count them once.
     tokens = int(acc.reduce(torch.tensor(st.tokens, device=acc.device), "sum")) // target.layout.tp_size

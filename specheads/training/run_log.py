@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from specheads.progress import training_bar_format, training_position, training_postfix
 from specheads.training.config import TrainConfig
 
 METRICS_FILE = "metrics.jsonl"
@@ -28,10 +29,13 @@ class RunLogger:
         mode = os.environ.get("WANDB_MODE", cfg.wandb_mode)
         if mode != "disabled":
             self.run = _init_wandb(cfg, out, mode, method_name)
-        if cfg.progress:
+        self.max_steps, self.budget_s = cfg.max_steps, 60 * cfg.max_minutes if cfg.max_minutes else None
+        if cfg.progress:  # under a time budget the bar counts its minutes (specheads.progress)
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=cfg.max_steps, initial=start_step, desc=f"train {method_name}", dynamic_ncols=True)
+            self.bar = tqdm(total=self.budget_s / 60 if self.budget_s else cfg.max_steps,
+                            initial=0 if self.budget_s else start_step, desc=f"train {method_name}",
+                            dynamic_ncols=True, bar_format=training_bar_format(self.budget_s))
 
     def log(self, step: int, record: dict[str, float], to_wandb: bool = True) -> None:
         if not self.main:
@@ -42,14 +46,20 @@ class RunLogger:
         if self.run is not None and to_wandb:
             self.run.log(clean, step=step)
 
-    def progress(self, step: int, loss: float, lr: float) -> None:
+    def progress(self, step: int, loss: float, lr: float, train_s: float) -> None:
         if self.bar is not None:
-            self.bar.update(step - self.bar.n)
-            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+            pos = training_position(step, self.max_steps, train_s, self.budget_s)
+            self.bar.total, self.bar.n = pos.total, pos.done
+            self.bar.set_postfix_str(training_postfix(pos, step, loss, lr))  # refreshes the bar
 
-    def close(self, summary: dict[str, Any] | None = None) -> None:
+    def end_progress(self) -> None:
+        """Close the bar (the loop is over), so what follows logs on lines of its own."""
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        self.end_progress()
         if self.run is not None:
             if summary:
                 self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
