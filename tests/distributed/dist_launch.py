@@ -208,7 +208,7 @@ def assert_world_of_two(run: Run) -> None:
     ckpt = run.out / "checkpoints" / final_ckpt_name(run)
     assert sorted(p.name for p in ckpt.glob("random_states_*.pkl")) == ["random_states_0.pkl", "random_states_1.pkl"]
     # Each rank logs the recipe's data split once: two processes, two lines.
-    moved = "of held-out chats (the evaluator's slice, or another turn of a held-out chat) moved out of training"
+    moved = "row(s) of the evaluator's chat slice left out of training and held-out rows"
     assert run.log.count(moved) == 2, run.log[-3000:]
 
 

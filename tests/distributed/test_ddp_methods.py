@@ -41,7 +41,10 @@ def test_each_method_trains_under_ddp_on_two_processes(ddp_run):
     _check_trained_one_head(run, method, 3)
     assert_rank0_writes_once(run, 3)
     ev = run.summary["eval"]
-    assert ev["tau_estimate"] >= 1.0 and ev["measured_prompts"] == 1.0  # held-out sums over both ranks
+    from specheads.acceptance_math import estimate_tau
+
+    # held-out sums over both ranks: the τ written is the one the reduced accuracies imply
+    assert ev["tau_estimate"] == pytest.approx(estimate_tau(ev)[0]) and ev["measured_prompts"] == 1.0
     if method == "medusa2":
         assert (run.out / "head" / "target" / "config.json").is_file()  # the adapted target beside the heads
         assert ev["drift_kl"] >= 0.0

@@ -26,4 +26,6 @@ def test_smollm2_baselines_lossless(smollm2):
         suite.load_benchmarks = real
     for m in report["methods"]:
         assert m["lossless"]["exact"], m["lossless"]
-        assert m["by_temperature"]["0.0"]["all"]["tau"] >= 1.0
+        row = m["by_temperature"]["0.0"]["all"]
+        assert row["tau"] == pytest.approx(row["new_tokens"] / row["target_forwards"])
+    assert report["plain"]["all"]["tau"] == 1.0  # no drafts: one token per forward, exactly

@@ -60,7 +60,9 @@ def test_evaluate_every_family(target, head_dirs, tmp_path):
         assert m["batch"]["3"]["target_forwards_per_step"] == 1.0
         assert m["batch"]["3"]["matches_batch1_plain"]
         allrow = m["by_temperature"]["0.0"]["all"]
-        assert allrow["tau"] >= 1.0 and allrow["target_forwards"] > 0
+        # τ = tokens emitted per target forward: the decode's own output length over its step count
+        assert allrow["tau"] == pytest.approx(allrow["new_tokens"] / allrow["target_forwards"])
+    assert report["plain"]["all"]["tau"] == 1.0  # no drafts: one token per forward, exactly
     assert report["methods"][2]["shape"].startswith("static(")
     for m in report["methods"]:  # recommendations per row kind, never beyond the depth drafted
         if not m["by_temperature"]["0.0"]["all"]["nodes_by_depth"]:
@@ -419,7 +421,7 @@ def test_evaluate_a_dflash_head_beside_the_baselines(target, tmp_path, monkeypat
     for m in report["methods"]:
         assert m["lossless"]["exact"] and m["batch"]["3"]["matches_batch1_plain"], m["name"]
         row = m["by_temperature"]["0.0"]["all"]
-        assert row["tau"] >= 1.0 and "speedup" in row
+        assert row["tau"] == pytest.approx(row["new_tokens"] / row["target_forwards"]) and "speedup" in row
     chain, tree = report["methods"][:2]
     assert chain["drafter"] == "dflash" and chain["train_tau"] == 1.3
     row = chain["by_temperature"]["0.0"]["all"]

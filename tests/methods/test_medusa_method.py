@@ -114,7 +114,8 @@ def test_teacher_rows_align_head_k_with_the_targets_distribution_of_token_t_plus
 
 def test_medusa1_labels_option_trains_and_rejects_bad_values(tmp_path):
     s = _run(Medusa1Method(num_heads=2, labels="target"), tmp_path, 3, _tiny())
-    assert s["steps"] == 3 and s["eval"]["head0_argmax_acc"] >= 0
+    # agreement with the target's greedy token, counted twice: by argmax and as rank 0 of the top-k
+    assert s["steps"] == 3 and s["eval"]["head0_argmax_acc"] == s["eval"]["head0_rank0_acc"]
     with pytest.raises(ValueError, match="labels must be 'data' or 'target'"):
         Medusa1Method(labels="soft")
     with pytest.raises(ValueError, match="labels=data"):
@@ -159,7 +160,7 @@ def test_medusa2_save_writes_heads_and_merged_target(tmp_path):
         original = _tiny().model(input_ids=ids).logits  # same seed: the untouched target
         assert not torch.allclose(original, adapted, atol=1e-5)
     assert not any("lora" in n for n, _ in merged.named_parameters())
-    assert s["eval"]["drift_kl"] >= 0
+    assert s["eval"]["drift_kl"] > 0  # the adapted target moved (above): its distribution drifted
     # The static tree is calibrated against the adapted target's greedy tokens and saved with the heads.
     tree = read_medusa_tree(head_dir)
     assert len(tree["rank_accuracy"]) == 2 and tree["rank_accuracy"][0][0] == s["eval"]["head0_rank0_acc"]
@@ -179,7 +180,9 @@ def test_bfloat16_target_trains_float32_heads(tmp_path, method):
 
     target = make_tiny_target("llama", hidden=32, layers=2, vocab=256, dtype=torch.bfloat16)
     s = _run(method, tmp_path, 2, target)
-    assert s["steps"] == 2 and 0 <= s["eval"]["head0_top1_acc"] <= 1
+    from specheads.acceptance_math import estimate_tau
+
+    assert s["steps"] == 2 and s["eval"]["tau_estimate"] == pytest.approx(estimate_tau(s["eval"])[0])
     assert MedusaHeads.from_pretrained(tmp_path / "head").lm_heads[0].weight.dtype == torch.float32
 
 
