@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -36,9 +37,10 @@ def test_typo_is_an_error():
 def test_more_heads_in_one_report(tmp_path):
     """heads.<family>=<dir> adds that head's methods before the main head's; baselines stay last."""
     mod = _load_recipe()
-    for fam in ("medusa", "eagle1"):
+    for fam, model_type in (("medusa", "medusa"), ("eagle1", "specheads_eagle1")):
         (tmp_path / fam).mkdir()
-        (tmp_path / fam / "config.json").write_text("{}")
+        (tmp_path / fam / "config.json").write_text(json.dumps({"model_type": model_type}))  # as a saved head names it
+        (tmp_path / fam / "model.safetensors").write_bytes(b"")  # planned only: the weights are never read
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("evaluate", [f"+heads.medusa={tmp_path / 'medusa'}", f"+heads.eagle1={tmp_path / 'eagle1'}",
                                    "baselines=[ngram]"])
