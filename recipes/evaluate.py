@@ -1,13 +1,16 @@
 """Recipe: evaluate drafters on a target with real (tree) speculative decoding.
 
-    python recipes/evaluate.py [head_method=eagle3 head_dir=runs/x/train] [eval=full] [output_dir=...]
+    python recipes/evaluate.py [head_dir=runs/x/train] [eval=full] [output_dir=...]   (the head's kind read from
+    its folder; head_method=eagle3, or train's names medusa1/medusa2, only confirms it)
     python recipes/evaluate.py head_method=dflash head_dir=runs/dflash   (the block as a chain, and a tree)
     specheads evaluate ...            (same overrides)
 """
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, Optional
 
 import hydra
@@ -17,11 +20,12 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from tqdm import tqdm
 
 from specheads.decoding.drafters import TreeShape
-from specheads.errors import user_errors
+from specheads.errors import ConfigError, InputNotFoundError, UserError, user_errors
 from specheads.progress import evaluation_steps
 from specheads.evaluation.benchmarks import BenchmarkSpec, load_benchmarks
 from specheads.evaluation.report import write_report
-from specheads.evaluation.suite import EvalConfig, ServingProfiles, evaluate, plan_methods, verifier_for
+from specheads.evaluation.suite import (HEAD_MODEL_TYPES, EvalConfig, ServingProfiles, evaluate, plan_methods,
+                                       verifier_for)
 from specheads.targets import load_target
 
 log = logging.getLogger("specheads.evaluate")
@@ -93,6 +97,60 @@ class EvaluateSchema:
 ConfigStore.instance().store(name="evaluate_schema", node=EvaluateSchema)
 
 
+# The names `specheads train` gives its methods, as the evaluator's drafter families (Medusa-1 and -2 heads are
+# both drafted as Medusa; a Medusa-2 head brings its adapted target).
+HEAD_ALIASES = {"medusa": "medusa", "medusa1": "medusa", "medusa2": "medusa", "eagle1": "eagle1", "eagle3": "eagle3",
+                "dflash": "dflash"}
+HEAD_DIR_HINT = "give the output_dir of `specheads train` (holding head/) or its head/ folder"
+
+
+def head_kind(head_dir: str, setting: str = "head_dir") -> str:
+    """The drafter family of a trained head, read from the ``model_type`` its trainer wrote in config.json;
+    the folder must exist and hold the head's config and weights (checked before any target load)."""
+    path = Path(head_dir).expanduser()
+    if not path.is_dir():
+        raise InputNotFoundError(f"{setting}={head_dir}: no such folder; {HEAD_DIR_HINT}")
+    folder = path / "head" if (path / "head" / "config.json").is_file() else path
+    config = folder / "config.json"
+    if not config.is_file():
+        raise InputNotFoundError(f"{setting}={head_dir} holds no head checkpoint (no config.json, nor head/config.json); "
+                                 f"{HEAD_DIR_HINT}")
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as e:
+        raise UserError(f"{config} is not a readable head config ({e}); train the head again") from None
+    kinds = {v: k for k, v in HEAD_MODEL_TYPES.items()}
+    if model_type not in kinds:
+        raise UserError(f"{setting}={head_dir}: {config} names model_type {model_type!r}, which is no head "
+                        f"specheads trains ({', '.join(sorted(kinds))}); {HEAD_DIR_HINT}")
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
+        raise InputNotFoundError(f"{setting}={head_dir}: {folder} holds config.json but no weights (*.safetensors); "
+                                 f"the head was not saved completely: train it again (the same command resumes)")
+    return kinds[model_type]
+
+
+def resolve_head(head_method: str | None, head_dir: str | None, method_setting: str = "head_method",
+                 dir_setting: str = "head_dir") -> str | None:
+    """The drafter family to evaluate ``head_dir`` as: read from the folder (``head_kind``); ``head_method``,
+    when given, only confirms it (train's names medusa1/medusa2 count as medusa). None without a head."""
+    if not head_dir:
+        if head_method:
+            raise ConfigError(f"{method_setting}={head_method} needs {dir_setting}: {HEAD_DIR_HINT}")
+        return None
+    kind = head_kind(head_dir, dir_setting)
+    if head_method is None:
+        return kind
+    want = HEAD_ALIASES.get(str(head_method))
+    if want is None:
+        raise ConfigError(f"{method_setting}={head_method}: use one of {', '.join(HEAD_ALIASES)}, or leave it out: "
+                          f"the kind of head is read from {dir_setting}")
+    if want != kind:
+        raise ConfigError(f"{method_setting}={head_method}, but {dir_setting}={head_dir} holds a head of kind {kind} (its "
+                          f"config.json); leave {method_setting} out (the kind is read from the folder) or give a "
+                          f"{want} head's folder")
+    return kind
+
+
 @hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with user_errors("evaluate"):
@@ -103,6 +161,14 @@ def run(cfg: DictConfig) -> dict:
     # oneDNN keeps 1024 kernels by default: a bfloat16 target verifying many token counts needs more
     # (30 layers x 7 weights x n), or every forward rebuilds them (issue 13: 75 vs 52 ms per token).
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384")
+    # every head folder is checked, and its kind read, before the target loads or anything decodes
+    head_method = resolve_head(cfg.head_method, cfg.head_dir)
+    heads = {}
+    for name, path in (cfg.heads or {}).items():  # more heads in the same report (one plain pass for all)
+        kind = resolve_head(name, path, f"heads.{name}", f"heads.{name}")
+        if kind == head_method or kind in heads.values():
+            raise ConfigError(f"heads.{name} ({path}) is a second {kind} head: give each drafter family once")
+        heads[name] = (kind, path)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     ev = OmegaConf.to_container(cfg.eval, resolve=True)
@@ -111,7 +177,7 @@ def run(cfg: DictConfig) -> dict:
     ev["mtbench_turns"] = tuple(ev["mtbench_turns"])
     if ev["chat"] != 0 and not ev["chat_dir"]:
         log.warning("no eval.chat_dir given: the chat domain is left out")
-    methods = plan_methods(cfg.head_method, cfg.head_dir, list(cfg.baselines), cfg.chain_k,
+    methods = plan_methods(head_method, cfg.head_dir, list(cfg.baselines), cfg.chain_k,
                            TreeShape("dynamic", **cfg.tree), ServingProfiles(**cfg.serving),
                            cfg.early_exit_layers, cfg.ngram_max, cfg.two_model,
                            OmegaConf.to_container(cfg.medusa_choices) if cfg.medusa_choices else None,
@@ -120,14 +186,12 @@ def run(cfg: DictConfig) -> dict:
                            head_ngram=cfg.head_ngram, head_ngram_extend=cfg.head_ngram_extend,
                            head_ngram_extend_len=cfg.head_ngram_extend_len, head_ngram_table=cfg.head_ngram_table,
                            head_ngram_table_tokens=cfg.head_ngram_table_tokens)
-    for name, path in (cfg.heads or {}).items():  # more heads in the same report (one plain pass for all)
-        if name == cfg.head_method:
-            raise ValueError(f"heads.{name} repeats head_method={name}: give each drafter family once")
-        methods[:0] = plan_methods(name, path, [], cfg.chain_k, TreeShape("dynamic", **cfg.tree),
+    for kind, path in heads.values():
+        methods[:0] = plan_methods(kind, path, [], cfg.chain_k, TreeShape("dynamic", **cfg.tree),
                                    ServingProfiles(**cfg.serving), medusa_choices=(
                                        OmegaConf.to_container(cfg.medusa_choices) if cfg.medusa_choices else None),
                                    medusa_tree_nodes=cfg.medusa_tree_nodes, verify=cfg.verify, allow_empty=True,
-                                   head_shape=cfg.head_shape if name in ("eagle1", "eagle3") else "tree",
+                                   head_shape=cfg.head_shape if kind in ("eagle1", "eagle3") else "tree",
                                    ngram_max=cfg.ngram_max, head_ngram=cfg.head_ngram,
                                    head_ngram_extend=cfg.head_ngram_extend,
                                    head_ngram_extend_len=cfg.head_ngram_extend_len,
@@ -140,9 +204,9 @@ def run(cfg: DictConfig) -> dict:
                       chat_template_kwargs=OmegaConf.to_container(cfg.target.chat_template_kwargs, resolve=True)
                       if cfg.target.get("chat_template_kwargs") else {})
     target_path = cfg.target.name_or_path
-    adapted = verifier_for(cfg.head_method, cfg.head_dir)
-    for name, path in (cfg.heads or {}).items():
-        other = verifier_for(name, path)
+    adapted = verifier_for(head_method, cfg.head_dir)
+    for name, (kind, path) in heads.items():
+        other = verifier_for(kind, path)
         if other and other != adapted:
             raise ValueError(f"heads.{name} ({path}) is a Medusa-2 head verified by its own adapted target; "
                              f"evaluate it on its own (head_method=medusa head_dir={path})")

@@ -28,7 +28,7 @@ from specheads.errors import ConfigError, user_errors
 from specheads.methods import build_method
 from specheads.training.accelerator import limit_onednn_cache, make_accelerator
 from specheads.training.batches import DatasetBatches, split_rows
-from specheads.training.config import OptimConfig, TrainConfig
+from specheads.training.config import OptimConfig, TrainConfig, check_settings, check_store_source
 from specheads.training.engine import train
 
 log = logging.getLogger("specheads.train")
@@ -131,12 +131,13 @@ class TrainRecipeConfig:
 
 
 def register_configs() -> None:
-    """Put the schemas in Hydra's ConfigStore (conf/train.yaml and conf/method|optim files extend them)."""
+    """Put the schemas in Hydra's ConfigStore (conf/train.yaml and conf/method|optim files extend them). The
+    group schemas live under schema/, outside the groups a user picks from (method=..., optim=...)."""
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainRecipeConfig)
-    cs.store(group="method", name="medusa1_schema", node=Medusa1Schema)
-    cs.store(group="method", name="medusa2_schema", node=Medusa2Schema)
-    cs.store(group="optim", name="adamw_schema", node=OptimSchema)
+    cs.store(group="schema/method", name="medusa1", node=Medusa1Schema)
+    cs.store(group="schema/method", name="medusa2", node=Medusa2Schema)
+    cs.store(group="schema/optim", name="adamw", node=OptimSchema)
 
 
 register_configs()
@@ -286,6 +287,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from specheads.targets import load_target
 
     tcfg, ocfg, mcfg = to_configs(cfg)
+    check_settings(tcfg, ocfg, mcfg, OmegaConf.to_container(cfg.data, resolve=True))  # before any work
+    check_store_source(cfg.features_dir, cfg.prepared_dir)
     limit_onednn_cache(tcfg.onednn_cache)  # before anything computes in this process
     method = build_method(mcfg.pop("name"), **mcfg)
     acc = make_accelerator(tcfg, method)

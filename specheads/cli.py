@@ -40,6 +40,37 @@ def recipes_dir() -> Path:
         raise SystemExit(f"specheads: {e}") from None
 
 
+def group_choices(config_name: str) -> dict[str, list[str]]:
+    """The config groups a recipe's primary config picks from (its defaults list) and each one's options
+    (the yaml files of ``conf/<group>/``)."""
+    from omegaconf import OmegaConf
+
+    conf = paths.conf_dir()
+    groups = {}
+    for entry in OmegaConf.load(conf / f"{config_name}.yaml").get("defaults", []):
+        if isinstance(entry, str) or len(entry) != 1:
+            continue
+        (group,) = entry
+        if not str(group).startswith("override ") and (conf / str(group)).is_dir():
+            groups[str(group)] = sorted(f.stem for f in (conf / str(group)).glob("*.yaml"))
+    return groups
+
+
+def check_group_choices(verb: str, overrides: list[str]) -> None:
+    """One line, exit status 2, for ``group=option`` naming no option of that group (``method=nonsense``),
+    before the recipe starts: Hydra's own message spans a dozen lines and its search path."""
+    try:
+        groups = group_choices(Path(VERBS[verb]).stem)
+    except (RuntimeError, OSError):
+        return  # no conf/ to read: Hydra says what is missing
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep and key in groups and value not in groups[key]:
+            print(f"specheads {verb}: error: {key}={value}: no {key} named '{value}'; choose one of: "
+                  f"{', '.join(groups[key])} (the files of conf/{key}/)", file=sys.stderr)
+            raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -56,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     if verb not in VERBS:
         raise SystemExit(f"specheads: unknown verb '{verb}'; choose one of: {', '.join(VERBS)}")
     recipes_dir()  # a clear message when specheads.recipes is missing (an install older than the packaging)
+    check_group_choices(verb, overrides)
     module = paths.recipe_module(VERBS[verb])
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:

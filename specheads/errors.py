@@ -37,13 +37,26 @@ def one_line(error: BaseException) -> str:
     return "; ".join(lines) or type(error).__name__
 
 
+def missing_setting(error: BaseException) -> UserError | None:
+    """A required setting left unset (``???`` in the recipe's config, read by the recipe) as a ``ConfigError``
+    naming it; None for any other error."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    if not isinstance(error, MissingMandatoryValue):
+        return None
+    key = getattr(error, "full_key", None) or "a setting"
+    return ConfigError(f"{key} is required and has no default: give {key}=... on the command line")
+
+
 @contextmanager
 def user_errors(stage: str):
-    """Show a ``UserError`` raised inside as ``specheads <stage>: error: <message>`` and exit 2."""
+    """Show a ``UserError`` raised inside (or a required setting left unset: ``missing_setting``) as
+    ``specheads <stage>: error: <message>`` and exit 2."""
     try:
         yield
-    except UserError as e:
-        if os.environ.get("SPECHEADS_TRACEBACK"):
+    except Exception as e:
+        error = e if isinstance(e, UserError) else missing_setting(e)
+        if error is None or os.environ.get("SPECHEADS_TRACEBACK"):
             raise
-        print(f"specheads {stage}: error: {one_line(e)}", file=sys.stderr)
+        print(f"specheads {stage}: error: {one_line(error)}", file=sys.stderr)
         raise SystemExit(2) from None

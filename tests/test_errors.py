@@ -83,6 +83,7 @@ def tiny_model_dir(tmp_path_factory):
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)},
                                                                               unk_token="w0")),
                                   unk_token="w0", eos_token="w1")
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
     tok.save_pretrained(model_dir)
     return model_dir, make_prepared(root, n=30, fingerprint=tokenizer_fingerprint(tok))
 
@@ -143,3 +144,16 @@ def test_collect_from_a_folder_that_is_not_prepared_is_one_line(tiny_model_dir, 
                      f"prepared_dir={tmp_path / 'empty'}", f"out_dir={tmp_path / 'features'}", cwd=tmp_path)
     line = assert_one_clean_line(proc, "collect")
     assert "is not a prepared dataset" in line and "specheads prepare" in line
+
+
+def test_a_required_setting_left_unset_is_one_line(capsys, monkeypatch):
+    from omegaconf import MISSING, OmegaConf
+
+    monkeypatch.delenv("SPECHEADS_TRACEBACK", raising=False)
+    cfg = OmegaConf.create({"out_dir": MISSING})
+    with pytest.raises(SystemExit) as e:
+        with user_errors("export"):
+            cfg.out_dir
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("specheads export: error: out_dir is required and has no default: "
+                                       "give out_dir=... on the command line\n")

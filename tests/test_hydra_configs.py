@@ -48,7 +48,8 @@ def test_every_group_option_composes(group):
     primary = {"data": "prepare_data", "regenerate": "prepare_data", "method": "train", "optim": "train",
                "eval": "evaluate", "target": "prepare_data"}[group]
     for option in options:
-        extra = {"target/hf": ["target.name_or_path=/m"], "data/jsonl": ["data.path=x"], "data/hf": ["data.path=x"]}
+        extra = {"target/hf": ["target.name_or_path=/m"], "data/jsonl": ["data.path=x"], "data/hf": ["data.path=x"],
+                 "regenerate/endpoint": ["regenerate.endpoint.url=http://127.0.0.1:8000/v1"]}
         cfg = compose_cfg(primary, [f"{group}={option}", *extra.get(f"{group}/{option}", [])])
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
 
@@ -75,3 +76,14 @@ def test_pipeline_stage_overrides_compose_against_each_recipe(method, offline, t
     # the hybrid's n-gram table reads the run's own store (offline) or prepared dataset (online)
     assert eval_cfg.head_ngram_table == str(tmp_path / ("features" if offline else "prepared"))
     assert eval_cfg.head_ngram_extend == 1 and eval_cfg.head_ngram == 4
+
+
+@pytest.mark.parametrize("group", ["method", "optim"])
+def test_a_group_offers_only_its_files_and_its_schema_still_applies(group):
+    from hydra.core.global_hydra import GlobalHydra
+
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        offered = sorted(GlobalHydra.instance().config_loader().get_group_options(group))
+    assert offered == sorted(p.stem for p in (CONF / group).glob("*.yaml"))  # no *_schema entries
+    with pytest.raises(Exception, match="num_headz|lrr"):  # the schemas, now under schema/, still catch typos
+        compose_cfg("train", ["method=medusa1", "method.num_headz=2"] if group == "method" else ["optim.lrr=1"])

@@ -20,14 +20,31 @@ from specheads.training.config import OptimConfig, TrainConfig
 log = logging.getLogger(__name__)
 
 
+QUIET_LIBRARIES = ("accelerate",)
+"""Libraries whose INFO lines stay off the console (Accelerate: five lines per checkpoint saved)."""
+
+
+def quiet_library_logs(names=QUIET_LIBRARIES) -> None:
+    """Show only warnings and errors of these libraries' loggers, unless asked for: a logger already given a
+    level (``hydra.verbose=accelerate`` sets DEBUG, a ``hydra.job_logging.loggers`` entry any level) is left
+    as it is. specheads' own lines (``saved checkpoint ...``) still say what happens."""
+    for name in names:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.WARNING)
+
+
 def make_accelerator(cfg: TrainConfig, method: Method | None = None):
     """An ``Accelerator`` for this config (DeepSpeed comes from ``accelerate launch --config_file``).
 
     A method whose module leaves parameters unused in some steps (Medusa-2's head warm-up) sets
-    ``find_unused_parameters = True`` so DDP does not wait for their gradients.
+    ``find_unused_parameters = True`` so DDP does not wait for their gradients. Accelerate's INFO lines
+    stay off the console (``quiet_library_logs``).
     """
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
+
+    quiet_library_logs()
 
     mp = cfg.mixed_precision
     if mp == "auto":

@@ -1,10 +1,13 @@
-"""Training settings as typed dataclasses (the recipe turns its Hydra config into these)."""
+"""Training settings as typed dataclasses (the recipe turns its Hydra config into these), and the checks
+every setting and input of a training run passes before any work (``check_settings``, ``check_store_source``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
 
-from specheads.errors import ConfigError
+from specheads.errors import ConfigError, InputNotFoundError
 
 
 class NonFiniteLossError(RuntimeError):
@@ -67,3 +70,105 @@ class TrainConfig:
     def __post_init__(self):
         if self.malloc_trim_every < 0:
             raise ConfigError(f"train.malloc_trim_every must be >= 0 (0 = never), got {self.malloc_trim_every}")
+
+
+# --------------------------------------------------------------------------- checks before any work
+
+SCHEDULES = ("cosine", "constant")
+MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
+WANDB_MODES = ("offline", "online", "disabled")
+_RULES = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, ">= 2": lambda v: v >= 2,
+          "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 1)": lambda v: 0 <= v < 1}
+
+# method settings (conf/method/*.yaml) with a range, whichever methods have them; "?" = null allowed
+METHOD_RULES = {
+    "num_heads": ">= 1", "num_layers": ">= 1", "loss_decay": "> 0", "top_k": ">= 1", "lora_r": ">= 1",
+    "lora_alpha": "> 0", "lora_dropout": "in [0, 1)", "target_weight": ">= 0", "heads_weight": ">= 0",
+    "kl_temperature": "> 0", "heads_warmup_steps": ">= 0", "draft_vocab_size": ">= 1", "vocab_max_samples": "?>= 1",
+    "ttt_steps": ">= 1", "step_decay": "> 0", "target_chunk": ">= 1", "head_chunk": ">= 1", "feature_weight": ">= 0",
+    "offpath_weight": "in [0, 1]", "feature_noise": ">= 0", "ce_weight": ">= 0", "eval_steps": ">= 1",
+    "block_size": ">= 2", "anchors": ">= 1", "eval_anchors": "?>= 1", "gamma": "> 0", "lk_weight": "in [0, 1]",
+}
+DATA_RULES = {"max_tokens": "?>= 1", "batch_size": "?>= 1", "eval_samples": ">= 0", "eval_max_tokens": "?>= 1",
+              "max_length": "?>= 2", "pad_to_multiple_of": ">= 1", "epochs": "?> 0"}
+
+
+def check_value(setting: str, value: Any, rule: str) -> None:
+    """Refuse ``value`` unless it is a number obeying ``rule`` (a key of ``_RULES``; a leading "?" lets null through)."""
+    optional = rule.startswith("?")
+    rule = rule.lstrip("?")
+    if value is None and optional:
+        return
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and _RULES[rule](value)):
+        raise ConfigError(f"{setting}={value} is out of range: give a number {rule}" + (" (or null)" if optional else ""))
+
+
+def check_choice(setting: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{setting}={value}: use one of {', '.join(choices)}")
+
+
+def check_settings(train: TrainConfig, optim: OptimConfig, method: Mapping[str, Any], data: Mapping[str, Any]) -> None:
+    """Every numeric and named setting of a training run in its range (one ``ConfigError`` naming the
+    setting as the user writes it: ``optim.lr``, ``train.max_steps``, ``data.batch_size``,
+    ``method.num_heads``...), and ``train.resume``'s folder, before the target loads."""
+    for name, rule in (("lr", "> 0"), ("weight_decay", ">= 0"), ("eps", "> 0"), ("warmup_steps", ">= 0"),
+                       ("min_lr_ratio", "in [0, 1]")):
+        check_value(f"optim.{name}", getattr(optim, name), rule)
+    if len(optim.betas) != 2:
+        raise ConfigError(f"optim.betas={list(optim.betas)}: give two numbers in [0, 1), e.g. [0.9, 0.95]")
+    for beta in optim.betas:
+        check_value("optim.betas", beta, "in [0, 1)")
+    check_choice("optim.schedule", optim.schedule, SCHEDULES)
+    for name, rule in (("max_steps", ">= 1"), ("grad_accum", ">= 1"), ("max_grad_norm", "?> 0"),
+                       ("log_every", ">= 0"), ("eval_every", ">= 0"), ("save_every", ">= 0"),
+                       ("max_minutes", "?> 0"), ("onednn_cache", "?>= 1"), ("malloc_trim_every", ">= 0"),
+                       ("measure_prompts", ">= 0"), ("measure_k", ">= 1"), ("measure_tokens", ">= 1")):
+        check_value(f"train.{name}", getattr(train, name), rule)
+    for width in train.measure_fans:
+        check_value("train.measure_fans", width, ">= 1")
+    check_choice("train.mixed_precision", train.mixed_precision, MIXED_PRECISION)
+    check_choice("wandb.mode", train.wandb_mode, WANDB_MODES)
+    if train.resume not in ("auto", "never") and not Path(train.resume).is_dir():
+        raise InputNotFoundError(f"train.resume={train.resume}: no such checkpoint folder; use auto (the latest "
+                                 f"under output_dir/checkpoints), never, or a step_* folder there")
+    for name, rule in DATA_RULES.items():
+        if name in data:
+            check_value(f"data.{name}", data[name], rule)
+    for name, rule in METHOD_RULES.items():
+        if name in method:
+            check_value(f"method.{name}", method[name], rule)
+
+
+def check_store_source(features_dir: str | None, prepared_dir: str | None) -> None:
+    """Refuse a ``features_dir`` that holds no finished store, and, when ``prepared_dir`` is a prepared set
+    too, a store collected from other data (the trainer looks the store's row ids up in the prepared set:
+    the evaluator's chat slice, EAGLE-3's draft vocabulary): the sample ids and lengths the store recorded
+    must be the prepared set's."""
+    from specheads.data.features import sample_lengths
+    from specheads.data.prepare import META_FILE, load_prepared
+    from specheads.data.store import StoreError, StoreMismatchError, read_manifest
+
+    if not features_dir:
+        return
+    try:
+        manifest = read_manifest(Path(features_dir))
+    except StoreMismatchError:
+        raise
+    except StoreError as e:
+        raise InputNotFoundError(f"features_dir={features_dir}: {e}") from None
+    if not prepared_dir or not (Path(prepared_dir) / META_FILE).is_file():
+        return
+    stored = {i: n for shard in manifest.get("shards", []) for i, n in zip(shard["ids"], shard["lengths"])}
+    dataset, _ = load_prepared(prepared_dir)
+    prepared = dict(zip(map(str, dataset["id"]), sample_lengths(dataset)))
+    if stored == prepared:
+        return
+    source = (manifest.get("source") or {}).get("prepared_dir")
+    differ = sum(prepared.get(i) != n for i, n in stored.items())
+    where = f"prepared_dir={source}" if source else "the prepared set it was collected from"
+    raise StoreMismatchError(
+        f"features_dir={features_dir} was collected from other data than prepared_dir={prepared_dir} "
+        f"(store: {len(stored)} samples, {sum(stored.values())} tokens; prepared set: {len(prepared)} samples, "
+        f"{sum(prepared.values())} tokens; {differ} of the store's samples missing there or of another length); "
+        f"pass {where}, or collect the store again from this prepared set (`specheads collect prepared_dir={prepared_dir} out_dir=<new folder>`)")
