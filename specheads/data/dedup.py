@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import unicodedata
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 DEDUP_VERSION = 1  # recorded in a prepared set's metadata; a set without it was prepared before any dedup
 KEY_RULE = ("first user turn, NFKC, casefolded, whitespace runs collapsed, punctuation and whitespace "
@@ -86,16 +86,15 @@ class DedupReport:
                 "evaluation_prompts_checked": self.evaluation_prompts, "examples": self.examples}
 
 
-def drop_duplicates(convs: Iterable, evaluation: dict[str, str] | None = None,
-                    report: DedupReport | None = None, examples: int = 5) -> list:
+def unique_conversations(convs: Iterable, evaluation: dict[str, str] | None = None,
+                         report: DedupReport | None = None, examples: int = 5) -> Iterator:
     """The conversations (objects with ``id`` and ``messages``) whose key is neither an earlier one's nor an
-    evaluation prompt's (``evaluation``: {key: prompt id}), in order; the first of a repeated prompt is
-    kept. Counts go in ``report``."""
+    evaluation prompt's (``evaluation``: {key: prompt id}), in order, lazily; the first of a repeated prompt
+    is kept. Counts go in ``report`` as they stream; memory holds one key per kept conversation."""
     report = report if report is not None else DedupReport()
     evaluation = evaluation or {}
     report.evaluation_prompts = len(evaluation)
     seen: dict[str, str] = {}
-    out = []
     for conv in convs:
         report.read += 1
         key = conversation_key(conv.messages)
@@ -107,9 +106,14 @@ def drop_duplicates(convs: Iterable, evaluation: dict[str, str] | None = None,
             _example(report.examples["within"], conv.id, seen[key], examples)
         else:
             seen[key] = conv.id
-            out.append(conv)
-    report.kept = len(out)
-    return out
+            report.kept += 1
+            yield conv
+
+
+def drop_duplicates(convs: Iterable, evaluation: dict[str, str] | None = None,
+                    report: DedupReport | None = None, examples: int = 5) -> list:
+    """``unique_conversations`` as a list."""
+    return list(unique_conversations(convs, evaluation, report, examples))
 
 
 def _example(bucket: list, dropped: str, kept: str, limit: int) -> None:

@@ -12,6 +12,7 @@ metadata's ``dedup``.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
@@ -21,13 +22,16 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
-from specheads.data.dedup import DEDUP_VERSION, DedupReport, benchmark_keys, drop_duplicates
+import numpy as np
+
+from specheads.data.dedup import DEDUP_VERSION, DedupReport, benchmark_keys, unique_conversations
 from specheads.data.regenerate import RegenerateConfig, count_retokenized, count_truncated, regenerate
 from specheads.data.render import (ChatRenderer, TemplateError, ToolTurnError, chat_id, chat_template_sha,
                                    render_samples)
-from specheads.data.sources import SkipReport, iter_conversations
+from specheads.data.sources import (MIXTURE, Conversation, MixturePart, SkipReport, SourceError, iter_conversations,
+                                    iter_mixture, mixture_counts, mixture_parts)
 from specheads.errors import InputNotFoundError, UserError
 from specheads.targets import Target, tokenizer_fingerprint
 
@@ -53,9 +57,11 @@ class PrepareError(UserError, ValueError):
 @dataclass
 class PrepareConfig:
     """source/path/split: see ``iter_conversations``; num_samples: conversations to read (None: all), of which
-    duplicates are dropped (``specheads.data.dedup``);
-    regenerate: replace answers with the target's own (None: keep the dataset's answers);
-    chat_template_kwargs: the template's switches, as the serving engine passes them (``enable_thinking``)."""
+    duplicates are dropped (``specheads.data.dedup``); source ``mixture``: ``parts`` (``sources.MixturePart``:
+    name, source, path, split, num_samples or weight, domain) read in turn, ``num_samples`` the total the
+    weighted parts share; regenerate: replace answers with the target's own (None: keep the dataset's answers);
+    chat_template_kwargs: the template's switches, as the serving engine passes them (``enable_thinking``);
+    num_proc: processes rendering and tokenizing (None: every core, at most 8); chunk_size: chats per task."""
 
     source: str = "sharegpt"
     path: str | None = None
@@ -65,99 +71,213 @@ class PrepareConfig:
     domain: str = "chat"
     regenerate: RegenerateConfig | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    parts: list[dict[str, Any]] | None = None
+    num_proc: int | None = None
+    chunk_size: int = 256
+
+    def __post_init__(self):
+        if self.source == MIXTURE:
+            self.parts = [asdict(p) for p in mixture_parts(self.parts or [])]  # checked before any work
+            mixture_counts([MixturePart(**p) for p in self.parts], self.num_samples)
+        elif self.parts:
+            raise SourceError(f"data.parts is for data.source=mixture (source is {self.source!r})")
+        if self.max_length <= 0 or (self.num_samples is not None and self.num_samples <= 0) or self.chunk_size <= 0:
+            raise SourceError(f"data.max_length, data.num_samples and data.chunk_size must be positive (got "
+                              f"{self.max_length}, {self.num_samples}, {self.chunk_size})")
+
+
+def read_conversations(cfg: PrepareConfig, report: SkipReport, part_reports: dict[str, SkipReport]):
+    """The configured conversations, lazily: one source's first ``num_samples``, or a mixture's parts."""
+    if cfg.source == MIXTURE:
+        parts = [MixturePart(**p) for p in cfg.parts]
+
+        def counted():
+            for conv in iter_mixture(parts, cfg.num_samples, part_reports):
+                report.read, report.kept = (sum(r.read for r in part_reports.values()),
+                                            sum(r.kept for r in part_reports.values()))
+                yield conv
+        return counted()
+    return itertools.islice(iter_conversations(cfg.source, cfg.path, cfg.split, report, cfg.domain), cfg.num_samples)
+
+
+@dataclass
+class RenderStats:
+    """What rendering kept and dropped, summed over the worker processes' chunks."""
+
+    later: Counter = field(default_factory=Counter)
+    first_error: dict[str, str] = field(default_factory=dict)
+    truncated: int = 0
+    cut_answers: int = 0
+    reasoning_turns: int = 0
+    split: dict[str, int] = field(default_factory=lambda: {"chats": 0, "samples": 0, "extra_tokens": 0,
+                                                           "turns_written_after_prompt": 0})
+
+    def add(self, other: "RenderStats") -> None:
+        self.later.update(other.later)
+        for k, v in other.first_error.items():
+            self.first_error.setdefault(k, v)
+        self.truncated += other.truncated
+        self.cut_answers += other.cut_answers
+        self.reasoning_turns += other.reasoning_turns
+        for k, v in other.split.items():
+            self.split[k] += v
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _render_chunk(convs: list[Conversation], renderer=None, max_length=None):
+    """Rows (id, input_ids int32, loss_mask int8, domain) of a chunk of chats, and its ``RenderStats``."""
+    renderer = renderer or _WORKER["renderer"]
+    max_length = max_length or _WORKER["max_length"]
+    stats, rows = RenderStats(), []
+    for conv in convs:
+        out = _render(conv, renderer, max_length, stats.later, stats.first_error)
+        if out is None:
+            continue
+        kept = [r for r in out.samples if any(r.loss_mask)]
+        if not kept:
+            stats.later[NO_LOSS_TOKENS] += 1
+            continue
+        if out.split:
+            stats.split["chats"] += 1
+            stats.split["samples"] += len(kept)
+            stats.split["extra_tokens"] += sum(len(r.input_ids) for r in kept) - len(renderer.tokens(renderer.text(
+                [{k: v for k, v in m.items() if k != "token_ids"} for m in conv.messages])))
+        stats.split["turns_written_after_prompt"] += out.written_turns
+        stats.reasoning_turns += sum(1 for m in conv.messages if m.get("reasoning_content") or "</think>" in m["content"])
+        stats.truncated += sum(r.truncated for r in kept)
+        stats.cut_answers += count_truncated([conv])
+        for r in kept:
+            rows.append((conv.id + r.suffix, np.asarray(r.input_ids, dtype=np.int32),
+                         np.asarray(r.loss_mask, dtype=np.int8), conv.domain))
+    return rows, stats
+
+
+def _chunks(items: Iterable, size: int) -> Iterator[list]:
+    it = iter(items)
+    while chunk := list(itertools.islice(it, size)):
+        yield chunk
+
+
+def render_stream(convs: Iterable[Conversation], renderer: ChatRenderer, max_length: int, stats: RenderStats,
+                  num_proc: int = 1, chunk_size: int = 256) -> Iterator[tuple]:
+    """The rendered rows of ``convs`` in order, chunks rendered by ``num_proc`` forked worker processes with at
+    most two chunks each in flight, so memory holds a few chunks whatever the number of chats."""
+    if num_proc <= 1:
+        for chunk in _chunks(convs, chunk_size):
+            rows, st = _render_chunk(chunk, renderer, max_length)
+            stats.add(st)
+            yield from rows
+        return
+    import multiprocessing as mp
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers tokenize; no threads in each
+    _WORKER.update(renderer=renderer, max_length=max_length)  # inherited by the forked workers
+    try:
+        with mp.get_context("fork").Pool(num_proc) as pool:
+            pending: collections.deque = collections.deque()
+            for chunk in _chunks(convs, chunk_size):
+                pending.append(pool.apply_async(_render_chunk, (chunk,)))
+                if len(pending) >= 2 * num_proc:
+                    rows, st = pending.popleft().get()
+                    stats.add(st)
+                    yield from rows
+            while pending:
+                rows, st = pending.popleft().get()
+                stats.add(st)
+                yield from rows
+    finally:
+        _WORKER.clear()
+
+
+def default_num_proc() -> int:
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str, Any]:
     """Run the stage and write ``out_dir`` atomically. Returns the metadata written.
 
     ``target`` needs only a tokenizer unless ``cfg.regenerate`` is set (then the model generates).
+    Conversations stream from the source through dedup and rendering (worker processes) into an Arrow
+    file, so memory does not grow with their number; regeneration holds the chats it answers.
     """
     t0 = time.time()
     out_dir = Path(out_dir)
     tok = target.tokenizer
-    report = SkipReport()
-    convs = list(itertools.islice(
-        iter_conversations(cfg.source, cfg.path, cfg.split, report, cfg.domain), cfg.num_samples))
-    if not convs:
-        raise PrepareError(f"no usable conversation in source '{cfg.source}' {cfg.path or ''}: {report.summary()}")
+    report, part_reports = SkipReport(), {}
     dedup = DedupReport()
-    convs = drop_duplicates(convs, benchmark_keys(), dedup)
+    convs = unique_conversations(read_conversations(cfg, report, part_reports), benchmark_keys(), dedup)
+    stats = RenderStats()
+    renderer = ChatRenderer(tok, cfg.chat_template_kwargs)  # a tokenizer without a template is refused here
+    retokenized = None
+    if cfg.regenerate is not None:
+        convs = [c for c in convs if _renders(c, renderer, cfg.max_length, stats.later, stats.first_error)]  # regenerate only chats the template can render
+        _check_any(convs, cfg, report)
+        asked = len(convs)
+        convs = regenerate(target, convs, out_dir.with_name(out_dir.name + ".regen.jsonl"), cfg.regenerate,
+                           template_kwargs=cfg.chat_template_kwargs)
+        if asked > len(convs):
+            stats.later[NO_REGENERATED_ANSWER] += asked - len(convs)
+        if cfg.regenerate.endpoint:
+            # answers from a serving endpoint that returned text only: chats re-tokenized, and those whose
+            # re-tokenization differs from the engine's ids or text
+            retokenized = count_retokenized(convs)
+    num_proc = cfg.num_proc or default_num_proc()
+    rows = render_stream(convs, renderer, cfg.max_length, stats, num_proc, cfg.chunk_size)
+    tmp, counts = _write_rows(rows, out_dir)
+    if not counts["samples"]:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _check_any([], cfg, report) if not report.kept else None
+        why = "; ".join(f"{n} ({reason}; first: {stats.first_error.get(reason, '?')})" for reason, n in stats.later.items())
+        raise PrepareError(f"every conversation was dropped while rendering: {why}")
+    later, split = stats.later, stats.split
+    meta = {
+        "format": FORMAT, "target": target.name, "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+        "chat_template_sha": chat_template_sha(tok), "max_length": cfg.max_length,
+        "num_samples": counts["samples"], "num_tokens": counts["tokens"],
+        "num_loss_tokens": counts["loss_tokens"], "num_truncated": stats.truncated,
+        "source": {"source": cfg.source, "path": cfg.path, "split": cfg.split, **report.to_dict()},
+        "skipped": dict(report.counts + sum((r.counts for r in part_reports.values()), Counter()) + later),
+        "regenerated": cfg.regenerate is not None,
+        "chat_template_kwargs": dict(cfg.chat_template_kwargs),
+        # chats whose template rewrites earlier turns: one sample per turn (the context repeated in extra_tokens)
+        "per_turn_samples": split, "reasoning_turns": stats.reasoning_turns,
+        "regenerate": asdict(cfg.regenerate) if cfg.regenerate else None,
+        "regenerate_version": REGENERATE_VERSION if cfg.regenerate else None,
+        # regenerated chats ending with an answer cut at max_new_tokens (kept open: no end-of-turn token)
+        "regenerated_truncated": stats.cut_answers if cfg.regenerate else None,
+        "regenerated_retokenized": retokenized,
+        # duplicate conversations dropped before rendering (specheads.data.dedup)
+        "dedup": dedup.to_dict(),
+        # a mixture: each part's source, what its reader kept and skipped, and what it gave the prepared set
+        "mixture": [{**p, **part_reports.get(p["name"], SkipReport()).to_dict(), **counts["parts"].get(p["name"], {})}
+                    for p in cfg.parts] if cfg.source == MIXTURE else None,
+        "seconds": round(time.time() - t0, 1), "config": _config_key(cfg), "num_proc": num_proc,
+    }
+    _finish(tmp, meta, out_dir)
+    log.info("prepared %d samples from %d conversations (%d tokens, %d truncated to %d) in %.1f s with %d "
+             "process(es); %s%s", meta["num_samples"], counts["chats"], meta["num_tokens"], stats.truncated,
+             cfg.max_length, meta["seconds"], num_proc, report.summary(),
+             "".join(f"; dropped {n} ({why})" for why, n in later.items()))
     if dedup.within or dedup.of_evaluation:
         log.info("dropped %d conversation(s) repeating an earlier one's first user turn and %d whose first user "
                  "turn is an MT-bench or HumanEval prompt (%s)", dedup.within, dedup.of_evaluation,
                  "examples, dropped -> kept or matched: " + "; ".join(
                      f"{a} -> {b}" for a, b in dedup.examples["within"][:2] + dedup.examples["of_evaluation"][:2]))
-    later = Counter()
-    renderer = ChatRenderer(tok, cfg.chat_template_kwargs)  # a tokenizer without a template is refused here
-    first_error: dict[str, str] = {}
-    if cfg.regenerate is not None:
-        convs = [c for c in convs if _renders(c, renderer, cfg.max_length, later, first_error)]  # regenerate only chats the template can render
-        asked = len(convs)
-        convs = regenerate(target, convs, out_dir.with_name(out_dir.name + ".regen.jsonl"), cfg.regenerate,
-                           template_kwargs=cfg.chat_template_kwargs)
-        if asked > len(convs):
-            later[NO_REGENERATED_ANSWER] += asked - len(convs)
-    rows: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": [], "domain": []}
-    truncated = cut_answers = 0
-    split = {"chats": 0, "samples": 0, "extra_tokens": 0, "turns_written_after_prompt": 0}
-    reasoning_turns = 0
-    for conv in convs:
-        out = _render(conv, renderer, cfg.max_length, later, first_error)
-        if out is None:
-            continue
-        kept = [r for r in out.samples if any(r.loss_mask)]
-        if not kept:
-            later[NO_LOSS_TOKENS] += 1
-            continue
-        if out.split:
-            split["chats"] += 1
-            split["samples"] += len(kept)
-            split["extra_tokens"] += sum(len(r.input_ids) for r in kept) - len(renderer.tokens(renderer.text(
-                [{k: v for k, v in m.items() if k != "token_ids"} for m in conv.messages])))
-        split["turns_written_after_prompt"] += out.written_turns
-        reasoning_turns += sum(1 for m in conv.messages if m.get("reasoning_content") or "</think>" in m["content"])
-        truncated += sum(r.truncated for r in kept)
-        cut_answers += count_truncated([conv])
-        for r in kept:
-            for k, v in (("id", conv.id + r.suffix), ("input_ids", r.input_ids), ("loss_mask", r.loss_mask),
-                         ("domain", conv.domain)):
-                rows[k].append(v)
-    if not rows["id"]:
-        why = "; ".join(f"{n} ({reason}; first: {first_error.get(reason, '?')})" for reason, n in later.items())
-        raise PrepareError(f"every conversation was dropped while rendering: {why}")
-    meta = {
-        "format": FORMAT, "target": target.name, "tokenizer_fingerprint": tokenizer_fingerprint(tok),
-        "chat_template_sha": chat_template_sha(tok), "max_length": cfg.max_length,
-        "num_samples": len(rows["id"]), "num_tokens": sum(map(len, rows["input_ids"])),
-        "num_loss_tokens": sum(map(sum, rows["loss_mask"])), "num_truncated": truncated,
-        "source": {"source": cfg.source, "path": cfg.path, "split": cfg.split, **report.to_dict()},
-        "skipped": dict(report.counts + later), "regenerated": cfg.regenerate is not None,
-        "chat_template_kwargs": dict(cfg.chat_template_kwargs),
-        # chats whose template rewrites earlier turns: one sample per turn (the context repeated in extra_tokens)
-        "per_turn_samples": split, "reasoning_turns": reasoning_turns,
-        "regenerate": asdict(cfg.regenerate) if cfg.regenerate else None,
-        "regenerate_version": REGENERATE_VERSION if cfg.regenerate else None,
-        # regenerated chats ending with an answer cut at max_new_tokens (kept open: no end-of-turn token)
-        "regenerated_truncated": cut_answers if cfg.regenerate else None,
-        # answers from a serving endpoint that returned text only: chats re-tokenized, and those whose
-        # re-tokenization differs from the engine's ids or text
-        "regenerated_retokenized": count_retokenized(convs) if cfg.regenerate and cfg.regenerate.endpoint else None,
-        # duplicate conversations dropped before rendering (specheads.data.dedup)
-        "dedup": dedup.to_dict(),
-        "seconds": round(time.time() - t0, 1), "config": _config_key(cfg),
-    }
-    _write(rows, meta, out_dir)
-    log.info("prepared %d samples from %d conversations (%d tokens, %d truncated to %d) in %.1f s; %s%s",
-             meta["num_samples"], len({chat_id(x) for x in rows["id"]}), meta["num_tokens"], truncated, cfg.max_length, meta["seconds"], report.summary(),
-             "".join(f"; dropped {n} ({why})" for why, n in later.items()))
     if split["chats"]:
         log.info("the chat template rewrites earlier turns: %d chats became %d per-turn samples (%d tokens of "
                  "repeated context, %.0f%% of the prepared tokens)", split["chats"], split["samples"],
                  split["extra_tokens"], 100 * split["extra_tokens"] / max(1, meta["num_tokens"]))
-    if cut_answers:
+    if stats.cut_answers:
         log.info("%d regenerated chats end with an answer cut at regenerate.max_new_tokens (kept without an "
-                 "end-of-turn token; counted as regenerated_truncated in %s)", cut_answers, META_FILE)
+                 "end-of-turn token; counted as regenerated_truncated in %s)", stats.cut_answers, META_FILE)
     return meta
+
+
+def _check_any(convs: list, cfg: PrepareConfig, report: SkipReport) -> None:
+    if not convs and not report.kept:
+        raise PrepareError(f"no usable conversation in source '{cfg.source}' {cfg.path or ''}: {report.summary()}")
 
 
 def _render(conv, renderer, max_length: int, later: Counter, first_error: dict[str, str]):
@@ -179,7 +299,13 @@ def _renders(conv, renderer, max_length: int, later: Counter, first_error: dict[
 
 
 def _config_key(cfg: PrepareConfig) -> dict[str, Any]:
-    return json.loads(json.dumps(asdict(cfg)))
+    """The settings the prepared rows depend on (how many processes rendered them is not one)."""
+    key = json.loads(json.dumps(asdict(cfg)))
+    for k in ("num_proc", "chunk_size"):
+        key.pop(k, None)
+    if not key.get("parts"):
+        key.pop("parts", None)
+    return key
 
 
 def prepared_is_current(out_dir: str | Path, cfg: PrepareConfig, target: Target) -> bool:
@@ -197,16 +323,64 @@ def prepared_is_current(out_dir: str | Path, cfg: PrepareConfig, target: Target)
             and (cfg.regenerate is None or meta.get("regenerate_version") == REGENERATE_VERSION))
 
 
-def _write(rows: dict[str, list], meta: dict[str, Any], out_dir: Path) -> None:
+def _features():
     import datasets
 
-    features = datasets.Features({
+    return datasets.Features({
         "id": datasets.Value("string"), "input_ids": datasets.Sequence(datasets.Value("int32")),
         "loss_mask": datasets.Sequence(datasets.Value("int8")), "domain": datasets.Value("string"),
     })
+
+
+def _write_rows(rows: Iterable[tuple], out_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """Stream rows into an Arrow file, then a ``save_to_disk`` folder beside ``out_dir`` (returned with the
+    counts: samples, chats, tokens, loss tokens, per mixture part)."""
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
+
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp))
+    tmp.mkdir(parents=True)
+    arrow = tmp / "rows.arrow"
+    counts: dict[str, Any] = {"samples": 0, "chats": 0, "tokens": 0, "loss_tokens": 0, "parts": {}}
+    last_chat = None
+    with ArrowWriter(features=_features(), path=str(arrow), writer_batch_size=1000) as writer:
+        for rid, ids, mask, domain in rows:
+            writer.write({"id": rid, "input_ids": ids, "loss_mask": mask, "domain": domain})
+            chat = chat_id(rid)
+            part = counts["parts"].setdefault(rid.split(":", 1)[0] if ":" in rid else "", {"chats": 0, "samples": 0,
+                                                                                          "tokens": 0})
+            if chat != last_chat:
+                counts["chats"] += 1
+                part["chats"] += 1
+                last_chat = chat
+            counts["samples"] += 1
+            counts["tokens"] += len(ids)
+            counts["loss_tokens"] += int(mask.sum())
+            part["samples"] += 1
+            part["tokens"] += len(ids)
+        writer.finalize()
+    if counts["samples"]:
+        datasets.Dataset.from_file(str(arrow)).save_to_disk(str(tmp / "data"))
+    arrow.unlink()
+    return tmp, counts
+
+
+def _finish(tmp: Path, meta: dict[str, Any], out_dir: Path) -> None:
+    """Move the written folder into place with its metadata (the folder appears complete or not at all)."""
+    data = tmp / "data"
+    (data / META_FILE).write_text(json.dumps(meta, indent=2))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(data, out_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write(rows: dict[str, list], meta: dict[str, Any], out_dir: Path) -> None:
+    import datasets
+
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    datasets.Dataset.from_dict(rows, features=_features()).save_to_disk(str(tmp))
     (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)

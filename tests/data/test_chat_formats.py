@@ -101,7 +101,10 @@ def test_qwen3_style_data_prepares_every_chat_with_per_turn_samples(smollm2_toke
     from specheads.targets import Target
 
     tok = with_template(smollm2_tokenizer, QWEN3_STYLE, think_tags=True)
-    rows = [{"id": f"r{i}", "messages": CHAT if i % 2 else INLINE} for i in range(6)]
+    def numbered(msgs, i):  # six distinct prompts (a repeated first user turn is a duplicate, dropped)
+        return [{**m, "content": f"{m['content']} ({i})"} if j == 0 else m for j, m in enumerate(msgs)]
+
+    rows = [{"id": f"r{i}", "messages": numbered(CHAT if i % 2 else INLINE, i)} for i in range(6)]
     rows.append({"id": "single", "messages": CHAT[:2]})
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     meta = prepare(Target.tokenizer_only(tok, "qwen3-style"),

@@ -61,7 +61,7 @@ def test_long_prompt_ends_chat_and_corrupt_journal_is_named(tiny_chat_target, tm
 def test_prepare_counts_chats_that_regeneration_left_without_an_answer(tiny_chat_target, tmp_path):
     from specheads.data.prepare import NO_REGENERATED_ANSWER, PrepareConfig, prepare
 
-    rows = [{"messages": [{"role": "user", "content": "x " * (200 if i == 1 else 3)},
+    rows = [{"messages": [{"role": "user", "content": f"x{i} " * (200 if i == 1 else 3)},  # three prompts, no duplicate
                           {"role": "assistant", "content": "a"}]} for i in range(3)]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     regen = RegenerateConfig(batch_size=4, max_new_tokens=3, max_turns=1, max_prompt_tokens=40)
