@@ -229,6 +229,9 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
     if not counts["samples"]:
         shutil.rmtree(tmp, ignore_errors=True)
         _check_any([], cfg, report) if not report.kept else None
+        if not dedup.kept:
+            raise PrepareError(f"every conversation read repeats an earlier one's first user turn ({dedup.within}) "
+                               f"or is an MT-bench/HumanEval prompt ({dedup.of_evaluation}): nothing left to train on")
         why = "; ".join(f"{n} ({reason}; first: {stats.first_error.get(reason, '?')})" for reason, n in stats.later.items())
         raise PrepareError(f"every conversation was dropped while rendering: {why}")
     later, split = stats.later, stats.split
