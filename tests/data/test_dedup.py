@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from specheads.data.dedup import DEDUP_VERSION, DedupReport, benchmark_keys, drop_duplicates, prompt_key
-from specheads.data.prepare import PrepareConfig, load_prepared, prepare, prepared_is_current
+from specheads.data.prepare import PrepareConfig, PrepareError, load_prepared, prepare, prepared_is_current
 from specheads.evaluation.benchmarks import load_humaneval, load_mtbench
 from specheads.targets import Target
 
@@ -77,3 +79,7 @@ def test_prepare_drops_duplicate_chats_with_their_per_turn_samples_and_counts_th
     meta_path = tmp_path / "out" / "specheads_meta.json"
     meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "dedup"}))
     assert not prepared_is_current(tmp_path / "out", cfg, target)
+    # nothing but evaluation prompts: refused with what was dropped
+    (tmp_path / "b.jsonl").write_text(json.dumps(rows[3]))
+    with pytest.raises(PrepareError, match=r"MT-bench/HumanEval prompt \(1\)"):
+        prepare(target, PrepareConfig(source="jsonl", path=str(tmp_path / "b.jsonl"), num_samples=None), tmp_path / "b")
