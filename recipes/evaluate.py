@@ -208,7 +208,7 @@ def run(cfg: DictConfig) -> dict:
     for name, (kind, path) in heads.items():
         other = verifier_for(kind, path)
         if other and other != adapted:
-            raise ValueError(f"heads.{name} ({path}) is a Medusa-2 head verified by its own adapted target; "
+            raise ConfigError(f"heads.{name} ({path}) is a Medusa-2 head verified by its own adapted target; "
                              f"evaluate it on its own (head_method=medusa head_dir={path})")
     if adapted:
         log.info("Medusa-2 head: its adapted target %s is the verifier (plain decoding and the lossless check "

@@ -288,9 +288,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     tcfg, ocfg, mcfg = to_configs(cfg)
     check_settings(tcfg, ocfg, mcfg, OmegaConf.to_container(cfg.data, resolve=True))  # before any work
-    check_store_source(cfg.features_dir, cfg.prepared_dir)
     limit_onednn_cache(tcfg.onednn_cache)  # before anything computes in this process
     method = build_method(mcfg.pop("name"), **mcfg)
+    check_store_source(cfg.features_dir, cfg.prepared_dir, method)
     acc = make_accelerator(tcfg, method)
     target = load_target(cfg.target.name_or_path, cfg.target.dtype, acc.device,
                          parallel=cfg.target.get("parallel", "none"), tp_size=cfg.target.get("tp_size") or None,

@@ -258,6 +258,14 @@ def test_a_features_dir_without_a_store_is_one_line(fx, tmp_path):
     assert f"features_dir={fx['root'] / 'A'}" in line and "specheads collect" in line
 
 
+def test_a_store_for_a_method_that_trains_the_target_is_one_line_before_work(fx, tmp_path):
+    out = tmp_path / "train"
+    line = one_line(specheads("train", "method=medusa2", *fx["target"], f"features_dir={fx['store_b']}",
+                              f"output_dir={out}", *TRAIN_QUICK, cwd=tmp_path), "train")
+    assert "method medusa2 trains the target, so it needs online features: unset features_dir" in line
+    assert not out.exists()
+
+
 # --------------------------------------------------------------------------- 6: config group choices
 
 

@@ -140,17 +140,23 @@ def check_settings(train: TrainConfig, optim: OptimConfig, method: Mapping[str, 
             check_value(f"method.{name}", method[name], rule)
 
 
-def check_store_source(features_dir: str | None, prepared_dir: str | None) -> None:
-    """Refuse a ``features_dir`` that holds no finished store, and, when ``prepared_dir`` is a prepared set
-    too, a store collected from other data (the trainer looks the store's row ids up in the prepared set:
-    the evaluator's chat slice, EAGLE-3's draft vocabulary): the sample ids and lengths the store recorded
+def check_store_source(features_dir: str | None, prepared_dir: str | None, method=None) -> None:
+    """Refuse a ``features_dir`` for a ``method`` that trains the target (it needs online features), a
+    ``features_dir`` that holds no finished store, and, when ``prepared_dir`` is a prepared set too, a
+    store collected from other data (the trainer looks the store's row ids up in the prepared set: the
+    evaluator's chat slice, EAGLE-3's draft vocabulary): the sample ids and lengths the store recorded
     must be the prepared set's."""
     from specheads.data.features import sample_lengths
     from specheads.data.prepare import META_FILE, load_prepared
     from specheads.data.store import StoreError, StoreMismatchError, read_manifest
+    from specheads.methods.base import FeatureSpec
 
     if not features_dir:
         return
+    spec = getattr(type(method), "feature_spec", None)  # declared on the class by methods that train the target
+    if isinstance(spec, FeatureSpec) and spec.online_only:
+        raise ConfigError(f"method {method.name} trains the target, so it needs online features: unset features_dir "
+                          f"and give prepared_dir")
     try:
         manifest = read_manifest(Path(features_dir))
     except StoreMismatchError:
