@@ -24,7 +24,7 @@ from specheads.decoding.generate import speculative_generate
 from specheads.decoding.grouped_attention import use_grouped_attention
 from specheads.decoding.head_drafters import EagleDrafter
 from specheads.decoding.runner import TargetRunner
-from specheads.evaluation.benchmarks import BenchmarkSpec, chat_sample_ids, encode, load_benchmarks
+from specheads.evaluation.benchmarks import BenchmarkSpec, encode, load_benchmarks, scored_chat_ids
 from specheads.evaluation.suite import load_ngram_table
 from specheads.models.eagle3 import Eagle3Model
 from specheads.targets import eos_token_ids, load_target
@@ -53,7 +53,7 @@ def main() -> None:
         spec = BenchmarkSpec(mtbench_per_category=1, mtbench_turns=(1,), humaneval=2, chat=2, chat_dir=args.chat_dir)
     evals = load_benchmarks(spec)
     prompts = [encode(e, target.tokenizer, {}) for e in evals]
-    table = load_ngram_table(args.table, target, exclude_ids=chat_sample_ids(evals))
+    table = load_ngram_table(args.table, target, exclude_ids=scored_chat_ids(evals))
     model = Eagle3Model.from_pretrained(args.head).eval().attach(target)
     pack_like(model, target.model)
     runner, eos = TargetRunner(target.model), eos_token_ids(target)
