@@ -36,6 +36,7 @@ class TargetSize:
     intermediate_size: int
     num_layers: int
     vocab_size: int
+    experts: int = 0  # routed experts per layer (0: dense)
 
 
 @dataclass
@@ -113,7 +114,7 @@ def target_size(target) -> TargetSize:
         active += n * per_token / experts if (experts and per_token and _is_expert(name)) else n
     return TargetSize(params=total, active_params=int(active), hidden_size=target.hidden_size,
                       intermediate_size=int(getattr(text, "intermediate_size", None) or 4 * target.hidden_size),
-                      num_layers=target.num_layers, vocab_size=target.vocab_size)
+                      num_layers=target.num_layers, vocab_size=target.vocab_size, experts=int(experts or 0))
 
 
 def head_parameters(method_name: str, target, settings: dict) -> tuple[int, Any]:
@@ -243,7 +244,7 @@ def _human_time(seconds: float) -> str:
 
 def format_plan(plan: Plan) -> str:
     s = plan.target_size
-    moe = f" ({s.active_params / 1e9:.2f}B active per token)" if s.active_params < s.params else ""
+    moe = f" ({s.experts} experts per layer, {s.active_params / 1e9:.2f}B active per token)" if s.experts else ""
     lines = [
         f"plan for {plan.target} + {plan.method}: {plan.num_samples} samples, {plan.tokens / 1e6:.1f}M tokens, "
         f"{plan.epochs:g} epoch(s)",

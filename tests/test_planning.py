@@ -84,7 +84,8 @@ def test_plan_through_the_cli(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "plan for Qwen/Qwen3-30B-A3B + eagle3: 2000 samples" in out.stdout
     saved = json.loads((tmp_path / "plan.json").read_text())
-    assert saved["num_samples"] == 2000 and saved["target_size"]["active_params"] < saved["target_size"]["params"]
+    assert saved["num_samples"] == 2000 and saved["target_size"]["active_params"] < saved["target_size"]["params"] / 5
+    assert "128 experts per layer, 3.0" in out.stdout
     bad = run_cli("plan.num_samples=0", cwd=tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("specheads plan: error: plan needs positive sizes")
