@@ -8,8 +8,10 @@
 
 Each point runs the stage as a user does (``python -m specheads.cli <verb> ...``) in a fresh process, while a
 sampler reads the resident memory of that process and of every process it started (worker processes
-included) ten times a second, as proportional set size (a page that forked workers share with their parent
-counts once): "peak memory" is the largest sum seen, "main" the largest of the stage's own process. Inputs beyond the packaged ShareGPT's size repeat its chats with a numbered first user turn, so no
+included) ten times a second: "peak anon" is the largest sum of their resident anonymous memory (heap; a
+forked worker's pages shared with its parent count in both), "main" that of the stage's own process, "peak
+PSS" the largest sum of proportional set sizes, which also counts the pages of memory-mapped files read
+(prepared Arrow data, feature shards) that the kernel can drop. Inputs beyond the packaged ShareGPT's size repeat its chats with a numbered first user turn, so no
 two are duplicates and the token mix stays ShareGPT's. Prints one JSON line per point; --markdown writes the
 tables (with the machine described) to a file.
 """
@@ -31,30 +33,37 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 
 
+def anon_rss(pid: int) -> int:
+    """Resident anonymous memory of a process (``RssAnon``): its heap, not the pages of files it maps, which
+    the kernel can drop (a memory-mapped Arrow file or feature shard read through counts in RSS, not here)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def sample_rss(proc: subprocess.Popen, out: dict) -> None:
-    """Largest summed RSS of the process tree, and of the process itself, until it exits."""
+    """Largest summed anonymous memory and proportional set size of the process tree, and the anonymous
+    memory of the process itself, until it exits."""
     try:
         root = psutil.Process(proc.pid)
     except psutil.NoSuchProcess:
         return
-    def pss(p: psutil.Process) -> int:  # proportional: pages a forked worker shares with its parent count once
-        try:
-            return p.memory_full_info().pss
-        except (psutil.AccessDenied, AttributeError):
-            return p.memory_info().rss
-
     while proc.poll() is None:
         try:
-            own = pss(root)
-            total = own
-            for child in root.children(recursive=True):
+            procs = [root] + root.children(recursive=True)
+            anon = pss = 0
+            for p in procs:
                 try:
-                    total += pss(child)
-                except psutil.NoSuchProcess:
+                    anon += anon_rss(p.pid)
+                    pss += p.memory_full_info().pss
+                except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError, ProcessLookupError):
                     pass
-            out["peak"] = max(out.get("peak", 0), total)
-            out["main"] = max(out.get("main", 0), own)
-        except psutil.NoSuchProcess:
+            out["peak"] = max(out.get("peak", 0), anon)
+            out["pss"] = max(out.get("pss", 0), pss)
+            out["main"] = max(out.get("main", 0), anon_rss(root.pid))
+        except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
             break
         time.sleep(0.1)
 
@@ -73,8 +82,8 @@ def run_stage(args: list[str], cwd: Path, log: Path) -> dict:
     seconds = time.perf_counter() - t0
     if rc:
         raise SystemExit(f"{' '.join(args)} failed (exit {rc}); see {log}")
-    return {"seconds": round(seconds, 1), "peak_rss_mb": round(mem.get("peak", 0) / 2**20),
-            "main_rss_mb": round(mem.get("main", 0) / 2**20)}
+    return {"seconds": round(seconds, 1), "peak_anon_mb": round(mem.get("peak", 0) / 2**20),
+            "main_anon_mb": round(mem.get("main", 0) / 2**20), "peak_pss_mb": round(mem.get("pss", 0) / 2**20)}
 
 
 def varied_chats(n: int, path: Path) -> Path:
@@ -183,12 +192,12 @@ def markdown(points: list[dict]) -> str:
         rows = [p for p in points if p["stage"] == stage]
         if not rows:
             continue
-        lines += [f"### {stage}", "", f"| {rows[0]['unit']} | seconds | per second | peak memory (MB, all processes) "
-                  "| main (MB) | notes |", "|---|---|---|---|---|---|"]
+        lines += [f"### {stage}", "", f"| {rows[0]['unit']} | seconds | per second | peak anon MB (all processes) "
+                  "| main anon MB | peak PSS MB | notes |", "|---|---|---|---|---|---|---|"]
         for p in rows:
             notes = ", ".join(f"{k} {p[k]}" for k in ("samples", "tokens", "num_proc", "store_mb") if k in p)
             lines.append(f"| {p['size']} | {p['seconds']} | {p['per_s'] if p['per_s'] is not None else ''} | "
-                         f"{p['peak_rss_mb']} | {p['main_rss_mb']} | {notes} |")
+                         f"{p['peak_anon_mb']} | {p['main_anon_mb']} | {p['peak_pss_mb']} | {notes} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -19,6 +19,7 @@ duplicates within the set keeps its prompts out of every other row.
 
 from __future__ import annotations
 
+import hashlib
 import unicodedata
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
@@ -94,18 +95,19 @@ def unique_conversations(convs: Iterable, evaluation: dict[str, str] | None = No
     report = report if report is not None else DedupReport()
     evaluation = evaluation or {}
     report.evaluation_prompts = len(evaluation)
-    seen: dict[str, str] = {}
+    seen: dict[bytes, str] = {}  # a 16-byte digest per kept key: memory does not hold the prompts themselves
     for conv in convs:
         report.read += 1
         key = conversation_key(conv.messages)
+        digest = hashlib.blake2b(key.encode(), digest_size=16).digest()
         if key in evaluation:
             report.of_evaluation += 1
             _example(report.examples["of_evaluation"], conv.id, evaluation[key], examples)
-        elif key in seen:
+        elif digest in seen:
             report.within += 1
-            _example(report.examples["within"], conv.id, seen[key], examples)
+            _example(report.examples["within"], conv.id, seen[digest], examples)
         else:
-            seen[key] = conv.id
+            seen[digest] = conv.id
             report.kept += 1
             yield conv
 
