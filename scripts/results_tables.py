@@ -111,6 +111,19 @@ def run_summary(data: dict) -> str:
     return "\n".join(lines)
 
 
+def run_domains(data: dict) -> str:
+    """README: the per-domain τ table the newest main-job clone printed (``per_domain``: its T, column names and
+    rows of domain + one τ per column), as the report prints it."""
+    main = latest_main_job(data)
+    pd = main.get("per_domain")
+    if not pd:
+        return "(the per-domain rows of this run were not recorded)"
+    lines = [f"τ per domain at T={pd['T']}:", "", "| domain | " + " | ".join(pd["columns"]) + " |",
+             "|---|" + "---|" * len(pd["columns"])]
+    lines += ["| " + " | ".join([row[0]] + [f"{x:.2f}" for x in row[1:]]) + " |" for row in pd["rows"]]
+    return "\n".join(lines)
+
+
 def _best(run: dict, prefix: str) -> dict | None:
     """The run's best-scoring drafter whose method starts with ``prefix`` and has a speed-up."""
     ms = [m for m in run.get("methods", []) if m["method"].startswith(prefix) and m.get("speedup") is not None]
@@ -177,7 +190,7 @@ def tests_table(data: dict) -> str:
 def blocks(data: dict) -> dict[Path, dict[str, str]]:
     """{file: {marker name: the text between its markers}}."""
     return {README: {"results": results_table(data), "quickstart-times": quickstart_times(data),
-                     "run-summary": run_summary(data)},
+                     "run-summary": run_summary(data), "run-domains": run_domains(data)},
             BENCHMARKS: {"history": history_table(data), "history-notes": followups_list(data),
                          "test-runs": tests_table(data)}}
 
