@@ -2,8 +2,8 @@
 
     python scripts/cost_curves.py prepare --sizes 1000 10000 100000
     python scripts/cost_curves.py collect --sizes 25 50 100          # chats of the embedded ShareGPT, SmolLM2
-    python scripts/cost_curves.py train --sizes 50 100 200           # optimizer steps on the store of the largest collect
-    python scripts/cost_curves.py evaluate --sizes 2 4 8             # prompts per domain
+    python scripts/cost_curves.py train --sizes 100 200 400          # optimizer steps (the main job's settings) on the 100-chat store
+    python scripts/cost_curves.py evaluate --sizes 1 2 4             # MT-bench questions per category + as many HumanEval (T=0, batch 1, one pass)
     python scripts/cost_curves.py all --markdown docs/cost_curves.md
 
 Each point runs the stage as a user does (``python -m specheads.cli <verb> ...``) in a fresh process, while a
@@ -31,6 +31,11 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+# the main job's training settings for EAGLE-3 on the CPU (conf/pipeline.yaml), without its time budget
+MAIN_JOB_TRAIN = ["optim.lr=1.5e-3", "optim.warmup_steps=10", "train.max_minutes=null", "train.mixed_precision=bf16",
+                  "train.eval_every=0", "train.save_every=50", "data.max_tokens=2048", "data.eval_samples=16",
+                  "train.measure_prompts=8", "method.draft_vocab_size=4096", "method.ttt_steps=1",
+                  "method.init_layer_from_target=true", "method.init_lm_head_from_target=true", "wandb.mode=disabled"]
 
 
 def anon_rss(pid: int) -> int:
@@ -152,8 +157,8 @@ def bench_train(sizes, work: Path, chats: int) -> list[dict]:
     for steps in sizes:
         out = work / f"train-{steps}"
         point = run_stage(["train", "method=eagle3", f"prepared_dir={prepared}", f"features_dir={store}",
-                           f"output_dir={out}", f"train.max_steps={steps}", "train.time_budget_minutes=null",
-                           "wandb.mode=disabled"], work, work / f"train-{steps}.log")
+                           f"output_dir={out}", f"train.max_steps={steps}", *MAIN_JOB_TRAIN],
+                          work, work / f"train-{steps}.log")
         point.update(stage="train", size=steps, unit="steps", per_s=round(steps / point["seconds"], 2))
         points.append(point)
         print(json.dumps(point), flush=True)
@@ -167,8 +172,9 @@ def bench_evaluate(sizes, work: Path, steps: int) -> list[dict]:
     points = []
     for n in sizes:
         out = work / f"eval-{n}"
-        point = run_stage(["evaluate", f"head_dir={head}", f"out_dir={out}", f"eval.mtbench_per_category={n}",
-                           f"eval.humaneval_limit={n}"], work, work / f"evaluate-{n}.log")
+        point = run_stage(["evaluate", f"head_dir={head}", f"output_dir={out}", f"eval.mtbench_per_category={n}",
+                           f"eval.humaneval={n}", "eval.mtbench_turns=[1]", "eval.repeats=1", "temperatures=[0.0]",
+                           "batch_sizes=[1]"], work, work / f"evaluate-{n}.log")
         point.update(stage="evaluate", size=n, unit="prompts per domain", per_s=None)
         points.append(point)
         print(json.dumps(point), flush=True)
@@ -220,9 +226,9 @@ def main(argv=None) -> None:
     if a.stage in ("collect", "all"):
         points += bench_collect(a.sizes if a.stage == "collect" and a.sizes else [25, 50, 100], a.work)
     if a.stage in ("train", "all"):
-        points += bench_train(a.sizes if a.stage == "train" and a.sizes else [50, 100, 200], a.work, 100)
+        points += bench_train(a.sizes if a.stage == "train" and a.sizes else [100, 200, 400], a.work, 100)
     if a.stage in ("evaluate", "all"):
-        points += bench_evaluate(a.sizes if a.stage == "evaluate" and a.sizes else [1, 2, 4], a.work, 50)
+        points += bench_evaluate(a.sizes if a.stage == "evaluate" and a.sizes else [1, 2, 4], a.work, 100)
     if a.json:
         with a.json.open("a") as f:
             f.writelines(json.dumps(p) + "\n" for p in points)

@@ -179,13 +179,9 @@ def test_out_of_range_training_settings_are_one_line_before_work(fx, tmp_path, o
 
 
 def load_train_recipe():
-    import importlib.util
+    from tests.training.test_train_recipe import load_recipe
 
-    spec = importlib.util.spec_from_file_location("recipe_train_cli_errors", ROOT / "recipes" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe()
 
 
 @pytest.mark.parametrize("method", ["medusa1", "medusa2", "eagle1", "eagle3", "dflash"])

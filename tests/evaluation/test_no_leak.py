@@ -4,9 +4,7 @@ evaluator's chat slice (every sample of its chats)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,11 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _recipe():
-    spec = importlib.util.spec_from_file_location("train_recipe_leak", REPO / "recipes" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_recipe_leak"] = module
-    spec.loader.exec_module(module)
-    return module
+    from tests.training.test_train_recipe import load_recipe
+
+    return load_recipe()
 
 
 def _prepared(root: Path, n_chats: int = 100) -> Path:
