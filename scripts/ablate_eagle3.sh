@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One row of issue 13's ablation table: train EAGLE-3 on a run's feature store for a time budget with the
+# One row of the EAGLE-3 ablation table (docs/ablations.md): train EAGLE-3 on a run's feature store for a time budget with the
 # quickstart's settings plus the given overrides, then print the held-out figures (top-1 per step against
 # the target's argmax on training-side held-out chats, and the measured chain-3 tau on held-out prompts).
 #   bash scripts/ablate_eagle3.sh NAME RUN_DIR MINUTES [overrides...]

@@ -1,4 +1,4 @@
-"""Measured chain acceptance of EAGLE-3 heads on fixed ShareGPT prompts (run by hand; issue 13's table).
+"""Measured chain acceptance of EAGLE-3 heads on fixed ShareGPT prompts (run by hand; the table in docs/ablations.md).
 
     .venv/bin/python scripts/measure_chain.py --skip 1500 --prompts 24 --k 3 runs/ablate/a/head runs/ablate/b/head
 

@@ -6,7 +6,7 @@ one-token forward after its accepted ancestors gives. In float32 the kernels' sh
 rounding moves logits by ~1e-5 and greedy decoding has never been seen to change; in bfloat16 the
 scaled-dot-product attention kernels reduce over the keys in a blocking that depends on the number of
 queries and keys, the logits move by up to ~0.4 and greedy outputs diverge (4 of 12 evaluation
-prompts, issue 13). On the CPU the linear layers are already invariant (oneDNN: one output row
+prompts, measured). On the CPU the linear layers are already invariant (oneDNN: one output row
 depends on its input row only, bitwise, for every row count measured), so the fix is the attention:
 
 - ``exact_attention`` computes softmax(q kᵀ·scale + mask) v in float64 and rounds the result to the

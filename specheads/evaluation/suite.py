@@ -13,7 +13,7 @@ with their range (``metrics.timed``). With ``paired`` (the default) every specul
 each prompt plainly right before decoding it speculatively, and the speed-up is the median of the
 per-pass ratios (``metrics.speedup_paired``): on a shared machine whose speed drifts over minutes,
 comparing against plain passes timed minutes earlier moved the same head's ratio from 0.93x to 2.00x
-(issue 13). Without it, plain passes timed once are the reference (``metrics.speedup_spread``).
+(measured in docs/ablations.md). Without it, plain passes timed once are the reference (``metrics.speedup_spread``).
 """
 
 from __future__ import annotations

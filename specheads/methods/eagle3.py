@@ -39,7 +39,7 @@ class Eagle3Method(FusedLayers):
     init_layer_from_target: start the drafter as the target's decoder layer whose input is the highest
     fused feature (``aux_layers[-1]``): ``fc`` passes that feature through, the hidden half of q/k/v, o_proj,
     the MLP and the norms are that layer's, the token-embedding half of q/k/v keeps its random start, and
-    ``norm`` is the target's final norm (issue 13's initialisation lever);
+    ``norm`` is the target's final norm (an initialisation lever, docs/ablations.md);
     offpath_weight: loss weight of rows whose input token is not the target's own greedy choice there
     (``ttt.ttt_loss``; 1 = every row alike). Greedy drafting only ever feeds the target's choices;
     feature_noise: while training, the fused input ``h0`` gets uniform noise of ``feature_noise`` times its
