@@ -213,7 +213,8 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
     retokenized = None
     if cfg.regenerate is not None:
         convs = [c for c in convs if _renders(c, renderer, cfg.max_length, stats.later, stats.first_error)]  # regenerate only chats the template can render
-        _check_any(convs, cfg, report)
+        if not convs and not report.kept:
+            _no_usable_conversation(cfg, report)
         asked = len(convs)
         convs = regenerate(target, convs, out_dir.with_name(out_dir.name + ".regen.jsonl"), cfg.regenerate,
                            template_kwargs=cfg.chat_template_kwargs)
@@ -228,7 +229,8 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
     tmp, counts = _write_rows(rows, out_dir)
     if not counts["samples"]:
         shutil.rmtree(tmp, ignore_errors=True)
-        _check_any([], cfg, report) if not report.kept else None
+        if not report.kept:
+            _no_usable_conversation(cfg, report)
         if not dedup.kept:
             raise PrepareError(f"every conversation read repeats an earlier one's first user turn ({dedup.within}) "
                                f"or is an MT-bench/HumanEval prompt ({dedup.of_evaluation}): nothing left to train on")
@@ -278,9 +280,8 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
     return meta
 
 
-def _check_any(convs: list, cfg: PrepareConfig, report: SkipReport) -> None:
-    if not convs and not report.kept:
-        raise PrepareError(f"no usable conversation in source '{cfg.source}' {cfg.path or ''}: {report.summary()}")
+def _no_usable_conversation(cfg: PrepareConfig, report: SkipReport) -> None:
+    raise PrepareError(f"no usable conversation in source '{cfg.source}' {cfg.path or ''}: {report.summary()}")
 
 
 def _render(conv, renderer, max_length: int, later: Counter, first_error: dict[str, str]):
@@ -363,8 +364,7 @@ def _write_rows(rows: Iterable[tuple], out_dir: Path) -> tuple[Path, dict[str, A
             part["samples"] += 1
             part["tokens"] += len(ids)
         writer.finalize()
-    if counts["samples"]:
-        datasets.Dataset.from_file(str(arrow)).save_to_disk(str(tmp / "data"))
+    datasets.Dataset.from_file(str(arrow)).save_to_disk(str(tmp / "data"))
     arrow.unlink()
     return tmp, counts
 
@@ -378,20 +378,14 @@ def _finish(tmp: Path, meta: dict[str, Any], out_dir: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _write(rows: dict[str, list], meta: dict[str, Any], out_dir: Path) -> None:
-    import datasets
-
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    datasets.Dataset.from_dict(rows, features=_features()).save_to_disk(str(tmp))
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
-
-
 def write_prepared(rows: dict[str, list], meta: dict[str, Any], out_dir: str | Path) -> None:
-    """Write rows (id, input_ids, loss_mask, domain) plus metadata as a prepared folder (for tools and tests)."""
-    _write(rows, {"format": FORMAT, **meta}, Path(out_dir))
+    """Write rows (id, input_ids, loss_mask, domain) plus metadata as a prepared folder (for tools and tests),
+    the way the stage writes its own."""
+    out_dir = Path(out_dir)
+    tuples = ((i, np.asarray(x, dtype=np.int32), np.asarray(m, dtype=np.int8), d)
+              for i, x, m, d in zip(rows["id"], rows["input_ids"], rows["loss_mask"], rows["domain"]))
+    tmp, _ = _write_rows(tuples, out_dir)
+    _finish(tmp, {"format": FORMAT, **meta}, out_dir)
 
 
 def load_prepared(path: str | Path):
