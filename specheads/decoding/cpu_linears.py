@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 from specheads.decoding.runner import TargetRunner
+from specheads.errors import one_line
+from specheads.hardware import cpu_bf16_supported
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +63,12 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(model: nn.Module) -> bool:
-    """Packing applies to a float32 or bfloat16 model on the CPU where oneDNN is available."""
+    """Packing applies to a float32 model on the CPU where oneDNN is available, and to a bfloat16 one where
+    the CPU also has oneDNN's bfloat16 kernels (``hardware.cpu_bf16_supported``: without AVX-512 or
+    AVX-NE-CONVERT the bfloat16 reorder refuses to run)."""
     p = next(model.parameters())
+    if p.dtype == torch.bfloat16 and not cpu_bf16_supported():
+        return False
     return (p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
@@ -78,10 +84,20 @@ def _swap(model: nn.Module, kind: type, make) -> int:
 
 
 def pack_cpu_linears(model: nn.Module) -> int:
-    """Replace every plain ``nn.Linear`` by a ``PackedLinear`` (in place); returns how many."""
+    """Replace every plain ``nn.Linear`` by a ``PackedLinear`` (in place); returns how many.
+
+    Where oneDNN still refuses the reorder (a CPU whose bfloat16 support the check misjudged, or one forced
+    with ``SPECHEADS_CPU_BF16=1``), the model is left with its plain layers and 0 is returned: slower, never
+    a crash."""
     if not can_pack(model):
-        raise ValueError("pack_cpu_linears needs a float32 or bfloat16 model on a CPU with oneDNN")
-    return _swap(model, nn.Linear, PackedLinear)
+        raise ValueError("pack_cpu_linears needs a float32 model, or a bfloat16 one on a CPU with bfloat16 "
+                         "kernels, on a CPU with oneDNN")
+    try:
+        return _swap(model, nn.Linear, PackedLinear)
+    except RuntimeError as e:
+        unpack_cpu_linears(model)
+        log.warning("oneDNN could not prepack the linear layers (%s); keeping plain ones", one_line(e))
+        return 0
 
 
 def unpack_cpu_linears(model: nn.Module) -> int:
@@ -121,7 +137,7 @@ def choose_cpu_linears(model: nn.Module, mode: str = "auto", context: int = 256,
     done = packed_count(model)
     if done or mode == "plain" or not can_pack(model):
         if mode == "packed" and not done:
-            raise ValueError("cpu_linears=packed needs a float32 or bfloat16 model on a CPU with oneDNN")
+            raise ValueError("cpu_linears=packed needs a float32 model (bfloat16 where the CPU has bfloat16 kernels) on a CPU with oneDNN")
         return {"linears": "packed" if done else "plain", "packed_linears": done, "one_token_ms": None}
     n = pack_cpu_linears(model)
     if mode == "packed":

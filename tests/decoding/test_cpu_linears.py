@@ -12,7 +12,13 @@ from specheads.decoding.cpu_linears import (PackedLinear, can_pack, choose_cpu_l
 from specheads.decoding.exact import make_exact
 from specheads.decoding.generate import plain_generate
 from specheads.decoding.runner import TargetRunner
+from specheads.hardware import BF16_ENV
 from tests.conftest import make_tiny_model
+
+
+def hardware_bf16() -> bool:
+    """This CPU's own answer (oneDNN's check of the hardware), whatever the environment forces."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 pytestmark = pytest.mark.skipif(not can_pack(make_tiny_model("llama", layers=1)),
                                 reason="needs a CPU build of torch with oneDNN")
@@ -88,9 +94,47 @@ def test_auto_times_real_forwards_and_modes_are_checked():
         choose_cpu_linears(make_tiny_model("llama", layers=1, dtype=torch.float16), "packed")
 
 
+def test_without_bfloat16_kernels_a_bfloat16_target_keeps_plain_linears(monkeypatch):
+    """A CPU without oneDNN's bfloat16 kernels (AVX2 only) cannot reorder bfloat16 weights: the exact forwards
+    and the layout choice keep ``nn.Linear`` instead of crashing, and time nothing."""
+    monkeypatch.setenv(BF16_ENV, "0")
+    model = make_tiny_model("llama", layers=1, dtype=torch.bfloat16)
+    linears = _linears(model)
+    assert not can_pack(model)
+    assert make_exact(model, "auto")["packed_linears"] == 0
+    monkeypatch.setattr(cpu_linears, "_one_token_seconds", lambda *a: pytest.fail("nothing to time"))
+    assert choose_cpu_linears(model, "auto") == {"linears": "plain", "packed_linears": 0, "one_token_ms": None}
+    assert packed_count(model) == 0 and _linears(model) == linears
+    with pytest.raises(ValueError, match="bfloat16 kernels"):
+        choose_cpu_linears(model, "packed")
+    assert can_pack(make_tiny_model("llama", layers=1))  # float32 packs on any CPU with oneDNN
+
+
+def test_a_bfloat16_target_forced_past_the_check_packs_or_falls_back(monkeypatch):
+    """With the check forced to yes, a CPU that has the kernels packs every layer, one without them (the
+    reorder refuses) keeps every plain layer and still computes: never a crash."""
+    monkeypatch.setenv(BF16_ENV, "1")
+    model = make_tiny_model("llama", layers=1, dtype=torch.bfloat16)
+    linears = _linears(model)
+    x = torch.randint(0, model.config.vocab_size, (1, 5))
+    with torch.no_grad():
+        before = model(x).logits
+    n = pack_cpu_linears(model)
+    assert n == (linears if hardware_bf16() else 0)
+    assert packed_count(model) == n and _linears(model) == linears - n
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, before)
+
+
 def test_a_target_packed_for_exact_bfloat16_forwards_stays_packed(monkeypatch):
+    monkeypatch.setenv(BF16_ENV, "1" if hardware_bf16() else "0")
     model = make_tiny_model("llama", layers=1, dtype=torch.bfloat16)
     n = make_exact(model, "auto")["packed_linears"]
+    if not hardware_bf16():  # the plain side: nothing packed, nothing timed
+        assert n == 0
+        monkeypatch.setattr(cpu_linears, "_one_token_seconds", lambda *a: pytest.fail("nothing to time"))
+        assert choose_cpu_linears(model, "auto")["linears"] == "plain"
+        return
     assert n > 0
     monkeypatch.setattr(cpu_linears, "_one_token_seconds", lambda *a: pytest.fail("nothing to time"))
     assert choose_cpu_linears(model, "auto") == {"linears": "packed", "packed_linears": n, "one_token_ms": None}

@@ -1,0 +1,203 @@
+"""Where and in what precision a stage runs on the machine at hand: one home for the device and dtype choices.
+
+A setting of ``auto`` is decided here, at run time, on the machine in front of the user:
+
+- ``resolve_device("auto")``: a GPU when one is present, else the CPU.
+- ``cpu_bf16_supported()``: whether oneDNN has bfloat16 kernels on this CPU (AVX-512 BW/VL/DQ, AVX-NE-CONVERT
+  or AMX). Without them PyTorch's bfloat16 matrix products take a slow generic path (a (512 x 576) by (576 x 2304)
+  product measured 8.7x slower than float32 on a 2-core AVX2 EPYC) and oneDNN's weight prepacking refuses to run.
+  ``SPECHEADS_CPU_BF16=0`` / ``1`` forces the answer (tests exercise both sides of the check).
+- ``choose_dtype``: on a GPU bfloat16 (float16 where bfloat16 is missing); on the CPU a timed probe of the
+  real model's own linear layers in float32 and in bfloat16, at the row count of the stage's forwards, picks
+  bfloat16 only where it is faster (never where the CPU lacks bfloat16 kernels).
+- ``choose_mixed_precision``: training's autocast, by the same kind of probe over forward and backward.
+
+Each choice is returned with its figures (``Choice``) so the stage prints one line and records it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BF16_ENV = "SPECHEADS_CPU_BF16"
+
+
+def resolve_device(device: str | torch.device | None) -> str:
+    """``auto`` (or None): ``cuda`` when a GPU is present, else ``cpu``; anything else as given."""
+    if device is None or str(device) == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(device)
+
+
+def cpu_bf16_supported() -> bool:
+    """True where oneDNN runs bfloat16 natively on this CPU; ``SPECHEADS_CPU_BF16=0|1`` forces the answer."""
+    forced = os.environ.get(BF16_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except RuntimeError:
+        return False
+
+
+def cpu_description() -> str:
+    """The CPU's model name and the instruction set PyTorch dispatches (for reports and benchmarks)."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    import platform
+
+    name = name or platform.processor() or platform.machine()
+    isa = torch.backends.cpu.get_cpu_capability()
+    return f"{name} ({os.cpu_count()} cores, {isa}, bf16 kernels {'yes' if cpu_bf16_supported() else 'no'})"
+
+
+@dataclass
+class Choice:
+    """A precision decided for this machine, with the figures behind it (``seconds``: per dtype, one probe)."""
+
+    value: str
+    reason: str
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def line(self, what: str) -> str:
+        figures = ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in self.seconds.items())
+        return f"{what}: {self.value} ({self.reason}{'; ' + figures if figures else ''})"
+
+    def record(self) -> dict:
+        return {"value": self.value, "reason": self.reason, "probe_ms": {k: round(1000 * v, 2) for k, v in
+                                                                          self.seconds.items()}}
+
+
+def linear_shapes(model: nn.Module) -> Counter:
+    """How many ``nn.Linear`` layers (or prepacked ones) of each (in, out) shape the model has."""
+    shapes: Counter = Counter()
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, nn.Linear) or (type(m).__name__ == "PackedLinear" and w is not None):
+            shapes[(w.shape[1], w.shape[0])] += 1
+    return shapes
+
+
+def _median_seconds(fn, reps: int) -> float:
+    fn()  # warm-up (oneDNN primitive creation, first-touch)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _forward_seconds(weights: dict, shapes: Counter, dtype: torch.dtype, rows: int, reps: int,
+                     backward: bool) -> float:
+    """Seconds for one pass over every linear layer of ``shapes`` (each distinct shape timed once, weighted
+    by its count), ``rows`` input rows, in ``dtype`` (weights in float32 under bfloat16 autocast for training)."""
+    total = 0.0
+    for shape, count in shapes.items():
+        w = weights[shape]
+        x = torch.randn(rows, shape[0], dtype=torch.float32 if backward else dtype)
+        if backward:
+            x.requires_grad_(True)
+
+            def step():
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                    y = nn.functional.linear(x, w)
+                y.float().sum().backward()
+                w.grad = x.grad = None
+        else:
+            def step():
+                with torch.no_grad():
+                    nn.functional.linear(x, w)
+        total += count * _median_seconds(step, reps)
+    return total
+
+
+def probe_seconds(shapes: Counter, weights: dict | None, rows: int, reps: int = 3, backward: bool = False,
+                  dtypes=("float32", "bfloat16")) -> dict[str, float]:
+    """Time one pass over ``shapes``' linear layers per dtype; ``weights``: float32 weight per shape (the real
+    model's, or random ones of its shapes when None). bfloat16 copies are made per shape, one at a time."""
+    out = {}
+    for name in dtypes:
+        dtype = DTYPES[name]
+        per = {}
+        for shape in shapes:
+            w = weights[shape] if weights else torch.randn(shape[1], shape[0]) * shape[0] ** -0.5
+            w = w.detach().float()
+            if backward:
+                w = w.clone().requires_grad_(True)
+            elif dtype != torch.float32:
+                w = w.to(dtype)
+            per[shape] = w
+        out[name] = _forward_seconds(per, shapes, dtype, rows, reps, backward)
+    return out
+
+
+def choose_dtype(requested: str, device: str | torch.device, model: nn.Module | None = None, rows: int = 256,
+                 reps: int = 3) -> Choice:
+    """The target's dtype for a stage: ``requested`` itself unless it is ``auto``.
+
+    ``auto``: on a GPU bfloat16 (float16 where the GPU lacks bfloat16); on the CPU float32 where the CPU lacks
+    bfloat16 kernels, else a probe of ``model``'s own linear layers (float32 weights) at ``rows`` rows per
+    forward picks bfloat16 only where it is faster. Without a model the CPU keeps float32.
+    """
+    requested = str(requested)
+    if requested != "auto":
+        if requested not in DTYPES:
+            from specheads.errors import ConfigError
+
+            raise ConfigError(f"target.dtype={requested!r}: use auto, {', '.join(DTYPES)}")
+        return Choice(requested, "as set")
+    if torch.device(resolve_device(device)).type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return Choice("bfloat16", "GPU")
+        return Choice("float16", "GPU without bfloat16")
+    if not cpu_bf16_supported():
+        return Choice("float32", "this CPU has no bfloat16 kernels")
+    if model is None:
+        return Choice("float32", "CPU, nothing to probe")
+    shapes = linear_shapes(model)
+    weights = {}
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if w is not None and w.dim() == 2 and (w.shape[1], w.shape[0]) in shapes:
+            weights.setdefault((w.shape[1], w.shape[0]), w)
+    seconds = probe_seconds(shapes, weights, rows, reps)
+    pick = "bfloat16" if seconds["bfloat16"] < seconds["float32"] else "float32"
+    return Choice(pick, f"timed probe of the model's linear layers at {rows} rows", seconds)
+
+
+def choose_mixed_precision(requested: str, shapes: Counter | None = None, rows: int = 2048, reps: int = 2,
+                           probe: bool = True) -> Choice:
+    """Training's autocast (``no`` | ``bf16`` | ``fp16``): ``requested`` unless ``auto``.
+
+    ``auto``: on a GPU bf16 where supported (else no); on the CPU ``no`` where the CPU lacks bfloat16 kernels,
+    else a probe of forward + backward over ``shapes`` (the head's linear layers) at ``rows`` rows picks bf16
+    only where it is faster. ``probe=False`` (several processes, which must agree) decides by the check alone.
+    """
+    if requested != "auto":
+        return Choice(requested, "as set")
+    if torch.cuda.is_available():
+        return Choice("bf16" if torch.cuda.is_bf16_supported() else "no", "GPU")
+    if not cpu_bf16_supported():
+        return Choice("no", "this CPU has no bfloat16 kernels")
+    if not probe or not shapes:
+        return Choice("bf16", "CPU with bfloat16 kernels")
+    seconds = probe_seconds(shapes, None, rows, reps, backward=True)
+    pick = "bf16" if seconds["bfloat16"] < seconds["float32"] else "no"
+    return Choice(pick, f"timed forward + backward of the head's linear layers at {rows} rows", seconds)
