@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from specheads.data.features import CollectOptions, collect_hidden_states
 from specheads.data.prepare import check_prepared_matches, load_prepared
 from specheads.errors import user_errors
+from specheads.hardware import machine_description, resolve_device
 from specheads.targets import end_process_group, load_target
 from specheads.methods import build_method
 from specheads.methods.base import FeatureSpec
@@ -34,7 +35,8 @@ log = logging.getLogger("specheads.collect")
 
 
 def process_device(device: str, rank: int) -> str:
-    """One GPU per process under a launcher (LOCAL_RANK); CPU stays CPU."""
+    """One GPU per process under a launcher (LOCAL_RANK); CPU stays CPU; ``auto``: a GPU when present."""
+    device = resolve_device(device)
     if str(device).startswith("cuda") and "LOCAL_RANK" in os.environ:
         return f"cuda:{os.environ['LOCAL_RANK']}"
     return str(device)
@@ -72,7 +74,9 @@ def collect(cfg: DictConfig) -> None:
     opts = CollectOptions(**OmegaConf.to_object(cfg.collect), rank=layout.dp_rank, world_size=layout.dp_size,
                           write=layout.writes)
     source = {"prepared_dir": str(Path(cfg.prepared_dir).resolve()), "method": cfg.method.name,
-              **{k: meta.get(k) for k in ("num_samples", "num_tokens", "chat_template_sha", "max_length")}}
+              **{k: meta.get(k) for k in ("num_samples", "num_tokens", "chat_template_sha", "max_length")},
+              "target_dtype": target.dtype_choice.record() if target.dtype_choice else str(target.dtype),
+              "machine": machine_description(target.device)}
     summary = collect_hidden_states(target, dataset, spec, cfg.out_dir, opts, source=source)
     done = "store complete" if summary["manifest"] else "other ranks still running"
     group = f" ({layout.describe()})" if layout.tp_size > 1 else ""

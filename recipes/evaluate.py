@@ -215,7 +215,7 @@ def run(cfg: DictConfig) -> dict:
                  "run on it; the original %s is not used)", adapted, target_path)
         target_path = adapted
     log.info("loading the target %s (%s)", target_path, cfg.target.dtype)
-    target = load_target(target_path, cfg.target.dtype, cfg.target.device)
+    target = load_target(target_path, cfg.target.dtype, cfg.target.device, probe_rows=4)  # decoding's row count
     total = evaluation_steps(len(load_benchmarks(ecfg.benchmarks)), ecfg.methods, ecfg.temperatures, ecfg.repeats,
                              ecfg.paired, ecfg.batch_sizes, ecfg.batch_prompts)
     with tqdm(desc="evaluate", unit="step", total=total, dynamic_ncols=True) as bar:

@@ -42,7 +42,7 @@ def run(cfg: DictConfig):
     target = OmegaConf.to_container(cfg.target, resolve=True)
     config = target_config(target["name_or_path"], target.get("architecture"))
     plan = make_plan(target_name=target["name_or_path"], config=config, method_name=method.pop("name"),
-                     method_settings=method, dtype=target.get("dtype", "bfloat16"), store_dtype=cfg.collect.dtype,
+                     method_settings=method, dtype=target.get("dtype", "auto"), store_dtype=cfg.collect.dtype,
                      num_samples=int(cfg.plan.num_samples), tokens_per_sample=tokens_per_sample(cfg),
                      epochs=float(cfg.plan.epochs), batch_tokens=int(cfg.collect.batch_tokens), device=device,
                      processes=int(cfg.plan.processes), device_gib=float(cfg.plan.device_gib),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 import hydra
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -291,8 +292,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     limit_onednn_cache(tcfg.onednn_cache)  # before anything computes in this process
     method = build_method(mcfg.pop("name"), **mcfg)
     check_store_source(cfg.features_dir, cfg.prepared_dir, method)
+    precision = training_precision(tcfg, cfg.target.name_or_path)
     acc = make_accelerator(tcfg, method)
-    target = load_target(cfg.target.name_or_path, cfg.target.dtype, acc.device,
+    target_dtype = cfg.target.dtype
+    if target_dtype == "auto" and acc.device.type == "cpu":  # the head's compute dtype: no float32/bfloat16 mix
+        target_dtype = "bfloat16" if tcfg.mixed_precision == "bf16" else "float32"
+    target = load_target(cfg.target.name_or_path, target_dtype, acc.device,
                          parallel=cfg.target.get("parallel", "none"), tp_size=cfg.target.get("tp_size") or None,
                          max_memory=cfg.target.get("max_memory") or None)
     if hasattr(method, "bind"):  # methods whose features depend on the target (EAGLE-3's layer ids)
@@ -308,11 +313,37 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         from specheads.data.store import atomic_write_json
 
         summary["heldout_split"] = split_record(cfg, train_src, eval_src)
+        summary["precision"] = {"mixed_precision": tcfg.mixed_precision, "target_dtype": str(target.dtype),
+                                "choice": precision.record() if precision else None}
         if eval_src is not None:
             add_bigram_baselines(summary, train_src, eval_src, cfg)  # rewrites train_summary.json
         else:
             atomic_write_json(Path(cfg.output_dir) / "train_summary.json", summary)
     return summary
+
+
+def training_precision(tcfg, target_name: str):
+    """Resolve ``train.mixed_precision=auto`` for this machine (``hardware.choose_mixed_precision``: on a CPU
+    a timed probe of the head's layer shapes, one process only; several processes decide by the CPU check so
+    that they agree), in place; logs the choice with its figures and returns it (``hardware.Choice``)."""
+    from transformers import AutoConfig
+
+    from specheads.hardware import choose_mixed_precision, decoder_layer_shapes
+    from specheads.targets import resolve_target_path
+
+    if tcfg.mixed_precision != "auto":
+        return None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    shapes = None
+    if world == 1 and not torch.cuda.is_available():
+        try:
+            shapes = decoder_layer_shapes(AutoConfig.from_pretrained(resolve_target_path(target_name)))
+        except (OSError, ValueError) as e:  # the target's own load says what is wrong with it, later
+            log.warning("cannot read the target's config to time training precision (%s); deciding by the CPU", e)
+    choice = choose_mixed_precision("auto", shapes, probe=world == 1)
+    tcfg.mixed_precision = choice.value
+    log.info("%s", choice.line("training precision"))
+    return choice
 
 
 def steps_for_epochs(epochs: float, batches_per_epoch: int, processes: int, grad_accum: int) -> int:

@@ -67,6 +67,14 @@ def cpu_description() -> str:
     return f"{name} ({os.cpu_count()} cores, {isa}, bf16 kernels {'yes' if cpu_bf16_supported() else 'no'})"
 
 
+def machine_description(device: str | torch.device) -> str:
+    """The GPU's name for a CUDA device, else ``cpu_description()``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_description()
+
+
 @dataclass
 class Choice:
     """A precision decided for this machine, with the figures behind it (``seconds``: per dtype, one probe)."""
@@ -201,3 +209,15 @@ def choose_mixed_precision(requested: str, shapes: Counter | None = None, rows: 
     seconds = probe_seconds(shapes, None, rows, reps, backward=True)
     pick = "bf16" if seconds["bfloat16"] < seconds["float32"] else "no"
     return Choice(pick, f"timed forward + backward of the head's linear layers at {rows} rows", seconds)
+
+
+def decoder_layer_shapes(config) -> Counter:
+    """The (in, out) shapes of one decoder layer's linear layers of a transformers config (a draft head's
+    layer mirrors its target's): q, k, v, o and the gated MLP's three."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    h = text.hidden_size
+    heads = getattr(text, "num_attention_heads", 1) or 1
+    head_dim = getattr(text, "head_dim", None) or h // heads
+    kv = (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+    inter = getattr(text, "intermediate_size", None) or 4 * h
+    return Counter({(h, heads * head_dim): 1, (h, kv): 2, (heads * head_dim, h): 1, (h, inter): 2, (inter, h): 1})

@@ -177,6 +177,16 @@ def probe_flops(size: TargetSize, dtype: torch.dtype, device: str, tokens: int =
     return 2.0 * tokens * h * i / max(best, 1e-9)
 
 
+def _auto_dtype(size: TargetSize, device: str, tokens: int) -> str:
+    """``target.dtype=auto`` for the plan: the stages' rule (``hardware.choose_dtype``) on the plan's probe."""
+    from specheads.hardware import choose_dtype, cpu_bf16_supported
+
+    if torch.device(device).type == "cuda" or not cpu_bf16_supported():
+        return choose_dtype("auto", device).value
+    rates = {name: probe_flops(size, getattr(torch, name), device, tokens) for name in ("float32", "bfloat16")}
+    return max(rates, key=rates.get)
+
+
 def make_plan(*, target_name: str, config, method_name: str, method_settings: dict, dtype: str, store_dtype: str,
               num_samples: int, tokens_per_sample: float, epochs: float, batch_tokens: int, device: str,
               processes: int = 1, device_gib: float = 80.0, probe_tokens: int = 256, disk_dir: str | Path | None = None) -> Plan:
@@ -184,9 +194,11 @@ def make_plan(*, target_name: str, config, method_name: str, method_settings: di
         raise ConfigError(f"plan needs positive sizes: num_samples={num_samples}, tokens_per_sample="
                           f"{tokens_per_sample}, epochs={epochs}, processes={processes}")
     store_dtype = canonical_dtype(store_dtype)
-    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     target = meta_target(config, target_name)
     size = target_size(target)
+    if str(dtype) == "auto":  # as the stages decide it: bfloat16 on a GPU, on a CPU the faster where it has bf16
+        dtype = _auto_dtype(size, device, probe_tokens)
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     trainable, method = head_parameters(method_name, target, method_settings)
     spec = method.feature_spec
     tokens = int(num_samples * tokens_per_sample)

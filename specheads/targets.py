@@ -286,6 +286,7 @@ class Target:
         self.decoder = model.get_decoder()
         self.layers = self.decoder.layers
         self.layout = layout or ParallelLayout()
+        self.dtype_choice = None  # how ``load_target`` chose the dtype (``hardware.Choice``), for reports
 
     @classmethod
     def tokenizer_only(cls, tokenizer, name: str) -> "Target":
@@ -680,6 +681,7 @@ def load_target(
     parallel: str | None = "none",
     tp_size: int | None = None,
     max_memory: str | int | None = None,
+    probe_rows: int = 256,
 ) -> Target:
     """Load a frozen target from the embedded default, a GGUF file, a local folder or a hub id.
 
@@ -689,13 +691,32 @@ def load_target(
     are kept whole on every rank (drafters borrow them); ``device_map``: this process's layers spread
     over its share of the node's GPUs (``device_map_devices``; ``max_memory`` per GPU), on CPU the CPU.
     ``device`` is ignored by ``tp`` (each rank's device is ``cuda:LOCAL_RANK`` or the CPU) and
-    ``device_map``.
+    ``device_map``. ``device="auto"``: a GPU when present, else the CPU. ``dtype="auto"``: bfloat16 on a GPU;
+    on the CPU the model loads in float32 and a timed probe of its linear layers at ``probe_rows`` rows per
+    forward (the stage's own: many for collection, a few for decoding) keeps float32 or casts it to bfloat16
+    where that is faster (``hardware.choose_dtype``; never on a CPU without bfloat16 kernels). The choice and
+    its figures are logged in one line and kept as ``Target.dtype_choice``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specheads.hardware import DTYPES, Choice, choose_dtype, resolve_device
+
     global _TP_LAYOUT
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    device = resolve_device(device)
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    choice = None
+    on_gpu = torch.device(device).type == "cuda" or (str(parallel) != "none" and torch.cuda.is_available())
+    if dtype == "auto":
+        choice = choose_dtype("auto", "cuda" if on_gpu else "cpu")  # the GPU's answer, or the CPU's before a probe
+        load_dtype = DTYPES[choice.value] if on_gpu else torch.float32
+    elif dtype in DTYPES:
+        choice, load_dtype = Choice(dtype, "as set"), DTYPES[dtype]
+    else:
+        from specheads.errors import ConfigError
+
+        raise ConfigError(f"target.dtype={dtype!r}: use auto, {', '.join(DTYPES)}")
+    dtype = load_dtype
     mode = str(parallel or "none").lower()
     if mode not in PARALLEL_MODES:
         raise ValueError(f"target.parallel={parallel!r}: use one of {', '.join(PARALLEL_MODES)}")
@@ -722,7 +743,16 @@ def load_target(
         _TP_LAYOUT = layout
         log.info("tensor-parallel target: %s", layout.describe())
     model.eval().requires_grad_(False)
+    if choice.reason == "CPU, nothing to probe" and mode != "none":  # ranks of one split model must agree
+        choice = Choice("float32", "split target on the CPU")
+    elif choice.reason == "CPU, nothing to probe":  # auto on a CPU with bfloat16 kernels: time both on this model
+        choice = choose_dtype("auto", "cpu", model, rows=probe_rows)
+        if choice.value != "float32":
+            model.to(DTYPES[choice.value])
+    log.info("%s", choice.line("target dtype"))
     if layout is None:
         rank, world = launch_rank_world()
         layout = ParallelLayout(mode, world, rank, 1)
-    return Target(model, tokenizer, name=name_or_path, layout=layout)
+    target = Target(model, tokenizer, name=name_or_path, layout=layout)
+    target.dtype_choice = choice
+    return target

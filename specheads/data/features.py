@@ -248,7 +248,8 @@ class CollectOptions:
     write: False for the ranks of a tensor-parallel group other than its first: they run the same
     forward passes (collectives) on the same share but leave writing to it. With a tensor-parallel
     target, rank / world_size are the group's data-parallel rank and size (``ParallelLayout``);
-    progress: show a bar of the tokens collected (rank 0).
+    progress: show a bar of the tokens collected (rank 0); max_minutes: collect only the prepared rows, in
+    their order, that fit this many minutes at the measured rate (``specheads.data.budget``; None: all).
     """
 
     dtype: str = "bfloat16"
@@ -263,6 +264,7 @@ class CollectOptions:
     estimate_time: bool = True
     write: bool = True
     progress: bool = True  # a bar over this rank's tokens (rank 0), with its ETA
+    max_minutes: float | None = None  # a time budget: the prepared rows, in order, that fit it (``data.budget``)
 
 
 def plan_shards(lengths: Sequence[int], shard_tokens: int, shard_samples: int) -> list[list[int]]:
@@ -385,6 +387,31 @@ def _estimate(target, spec, tokens: TokenDataset, batches: list[list[int]], todo
              opts.rank, padded / rate / 60, padded, rate)
 
 
+def _within_budget(target, spec, dataset, tokens: TokenDataset, opts: CollectOptions, root: Path, source):
+    """The prepared rows that fit ``opts.max_minutes`` (``budget.decide``), the source record saying so."""
+    from specheads.data import budget
+
+    if opts.max_minutes <= 0:
+        raise ValueError(f"collect.max_minutes must be positive (or null for no budget), got {opts.max_minutes}")
+
+    def forward(rows: list[int]) -> int:
+        batch = collate_features(tokens.rows(rows))
+        compute_features(target, batch, spec, argmax=spec.need_last)
+        return batch["input_ids"].numel()
+
+    def rate() -> float:
+        return budget.measure_rate(forward, tokens.lengths, opts.batch_tokens)
+
+    first = opts.rank == 0 and opts.write
+    if opts.rank == 0 and not opts.write and target.layout.tp_size > 1:
+        rate()  # a tensor-parallel peer of the first process: the same forwards (collectives), nothing decided
+    decision = budget.decide(root, tokens.lengths, opts.max_minutes, opts.world_size, first, rate)
+    if decision["rows"] < len(tokens):
+        dataset = dataset.select(range(decision["rows"]))
+        tokens = TokenDataset(dataset)
+    return dataset, tokens, {**(source or {}), "budget": decision}
+
+
 def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: str | Path,
                           opts: CollectOptions | None = None, source: dict | None = None) -> dict[str, Any]:
     """Write the spec's features of a prepared dataset into a store at ``out_dir`` (this rank's share).
@@ -401,6 +428,8 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
         raise ValueError(f"rank {opts.rank} is outside world_size {opts.world_size}")
     root = Path(out_dir)
     tokens = TokenDataset(dataset)
+    if opts.max_minutes is not None:
+        dataset, tokens, source = _within_budget(target, spec, dataset, tokens, opts, root, source)
     ids = [str(x) for x in dataset["id"]] if tokens.has_ids else [str(i) for i in range(len(tokens))]
     bpt = bytes_per_token(target.hidden_size, len(spec.aux_layers), spec.need_last, opts.dtype)
     shards = plan_shards(tokens.lengths, max(1, opts.shard_bytes // bpt), opts.shard_samples)

@@ -95,7 +95,12 @@ def _precision_md(report: dict) -> list[str]:
                     f"with oneDNN-prepacked weights, {ms['plain']:.1f} ms without; the faster one is used)")
         elif lin.get("linears") == "packed":
             how += f"; {lin['packed_linears']} linear layers prepacked for oneDNN"
-    return [f"Target forwards (plain and speculative alike): {dtype}, {how}.", ""]
+    choice = report.get("target_dtype_choice") or {}
+    why = f" ({choice['reason']}" if choice.get("reason") and choice["reason"] != "as set" else ""
+    if why and choice.get("probe_ms"):
+        why += "; " + ", ".join(f"{k} {v:.1f} ms" for k, v in choice["probe_ms"].items())
+    machine = f" on {report['machine']}" if report.get("machine") else ""
+    return [f"Target forwards (plain and speculative alike){machine}: {dtype}{why + ')' if why else ''}, {how}.", ""]
 
 
 def separation_md(sep: dict | None) -> list[str]:

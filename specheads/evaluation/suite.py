@@ -42,6 +42,7 @@ from specheads.evaluation.benchmarks import (BenchmarkSpec, EvalPrompt, encode, 
                                              separation_record)
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
 from specheads.evaluation.recommend import recommend
+from specheads.hardware import machine_description
 from specheads.targets import Target, eos_token_ids
 from specheads.training.run_log import read_train_summary
 
@@ -162,6 +163,8 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
               "plain_by_temperature": {str(T): _timed_rows(passes) for T, passes in plain.items()},
               "plain_seconds": plain_seconds, "exact_forward": exact, "cpu_linears": linears,
               "target_dtype": str(target.dtype),
+              "target_dtype_choice": target.dtype_choice.record() if getattr(target, "dtype_choice", None) else None,
+              "machine": machine_description(target.device),
               "data_separation": separation_record(cfg.benchmarks, prompts),
               "methods": []}
     plain_tokens = {p.id: r for p, r in zip(prompts, ids["tokens"])}

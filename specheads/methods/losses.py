@@ -65,7 +65,11 @@ def column_logits(target, columns: torch.Tensor) -> Callable[[torch.Tensor], tor
     cap = getattr(target.config, "final_logit_softcapping", None)
 
     def fn(hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, weight.to(hidden.device), None if bias is None else bias.to(hidden.device))
+        # in the hidden state's dtype: a bfloat16 target's rows against a float32 head's states (training without
+        # autocast) or the other way round
+        w = weight.to(hidden.device, hidden.dtype)
+        b = None if bias is None else bias.to(hidden.device, hidden.dtype)
+        logits = F.linear(hidden, w, b)
         return logits if not cap else torch.tanh(logits / cap) * cap  # as ``Target.logits`` (output_logits)
 
     return fn

@@ -1,0 +1,100 @@
+"""Collection under a time budget: the prepared rows in order that fit, decided once and kept on a re-run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specheads.data.budget import BUDGET_FILE, decide, measure_rate, rows_within
+from specheads.data.store import StoreMismatchError, read_manifest
+from specheads.training.config import check_store_source
+from tests.data.test_features import SPEC, collect, make_prepared, prepared, shard_digests  # noqa: F401 (fixture)
+from specheads.data.prepare import load_prepared
+
+
+def test_rows_within_takes_rows_in_order_and_at_least_one():
+    assert rows_within([5, 5, 5], 10) == 2
+    assert rows_within([5, 5, 5], 9.9) == 1
+    assert rows_within([5, 5, 5], 0) == 1
+    assert rows_within([5, 5, 5], 100) == 3
+
+
+def test_measure_rate_times_a_warm_forward_of_mid_length_rows():
+    calls = []
+
+    def forward(rows):
+        calls.append(rows)
+        return 4 * len(rows)
+
+    lengths = [4, 4, 4, 4, 4, 4, 30, 2]
+    rate = measure_rate(forward, lengths, batch_tokens=64, probe_tokens=12)
+    assert rate > 0 and len(calls) == 2 and calls[0] == calls[1]
+    assert all(lengths[i] == 4 for i in calls[0]) and len(calls[0]) == 3  # 3 rows of 4 fit 12 tokens
+
+
+def test_decide_writes_once_and_a_resume_keeps_the_decision(tmp_path):
+    lengths = [10] * 20
+    d = decide(tmp_path, lengths, 2.0, 1, True, rate=lambda: 1.0)  # 120 s x 1 token/s: 12 rows
+    assert d["rows"] == 12 and d["tokens"] == 120 and d["prepared_rows"] == 20
+    assert json.loads((tmp_path / BUDGET_FILE).read_text()) == d
+    again = decide(tmp_path, lengths, 2.0, 1, True, rate=lambda: pytest.fail("decided already"))
+    assert again == d
+    other = decide(tmp_path, lengths, 2.0, 2, False, rate=lambda: pytest.fail("not the first process"))
+    assert other == d  # a second process reads the first's decision
+
+
+def test_two_processes_share_the_budget(tmp_path):
+    assert decide(tmp_path, [10] * 20, 1.0, 2, True, rate=lambda: 1.0)["rows"] == 12  # 60 s x 2 processes
+
+
+def test_a_tiny_budget_collects_the_first_rows_and_says_it_is_partial(tiny_target, prepared, tmp_path):
+    root = tmp_path / "s"
+    summary = collect(tiny_target, prepared, root, max_minutes=1e-9)
+    manifest = read_manifest(root)
+    assert manifest["num_samples"] == 1 == summary["samples"]
+    assert [i for s in manifest["shards"] for i in s["ids"]] == [prepared["id"][0]]
+    record = manifest["source"]["budget"]
+    assert record["rows"] == 1 and record["prepared_rows"] == len(prepared) and record["tokens_per_s"] > 0
+
+
+def test_a_budget_that_fits_keeps_the_whole_set(tiny_target, prepared, tmp_path):
+    root = tmp_path / "s"
+    collect(tiny_target, prepared, root, max_minutes=1e6)
+    assert read_manifest(root)["num_samples"] == len(prepared)
+    assert read_manifest(root)["source"]["budget"]["rows"] == len(prepared)
+
+
+def test_a_resumed_budgeted_store_keeps_its_rows_and_shards(tiny_target, prepared, tmp_path):
+    root = tmp_path / "s"
+    root.mkdir()
+    lengths = [len(x) for x in prepared["input_ids"]]
+    (root / BUDGET_FILE).write_text(json.dumps({"rows": 9, "prepared_rows": len(prepared), "max_minutes": 5.0,
+                                                "tokens": sum(lengths[:9]), "tokens_per_s": 1.0, "processes": 1}))
+    first = collect(tiny_target, prepared, root, max_minutes=5.0)
+    digests = shard_digests(root)
+    again = collect(tiny_target, prepared, root, max_minutes=5.0)
+    assert first["samples"] == 9 and again["shards_written"] == 0 and shard_digests(root) == digests
+    with pytest.raises(StoreMismatchError, match="another budget"):
+        collect(tiny_target, prepared, root, max_minutes=7.0)
+
+
+def test_training_accepts_a_budgeted_store_and_refuses_a_cut_one(tiny_target, tmp_path):
+    path = make_prepared(tmp_path)
+    prepared = load_prepared(path)[0]
+    collect(tiny_target, prepared, tmp_path / "budgeted", max_minutes=1e-9)
+    collect(tiny_target, prepared.select(range(3)), tmp_path / "cut")
+
+    class Method:  # what check_store_source reads of a method
+        name = "eagle3"
+        feature_spec = SPEC
+
+    check_store_source(tmp_path / "budgeted", path, Method())
+    with pytest.raises(StoreMismatchError, match="other data"):
+        check_store_source(tmp_path / "cut", path, Method())
+
+
+def test_a_non_positive_budget_is_refused(tiny_target, prepared, tmp_path):
+    with pytest.raises(ValueError, match="max_minutes"):
+        collect(tiny_target, prepared, tmp_path / "s", max_minutes=0)
+
