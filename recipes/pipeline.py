@@ -1,11 +1,15 @@
 """Recipe: the whole job (prepare -> collect -> train -> evaluate -> export), each stage in its own process.
 
-    specheads run [head=medusa1] [run_dir=runs/x] [stages.train='[train.max_steps=500]']
+    specheads run [head=medusa1] [run_dir=runs/x] [train.train.max_steps=500] [prepare.data=jsonl ...]
+
+``<stage>.<override>`` adds one override to one stage: ``prepare.data=jsonl`` runs prepare with ``data=jsonl``
+(``stage_arguments`` turns these into the config's ``extra.<stage>`` lists before Hydra reads the command line).
 """
 
 import hashlib
 import json
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -47,7 +51,49 @@ def stage_commands(cfg: DictConfig) -> list[tuple[str, str, list[str]]]:
         stages = [s for s in stages if s[0] != "collect"]
     extra = {name: list(cfg.stages[name]) for name, _, _ in stages}
     extra["train"] += list(cfg.head_overrides.get(cfg.head, []))
+    for name in extra:
+        extra[name] += list(cfg.get("extra", {}).get(name, []))
     return [(name, recipe, target + args + extra[name]) for name, recipe, args in stages]
+
+
+# --------------------------------------------------------------------------- the command line
+
+STAGES = ("prepare", "collect", "train", "evaluate", "export")
+
+
+def hydra_quoted(item: str) -> str:
+    """``item`` as one double-quoted element of a Hydra list override that reads back exactly as typed:
+    backslashes before a quote or at the end doubled, quotes escaped, ``${`` kept for the stage to resolve."""
+    item = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), item)
+    return '"' + item.replace("${", "\\${") + '"'
+
+
+def stage_arguments(argv: list[str]) -> list[str]:
+    """The command line with each ``<stage>.<override>`` moved into one ``extra.<stage>=[...]`` override.
+
+    ``["prepare.data=jsonl", "prepare.data.path=c.jsonl", "head=eagle1"]`` ->
+    ``["head=eagle1", 'extra.prepare=["data=jsonl","data.path=c.jsonl"]']``. Raises ``SystemExit`` with one
+    line (exit status 2) for a ``stages.<stage>=[...]`` whose items hold an unquoted ``=``: Hydra cannot parse it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    rest, per_stage = [], {}
+    for arg in argv:
+        stage, dot, override = arg.partition(".")
+        if dot and stage in STAGES and override:
+            per_stage.setdefault(stage, []).append(override)
+            continue
+        if arg.startswith("stages.") and "=" in arg:
+            try:
+                OverridesParser.create().parse_overrides([arg])
+            except OverrideParseException:
+                name = arg.partition("=")[0].removeprefix("stages.")
+                print(f"specheads run: error: cannot parse {arg!r}: add overrides to a stage one at a time, "
+                      f"{name}.<key>=<value> (specheads run prepare.data=jsonl prepare.data.path=chats.jsonl), "
+                      """or quote each list item that holds '=' ('stages.prepare=["data=jsonl"]')""", file=sys.stderr)
+                raise SystemExit(2) from None
+        rest.append(arg)
+    return rest + [f"extra.{stage}=[{','.join(map(hydra_quoted, items))}]" for stage, items in per_stage.items()]
 
 
 # --------------------------------------------------------------------------- done-markers
@@ -230,4 +276,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv = [sys.argv[0], *stage_arguments(sys.argv[1:])]
     main()
