@@ -273,6 +273,10 @@ def main(cfg: DictConfig) -> None:
     OmegaConf.save(cfg, Path(cfg.run_dir) / "pipeline.yaml")
     log.info("pipeline finished in %.1f min; run folder: %s", (time.time() - t0) / 60, cfg.run_dir)
     print(end_summary(cfg.run_dir, cfg.head, cfg.offline, local_target_folder(str(cfg.target.name_or_path))))
+    from specheads.run_summary import SUMMARY_FILE, write_summary
+
+    _, lines = write_summary(cfg.run_dir, cfg.head, cfg.offline)  # stage times and what each chose here
+    print("\n".join(["", *lines, f"  (recorded in {Path(cfg.run_dir) / SUMMARY_FILE})"]))
 
 
 if __name__ == "__main__":

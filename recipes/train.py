@@ -25,6 +25,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from specheads.errors import ConfigError, user_errors
+from specheads.hardware import Choice
 
 from specheads.methods import build_method
 from specheads.training.accelerator import limit_onednn_cache, make_accelerator
@@ -300,6 +301,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     target = load_target(cfg.target.name_or_path, target_dtype, acc.device,
                          parallel=cfg.target.get("parallel", "none"), tp_size=cfg.target.get("tp_size") or None,
                          max_memory=cfg.target.get("max_memory") or None)
+    if target_dtype != cfg.target.dtype:
+        target.dtype_choice = Choice(target_dtype, f"auto: training precision {tcfg.mixed_precision}")
     if hasattr(method, "bind"):  # methods whose features depend on the target (EAGLE-3's layer ids)
         method.bind(target)
     train_src, eval_src = build_data(cfg, method, target)

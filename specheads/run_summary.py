@@ -1,0 +1,92 @@
+"""What a main-job run did on this machine: each stage's seconds and the choices it made (precision, the
+collection budget, training's steps), read back from what the stages wrote, for the run's last lines and
+``<run_dir>/run_summary.json`` (the record ``docs/benchmarks.json`` entries are made from)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specheads.data.store import atomic_write_json
+from specheads.hardware import cpu_description
+
+SUMMARY_FILE = "run_summary.json"
+STAGES = ("prepare", "collect", "train", "evaluate", "export")
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def stage_seconds(run_dir: Path, head: str) -> dict[str, float]:
+    """Seconds of each stage's last finished run (its marker in ``<run_dir>/.done``)."""
+    out = {}
+    for stage in STAGES:
+        for key in (f"{stage}.{head}", stage):
+            marker = _json(run_dir / ".done" / f"{key}.json")
+            if marker and marker.get("seconds") is not None:
+                out[stage] = marker["seconds"]
+                break
+    return out
+
+
+def summarize(run_dir: str | Path, head: str, offline: bool) -> dict:
+    """The run's record: machine, stage seconds and total, and per stage what it chose and measured."""
+    run = Path(run_dir)
+    seconds = stage_seconds(run, head)
+    out: dict = {"machine": cpu_description(), "head": head, "stages_s": seconds,
+                 "total_min": round(sum(seconds.values()) / 60, 1)}
+    manifest = _json(run / "features" / "manifest.json") if offline else None
+    if manifest:
+        source = manifest.get("source") or {}
+        out["collect"] = {"samples": manifest.get("num_samples"), "tokens": manifest.get("num_tokens"),
+                          "target_dtype": source.get("target_dtype"), "budget": source.get("budget"),
+                          "prepared_samples": source.get("num_samples")}
+        if seconds.get("collect") and manifest.get("num_tokens"):
+            out["collect"]["tokens_per_s_with_startup"] = round(manifest["num_tokens"] / seconds["collect"])
+    train = _json(run / "train" / head / "train_summary.json")
+    if train:
+        ev = train.get("eval") or {}
+        out["train"] = {"steps": train.get("steps"), "tokens_per_s": train.get("tokens_per_s"),
+                        "precision": train.get("precision"), "heldout_step0_top1": ev.get("head0_top1_acc")}
+    report = _json(run / "eval" / head / "report.json")
+    if report:
+        lossless = [m.get("lossless", {}).get("exact") for m in report.get("methods", []) if m.get("lossless")]
+        out["evaluate"] = {"prompts": report.get("num_prompts"), "max_new_tokens": report.get("max_new_tokens"),
+                           "target_dtype": report.get("target_dtype"), "dtype_choice": report.get("target_dtype_choice"),
+                           "lossless": "exact" if lossless and all(lossless) else ("MISMATCH" if lossless else None)}
+    return out
+
+
+def write_summary(run_dir: str | Path, head: str, offline: bool) -> tuple[dict, list[str]]:
+    """Write ``run_summary.json`` into the run folder; returns it and its lines for the console."""
+    record = summarize(run_dir, head, offline)
+    atomic_write_json(Path(run_dir) / SUMMARY_FILE, record)
+    return record, summary_lines(record)
+
+
+def summary_lines(record: dict) -> list[str]:
+    s = record["stages_s"]
+    L = [f"Ran on {record['machine']}: {record['total_min']} min "
+         f"({', '.join(f'{k} {v:.0f} s' for k, v in s.items())})"]
+    c = record.get("collect")
+    if c:
+        dtype = (c.get("target_dtype") or {}).get("value") if isinstance(c.get("target_dtype"), dict) else c.get("target_dtype")
+        b = c.get("budget")
+        part = (f"{c['samples']} of {b['prepared_rows']} prepared chats in its {b['max_minutes']:g}-minute budget "
+                f"at ~{b['tokens_per_s']:.0f} tokens/s" if b else f"{c['samples']} chats")
+        L.append(f"  collect: target {dtype}, {part} ({c['tokens']} tokens)")
+    t = record.get("train")
+    if t:
+        p = t.get("precision") or {}
+        rate = f" at {t['tokens_per_s']:.0f} tokens/s" if t.get("tokens_per_s") else ""
+        L.append(f"  train: {t['steps']} steps{rate}, mixed precision {p.get('mixed_precision')}, "
+                 f"target {str(p.get('target_dtype', '')).removeprefix('torch.')}")
+    e = record.get("evaluate")
+    if e:
+        L.append(f"  evaluate: {e['prompts']} prompts x {e['max_new_tokens']} tokens, target "
+                 f"{str(e['target_dtype']).removeprefix('torch.')}, lossless {e['lossless']}")
+    return L

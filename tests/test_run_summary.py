@@ -1,0 +1,49 @@
+"""The run's last lines: stage seconds and each stage's choices, read back from what the stages wrote."""
+
+from __future__ import annotations
+
+import json
+
+from specheads.run_summary import SUMMARY_FILE, summarize, write_summary
+
+
+def _write(path, obj):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj))
+
+
+def test_a_run_folder_is_summarized_from_its_markers_store_summary_and_report(tmp_path):
+    run = tmp_path / "run"
+    for key, s in (("prepare", 5.0), ("collect", 300.0), ("train.eagle3", 480.0), ("evaluate.eagle3", 240.0),
+                   ("export.eagle3", 3.0), ("train.medusa1", 999.0)):
+        _write(run / ".done" / f"{key}.json", {"seconds": s})
+    budget = {"rows": 200, "prepared_rows": 700, "tokens": 90000, "max_minutes": 5, "tokens_per_s": 300.0,
+              "processes": 1}
+    _write(run / "features" / "manifest.json", {"num_samples": 200, "num_tokens": 90000, "source": {
+        "budget": budget, "target_dtype": {"value": "float32", "reason": "this CPU has no bfloat16 kernels"},
+        "num_samples": 700}})
+    _write(run / "train" / "eagle3" / "train_summary.json", {"steps": 480, "tokens_per_s": 2000.0, "precision": {
+        "mixed_precision": "no", "target_dtype": "torch.float32"}, "eval": {"head0_top1_acc": 0.4}})
+    _write(run / "eval" / "eagle3" / "report.json", {"num_prompts": 12, "max_new_tokens": 32,
+                                                      "target_dtype": "torch.float32",
+                                                      "methods": [{"lossless": {"exact": True}}, {}]})
+    record, lines = write_summary(run, "eagle3", offline=True)
+    assert record["stages_s"] == {"prepare": 5.0, "collect": 300.0, "train": 480.0, "evaluate": 240.0, "export": 3.0}
+    assert record["total_min"] == 17.1
+    assert record["collect"]["budget"] == budget and record["collect"]["tokens_per_s_with_startup"] == 300
+    assert record["train"]["steps"] == 480 and record["train"]["heldout_step0_top1"] == 0.4
+    assert record["evaluate"]["lossless"] == "exact"
+    assert json.loads((run / SUMMARY_FILE).read_text()) == record
+    text = "\n".join(lines)
+    assert "17.1 min" in text and "200 of 700 prepared chats in its 5-minute budget" in text
+    assert "480 steps at 2000 tokens/s, mixed precision no, target float32" in text and "lossless exact" in text
+
+
+def test_a_mismatch_is_named_and_missing_stages_are_left_out(tmp_path):
+    run = tmp_path / "run"
+    _write(run / "eval" / "eagle3" / "report.json", {"num_prompts": 2, "max_new_tokens": 8, "target_dtype": "f",
+                                                      "methods": [{"lossless": {"exact": True}},
+                                                                  {"lossless": {"exact": False}}]})
+    record = summarize(run, "eagle3", offline=True)
+    assert record["evaluate"]["lossless"] == "MISMATCH"
+    assert "collect" not in record and "train" not in record and record["stages_s"] == {}
