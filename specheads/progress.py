@@ -26,15 +26,17 @@ def training_position(step: int, max_steps: int, train_s: float, budget_s: float
     """A training bar: steps of ``max_steps`` without a budget; under one, minutes of the budget (the total is
     the budget, or the time the remaining steps take at the pace so far when they end first).
 
-    ``train_s``: training seconds so far, the budget's clock (a resumed run restores it with its step)."""
+    ``train_s``: training seconds so far, the budget's clock (a resumed run restores it with its step).
+    ``done`` never exceeds ``total``: a step that overruns the budget (or a step past the cap) ends the bar at
+    100 %, where tqdm would otherwise drop a total it finds below the count and the bar's format fail on it."""
     steps_left = max(max_steps - step, 0)
     per_step = train_s / step if step > 0 and train_s > 0 else None
     by_steps = steps_left * per_step if per_step is not None else None
     if budget_s is None:
-        return Position(step, max_steps, "step", by_steps)
+        return Position(step, max(max_steps, step), "step", by_steps)
     by_budget = max(budget_s - train_s, 0.0)
     eta = by_budget if by_steps is None else min(by_budget, by_steps)
-    total_s = train_s + eta if by_steps is not None and by_steps < by_budget else budget_s
+    total_s = train_s + eta if by_steps is not None and by_steps < by_budget else max(budget_s, train_s)
     return Position(train_s / 60, total_s / 60, "min", eta)
 
 
@@ -74,5 +76,7 @@ def training_bar_format(budget_s: float | None) -> str:
     return "{desc}: {percentage:3.0f}%|{bar}| " + count + " [{elapsed}{postfix}]"
 
 
-def training_postfix(pos: Position, step: int, loss: float, lr: float) -> str:
-    return f"ETA {minutes(pos.eta_s)}, step {step}, loss {loss:.4f}, lr {lr:.2e}"
+def training_postfix(pos: Position, step: int, loss: float | None, lr: float | None) -> str:
+    """The bar's postfix: ETA, step, loss and learning rate (``?`` for a figure not known)."""
+    loss_s, lr_s = ("?" if loss is None else f"{loss:.4f}"), ("?" if lr is None else f"{lr:.2e}")
+    return f"ETA {minutes(pos.eta_s)}, step {step}, loss {loss_s}, lr {lr_s}"

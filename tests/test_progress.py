@@ -61,3 +61,48 @@ def test_evaluation_total_is_the_number_of_progress_reports(smollm2_tokenizer, m
     evaluate(target, cfg, progress=reports.append)
     assert len(reports) == evaluation_steps(len(prompts), methods, cfg.temperatures, cfg.repeats, cfg.paired,
                                             cfg.batch_sizes, cfg.batch_prompts)
+
+
+def _bar(tmp_path, monkeypatch, max_steps: int, max_minutes: float | None, start_step: int = 0):
+    """The training loop's real bar (``RunLogger``, tqdm writing to a buffer), as the engine drives it."""
+    import io
+
+    import tqdm.auto
+
+    from specheads.training.config import TrainConfig
+    from specheads.training.run_log import RunLogger
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    buffer = io.StringIO()
+    real = tqdm.auto.tqdm
+    monkeypatch.setattr(tqdm.auto, "tqdm", lambda *a, **k: real(*a, file=buffer, mininterval=0, **k))
+    cfg = TrainConfig(output_dir=str(tmp_path), max_steps=max_steps, max_minutes=max_minutes, wandb_mode="disabled",
+                      progress=True)
+    accelerator = type("Main", (), {"is_main_process": True})()
+    return RunLogger(cfg, tmp_path, accelerator, "eagle3", start_step), buffer
+
+
+@pytest.mark.parametrize("max_steps,max_minutes,start_step,clock", [
+    (400, 2.0, 0, [(1, 200.0)]),                      # the first step alone outlasts the budget (+0.5 min)
+    (400, 2.0, 0, [(1, 60.0), (2, 125.0), (3, 190.0)]),  # a step slower than the budget expects, then past it
+    (3, 2.0, 0, [(1, 10.0), (2, 20.0), (3, 30.0)]),     # the step cap ends the run long before the budget
+    (400, 2.0, 120, [(121, 100.0), (122, 170.0)]),      # a resumed run: its clock restored with its step
+    (100, None, 150, [(151, 10.0)]),                    # resumed past a lowered step cap, no budget
+])
+def test_the_training_bar_survives_any_mix_of_step_cap_and_budget(tmp_path, monkeypatch, max_steps, max_minutes,
+                                                                    start_step, clock):
+    """A 2-minute budget on a slow CPU: its first step took longer than the budget, and tqdm, finding the count
+    past the total, dropped the total; the bar's '{total:.1f}' then raised TypeError out of the training loop."""
+    logger, buffer = _bar(tmp_path, monkeypatch, max_steps, max_minutes, start_step)
+    for step, train_s in clock:
+        logger.progress(step, 2.5, 1e-3, train_s)
+        pos = training_position(step, max_steps, train_s, 60 * max_minutes if max_minutes else None)
+        assert pos.done <= pos.total
+    logger.progress(clock[-1][0], None, None, clock[-1][1])  # a loss or rate not known: shown as '?'
+    logger.end_progress()
+    assert "ETA" in buffer.getvalue() and "loss ?" in buffer.getvalue()
+
+
+def test_a_step_past_the_budget_reads_as_the_end():
+    pos = training_position(1, 400, 200.0, 120.0)
+    assert (pos.done, pos.total, pos.eta_s) == (pytest.approx(200 / 60), pytest.approx(200 / 60), 0.0)

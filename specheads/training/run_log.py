@@ -33,8 +33,8 @@ class RunLogger:
         if cfg.progress:  # under a time budget the bar counts its minutes (specheads.progress)
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=self.budget_s / 60 if self.budget_s else cfg.max_steps,
-                            initial=0 if self.budget_s else start_step, desc=f"train {method_name}",
+            start = training_position(start_step, cfg.max_steps, 0.0, self.budget_s)  # the clock comes with a step
+            self.bar = tqdm(total=start.total, initial=0 if self.budget_s else start.done, desc=f"train {method_name}",
                             dynamic_ncols=True, bar_format=training_bar_format(self.budget_s))
 
     def log(self, step: int, record: dict[str, float], to_wandb: bool = True) -> None:
@@ -46,7 +46,7 @@ class RunLogger:
         if self.run is not None and to_wandb:
             self.run.log(clean, step=step)
 
-    def progress(self, step: int, loss: float, lr: float, train_s: float) -> None:
+    def progress(self, step: int, loss: float | None, lr: float | None, train_s: float) -> None:
         if self.bar is not None:
             pos = training_position(step, self.max_steps, train_s, self.budget_s)
             self.bar.total, self.bar.n = pos.total, pos.done
