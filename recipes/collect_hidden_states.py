@@ -1,6 +1,6 @@
 """Recipe: frozen target + prepared data -> feature store for offline training.
 
-    python recipes/collect_hidden_states.py [method=eagle3] [collect.dtype=fp8_e4m3] [out_dir=...]
+    python recipes/collect_hidden_states.py [method=eagle3] [collect.dtype=fp8_e4m3] [output_dir=...]
     torchrun --nproc_per_node 2 recipes/collect_hidden_states.py ...   (or accelerate launch; each
     process takes a disjoint share of the shards, the last one to finish writes the manifest)
     torchrun --nproc_per_node 8 recipes/collect_hidden_states.py target.parallel=tp ...   (the target split
@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specheads.data.features import CollectOptions, collect_hidden_states
 from specheads.data.prepare import check_prepared_matches, load_prepared
-from specheads.errors import user_errors
+from specheads.errors import renamed_setting, user_errors
 from specheads.hardware import machine_description, resolve_device
 from specheads.targets import end_process_group, load_target
 from specheads.methods import build_method
@@ -60,6 +60,7 @@ def main(cfg: DictConfig) -> None:
 
 def collect(cfg: DictConfig) -> None:
     rank = int(os.environ.get("RANK", 0))
+    output_dir = renamed_setting("collect", "out_dir", "output_dir", cfg.out_dir) or cfg.output_dir
     dataset, meta = load_prepared(cfg.prepared_dir)
     log.info("loading the target %s (%s) for %d prepared rows", cfg.target.name_or_path, cfg.target.dtype, len(dataset))
     target = load_target(cfg.target.name_or_path, cfg.target.dtype,
@@ -77,12 +78,12 @@ def collect(cfg: DictConfig) -> None:
               **{k: meta.get(k) for k in ("num_samples", "num_tokens", "chat_template_sha", "max_length")},
               "target_dtype": target.dtype_choice.record() if target.dtype_choice else str(target.dtype),
               "machine": machine_description(target.device)}
-    summary = collect_hidden_states(target, dataset, spec, cfg.out_dir, opts, source=source)
+    summary = collect_hidden_states(target, dataset, spec, output_dir, opts, source=source)
     done = "store complete" if summary["manifest"] else "other ranks still running"
     group = f" ({layout.describe()})" if layout.tp_size > 1 else ""
     print(f"rank {rank}/{world}: wrote {summary['shards_written']} shards ({summary['tokens']} tokens, "
           f"{summary['tokens_per_s']:.0f} tokens/s), skipped {summary['shards_skipped']} finished -> "
-          f"{cfg.out_dir} ({done}){group}")
+          f"{output_dir} ({done}){group}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Recipe: a trained head folder -> Hub folder(s) that vLLM / SGLang load as they are.
 
-    python recipes/export.py head_dir=runs/x/train/eagle3/head out_dir=runs/x/export [engine=vllm] \
+    python recipes/export.py head_dir=runs/x/train/eagle3/head output_dir=runs/x/export [engine=vllm] \
         [target_id=org/model]
     specheads export ...            (same overrides)
 """
@@ -14,7 +14,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from specheads.errors import user_errors
+from specheads.errors import renamed_setting, user_errors
 from specheads.export import export_head
 from specheads.export.serve import exported_lines
 
@@ -25,7 +25,8 @@ log = logging.getLogger("specheads.export")
 class ExportRecipeConfig:
     target: Any = MISSING
     head_dir: str = MISSING
-    out_dir: str = MISSING
+    output_dir: str = MISSING
+    out_dir: Optional[str] = None  # the former name of output_dir: still read, with a warning
     engine: str = "all"
     eval_report: Optional[str] = "auto"
     training_data: Optional[str] = None
@@ -44,7 +45,8 @@ ConfigStore.instance().store(name="export_schema", node=ExportRecipeConfig)
 def run(cfg: DictConfig) -> str:
     log.info("exporting %s for %s: reading the head and the target, writing and re-checking each layout",
              cfg.head_dir, cfg.engine)
-    path = export_head(cfg.head_dir, cfg.out_dir, engine=cfg.engine, target=cfg.target.name_or_path,
+    output_dir = renamed_setting("export", "out_dir", "output_dir", cfg.out_dir) or cfg.output_dir
+    path = export_head(cfg.head_dir, output_dir, engine=cfg.engine, target=cfg.target.name_or_path,
                        eval_report=cfg.eval_report, data=cfg.training_data, dtype=cfg.dtype, spec_tokens=cfg.spec_tokens,
                        overwrite=cfg.overwrite, push_to_hub=cfg.push_to_hub, target_id=cfg.target_id,
                        hub_private=cfg.hub_private, push_dry_run=cfg.push_dry_run)

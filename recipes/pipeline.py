@@ -39,12 +39,12 @@ def stage_commands(cfg: DictConfig) -> list[tuple[str, str, list[str]]]:
     stages = [
         ("prepare", "prepare_data.py", [f"output_dir={prepared}"]),
         ("collect", "collect_hidden_states.py",
-         [f"prepared_dir={prepared}", f"out_dir={features}", f"method={store_method}"]),
+         [f"prepared_dir={prepared}", f"output_dir={features}", f"method={store_method}"]),
         ("train", "train.py", [f"method={cfg.head}", f"output_dir={train_out}", f"prepared_dir={prepared}", *data]),
         ("evaluate", "evaluate.py", [f"head_method={eval_method}", f"head_dir={train_out}",
                                      f"eval.chat_dir={prepared}", f"output_dir={report}",
                                      f"head_ngram_table={features if cfg.offline else prepared}"]),
-        ("export", "export.py", [f"head_dir={train_out / 'head'}", f"out_dir={run / 'export' / cfg.head}",
+        ("export", "export.py", [f"head_dir={train_out / 'head'}", f"output_dir={run / 'export' / cfg.head}",
                                  f"eval_report={report / 'report.json'}", f"training_data={prepared}", "overwrite=true"]),
     ]
     if not cfg.offline:
@@ -105,7 +105,7 @@ def stage_arguments(argv: list[str]) -> list[str]:
 # fingerprint resumes from its folder.
 
 MARKER_FORMAT = "specheads.stage/2"
-OUTPUT_KEYS = ("output_dir", "out_dir")  # the override naming a stage's output folder
+OUTPUT_KEYS = ("output_dir", "out_dir")  # the override naming a stage's output folder (out_dir: its former name)
 KEEPS_OUTPUT = {"prepare"}  # redoes its folder itself when stale, and keeps its regeneration journal
 
 

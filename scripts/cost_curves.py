@@ -138,7 +138,7 @@ def bench_collect(sizes, work: Path) -> list[dict]:
         run_stage(["prepare", f"data.num_samples={n}", "data.max_length=512", f"output_dir={prepared}"], work,
                   work / f"small-{n}.log")
         store = work / f"store-{n}"
-        point = run_stage(["collect", "method=eagle3", f"prepared_dir={prepared}", f"out_dir={store}"], work,
+        point = run_stage(["collect", "method=eagle3", f"prepared_dir={prepared}", f"output_dir={store}"], work,
                           work / f"collect-{n}.log")
         manifest = json.loads((store / "manifest.json").read_text())
         point.update(stage="collect", size=n, unit="chats", tokens=manifest["num_tokens"],

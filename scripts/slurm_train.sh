@@ -59,6 +59,6 @@ fi
 COLLECT_PER_NODE=$GPUS_PER_NODE
 [ "$TARGET_PARALLEL" = device_map ] && COLLECT_PER_NODE=1
 launch "$PORT" "$COLLECT_PER_NODE" recipes/collect_hidden_states.py "${TARGET[@]}" "method=$METHOD" \
-  "prepared_dir=$RUN_DIR/prepared" "out_dir=$RUN_DIR/features"
+  "prepared_dir=$RUN_DIR/prepared" "output_dir=$RUN_DIR/features"
 launch "$((PORT + 1))" "$GPUS_PER_NODE" recipes/train.py "${TARGET[@]:0:2}" "method=$METHOD" \
   "prepared_dir=$RUN_DIR/prepared" "features_dir=$RUN_DIR/features" "output_dir=$RUN_DIR/train/$METHOD" "$@"

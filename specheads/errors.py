@@ -48,6 +48,15 @@ def missing_setting(error: BaseException) -> UserError | None:
     return ConfigError(f"{key} is required and has no default: give {key}=... on the command line")
 
 
+def renamed_setting(stage: str, old: str, new: str, value):
+    """``value`` of the setting ``old``, renamed ``new``: None when it was not given; when it was, one line on
+    stderr (``specheads <stage>: warning: out_dir= is deprecated; use output_dir=``) and ``value`` (it wins)."""
+    if value is not None:
+        print(f"specheads {stage}: warning: {old}= is deprecated; use {new}= (it names the same folder)",
+              file=sys.stderr)
+    return value
+
+
 @contextmanager
 def user_errors(stage: str):
     """Show a ``UserError`` raised inside (or a required setting left unset: ``missing_setting``) as

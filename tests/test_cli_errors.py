@@ -280,7 +280,7 @@ def test_an_unknown_group_option_lists_only_the_real_ones(tmp_path, verb, group)
 
 def test_export_of_a_folder_that_is_no_head_is_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
-    line = one_line(specheads("export", f"head_dir={tmp_path / 'empty'}", f"out_dir={tmp_path / 'out'}",
+    line = one_line(specheads("export", f"head_dir={tmp_path / 'empty'}", f"output_dir={tmp_path / 'out'}",
                               cwd=tmp_path), "export")
     assert f"{tmp_path / 'empty'} holds no config.json: not a saved head folder" in line
     assert not (tmp_path / "out").exists()
@@ -288,7 +288,7 @@ def test_export_of_a_folder_that_is_no_head_is_one_line(tmp_path):
 
 def test_a_required_setting_left_out_is_one_line(tmp_path):
     line = one_line(specheads("export", f"head_dir={tmp_path}", cwd=tmp_path), "export")
-    assert "out_dir is required and has no default: give out_dir=..." in line
+    assert "output_dir is required and has no default: give output_dir=..." in line
 
 
 # --------------------------------------------------------------------------- 8: library log lines
@@ -308,3 +308,24 @@ def test_checkpoint_saves_keep_accelerate_lines_off_the_console_unless_asked(fx,
     assert "Saving current state" not in quiet and "Model weights saved" not in quiet and "[RANK 0]" not in quiet
     verbose = run("hydra.verbose=accelerate")
     assert verbose.count("Saving current state") == 2 and verbose.count("Model weights saved") == 2
+
+
+# --------------------------------------------------------------------------- 9: one name for a stage's output folder
+
+
+@pytest.mark.parametrize("spelling", ["output_dir", "out_dir"])
+def test_collect_and_export_write_to_output_dir_and_the_former_out_dir_still_works_with_a_warning(fx, tmp_path,
+                                                                                               spelling):
+    """Every stage names its output folder output_dir=; collect's and export's former out_dir= still works and
+    says, in one line, to use output_dir=."""
+    store, export = tmp_path / "features", tmp_path / "export"
+    runs = [specheads("collect", *fx["target"], "method=medusa1", "collect.dtype=float32", f"prepared_dir={fx['A']}",
+                      f"{spelling}={store}", cwd=tmp_path),
+            specheads("export", f"head_dir={fx['medusa'] / 'head'}", *fx["target"], "engine=medusa",
+                      f"{spelling}={export}", cwd=tmp_path)]
+    for stage, proc in zip(("collect", "export"), runs):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        warned = [line for line in proc.stderr.splitlines() if "deprecated" in line]
+        assert warned == ([f"specheads {stage}: warning: out_dir= is deprecated; use output_dir= (it names the "
+                           "same folder)"] if spelling == "out_dir" else [])
+    assert (store / "manifest.json").is_file() and (export / "config.json").is_file()

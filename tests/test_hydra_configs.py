@@ -37,7 +37,7 @@ def compose_cfg(config_name: str, overrides=()):
 
 @pytest.mark.parametrize("config_name", PRIMARY.values())
 def test_primary_configs_compose(config_name):
-    cfg = compose_cfg(config_name, ["head_dir=x", "out_dir=y"] if config_name == "export" else [])
+    cfg = compose_cfg(config_name, ["head_dir=x", "output_dir=y"] if config_name == "export" else [])
     assert cfg.target.name_or_path == "smollm2"
 
 

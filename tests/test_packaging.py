@@ -136,7 +136,7 @@ def test_cli_verbs_and_modules_run_the_installed_recipes(installed):
     # collect imports the train recipe's schemas: through the package, not a script folder on sys.path
     out = run_in(installed, installed["python"], "-m", "specheads.recipes.collect_hidden_states",
                  "--cfg", "job", "--resolve", "method=medusa1").stdout
-    assert "  name: medusa1" in out and "out_dir: runs/default/features/medusa1" in out
+    assert "  name: medusa1" in out and "output_dir: runs/default/features/medusa1" in out
     out = run_in(installed, installed["bin"] / "specheads", "run", "--cfg", "job", "head=eagle1").stdout
     assert "head: eagle1" in out and "run_dir: runs/quickstart" in out
 

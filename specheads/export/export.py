@@ -417,7 +417,7 @@ def plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spe
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists; pass overwrite=true to replace it")
     if out == head.resolve() or out in head.resolve().parents:
-        raise ExportError(f"out_dir {out} would replace the head folder {head} it is exported from")
+        raise ExportError(f"output_dir {out} would replace the head folder {head} it is exported from")
     info, origin = target_info(target, cfg, target_id)
     if eval_report == "auto":
         eval_report = find_eval_report(head)

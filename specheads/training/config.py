@@ -179,4 +179,4 @@ def check_store_source(features_dir: str | None, prepared_dir: str | None, metho
         f"features_dir={features_dir} was collected from other data than prepared_dir={prepared_dir} "
         f"(store: {len(stored)} samples, {sum(stored.values())} tokens; prepared set: {len(prepared)} samples, "
         f"{sum(prepared.values())} tokens; {differ} of the store's samples missing there or of another length); "
-        f"pass {where}, or collect the store again from this prepared set (`specheads collect prepared_dir={prepared_dir} out_dir=<new folder>`)")
+        f"pass {where}, or collect the store again from this prepared set (`specheads collect prepared_dir={prepared_dir} output_dir=<new folder>`)")

@@ -64,7 +64,7 @@ def test_one_launcher_per_node_for_collection_then_training(slurm, tmp_path):
             assert option(c, "--num_machines") == "2" and option(c, "--num_processes") == "8"
             assert option(c, "--main_process_ip") == "gpu-node-7" and option(c, "--main_process_port") == port
             assert script in c and "target.name_or_path=/models/m" in c and "method=eagle3" in c
-    assert "target.parallel=tp" in collect[0] and f"out_dir={tmp_path / 'run' / 'features'}" in collect[0]
+    assert "target.parallel=tp" in collect[0] and f"output_dir={tmp_path / 'run' / 'features'}" in collect[0]
     assert train[0][-1] == "train.max_steps=50" and f"features_dir={tmp_path / 'run' / 'features'}" in train[0]
 
 
