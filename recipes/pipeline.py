@@ -29,7 +29,9 @@ RECIPES_PACKAGE = "specheads.recipes"
 def stage_commands(cfg: DictConfig) -> list[tuple[str, str, list[str]]]:
     """(stage, recipe file, overrides) in order; every path lives under run_dir."""
     run = Path(cfg.run_dir)
-    target = [f"target.{k}={v}" for k, v in cfg.target.items()]
+    # a preset's dicts (architecture, eagle3, train_preset) are keys the stages' default target lacks: ++ adds them
+    target = [f"{'++' if v and isinstance(v, (dict, list)) else ''}target.{k}={hydra_value(v)}"
+              for k, v in OmegaConf.to_container(cfg.target, resolve=True).items()]
     prepared, features = run / "prepared", run / "features"
     train_out, report = run / "train" / cfg.head, run / "eval" / cfg.head
     data = ([f"features_dir={features}"] if cfg.offline else [f"prepared_dir={prepared}"])
@@ -66,6 +68,21 @@ def hydra_quoted(item: str) -> str:
     backslashes before a quote or at the end doubled, quotes escaped, ``${`` kept for the stage to resolve."""
     item = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), item)
     return '"' + item.replace("${", "\\${") + '"'
+
+
+def hydra_value(value, nested: bool = False) -> str:
+    """``value`` as an override's value that Hydra reads back as it is: a preset's dicts and lists in Hydra's
+    own syntax (``{model_type:"llama",num_hidden_layers:32}``), not Python's repr, which it cannot parse; a
+    plain top-level scalar as it prints."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{hydra_value(v, True)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_value(v, True) for v in value) + "]"
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, str) and (nested or not re.fullmatch(r"[\w./:@+-]*", value)):
+        return hydra_quoted(value)
+    return str(value)
 
 
 def stage_arguments(argv: list[str]) -> list[str]:
