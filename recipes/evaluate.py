@@ -90,6 +90,7 @@ class EvaluateSchema:
     threads: Optional[int] = None
     exact_forward: str = "auto"
     cpu_linears: str = "auto"
+    cpu_threads: Any = "auto"
     paired: bool = True
     grouped_attention: bool = True
 
@@ -199,7 +200,8 @@ def run(cfg: DictConfig) -> dict:
                                    head_ngram_table_tokens=cfg.head_ngram_table_tokens)
     ecfg = EvalConfig(methods, BenchmarkSpec(**ev), max_new, tuple(cfg.temperatures), tuple(cfg.batch_sizes),
                       cfg.batch_prompts, cfg.seed, repeats=repeats,
-                      exact_forward=cfg.exact_forward, cpu_linears=cfg.cpu_linears, paired=cfg.paired,
+                      exact_forward=cfg.exact_forward, cpu_linears=cfg.cpu_linears, cpu_threads=cfg.cpu_threads,
+                      paired=cfg.paired,
                       grouped_attention=cfg.grouped_attention,
                       chat_template_kwargs=OmegaConf.to_container(cfg.target.chat_template_kwargs, resolve=True)
                       if cfg.target.get("chat_template_kwargs") else {})

@@ -315,7 +315,7 @@ def open_plan(root: Path, header: dict[str, Any]) -> None:
             diff = [k for k in header if k not in ("plan_hash", "source") and old.get(k) != header[k]]
             raise StoreMismatchError(
                 f"{root} holds a store begun with other settings or data (differs in: {diff or 'sample ids/lengths'}); "
-                f"collect into a new out_dir or delete {root}")
+                f"collect into a new output_dir or delete {root}")
         return
     root.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, header)
@@ -362,7 +362,7 @@ def check_disk_space(root: Path, needed: int) -> None:
     if needed + 2**30 > free:
         raise InsufficientDiskError(
             f"not enough disk for the feature store in {root}: it needs ~{needed / 2**30:.2f} GiB (+1 GiB slack), "
-            f"{free / 2**30:.2f} GiB are free. Free space, choose another out_dir, or store dtype=fp8_e4m3 "
+            f"{free / 2**30:.2f} GiB are free. Free space, choose another output_dir, or store dtype=fp8_e4m3 "
             f"(about half of bf16)")
 
 

@@ -95,6 +95,10 @@ def _precision_md(report: dict) -> list[str]:
                     f"with oneDNN-prepacked weights, {ms['plain']:.1f} ms without; the faster one is used)")
         elif lin.get("linears") == "packed":
             how += f"; {lin['packed_linears']} linear layers prepacked for oneDNN"
+    th = report.get("cpu_threads") or {}
+    if th.get("one_token_ms"):
+        how += (f"; decoding on {th['threads']} of {th['of']} threads (one-token forward measured here "
+                + ", ".join(f"{v:.1f} ms on {n}" for n, v in th["one_token_ms"].items()) + ")")
     choice = report.get("target_dtype_choice") or {}
     why = f" ({choice['reason']}" if choice.get("reason") and choice["reason"] != "as set" else ""
     if why and choice.get("probe_ms"):

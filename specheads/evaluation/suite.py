@@ -30,6 +30,7 @@ import torch
 from specheads.decoding.drafters import (Drafter, EarlyExitDrafter, ModelDrafter, NgramDrafter, PromptLookupBranch,
                                          TreeShape)
 from specheads.decoding.cpu_linears import choose_cpu_linears, pack_like
+from specheads.decoding.cpu_threads import choose_cpu_threads
 from specheads.decoding.exact import make_exact
 from specheads.decoding.grouped_attention import ATTENTION_NAME as GROUPED_ATTENTION, use_grouped_attention
 from specheads.decoding.generate import GenerationResult, speculative_generate
@@ -130,6 +131,7 @@ class EvalConfig:
     repeats: int = 3  # timed batch-1 decode passes per speed figure (plain and speculative), after a warm-up
     exact_forward: str = "auto"  # batch-invariant target forwards (specheads.decoding.exact): auto | on | off
     cpu_linears: str = "auto"  # oneDNN-prepacked CPU linear layers (specheads.decoding.cpu_linears): auto | packed | plain
+    cpu_threads: str | int = "auto"  # decoding's CPU threads (specheads.decoding.cpu_threads): auto (measured) | n
     paired: bool = True  # time a plain decode of each prompt right before its speculative one (see above)
     grouped_attention: bool = True  # GQA targets on SDPA: fold the heads instead of copying the KV cache (grouped_attention.py)
     chat_template_kwargs: dict = field(default_factory=dict)  # the template's switches (enable_thinking), as served
@@ -152,6 +154,7 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     if cfg.cpu_linears == "auto":
         log.info("timing the target's linear layers packed and plain")  # a phase, not a step of the bar
     linears = choose_cpu_linears(target.model, cfg.cpu_linears)  # the baseline never gets the slower layout
+    threads = choose_cpu_threads(target.model, cfg.cpu_threads)  # plain and speculative decoding alike
     runner = TargetRunner(target.model)
     t0 = time.perf_counter()
     ids, plain = _plain_pass(target, runner, prompts, cfg, eos, progress)
@@ -161,7 +164,7 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
               "temperatures": list(cfg.temperatures), "target_params": _nparams(target.model),
               "repeats": cfg.repeats, "paired": cfg.paired, "plain": _timed_rows(plain[0.0]),
               "plain_by_temperature": {str(T): _timed_rows(passes) for T, passes in plain.items()},
-              "plain_seconds": plain_seconds, "exact_forward": exact, "cpu_linears": linears,
+              "plain_seconds": plain_seconds, "exact_forward": exact, "cpu_linears": linears, "cpu_threads": threads,
               "target_dtype": str(target.dtype),
               "target_dtype_choice": target.dtype_choice.record() if getattr(target, "dtype_choice", None) else None,
               "machine": machine_description(target.device),
