@@ -42,6 +42,7 @@ class EvalSetSchema:
     jsonl_limit: Optional[int] = None
     max_new_tokens: int = 32
     repeats: int = 3  # timed batch-1 decode passes per speed figure (after a warm-up): median and range
+    max_minutes: Optional[float] = None  # a time budget: the prompts that fit it, spread over the domains
 
 
 @dataclass
@@ -175,6 +176,7 @@ def run(cfg: DictConfig) -> dict:
     ev = OmegaConf.to_container(cfg.eval, resolve=True)
     max_new = ev.pop("max_new_tokens")
     repeats = ev.pop("repeats")
+    max_minutes = ev.pop("max_minutes", None)
     ev["mtbench_turns"] = tuple(ev["mtbench_turns"])
     if ev["chat"] != 0 and not ev["chat_dir"]:
         log.warning("no eval.chat_dir given: the chat domain is left out")
@@ -199,7 +201,7 @@ def run(cfg: DictConfig) -> dict:
                                    head_ngram_table=cfg.head_ngram_table,
                                    head_ngram_table_tokens=cfg.head_ngram_table_tokens)
     ecfg = EvalConfig(methods, BenchmarkSpec(**ev), max_new, tuple(cfg.temperatures), tuple(cfg.batch_sizes),
-                      cfg.batch_prompts, cfg.seed, repeats=repeats,
+                      cfg.batch_prompts, cfg.seed, repeats=repeats, max_minutes=max_minutes,
                       exact_forward=cfg.exact_forward, cpu_linears=cfg.cpu_linears, cpu_threads=cfg.cpu_threads,
                       paired=cfg.paired,
                       grouped_attention=cfg.grouped_attention,
@@ -218,11 +220,18 @@ def run(cfg: DictConfig) -> dict:
         target_path = adapted
     log.info("loading the target %s (%s)", target_path, cfg.target.dtype)
     target = load_target(target_path, cfg.target.dtype, cfg.target.device, probe_rows=4)  # decoding's row count
-    total = evaluation_steps(len(load_benchmarks(ecfg.benchmarks)), ecfg.methods, ecfg.temperatures, ecfg.repeats,
-                             ecfg.paired, ecfg.batch_sizes, ecfg.batch_prompts)
-    with tqdm(desc="evaluate", unit="step", total=total, dynamic_ncols=True) as bar:
+    def steps(prompts: int) -> int:
+        return evaluation_steps(prompts, ecfg.methods, ecfg.temperatures, ecfg.repeats, ecfg.paired, ecfg.batch_sizes,
+                                ecfg.batch_prompts)
+
+    with tqdm(desc="evaluate", unit="step", total=steps(len(load_benchmarks(ecfg.benchmarks))),
+              dynamic_ncols=True) as bar:
+        def resized(prompts: int) -> None:
+            bar.total = steps(prompts)
+            bar.refresh()
+
         report = evaluate(target, ecfg, progress=lambda msg: (bar.set_postfix_str(msg), bar.update(1)),
-                          checkpoint=lambda partial: write_report(partial, cfg.output_dir))
+                          checkpoint=lambda partial: write_report(partial, cfg.output_dir), resized=resized)
     paths = write_report(report, cfg.output_dir)
     print(open(paths["markdown"]).read())
     print(f"report -> {paths['json']}, {paths['markdown']}")

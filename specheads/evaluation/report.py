@@ -45,8 +45,11 @@ def _spread(r: dict, key: str, nd: int = 2) -> str:
 
 
 def markdown(report: dict) -> str:
+    b = report.get("budget")
+    budget = (f" (of {b['of']}: what its {b['max_minutes']:g}-minute budget fits at {b['decode_s']:.1f} s per "
+              f"plain decode, spread over the domains)" if b and b["prompts"] < b["of"] else "")
     lines = [f"# Speculative decoding evaluation: {report['target']}", "",
-             f"{report['num_prompts']} prompts, max_new_tokens {report['max_new_tokens']}, "
+             f"{report['num_prompts']} prompts{budget}, max_new_tokens {report['max_new_tokens']}, "
              f"temperatures {report['temperatures']}. τ = tokens per target forward (bonus included); "
              "α = accepted ÷ tested drafts (Leviathan et al.); both count only tokens that reach the output "
              "(a draft past max_new_tokens or EOS is neither accepted nor rejected). " + _speedup_md(report), "",

@@ -40,7 +40,7 @@ from specheads.decoding.tree import normalize_choices
 from specheads.decoding.verify import LOSSLESS
 from specheads.errors import InputNotFoundError, UserError
 from specheads.evaluation.benchmarks import (BenchmarkSpec, EvalPrompt, encode, load_benchmarks, scored_chat_ids,
-                                             separation_record)
+                                             separation_record, turn_id)
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
 from specheads.evaluation.recommend import recommend
 from specheads.hardware import machine_description
@@ -132,6 +132,7 @@ class EvalConfig:
     exact_forward: str = "auto"  # batch-invariant target forwards (specheads.decoding.exact): auto | on | off
     cpu_linears: str = "auto"  # oneDNN-prepacked CPU linear layers (specheads.decoding.cpu_linears): auto | packed | plain
     cpu_threads: str | int = "auto"  # decoding's CPU threads (specheads.decoding.cpu_threads): auto (measured) | n
+    max_minutes: float | None = None  # a time budget: the prompts that fit it at a measured decode (``fit_budget``)
     paired: bool = True  # time a plain decode of each prompt right before its speculative one (see above)
     grouped_attention: bool = True  # GQA targets on SDPA: fold the heads instead of copying the KV cache (grouped_attention.py)
     chat_template_kwargs: dict = field(default_factory=dict)  # the template's switches (enable_thinking), as served
@@ -141,9 +142,12 @@ Progress = Callable[[str], None]
 
 
 def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
-             checkpoint: Callable[[dict], None] | None = None) -> dict:
+             checkpoint: Callable[[dict], None] | None = None,
+             resized: Callable[[int], None] | None = None) -> dict:
     """The whole evaluation; returns the report dict (see ``report.py``). ``checkpoint(report)`` is
-    called after the plain pass and after each method with the report so far."""
+    called after the plain pass and after each method with the report so far; ``resized(n)`` when a time
+    budget (``cfg.max_minutes``) leaves n prompts of the set."""
+    started = time.perf_counter()
     progress = progress or (lambda msg: None)
     checkpoint = checkpoint or (lambda r: None)
     prompts = load_benchmarks(cfg.benchmarks)
@@ -156,6 +160,11 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     linears = choose_cpu_linears(target.model, cfg.cpu_linears)  # the baseline never gets the slower layout
     threads = choose_cpu_threads(target.model, cfg.cpu_threads)  # plain and speculative decoding alike
     runner = TargetRunner(target.model)
+    budget = None
+    if cfg.max_minutes is not None:
+        prompts, budget = fit_budget(prompts, target, runner, cfg, eos, time.perf_counter() - started)
+        if resized is not None:
+            resized(len(prompts))
     t0 = time.perf_counter()
     ids, plain = _plain_pass(target, runner, prompts, cfg, eos, progress)
     plain = _plain_passes(runner, prompts, ids, plain, cfg, eos, progress)
@@ -169,7 +178,7 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
               "target_dtype_choice": target.dtype_choice.record() if getattr(target, "dtype_choice", None) else None,
               "machine": machine_description(target.device),
               "data_separation": separation_record(cfg.benchmarks, prompts),
-              "methods": []}
+              "budget": budget, "methods": []}
     plain_tokens = {p.id: r for p, r in zip(prompts, ids["tokens"])}
     checkpoint(report)
     chosen: dict[tuple[str, str | None], dict] = {}  # one shape choice per head (with or without a lookup branch)
@@ -193,6 +202,59 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
                              progress, partial))
     report["recommendation"] = recommend(report, cfg.recommend_ks)
     return report
+
+
+SHAPE_CHOICE_DECODES = 6  # what one head's shape choice costs, in plain decodes (cost curve + draft timing)
+
+
+def fit_budget(prompts: list[EvalPrompt], target: Target, runner, cfg: EvalConfig, eos, spent_s: float
+               ) -> tuple[list[EvalPrompt], dict]:
+    """The prompts that fit ``cfg.max_minutes``, from one timed plain decode of the first prompt: each prompt
+    costs that decode once plainly and, per method and temperature, a paired plain and a speculative decode
+    (``repeats`` of each when not paired); each auto-shaped head adds ``SHAPE_CHOICE_DECODES``. Prompts are kept
+    round-robin over domains (every domain before a second of any), a later turn only with its first; at least
+    one. Returns (prompts, the record for the report)."""
+    first = next(p for p in prompts if p.turn == 0)
+    pid = encode(first, target.tokenizer, {}, cfg.chat_template_kwargs)
+    _warm_up(runner, None, pid, cfg, eos)
+    t = time.perf_counter()
+    speculative_generate(runner, None, [pid], cfg.max_new_tokens, 0.0, "greedy", eos)
+    decode = time.perf_counter() - t
+    passes = 2 if cfg.paired else 2 * max(cfg.repeats, 1)
+    per_prompt = decode * (1 + len(cfg.methods) * len(cfg.temperatures) * passes)
+    shapes = len({(m.drafter, m.head_dir) for m in cfg.methods if m.auto_shape}) * SHAPE_CHOICE_DECODES * decode
+    left = cfg.max_minutes * 60 - spent_s - 2 * decode - shapes
+    n = max(1, min(len(prompts), int(left // per_prompt)))
+    kept = _spread(prompts, n)
+    record = {"max_minutes": cfg.max_minutes, "prompts": len(kept), "of": len(prompts), "decode_s": round(decode, 2),
+              "estimate_s": round(spent_s + 2 * decode + shapes + per_prompt * len(kept), 1)}
+    log.info("evaluation budget %g min: %d of %d prompts (a %d-token plain decode took %.1f s here; about %.0f s "
+             "in all)", cfg.max_minutes, len(kept), len(prompts), cfg.max_new_tokens, decode, record["estimate_s"])
+    return kept, record
+
+
+def _spread(prompts: list[EvalPrompt], n: int) -> list[EvalPrompt]:
+    """``n`` prompts taken round-robin over domains (first prompts in set order), each later turn following its
+    first turn's prompt, in the set's order."""
+    firsts = [p for p in prompts if p.turn == 0]
+    domains: dict[str, list[EvalPrompt]] = {}
+    for p in firsts:
+        domains.setdefault(p.domain, []).append(p)
+    later = {}
+    for p in prompts:
+        if p.turn > 0:
+            later.setdefault(turn_id(p, 0), []).append(p)
+    keep: set[str] = set()
+    count, depth = 0, 0
+    while count < n and depth < max(len(v) for v in domains.values()):
+        for group in domains.values():
+            if depth < len(group) and count < n:
+                p = group[depth]
+                keep.add(p.id)
+                count += 1 + len(later.get(p.id, []))
+                keep.update(q.id for q in later.get(p.id, []))
+        depth += 1
+    return [p for p in prompts if p.id in keep]
 
 
 def _chosen_shape(choice: dict) -> TreeShape:
