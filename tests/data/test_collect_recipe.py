@@ -105,3 +105,20 @@ def test_bench_collect_reports_ratio_and_dtypes(tiny_setup, tmp_path):
     assert 0 < d["bfloat16"]["rel_err_hidden_aux"] < d["fp8_e4m3"]["rel_err_hidden_aux"] < 0.05
     losses = d["bfloat16"]["medusa1_train_loss"]
     assert losses["first"] > 0 and abs(losses["last"] - d["float32"]["medusa1_train_loss"]["last"]) < 0.05
+
+
+def test_a_users_own_target_starts_on_a_cpu_without_device_or_dtype_overrides(tiny_setup, tmp_path):
+    """``target=hf`` with only a folder: the preset's device and dtype are auto (a GPU preset's cuda/bfloat16
+    crashed on a CPU machine), decided here and recorded in the store, within a collection budget."""
+    model_dir, prepared = tiny_setup
+    out = tmp_path / "hf"
+    proc = run([sys.executable, "-m", "specheads.cli", "collect"], "target=hf", f"target.name_or_path={model_dir}",
+               f"prepared_dir={prepared}", f"output_dir={out}", "method=eagle3", "collect.batch_tokens=64",
+               "collect.max_minutes=1000")
+    assert "store complete" in proc.stdout
+    source = verify_store(out)["source"]
+    import torch
+
+    if not torch.cuda.is_available():
+        assert source["target_dtype"]["value"] in ("float32", "bfloat16") and "cores" in source["machine"]
+    assert source["budget"]["rows"] == source["budget"]["prepared_rows"] == 30
