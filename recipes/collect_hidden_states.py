@@ -66,7 +66,8 @@ def collect(cfg: DictConfig) -> None:
     target = load_target(cfg.target.name_or_path, cfg.target.dtype,
                          process_device(cfg.target.get("device", "cpu"), rank),
                          parallel=cfg.target.get("parallel", "none"), tp_size=cfg.target.get("tp_size") or None,
-                         max_memory=cfg.target.get("max_memory") or None)
+                         max_memory=cfg.target.get("max_memory") or None,
+                         chat_template=cfg.target.get("chat_template"))
     check_prepared_matches(meta, target)
     spec = feature_spec(cfg.method, target)
     # Shards go to data-parallel ranks: a tensor-parallel group shares one, its first rank writes.

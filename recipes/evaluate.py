@@ -219,7 +219,8 @@ def run(cfg: DictConfig) -> dict:
                  "run on it; the original %s is not used)", adapted, target_path)
         target_path = adapted
     log.info("loading the target %s (%s)", target_path, cfg.target.dtype)
-    target = load_target(target_path, cfg.target.dtype, cfg.target.device, probe_rows=4)  # decoding's row count
+    target = load_target(target_path, cfg.target.dtype, cfg.target.device, probe_rows=4,
+                         chat_template=cfg.target.get("chat_template"))  # decoding's row count
     def steps(prompts: int) -> int:
         return evaluation_steps(prompts, ecfg.methods, ecfg.temperatures, ecfg.repeats, ecfg.paired, ecfg.batch_sizes,
                                 ecfg.batch_prompts)

@@ -35,9 +35,11 @@ def run(cfg: DictConfig) -> None:
                          regenerate=RegenerateConfig(**OmegaConf.to_container(regen, resolve=True)) if regen else None,
                          chat_template_kwargs=template_kwargs(cfg.target))
     if regen and not regen.get("endpoint"):
-        target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.device)
+        target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.device,
+                             chat_template=cfg.target.get("chat_template"))
     else:  # only the tokenizer is needed (a serving endpoint answers, or nothing is regenerated)
-        target = Target.tokenizer_only(load_tokenizer(cfg.target.name_or_path), cfg.target.name_or_path)
+        target = Target.tokenizer_only(load_tokenizer(cfg.target.name_or_path, cfg.target.get("chat_template")),
+                                        cfg.target.name_or_path)
     if not cfg.overwrite and prepared_is_current(cfg.output_dir, pcfg, target):
         log.info("%s is already prepared with this configuration; skipping (overwrite=true redoes it)", cfg.output_dir)
         return

@@ -300,7 +300,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         target_dtype = "bfloat16" if tcfg.mixed_precision == "bf16" else "float32"
     target = load_target(cfg.target.name_or_path, target_dtype, acc.device,
                          parallel=cfg.target.get("parallel", "none"), tp_size=cfg.target.get("tp_size") or None,
-                         max_memory=cfg.target.get("max_memory") or None)
+                         max_memory=cfg.target.get("max_memory") or None,
+                         chat_template=cfg.target.get("chat_template"))
     if target_dtype != cfg.target.dtype:
         target.dtype_choice = Choice(target_dtype, f"auto: training precision {tcfg.mixed_precision}")
     if hasattr(method, "bind"):  # methods whose features depend on the target (EAGLE-3's layer ids)
@@ -363,7 +364,8 @@ def _reloader(cfg: DictConfig, target, acc):
         return None
     from specheads.targets import load_target
 
-    return lambda: load_target(cfg.target.name_or_path, cfg.target.dtype, acc.device)
+    return lambda: load_target(cfg.target.name_or_path, target.dtype, acc.device,
+                               chat_template=cfg.target.get("chat_template"))
 
 
 def add_bigram_baselines(summary: dict[str, Any], train_src, eval_src, cfg: DictConfig) -> None:

