@@ -106,3 +106,58 @@ def estimate_tau(metrics: Mapping[str, float], k: int | None = None) -> tuple[fl
             accs = accs[:k] if k is not None else accs
             return chain_tau(accs, basis), f"{name}: {label} ({basis}, {len(accs)} drafts)"
     return None, "no per-draft accuracies reported"
+
+
+# ------------------------------------------------------------------ a serving engine's counters
+
+def counter_figures(drafts: int, draft_tokens: int, accepted: int, accepted_per_pos: Sequence[int]) -> dict:
+    """Figures of a chain drafter from a serving engine's counters (vLLM's ``spec_decode_num_drafts``,
+    ``_num_draft_tokens``, ``_num_accepted_tokens``, ``_num_accepted_tokens_per_pos``) over ``drafts``
+    drafting steps, each verified by one target forward:
+
+    - ``tau``: 1 + accepted ÷ drafts, tokens per drafting step (the engine's own figure);
+    - ``reach``: accepted_per_pos[j] ÷ drafts = P(L ≥ j+1), the joint basis (a chain accepts position j only
+      after 0..j-1), so ``chain_tau(reach, "joint") == tau``;
+    - ``alpha``: accepted ÷ tested, where a chain's position j is tested when 0..j-1 were accepted (Leviathan's
+      α, the evaluator's); ``alpha_by_position``: the conditional acceptance at each position;
+    - ``draft_acceptance_rate``: accepted ÷ drafted (vLLM's "draft acceptance rate", every drafted token
+      counted, tested or not).
+
+    None figures when nothing was drafted."""
+    pos = [int(x) for x in accepted_per_pos]
+    tested = [drafts] + pos[:-1] if pos else []
+    return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted, "accepted_per_pos": pos,
+            "tau": 1.0 + accepted / drafts if drafts else None,
+            "reach": [a / drafts for a in pos] if drafts else [None] * len(pos),
+            "alpha": sum(pos) / sum(tested) if drafts and sum(tested) else None,
+            "alpha_by_position": [a / t if t else None for a, t in zip(pos, tested)],
+            "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else None}
+
+
+def accepted_length_variance(reach: Sequence[float]) -> float:
+    """Var(L) of a chain's accepted length from its reach probabilities ``P(L ≥ j)`` (j = 1..k):
+    E[L] = Σ_j P(L ≥ j), E[L²] = Σ_j (2j - 1) P(L ≥ j)."""
+    mean = sum(reach)
+    second = sum((2 * j - 1) * p for j, p in enumerate(reach, 1))
+    return max(second - mean * mean, 0.0)
+
+
+def tau_standard_error(reach: Sequence[float], steps: int) -> float | None:
+    """The standard error of τ = 1 + mean accepted length over ``steps`` drafting steps, each step's L drawn
+    from the distribution ``reach`` describes (steps treated as independent)."""
+    return math.sqrt(accepted_length_variance(reach) / steps) if steps else None
+
+
+def proportion_standard_error(p: float, n: int) -> float | None:
+    """The binomial standard error of a proportion ``p`` measured on ``n`` trials."""
+    return math.sqrt(max(p * (1.0 - p), 0.0) / n) if n else None
+
+
+def beyond_noise(a: float, se_a: float | None, b: float, se_b: float | None, z: float = 3.0) -> bool | None:
+    """Whether two measurements differ by more than ``z`` standard errors of their difference
+    (sqrt(se_a² + se_b²), the two taken as independent samples); None when an error is unknown. A difference
+    with both errors 0 (every step alike on both sides) counts when it is not 0."""
+    if se_a is None or se_b is None:
+        return None
+    se = math.hypot(se_a, se_b)
+    return abs(a - b) > z * se if se > 0 else abs(a - b) > 1e-12

@@ -99,3 +99,39 @@ def test_one_home():
     import specheads.methods.ttt as ttt
 
     assert not hasattr(heldout, "chain_tau") and not hasattr(ttt, "tau_estimate")  # no wrappers left either
+
+
+def test_counter_figures_of_a_chain():
+    """vLLM's counters: 10 drafting steps of a chain of 3, positions accepted 6, 3, 1 times."""
+    fig = am.counter_figures(drafts=10, draft_tokens=30, accepted=10, accepted_per_pos=[6, 3, 1])
+    assert fig["tau"] == pytest.approx(2.0)
+    assert fig["reach"] == pytest.approx([0.6, 0.3, 0.1])
+    assert am.chain_tau(fig["reach"], "joint") == pytest.approx(fig["tau"])
+    assert fig["alpha_by_position"] == pytest.approx([0.6, 0.5, 1 / 3])
+    assert fig["alpha"] == pytest.approx(10 / 19)  # tested: 10 steps at position 0, 6 at 1, 3 at 2
+    assert fig["draft_acceptance_rate"] == pytest.approx(1 / 3)
+    empty = am.counter_figures(0, 0, 0, [0, 0])
+    assert empty["tau"] is None and empty["alpha"] is None and empty["reach"] == [None, None]
+
+
+def test_accepted_length_variance_and_tau_error():
+    """Var(L) from the reach probabilities equals the variance of L's own distribution."""
+    rng = random.Random(0)
+    for _ in range(20):
+        k = rng.randint(1, 5)
+        probs = [rng.random() for _ in range(k + 1)]
+        probs = [p / sum(probs) for p in probs]  # P(L = 0..k)
+        reach = [sum(probs[j:]) for j in range(1, k + 1)]
+        mean = sum(j * p for j, p in enumerate(probs))
+        var = sum((j - mean) ** 2 * p for j, p in enumerate(probs))
+        assert am.accepted_length_variance(reach) == pytest.approx(var, abs=1e-12)
+        assert am.tau_standard_error(reach, 400) == pytest.approx(math.sqrt(var / 400))
+    assert am.tau_standard_error([0.5], 0) is None
+    assert am.proportion_standard_error(0.5, 100) == pytest.approx(0.05)
+
+
+def test_beyond_noise():
+    assert am.beyond_noise(0.5, 0.05, 0.1, 0.05) is True      # 0.4 apart, se of the difference 0.07
+    assert am.beyond_noise(0.5, 0.05, 0.4, 0.05) is False
+    assert am.beyond_noise(0.5, 0.0, 0.5, 0.0) is False and am.beyond_noise(0.5, 0.0, 0.4, 0.0) is True
+    assert am.beyond_noise(0.5, None, 0.4, 0.1) is None
