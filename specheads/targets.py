@@ -389,8 +389,11 @@ class Target:
         return RawEmbedding(self.embed_tokens)
 
     def logits(self, last: torch.Tensor) -> torch.Tensor:
-        """(B, T, H) post-norm hidden -> (B, T, V) target logits (``output_logits``), on the device of ``last``."""
-        return output_logits(self.config, self.lm_head, last).to(last.device)
+        """(B, T, H) post-norm hidden -> (B, T, V) target logits (``output_logits``), on the device of ``last``,
+        computed in the LM head's dtype (a bfloat16 target's head scores float32 features: stored or online)."""
+        weight = getattr(self.lm_head, "weight", None)
+        x = last.to(weight.device, weight.dtype) if weight is not None else last
+        return output_logits(self.config, self.lm_head, x).to(last.device)
 
     @torch.no_grad()
     def forward_features(

@@ -89,9 +89,13 @@ class Eagle1Model(PreTrainedModel):
         return x
 
     def logits(self, h_out: torch.Tensor) -> torch.Tensor:
-        """(..., H) predicted feature -> (..., V_target) through the target's LM head."""
+        """(..., H) predicted feature -> (..., V_target) through the target's LM head, in the feature's dtype (the
+        head's own dtype inside: a bfloat16 target's head under float32 training)."""
         self._need_target()
-        return self._lm_head(h_out)
+        weight = getattr(self._lm_head, "weight", None)
+        if weight is None or weight.dtype == h_out.dtype:
+            return self._lm_head(h_out)
+        return self._lm_head(h_out.to(weight.dtype)).to(h_out.dtype)
 
     def step(self, hidden, input_ids, position_ids, attn_mask=None, cache=None):
         """``decode`` then ``logits``: returns (h_out (B, q, H), logits (B, q, V_target))."""
