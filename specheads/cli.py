@@ -6,6 +6,7 @@
     specheads evaluate
     specheads export
     specheads plan target=qwen3_8b plan.num_samples=500000   # store bytes, memory per layout, time, before any run
+    specheads serve-eval export_dir=runs/quickstart/export/eagle3/vllm   # the head in vLLM (bash scripts/setup_engine.sh)
     specheads run            # the whole pipeline on the embedded default (see recipes/pipeline.py)
     specheads --conf-dir     # where the shipped Hydra configs are (e.g. conf/launcher/*.yaml for accelerate)
 
@@ -30,6 +31,7 @@ VERBS = {
     "export": "export.py",
     "run": "pipeline.py",
     "plan": "plan.py",
+    "serve-eval": "serve_eval.py",
 }
 
 

@@ -1,0 +1,170 @@
+"""Recipe: serve an exported head in a real engine (vLLM) and measure it on the evaluation prompts.
+
+    bash scripts/setup_engine.sh       # once: vLLM's CPU build in .venv-vllm
+    python recipes/serve_eval.py export_dir=runs/x/export/eagle3/vllm [eval_report=runs/x/eval/eagle3/report.json]
+    specheads serve-eval engine=endpoint url=http://127.0.0.1:8000 plain_url=http://127.0.0.1:8001 export_dir=...
+    specheads serve-eval ...           (same overrides)
+
+Everything the user gives is checked (the export, the engine's python, the evaluation report, the prompts)
+before an engine starts; a refusal or a missing engine is one line (specheads.errors.UserError).
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from specheads.errors import ConfigError, user_errors
+from specheads.evaluation.benchmarks import BenchmarkSpec, load_benchmarks
+
+log = logging.getLogger("specheads.serve_eval")
+
+
+@dataclass
+class EngineSchema:
+    kind: str = "offline"
+    python: Optional[str] = None
+    threads_bind: Optional[str] = None
+    kv_cache_gib: Optional[int] = 1
+    dtype: Optional[str] = "float32"
+    max_model_len: Optional[int] = 2048
+    enforce_eager: bool = False
+    load_timeout_s: float = 1800
+
+
+@dataclass
+class ServeEvalSchema:
+    target: Any = MISSING
+    eval: Any = MISSING
+    engine: EngineSchema = field(default_factory=EngineSchema)
+    export_dir: Optional[str] = None
+    output_dir: str = "runs/default/serve_eval"
+    num_speculative_tokens: int = 3
+    eval_report: Optional[str] = None
+    plain: bool = True
+    url: Optional[str] = None
+    plain_url: Optional[str] = None
+    head_method: Optional[str] = None
+
+
+ConfigStore.instance().store(name="serve_eval_schema", node=ServeEvalSchema)
+
+
+def prompt_set(cfg: DictConfig):
+    ev = OmegaConf.to_container(cfg.eval, resolve=True)
+    for key in ("max_new_tokens", "repeats", "max_minutes"):
+        ev.pop(key, None)
+    ev["mtbench_turns"] = tuple(ev["mtbench_turns"])
+    try:
+        return load_benchmarks(BenchmarkSpec(**ev))
+    except ValueError as e:
+        raise ConfigError(f"eval: {e}") from None
+
+
+@hydra.main(config_path="../conf", config_name="serve_eval", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with user_errors("serve-eval"):
+        run(cfg)
+
+
+def run(cfg: DictConfig) -> dict:
+    from specheads.serving import serve_eval as se
+    from specheads.serving.engine import read_export
+    from specheads.targets import load_tokenizer
+
+    k = int(cfg.num_speculative_tokens)
+    if k < 1:
+        raise ConfigError(f"num_speculative_tokens={k}: give 1 or more")
+    if cfg.engine.kind not in ("offline", "endpoint"):
+        raise ConfigError(f"engine.kind={cfg.engine.kind}: use engine=offline or engine=endpoint")
+    head = read_export(cfg.export_dir) if cfg.export_dir else None
+    if head is None and cfg.engine.kind == "offline":
+        raise ConfigError("export_dir is required: give a layout folder `specheads export` wrote, "
+                          "e.g. export_dir=runs/quickstart/export/eagle3/vllm")
+    drafter = head.method if head else cfg.head_method
+    drafter = "medusa" if str(drafter).startswith("medusa") else drafter
+    eval_report = se.read_eval_report(cfg.eval_report) if cfg.eval_report else None
+    prompts = prompt_set(cfg)
+    if eval_report is not None and eval_report.get("num_prompts") != len(prompts):
+        log.warning("the evaluation report scored %s prompts, this run %d: give the same eval.* settings for a "
+                    "comparison on the same prompts", eval_report.get("num_prompts"), len(prompts))
+    tokenizer = load_tokenizer(cfg.target.name_or_path, cfg.target.get("chat_template"))
+    max_new = int(cfg.eval.max_new_tokens)
+    kwargs = OmegaConf.to_container(cfg.target.chat_template_kwargs, resolve=True) \
+        if cfg.target.get("chat_template_kwargs") else {}
+    if cfg.engine.kind == "endpoint":
+        runs, context = _endpoint(cfg, prompts, tokenizer, max_new, kwargs)
+    else:
+        runs, context = _offline(cfg, head, k, prompts, tokenizer, max_new, kwargs)
+    context.update(method=drafter, export_dir=str(head.folder) if head else None, max_new_tokens=max_new)
+    report = se.build_report(runs, k, context, eval_report, drafter)
+    paths = se.write_report(report, cfg.output_dir)
+    print(Path(paths["markdown"]).read_text())
+    print(f"report -> {paths['json']}, {paths['markdown']}")
+    return report
+
+
+def _offline(cfg, head, k, prompts, tokenizer, max_new, template_kwargs):
+    from specheads.serving import serve_eval as se
+    from specheads.serving.engine import (EngineProcess, check_served, engine_settings, find_engine,
+                                          speculative_config)
+    from specheads.targets import resolve_target_path
+
+    engine = find_engine(cfg.engine.python)
+    check_served(head, engine.version)
+    model = head.adapted_target or resolve_target_path(cfg.target.name_or_path)
+    env = engine_settings(engine, cfg.engine.threads_bind, cfg.engine.kv_cache_gib)
+    log.info("vLLM %s (%s: %s); settings %s", engine.version, engine.found, engine.python, env)
+    base = {"model": str(model), "tokenizer": str(model), "dtype": cfg.engine.dtype,
+            "max_model_len": cfg.engine.max_model_len, "seed": 0,
+            "engine_kwargs": {"enforce_eager": True} if cfg.engine.enforce_eager else {}}
+    out = Path(cfg.output_dir)
+    started, logs = {}, {}
+    procs = []
+    try:
+        for name in (("plain", "spec") if cfg.plain else ("spec",)):
+            t = time.perf_counter()
+            config = dict(base, speculative_config=speculative_config(head, k) if name == "spec" else None)
+            log.info("starting the engine (%s): log %s", name, out / f"engine_{name}.log")
+            procs.append(EngineProcess(engine, config, out / f"engine_{name}.log", env, cfg.engine.load_timeout_s))
+            started[name] = round(time.perf_counter() - t, 1)
+            logs[name] = str(out / f"engine_{name}.log")
+        decoders = {name: se.EngineDecoder(p) for name, p in zip(logs, procs)}
+        runs = se.decode_prompts(prompts, tokenizer, decoders["spec"], max_new, decoders.get("plain"), template_kwargs,
+                                 progress=log.info)
+    finally:
+        for p in procs:
+            p.close()
+    context = {"engine": {"name": "vLLM", "version": engine.version, "mode": "offline (LLM API, one process per "
+                          "engine)", "python": engine.python, "found": engine.found, "env": env, "load_s": started,
+                          "logs": logs},
+               "target": str(model), "dtype": cfg.engine.dtype,
+               "speculative_config": speculative_config(head, k)}
+    return runs, context
+
+
+def _endpoint(cfg, prompts, tokenizer, max_new, template_kwargs):
+    from specheads.serving import serve_eval as se
+    from specheads.serving.endpoint import EndpointDecoder
+
+    if not cfg.url:
+        raise ConfigError("engine=endpoint needs url=: the base url of the vLLM server that drafts with the head "
+                          "(e.g. url=http://127.0.0.1:8000)")
+    spec = EndpointDecoder(cfg.url, timeout_s=cfg.engine.load_timeout_s)
+    plain = EndpointDecoder(cfg.plain_url, timeout_s=cfg.engine.load_timeout_s) if cfg.plain and cfg.plain_url else None
+    if cfg.plain and not cfg.plain_url:
+        log.warning("no plain_url: no plain decoding to compare with (greedy identity and speed-up left out)")
+    runs = se.decode_prompts(prompts, tokenizer, spec, max_new, plain, template_kwargs, progress=log.info)
+    context = {"engine": {"name": "vLLM", "version": "(server)", "mode": "endpoint", "url": spec.url,
+                          "plain_url": plain.url if plain else None, "env": None},
+               "target": spec.model, "dtype": "(the server's)"}
+    return runs, context
+
+
+if __name__ == "__main__":
+    main()

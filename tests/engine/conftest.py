@@ -1,0 +1,102 @@
+"""The engine tier: a head trained here, served by the real vLLM CPU build (``bash scripts/engine_tests.sh``).
+
+Skipped unless asked for (``-m engine`` or ``SPECHEADS_ENGINE_TESTS=1``) and an engine is found
+(``bash scripts/setup_engine.sh``). ``SPECHEADS_ENGINE_HEAD=<train output_dir or head folder>`` serves that
+EAGLE-3 head instead of training one (about 5 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN_MINUTES = float(os.environ.get("SPECHEADS_ENGINE_TRAIN_MINUTES", "5"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def engine_tier(request):
+    """Skip the tier unless it was asked for and an engine is installed."""
+    asked = os.environ.get("SPECHEADS_ENGINE_TESTS") == "1" or "engine" in (request.config.getoption("-m") or "")
+    if not asked:
+        pytest.skip("the engine tier runs with -m engine or SPECHEADS_ENGINE_TESTS=1 (scripts/engine_tests.sh)")
+    from specheads.serving.engine import EngineNotFoundError, find_engine
+
+    try:
+        return find_engine(os.environ.get("SPECHEADS_ENGINE_PYTHON"))
+    except EngineNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def specheads(*args: str, cwd: Path, timeout: float = 1800) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, "-m", "specheads.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"specheads {' '.join(args)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.fixture(scope="session")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("engine")
+
+
+@pytest.fixture(scope="session")
+def trained_head(work) -> Path:
+    """An EAGLE-3 head on the embedded SmolLM2: ``SPECHEADS_ENGINE_HEAD``, or trained online for a few minutes."""
+    given = os.environ.get("SPECHEADS_ENGINE_HEAD")
+    if given:
+        return Path(given).resolve()
+    specheads("prepare", "data.num_samples=400", f"output_dir={work / 'prepared'}", cwd=work)
+    specheads("train", "method=eagle3", f"prepared_dir={work / 'prepared'}", f"output_dir={work / 'train'}",
+              f"train.max_minutes={TRAIN_MINUTES}", "train.max_steps=100000", "train.eval_every=0",
+              "train.save_every=0", "train.measure_prompts=0", "train.progress=false", "data.eval_samples=0", cwd=work)
+    return work / "train"
+
+
+@pytest.fixture(scope="session")
+def exported(trained_head, work) -> Path:
+    specheads("export", f"head_dir={trained_head}", f"output_dir={work / 'export'}", "engine=vllm", "eval_report=null",
+              cwd=work)
+    return work / "export"
+
+
+@pytest.fixture(scope="session")
+def shuffled(exported, work) -> Path:
+    """The same export with every weight tensor's values shuffled (a planted broken head: same shapes, same
+    draft vocabulary, it loads and serves, its drafts are noise)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = work / "export-shuffled"
+    shutil.copytree(exported, out)
+    tensors = load_file(out / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    for name, t in tensors.items():
+        if t.is_floating_point():
+            flat = t.flatten()
+            tensors[name] = flat[torch.randperm(flat.numel(), generator=g)].reshape(t.shape).contiguous()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="session")
+def eval_report(trained_head, work) -> Path:
+    """The evaluator's own measurement of the head's chain of 3 (vLLM's profile) on the tiny prompt set."""
+    specheads("evaluate", f"head_dir={trained_head}", "eval=tiny", "eval.max_new_tokens=32", "baselines=[]",
+              "temperatures=[0.0]", "batch_sizes=[1]", "serving.engines=[vllm]", "serving.vllm_num_speculative_tokens=3",
+              "tree.depth=2", "tree.topk=2", "tree.total_tokens=4", f"output_dir={work / 'eval'}", cwd=work)
+    return work / "eval" / "report.json"
+
+
+def serve_eval(work: Path, export: Path, name: str, *extra: str) -> dict:
+    specheads("serve-eval", f"export_dir={export}", "eval=tiny", "eval.max_new_tokens=32", "num_speculative_tokens=3",
+              f"output_dir={work / name}", *extra, cwd=work)
+    return json.loads((work / name / "serve_report.json").read_text())

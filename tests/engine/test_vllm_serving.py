@@ -1,0 +1,35 @@
+"""A head trained here, served by vLLM's CPU build: greedy output identical to plain decoding, the engine's
+acceptance per position equal to the evaluator's chain measurement within sampling noise, and a planted broken
+head (its weights shuffled) caught by the same comparison.
+
+Tolerance: a difference is flagged beyond 3 standard errors of the difference (``serve_eval.compare``: binomial
+per position, τ's from each side's accepted-length distribution). Both sides decode the same prompts greedily, so
+their drafts differ only where float32 kernels tip a near-tie."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.conftest import serve_eval
+
+pytestmark = pytest.mark.engine
+
+
+def test_served_head_is_lossless_and_accepts_as_the_evaluator_measured(work, exported, eval_report):
+    report = serve_eval(work, exported, "serve", f"eval_report={eval_report}")
+    every = report["domains"]["all"]
+    assert every["identical"] == every["compared"] == report["num_prompts"] == 9
+    assert every["spec"]["drafts"] > 0 and every["spec"]["reach"][0] > 0.05, every["spec"]
+    row = report["evaluator"]["domains"]["all"]
+    assert row["evaluator_steps"] > 100 and row["engine_drafts"] > 100
+    for p in row["positions"]:
+        assert not p["flagged"], row
+    assert not row["tau_flagged"], row
+    assert report["engine"]["env"]["LD_PRELOAD"].split(":")[0].endswith("libiomp5.so")
+
+
+def test_a_shuffled_head_is_caught(work, shuffled, eval_report):
+    report = serve_eval(work, shuffled, "serve-shuffled", f"eval_report={eval_report}", "plain=false")
+    row = report["evaluator"]["domains"]["all"]
+    assert row["tau_flagged"] and row["positions"][0]["flagged"], row
+    assert row["tau_engine"] < row["tau_evaluator"]

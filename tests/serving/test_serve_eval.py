@@ -1,0 +1,224 @@
+"""serve-eval without an engine: its figures and the comparison with the evaluator on made-up counters, the
+recipe end to end through the CLI with a stand-in engine (tests/serving/fake_engine_worker.py), and every user
+error as one line before an engine starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specheads.evaluation.benchmarks import EvalPrompt
+from specheads.serving import serve_eval as se
+from specheads.serving.counters import EngineCounters
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE_PYTHON = Path(__file__).with_name("fake_python.sh")
+
+
+class Tokenizer:
+    chat_template = "fake"
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, **kw):
+        return " ".join(m["content"] for m in messages)
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [len(w) for w in text.split()]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{i}" for i in ids)
+
+
+class FakeDecoder:
+    """Decodes ``n`` tokens; speculative: the chain's first draft accepted ``hit`` of the steps."""
+
+    def __init__(self, k: int = 0, per_pos: tuple = (), steps: int = 0, seconds: float = 1.0, wrong: bool = False):
+        self.k, self.per_pos, self.steps, self.seconds, self.wrong, self.prompts = k, per_pos, steps, seconds, wrong, []
+
+    def generate(self, prompt_ids, max_tokens):
+        self.prompts.append(list(prompt_ids))
+        tokens = list(range(max_tokens))
+        if self.wrong:
+            tokens[-1] = -1
+        c = EngineCounters(drafts=self.steps, draft_tokens=self.steps * self.k, accepted=sum(self.per_pos),
+                           accepted_per_pos=list(self.per_pos), generation_tokens=max_tokens, requests=1,
+                           decode_seconds=self.seconds)
+        return se.Decoded(tokens, "", self.seconds, c)
+
+
+PROMPTS = [EvalPrompt("mtbench/81/t1", "writing", ["Write a poem.", "Shorter."], 0),
+           EvalPrompt("mtbench/81/t2", "writing", ["Write a poem.", "Shorter."], 1),
+           EvalPrompt("HumanEval/0", "code", ["def f(): pass"], 0)]
+
+
+def test_figures_per_domain_and_overall():
+    plain = FakeDecoder(seconds=2.0)
+    spec = FakeDecoder(k=3, per_pos=(6, 3, 1), steps=10, seconds=1.0)
+    runs = se.decode_prompts(PROMPTS, Tokenizer(), spec, 21, plain)
+    assert [r.id for r in runs] == [p.id for p in PROMPTS]
+    # turn 2's prompt carries the plain answer to turn 1 (as the evaluator builds it): longer than turn 1's
+    assert len(runs[1].spec.token_ids) == 21 and runs[1].prompt_tokens > runs[0].prompt_tokens
+    assert plain.prompts == spec.prompts
+    figures = se.by_domain(runs, 3)
+    assert list(figures) == ["code", "writing", "all"]
+    s = figures["all"]["spec"]
+    assert s["tau"] == pytest.approx(2.0) and s["reach"] == pytest.approx([0.6, 0.3, 0.1])
+    assert s["tokens_per_forward"] == pytest.approx(2.0)  # (21 - 1) new tokens after the prefill's, 10 steps
+    assert s["alpha"] == pytest.approx(10 / 19) and s["draft_acceptance_rate"] == pytest.approx(1 / 3)
+    assert s["tokens_per_s"] == pytest.approx(20.0) and figures["all"]["plain"]["tokens_per_s"] == pytest.approx(10.0)
+    assert figures["all"]["speedup"] == pytest.approx(2.0) and figures["all"]["speedup_median_per_prompt"] == 2.0
+    assert (figures["all"]["identical"], figures["all"]["compared"]) == (3, 3)
+    assert figures["writing"]["prompts"] == 2 and figures["writing"]["spec"]["drafts"] == 20
+    wrong = se.by_domain(se.decode_prompts(PROMPTS, Tokenizer(), FakeDecoder(3, (6, 3, 1), 10, wrong=True), 21,
+                                           FakeDecoder()), 3)
+    assert wrong["all"]["identical"] == 0
+
+
+def eval_report(accepted: list[int], forwards: int, shape: str = "chain3", profile: str = "vllm") -> dict:
+    row = {"target_forwards": forwards, "accepted": accepted, "tested": [forwards] + accepted[:-1]}
+    return {"num_prompts": 3, "methods": [
+        {"name": "eagle3-auto", "drafter": "eagle3", "shape": "fan2", "profile": None, "ngram_branch": 0,
+         "by_temperature": {"0.0": {"all": row}}},
+        {"name": "eagle3-vllm", "drafter": "eagle3", "shape": shape, "profile": profile, "ngram_branch": 0,
+         "by_temperature": {"0.0": {"all": row, "code": row}}}]}
+
+
+def test_comparison_with_the_evaluator_flags_only_beyond_noise():
+    runs = se.decode_prompts(PROMPTS, Tokenizer(), FakeDecoder(3, (60, 30, 10), 100), 201, FakeDecoder())
+    same = se.build_report(runs, 3, {}, eval_report([180, 90, 30], 300), "eagle3")["evaluator"]
+    assert same["method"] == "eagle3-vllm" and same["report_prompts"] == 3
+    row = same["domains"]["all"]
+    assert row["tau_evaluator"] == pytest.approx(2.0) and row["tau_engine"] == pytest.approx(2.0)
+    assert not row["tau_flagged"] and not any(p["flagged"] for p in row["positions"])
+    # a head whose acceptance collapsed in the engine (a broken export): flagged
+    broken = se.build_report(se.decode_prompts(PROMPTS, Tokenizer(), FakeDecoder(3, (5, 1, 0), 100), 201,
+                                               FakeDecoder()), 3, {}, eval_report([180, 90, 30], 300), "eagle3")
+    assert broken["evaluator"]["domains"]["all"]["tau_flagged"] is True
+    assert broken["evaluator"]["domains"]["all"]["positions"][0]["flagged"] is True
+    # a small difference on few steps is noise
+    near = se.build_report(runs, 3, {}, eval_report([17, 9, 3], 30), "eagle3")["evaluator"]["domains"]["all"]
+    assert not near["tau_flagged"]
+    # a longer measured chain is cut to the engine's k; none measured: said so
+    cut = se.build_report(runs, 2, {}, eval_report([180, 90, 30, 10], 300, "chain4"), "eagle3")["evaluator"]
+    assert cut["domains"]["all"]["tau_evaluator"] == pytest.approx(1.9)
+    none = se.build_report(runs, 3, {}, eval_report([180], 300, "chain1"), "eagle3")["evaluator"]
+    assert none["method"] is None and "serving.vllm_num_speculative_tokens=3" in none["note"]
+
+
+def test_report_is_written_atomically_with_markdown(tmp_path):
+    runs = se.decode_prompts(PROMPTS, Tokenizer(), FakeDecoder(3, (6, 3, 1), 10), 21, FakeDecoder(seconds=2.0))
+    report = se.build_report(runs, 3, {"engine": {"name": "vLLM", "version": "0.32.0", "env": {"LD_PRELOAD": "x"},
+                                                  "load_s": {"plain": 50, "spec": 60}}, "method": "eagle3"},
+                             eval_report([6, 3, 1], 10), "eagle3")
+    paths = se.write_report(report, tmp_path)
+    assert json.loads(Path(paths["json"]).read_text())["format"] == se.FORMAT
+    md = Path(paths["markdown"]).read_text()
+    assert "| all | 3 | 2.00 |" in md and "`LD_PRELOAD=x`" in md and "eagle3-vllm" in md
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["serve_report.json", "serve_report.md"]
+
+
+def test_read_eval_report_errors(tmp_path):
+    with pytest.raises(se.UserError, match="no such file"):
+        se.read_eval_report(tmp_path / "nope.json")
+    (tmp_path / "report.json").write_text("{}")
+    with pytest.raises(se.UserError, match="no evaluation report"):
+        se.read_eval_report(tmp_path)
+
+
+# ------------------------------------------------------------------ the recipe through the CLI
+
+
+def make_export(root: Path, method: str = "eagle3", layout: str = "vllm", model_name: str = "vllm") -> Path:
+    folder = root / "export" / model_name
+    folder.mkdir(parents=True)
+    (folder / "specheads_export.json").write_text(json.dumps(
+        {"format": "specheads.export/1", "method": method, "engine": layout, "target": "smollm2",
+         "weights": "model.safetensors"}))
+    (folder / "model.safetensors").write_bytes(b"")
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def serve_eval(*args: str, cwd: Path, **env_extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("SPECHEADS_TRACEBACK", "HYDRA_FULL_ERROR")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), FAKE_ENGINE_REAL_PYTHON=sys.executable, **env_extra)
+    return subprocess.run([sys.executable, "-m", "specheads.cli", "serve-eval", "eval=tiny", "eval.humaneval=0",
+                           "eval.mtbench_per_category=1", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def one_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("specheads serve-eval: error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.mark.slow
+def test_recipe_end_to_end_with_a_stand_in_engine(tmp_path):
+    export = make_export(tmp_path)
+    proc = serve_eval(f"export_dir={export}", f"engine.python={FAKE_PYTHON}", f"output_dir={tmp_path / 'out'}",
+                      cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "serve_report.json").read_text())
+    assert report["num_prompts"] == 8 and report["engine"]["version"] == "0.32.0"
+    assert report["engine"]["load_s"].keys() == {"plain", "spec"}
+    assert report["speculative_config"] == {"method": "eagle3", "model": str(export.resolve()),
+                                            "num_speculative_tokens": 3}
+    every = report["domains"]["all"]
+    assert every["identical"] == 8 and every["spec"]["tau"] == pytest.approx(2.0)
+    assert every["spec"]["reach"] == [1.0, 0.0, 0.0] and every["speedup"] == pytest.approx(2.0)
+    assert "fake engine log" in (tmp_path / "out" / "engine_spec.log").read_text()
+    assert "| all | 8 | 2.00 |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_user_errors_are_one_line_before_any_engine(tmp_path):
+    export = make_export(tmp_path)
+    nothing = dict(SPECHEADS_ENGINE_VENV=str(tmp_path / "no-venv"), PATH="/usr/bin:/bin")
+    line = one_line(serve_eval(f"export_dir={export}", cwd=tmp_path, **nothing))
+    assert "no vLLM engine found" in line and "bash scripts/setup_engine.sh" in line
+    line = one_line(serve_eval(f"export_dir={export}", "engine.python=/no/such/python", cwd=tmp_path))
+    assert "engine.python=/no/such/python: no such file" in line
+    line = one_line(serve_eval(f"export_dir={export.parent}", cwd=tmp_path))
+    assert "not an exported head" in line and f"export_dir={export}" in line
+    line = one_line(serve_eval(f"export_dir={tmp_path / 'missing'}", cwd=tmp_path))
+    assert "no such folder" in line
+    line = one_line(serve_eval(cwd=tmp_path))
+    assert "export_dir is required" in line
+    sglang = make_export(tmp_path / "s", layout="sglang", model_name="sglang")
+    assert "SGLang layout" in one_line(serve_eval(f"export_dir={sglang}", cwd=tmp_path))
+    line = one_line(serve_eval(f"export_dir={export}", f"eval_report={tmp_path / 'none.json'}", cwd=tmp_path))
+    assert "eval_report=" in line and "no such file" in line
+    assert "engine=endpoint needs url=" in one_line(serve_eval("engine=endpoint", cwd=tmp_path))
+    refused = make_export(tmp_path / "r", model_name="refuse")
+    line = one_line(serve_eval(f"export_dir={refused}", f"engine.python={FAKE_PYTHON}", "plain=false",
+                               f"output_dir={tmp_path / 'r' / 'out'}", cwd=tmp_path))
+    assert "vLLM did not start" in line and "Unsupported speculative method: 'medusa'" in line and "engine log:" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_composes_for_both_engines_and_catches_typos():
+    import importlib.util
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    spec = importlib.util.spec_from_file_location("recipe_serve_eval", ROOT / "recipes" / "serve_eval.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)  # registers serve_eval_schema
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        offline = compose("serve_eval", ["export_dir=x", "engine.python=/opt/vllm/bin/python"])
+        endpoint = compose("serve_eval", ["engine=endpoint", "url=http://127.0.0.1:8000"])
+        with pytest.raises(Exception, match="pythn"):
+            compose("serve_eval", ["engine.pythn=/x"])
+    assert offline.engine.kind == "offline" and offline.engine.kv_cache_gib == 1
+    assert endpoint.engine.kind == "endpoint" and endpoint.url == "http://127.0.0.1:8000"
+    OmegaConf.to_container(offline, resolve=True, throw_on_missing=True)
+    assert [p.id for p in module.prompt_set(offline)][:2] == ["mtbench/121/t1", "mtbench/121/t2"]
