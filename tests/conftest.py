@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path as _Path
 
 # Without a GPU, Triton kernels run in its CPU interpreter. The switch is read when triton is first
 # imported, which any earlier test (or library) may do, so it is set here, before everything else.
@@ -12,6 +13,23 @@ if shutil.which("nvidia-smi") is None:
 
 import pytest
 import torch
+
+# Under pytest-xdist (pyproject's addopts) each worker takes one core: one thread here and in what it launches.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+# Tests that launch processes (torchrun, DeepSpeed, servers) or bind fixed ports run in one worker, in turn.
+PROCESS_DIRS = ("distributed", "parallel", "serving")
+PROCESS_FILES = ("test_collect_recipe.py", "test_engine.py", "test_endpoint.py", "test_regenerate.py",
+                 "test_train_recipe.py", "test_packaging.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = _Path(str(item.fspath))
+        if path.name in PROCESS_FILES or any(part in PROCESS_DIRS for part in path.parts[-3:-1]):
+            item.add_marker(pytest.mark.xdist_group("processes"))
 
 from specheads.targets import Target
 
