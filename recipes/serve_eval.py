@@ -26,22 +26,22 @@ log = logging.getLogger("specheads.serve_eval")
 
 
 @dataclass
-class EngineSchema:
-    kind: str = "offline"
+class VllmSchema:
     python: Optional[str] = None
     threads_bind: Optional[str] = None
     kv_cache_gib: Optional[int] = 1
     dtype: Optional[str] = "float32"
     max_model_len: Optional[int] = 2048
     enforce_eager: bool = False
-    load_timeout_s: float = 1800
+    timeout_s: float = 1800
 
 
 @dataclass
 class ServeEvalSchema:
     target: Any = MISSING
     eval: Any = MISSING
-    engine: EngineSchema = field(default_factory=EngineSchema)
+    engine: str = "offline"
+    vllm: VllmSchema = field(default_factory=VllmSchema)
     export_dir: Optional[str] = None
     output_dir: str = "runs/default/serve_eval"
     num_speculative_tokens: int = 3
@@ -80,10 +80,10 @@ def run(cfg: DictConfig) -> dict:
     k = int(cfg.num_speculative_tokens)
     if k < 1:
         raise ConfigError(f"num_speculative_tokens={k}: give 1 or more")
-    if cfg.engine.kind not in ("offline", "endpoint"):
-        raise ConfigError(f"engine.kind={cfg.engine.kind}: use engine=offline or engine=endpoint")
+    if cfg.engine not in ("offline", "endpoint"):
+        raise ConfigError(f"engine={cfg.engine}: use engine=offline (vLLM started here) or engine=endpoint (url=)")
     head = read_export(cfg.export_dir) if cfg.export_dir else None
-    if head is None and cfg.engine.kind == "offline":
+    if head is None and cfg.engine == "offline":
         raise ConfigError("export_dir is required: give a layout folder `specheads export` wrote, "
                           "e.g. export_dir=runs/quickstart/export/eagle3/vllm")
     drafter = head.method if head else cfg.head_method
@@ -97,7 +97,7 @@ def run(cfg: DictConfig) -> dict:
     max_new = int(cfg.eval.max_new_tokens)
     kwargs = OmegaConf.to_container(cfg.target.chat_template_kwargs, resolve=True) \
         if cfg.target.get("chat_template_kwargs") else {}
-    if cfg.engine.kind == "endpoint":
+    if cfg.engine == "endpoint":
         runs, context = _endpoint(cfg, prompts, tokenizer, max_new, kwargs)
     else:
         runs, context = _offline(cfg, head, k, prompts, tokenizer, max_new, kwargs)
@@ -115,14 +115,14 @@ def _offline(cfg, head, k, prompts, tokenizer, max_new, template_kwargs):
                                           speculative_config)
     from specheads.targets import resolve_target_path
 
-    engine = find_engine(cfg.engine.python)
+    engine = find_engine(cfg.vllm.python)
     check_served(head, engine.version)
     model = head.adapted_target or resolve_target_path(cfg.target.name_or_path)
-    env = engine_settings(engine, cfg.engine.threads_bind, cfg.engine.kv_cache_gib)
+    env = engine_settings(engine, cfg.vllm.threads_bind, cfg.vllm.kv_cache_gib)
     log.info("vLLM %s (%s: %s); settings %s", engine.version, engine.found, engine.python, env)
-    base = {"model": str(model), "tokenizer": str(model), "dtype": cfg.engine.dtype,
-            "max_model_len": cfg.engine.max_model_len, "seed": 0,
-            "engine_kwargs": {"enforce_eager": True} if cfg.engine.enforce_eager else {}}
+    base = {"model": str(model), "tokenizer": str(model), "dtype": cfg.vllm.dtype,
+            "max_model_len": cfg.vllm.max_model_len, "seed": 0,
+            "engine_kwargs": {"enforce_eager": True} if cfg.vllm.enforce_eager else {}}
     out = Path(cfg.output_dir)
     started, logs = {}, {}
     procs = []
@@ -131,7 +131,7 @@ def _offline(cfg, head, k, prompts, tokenizer, max_new, template_kwargs):
             t = time.perf_counter()
             config = dict(base, speculative_config=speculative_config(head, k) if name == "spec" else None)
             log.info("starting the engine (%s): log %s", name, out / f"engine_{name}.log")
-            procs.append(EngineProcess(engine, config, out / f"engine_{name}.log", env, cfg.engine.load_timeout_s))
+            procs.append(EngineProcess(engine, config, out / f"engine_{name}.log", env, cfg.vllm.timeout_s))
             started[name] = round(time.perf_counter() - t, 1)
             logs[name] = str(out / f"engine_{name}.log")
         decoders = {name: se.EngineDecoder(p) for name, p in zip(logs, procs)}
@@ -143,7 +143,7 @@ def _offline(cfg, head, k, prompts, tokenizer, max_new, template_kwargs):
     context = {"engine": {"name": "vLLM", "version": engine.version, "mode": "offline (LLM API, one process per "
                           "engine)", "python": engine.python, "found": engine.found, "env": env, "load_s": started,
                           "logs": logs},
-               "target": str(model), "dtype": cfg.engine.dtype,
+               "target": str(model), "dtype": cfg.vllm.dtype,
                "speculative_config": speculative_config(head, k)}
     return runs, context
 
@@ -155,8 +155,8 @@ def _endpoint(cfg, prompts, tokenizer, max_new, template_kwargs):
     if not cfg.url:
         raise ConfigError("engine=endpoint needs url=: the base url of the vLLM server that drafts with the head "
                           "(e.g. url=http://127.0.0.1:8000)")
-    spec = EndpointDecoder(cfg.url, timeout_s=cfg.engine.load_timeout_s)
-    plain = EndpointDecoder(cfg.plain_url, timeout_s=cfg.engine.load_timeout_s) if cfg.plain and cfg.plain_url else None
+    spec = EndpointDecoder(cfg.url, timeout_s=cfg.vllm.timeout_s)
+    plain = EndpointDecoder(cfg.plain_url, timeout_s=cfg.vllm.timeout_s) if cfg.plain and cfg.plain_url else None
     if cfg.plain and not cfg.plain_url:
         log.warning("no plain_url: no plain decoding to compare with (greedy identity and speed-up left out)")
     runs = se.decode_prompts(prompts, tokenizer, spec, max_new, plain, template_kwargs, progress=log.info)

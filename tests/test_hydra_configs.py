@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 CONF, RECIPES = ROOT / "conf", ROOT / "recipes"
 PRIMARY = {"prepare_data.py": "prepare_data", "collect_hidden_states.py": "collect_hidden_states",
-           "train.py": "train", "evaluate.py": "evaluate", "export.py": "export", "pipeline.py": "pipeline"}
+           "train.py": "train", "evaluate.py": "evaluate", "export.py": "export", "pipeline.py": "pipeline",
+           "serve_eval.py": "serve_eval"}
 
 
 def load_recipe(name: str):

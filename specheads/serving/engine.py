@@ -43,7 +43,7 @@ class Engine:
 
     python: str
     version: str
-    found: str  # engine.python | .venv-vllm | PATH
+    found: str  # vllm.python | .venv-vllm | PATH
 
 
 def _vllm_version(python: str) -> str | None:
@@ -85,9 +85,9 @@ def find_engine(python: str | None = None) -> Engine:
         path = shutil.which(python) or python
         version = _vllm_version(path) if Path(path).exists() else None
         if version is None:
-            raise EngineNotFoundError(f"engine.python={python}: {'no such file' if not Path(path).exists() else 'it does not import vLLM'}; "
-                                      f"give a python with vLLM installed, or run `{SETUP_COMMAND}` and leave engine.python out")
-        return Engine(path, version, "engine.python")
+            raise EngineNotFoundError(f"vllm.python={python}: {'no such file' if not Path(path).exists() else 'it does not import vLLM'}; "
+                                      f"give a python with vLLM installed, or run `{SETUP_COMMAND}` and leave vllm.python out")
+        return Engine(path, version, "vllm.python")
     for candidate in _venv_candidates():
         if candidate.exists() and (version := _vllm_version(str(candidate))):
             return Engine(str(candidate), version, ENGINE_VENV)
@@ -97,7 +97,7 @@ def find_engine(python: str | None = None) -> Engine:
         return Engine(interpreter, version, "PATH")
     where = os.environ.get("SPECHEADS_ENGINE_VENV") or ENGINE_VENV
     raise EngineNotFoundError(f"no vLLM engine found (no {where}/ with vLLM, no `vllm` on PATH): run `{SETUP_COMMAND}` "
-                              "(vLLM's CPU build in its own venv, about 3 minutes), or give engine.python=/path/to/python "
+                              "(vLLM's CPU build in its own venv, about 3 minutes), or give vllm.python=/path/to/python "
                               "of an environment that has vLLM")
 
 
@@ -221,7 +221,7 @@ class EngineProcess:
     def _read(self, timeout_s: float | None = None) -> dict:
         if timeout_s is not None and not select.select([self.proc.stdout], [], [], timeout_s)[0]:
             return {"event": "error", "type": "timeout",
-                    "message": f"no answer in {timeout_s:g} s (engine.load_timeout_s); the end of its log: {tail(self.log_path)}"}
+                    "message": f"no answer in {timeout_s:g} s (vllm.timeout_s); the end of its log: {tail(self.log_path)}"}
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line:
             code = self.proc.wait()

@@ -229,7 +229,8 @@ def markdown(report: dict) -> str:
     if eng.get("env") is not None:
         lines += ["Engine settings: " + (", ".join(f"`{k_}={v}`" for k_, v in eng["env"].items()) or "the engine's defaults")
                   + (f"; load {_f(eng.get('load_s', {}).get('plain'), 0)} s plain, {_f(eng.get('load_s', {}).get('spec'), 0)} s "
-                     "speculative" if eng.get("load_s") else "") + (f"; log {eng.get('logs')}" if eng.get("logs") else "") + ".", ""]
+                     "speculative" if eng.get("load_s") else "") + ("; logs " + ", ".join(f"`{v}`" for v in eng["logs"].values())
+                                                  if eng.get("logs") else "") + ".", ""]
     lines += ["τ = 1 + accepted ÷ drafts (tokens per drafting step, the engine's figure); tokens/forward = (new tokens − 1) "
               "÷ drafts (batch 1: one verify forward per step); α = accepted ÷ tested; reach j = accepted at position j ÷ "
               "drafts; tokens/s = decode tokens ÷ the engine's first-to-last-token time.", "",

@@ -162,7 +162,7 @@ def one_line(proc: subprocess.CompletedProcess) -> str:
 @pytest.mark.slow
 def test_recipe_end_to_end_with_a_stand_in_engine(tmp_path):
     export = make_export(tmp_path)
-    proc = serve_eval(f"export_dir={export}", f"engine.python={FAKE_PYTHON}", f"output_dir={tmp_path / 'out'}",
+    proc = serve_eval(f"export_dir={export}", f"vllm.python={FAKE_PYTHON}", f"output_dir={tmp_path / 'out'}",
                       cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "serve_report.json").read_text())
@@ -183,8 +183,8 @@ def test_user_errors_are_one_line_before_any_engine(tmp_path):
     nothing = dict(SPECHEADS_ENGINE_VENV=str(tmp_path / "no-venv"), PATH="/usr/bin:/bin")
     line = one_line(serve_eval(f"export_dir={export}", cwd=tmp_path, **nothing))
     assert "no vLLM engine found" in line and "bash scripts/setup_engine.sh" in line
-    line = one_line(serve_eval(f"export_dir={export}", "engine.python=/no/such/python", cwd=tmp_path))
-    assert "engine.python=/no/such/python: no such file" in line
+    line = one_line(serve_eval(f"export_dir={export}", "vllm.python=/no/such/python", cwd=tmp_path))
+    assert "vllm.python=/no/such/python: no such file" in line
     line = one_line(serve_eval(f"export_dir={export.parent}", cwd=tmp_path))
     assert "not an exported head" in line and f"export_dir={export}" in line
     line = one_line(serve_eval(f"export_dir={tmp_path / 'missing'}", cwd=tmp_path))
@@ -196,8 +196,9 @@ def test_user_errors_are_one_line_before_any_engine(tmp_path):
     line = one_line(serve_eval(f"export_dir={export}", f"eval_report={tmp_path / 'none.json'}", cwd=tmp_path))
     assert "eval_report=" in line and "no such file" in line
     assert "engine=endpoint needs url=" in one_line(serve_eval("engine=endpoint", cwd=tmp_path))
+    assert "engine=offline" in one_line(serve_eval("engine=remote", cwd=tmp_path))
     refused = make_export(tmp_path / "r", model_name="refuse")
-    line = one_line(serve_eval(f"export_dir={refused}", f"engine.python={FAKE_PYTHON}", "plain=false",
+    line = one_line(serve_eval(f"export_dir={refused}", f"vllm.python={FAKE_PYTHON}", "plain=false",
                                f"output_dir={tmp_path / 'r' / 'out'}", cwd=tmp_path))
     assert "vLLM did not start" in line and "Unsupported speculative method: 'medusa'" in line and "engine log:" in line
     assert not (tmp_path / "out").exists()
@@ -214,11 +215,11 @@ def test_config_composes_for_both_engines_and_catches_typos():
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)  # registers serve_eval_schema
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        offline = compose("serve_eval", ["export_dir=x", "engine.python=/opt/vllm/bin/python"])
+        offline = compose("serve_eval", ["export_dir=x", "vllm.python=/opt/vllm/bin/python"])
         endpoint = compose("serve_eval", ["engine=endpoint", "url=http://127.0.0.1:8000"])
         with pytest.raises(Exception, match="pythn"):
-            compose("serve_eval", ["engine.pythn=/x"])
-    assert offline.engine.kind == "offline" and offline.engine.kv_cache_gib == 1
-    assert endpoint.engine.kind == "endpoint" and endpoint.url == "http://127.0.0.1:8000"
+            compose("serve_eval", ["vllm.pythn=/x"])
+    assert offline.engine == "offline" and offline.vllm.kv_cache_gib == 1
+    assert endpoint.engine == "endpoint" and endpoint.url == "http://127.0.0.1:8000"
     OmegaConf.to_container(offline, resolve=True, throw_on_missing=True)
     assert [p.id for p in module.prompt_set(offline)][:2] == ["mtbench/121/t1", "mtbench/121/t2"]
