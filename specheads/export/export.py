@@ -50,7 +50,7 @@ _DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat
 FILE_MODE, DIR_MODE = 0o644, 0o755  # what save_pretrained output is meant to be: readable by a server's user
 TARGET_PLACEHOLDER = TARGET_VAR  # the serve commands' target when no hub id is known
 # Hub models that the embedded targets were converted from (the card names them as the likely original).
-KNOWN_ORIGINS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+KNOWN_ORIGINS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma3_270m": "google/gemma-3-270m"}
 
 
 class ExportError(SpecheadsError, ValueError):
@@ -172,14 +172,14 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 def target_origin(target, path: str | None, target_id: str | None = None) -> TargetOrigin:
     """The target's origin: an explicit ``target_id``, a hub id given as the target, a hub cache folder
     (``.../models--org--name/snapshots/<rev>``), else a local file with no id (a placeholder in the card)."""
-    from specheads.targets import EMBEDDED_TARGET
+    from specheads.targets import EMBEDDED_GGUF
 
     spec = str(target) if isinstance(target, (str, Path)) else (getattr(target, "name", None) or "target")
     if target_id is not None:
         if not _HUB_ID.fullmatch(target_id):
             raise ExportError(f"target_id must be a hub id 'owner/name', got {target_id!r}")
         return TargetOrigin(spec, path, target_id, "given")
-    if spec == EMBEDDED_TARGET:
+    if spec in EMBEDDED_GGUF:
         return TargetOrigin(spec, path, None, "embedded", KNOWN_ORIGINS.get(spec))
     if spec.endswith(".gguf"):
         return TargetOrigin(spec, path, None, "gguf")
