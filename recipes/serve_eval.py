@@ -111,12 +111,10 @@ def run(cfg: DictConfig) -> dict:
 
 def _offline(cfg, head, k, prompts, tokenizer, max_new, template_kwargs):
     from specheads.serving import serve_eval as se
-    from specheads.serving.engine import (EngineProcess, check_served, engine_settings, find_engine,
-                                          speculative_config)
+    from specheads.serving.engine import EngineProcess, engine_settings, find_engine, speculative_config
     from specheads.targets import resolve_target_path
 
     engine = find_engine(cfg.vllm.python)
-    check_served(head, engine.version)
     model = head.adapted_target or resolve_target_path(cfg.target.name_or_path)
     env = engine_settings(engine, cfg.vllm.threads_bind, cfg.vllm.kv_cache_gib)
     log.info("vLLM %s (%s: %s); settings %s", engine.version, engine.found, engine.python, env)

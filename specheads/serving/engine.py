@@ -24,11 +24,6 @@ ENGINE_VENV = ".venv-vllm"
 SETUP_COMMAND = "bash scripts/setup_engine.sh"
 WORKER = Path(__file__).with_name("engine_worker.py")
 
-# What vLLM 0.32.0's CPU build did with each exported head kind (docs/serving.md). A refused kind fails
-# before the engine starts, with the engine's own message.
-REFUSED = {}
-
-
 class EngineNotFoundError(UserError):
     """No python with vLLM importable was found (the message says the set-up command)."""
 
@@ -151,16 +146,6 @@ def read_export(folder: str | Path) -> ExportedHead:
         raise InputNotFoundError(f"export_dir={folder} holds no weights ({weights}); export the head again")
     adapted = path / "target" if info.get("adapted_target") and (path / "target").is_dir() else None
     return ExportedHead(path, method, layout, info.get("target"), str(adapted) if adapted else None, info)
-
-
-def check_served(head: ExportedHead, version: str) -> None:
-    """Raise ``EngineRefusedError`` for a head kind this engine release was seen to refuse (``REFUSED``)."""
-    key = (head.method.removesuffix("1").removesuffix("2") if head.method.startswith("medusa") else head.method,
-           head.layout)
-    for (method, layout, release), message in REFUSED.items():
-        if (method, layout) in ((key[0], key[1]), (key[0], "*")) and version.startswith(release):
-            raise EngineRefusedError(f"vLLM {version} does not serve a {head.method} head ({head.layout} layout) on "
-                                     f"this build: {message} (docs/serving.md)")
 
 
 def speculative_config(head: ExportedHead, num_speculative_tokens: int) -> dict:
