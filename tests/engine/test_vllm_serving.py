@@ -12,7 +12,8 @@ import pytest
 
 from tests.engine.conftest import serve_eval
 
-pytestmark = pytest.mark.engine
+# one worker runs both, so the session fixtures (a trained head, its evaluation) are built once
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("engine")]
 
 
 def test_served_head_is_lossless_and_accepts_as_the_evaluator_measured(work, exported, eval_report):
