@@ -20,7 +20,9 @@ def test_served_head_is_lossless_and_accepts_as_the_evaluator_measured(work, exp
     report = serve_eval(work, exported, "serve", f"eval_report={eval_report}")
     every = report["domains"]["all"]
     assert every["identical"] == every["compared"] == report["num_prompts"] == 9
-    assert every["spec"]["drafts"] > 0 and every["spec"]["reach"][0] > 0.05, every["spec"]
+    assert every["spec"]["drafts"] > 0
+    assert every["spec"]["reach"][0] > 0.05, ("the head accepts too few drafts to compare (a short training?): "
+                                              f"give SPECHEADS_ENGINE_HEAD=<a trained head>; {every['spec']}")
     row = report["evaluator"]["domains"]["all"]
     assert row["evaluator_steps"] > 100 and row["engine_drafts"] > 100
     for p in row["positions"]:
