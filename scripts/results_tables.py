@@ -86,14 +86,29 @@ def _stage_times(run: dict) -> str:
     return ", ".join(f"{s} {st[s]:.0f} s" for s in STAGES if s in st)
 
 
+def machine_range(data: dict) -> list[dict]:
+    """The newest fresh-clone main-job run of each CPU kind (``cpu``: its name and instruction set), newest first."""
+    seen, out = set(), []
+    for r in data["runs"]:
+        if r["kind"] == "main_job" and r.get("fresh_clone") and r.get("cpu") and r["cpu"] not in seen:
+            seen.add(r["cpu"])
+            out.append(r)
+    return out
+
+
 def quickstart_times(data: dict) -> str:
-    """README: what the two Quickstart commands took on the newest measured clone."""
+    """README: what the two Quickstart commands took on the newest measured clone, and on each CPU kind."""
     main = latest_main_job(data)
     test = data["test_runs"][0]
-    return (f"Measured on a fresh clone of commit `{main['commit']}` ({main['date']}, {main['machine']}): set-up "
+    text = (f"Measured on a fresh clone of commit `{main['commit']}` ({main['date']}, {main['machine']}): set-up "
             f"{main['setup_s']} s, then **{main['total_min']} minutes** for the run ({_stage_times(main)}). "
             f"The tests: {test['passed']} passed, {test['skipped']} skipped in {test['tests_min']} min "
-            f"({test['total_min']} min with set-up; commit `{test['commit']}`, {test['date']}).")
+            f"({test['total_min']} min with set-up; commit `{test['commit']}`, {test['date']}, {test['machine']}).")
+    kinds = machine_range(data)
+    if len(kinds) > 1:
+        text += " The machines measured, newest run of each: " + "; ".join(
+            f"{r['cpu']}: {r['total_min']} min (`{r['commit']}`)" for r in kinds) + "."
+    return text
 
 
 def run_summary(data: dict) -> str:

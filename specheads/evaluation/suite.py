@@ -205,13 +205,15 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
 
 
 SHAPE_CHOICE_DECODES = 6  # what one head's shape choice costs, in plain decodes (cost curve + draft timing)
+SPEC_DECODE_COST = 1.5  # a speculative decode in plain decodes, for the budget (drafting and wider forwards; a
+# 2-core AVX2 EPYC's main job spent about 1.5x its plain decodes on the speculative ones)
 
 
 def fit_budget(prompts: list[EvalPrompt], target: Target, runner, cfg: EvalConfig, eos, spent_s: float
                ) -> tuple[list[EvalPrompt], dict]:
     """The prompts that fit ``cfg.max_minutes``, from one timed plain decode of the first prompt: each prompt
     costs that decode once plainly and, per method and temperature, a paired plain and a speculative decode
-    (``repeats`` of each when not paired); each auto-shaped head adds ``SHAPE_CHOICE_DECODES``. Prompts are kept
+    (``SPEC_DECODE_COST`` plain decodes; ``repeats`` of each when not paired); each auto-shaped head adds ``SHAPE_CHOICE_DECODES``. Prompts are kept
     round-robin over domains (every domain before a second of any), a later turn only with its first; at least
     one. Returns (prompts, the record for the report)."""
     first = next(p for p in prompts if p.turn == 0)
@@ -220,7 +222,7 @@ def fit_budget(prompts: list[EvalPrompt], target: Target, runner, cfg: EvalConfi
     t = time.perf_counter()
     speculative_generate(runner, None, [pid], cfg.max_new_tokens, 0.0, "greedy", eos)
     decode = time.perf_counter() - t
-    passes = 2 if cfg.paired else 2 * max(cfg.repeats, 1)
+    passes = (1 + SPEC_DECODE_COST) * (1 if cfg.paired else max(cfg.repeats, 1))
     per_prompt = decode * (1 + len(cfg.methods) * len(cfg.temperatures) * passes)
     shapes = len({(m.drafter, m.head_dir) for m in cfg.methods if m.auto_shape}) * SHAPE_CHOICE_DECODES * decode
     left = cfg.max_minutes * 60 - spent_s - 2 * decode - shapes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -28,9 +29,21 @@ def test_measure_rate_times_a_warm_forward_of_mid_length_rows():
         return 4 * len(rows)
 
     lengths = [4, 4, 4, 4, 4, 4, 30, 2]
-    rate = measure_rate(forward, lengths, batch_tokens=64, probe_tokens=12)
-    assert rate > 0 and len(calls) == 2 and calls[0] == calls[1]
+    rate = measure_rate(forward, lengths, batch_tokens=64, probe_tokens=12, runs=3)
+    assert rate > 0 and len(calls) == 4 and calls[0] == calls[1] == calls[3]  # a warm-up, then 3 timed runs
     assert all(lengths[i] == 4 for i in calls[0]) and len(calls[0]) == 3  # 3 rows of 4 fit 12 tokens
+
+
+def test_the_fastest_timed_run_counts():
+    """A pause of the machine slows one run; the rate is the fastest run's, not the slow ones'."""
+    delays = iter([0.0, 0.2, 0.02, 0.2])  # warm-up, then a slow, a fast and a slow run
+
+    def forward(rows):
+        time.sleep(next(delays))
+        return 100
+
+    rate = measure_rate(forward, [4] * 4, batch_tokens=64, probe_tokens=8, runs=3)
+    assert 2000 < rate <= 100 / 0.02  # the slow runs alone would read 500 tokens/s
 
 
 def test_decide_writes_once_and_a_resume_keeps_the_decision(tmp_path):
