@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
@@ -40,7 +40,7 @@ def test_gemma3_270m_runs_every_stage_on_real_weights(tmp_path):
     text = tok.decode(row["input_ids"])
     assert "<start_of_turn>user" in text and "<start_of_turn>model" in text  # Gemma's template, given by the preset
     masked = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
-    assert "<start_of_turn>user" not in masked and masked.rstrip().endswith("<end_of_turn>")
+    assert masked and "<start_of_turn>" not in masked  # the model's turns only (a row may be cut at max_length)
     store = json.loads((run / "features" / "manifest.json").read_text())
     assert store["num_samples"] == len(dataset) and store["aux_layers"] == [2, 9, 15]
     summary = json.loads((run / "train" / "eagle3" / "train_summary.json").read_text())
