@@ -1,4 +1,5 @@
-"""Recipe: the whole job (prepare -> collect -> train -> evaluate -> export), each stage in its own process.
+"""Recipe: the whole job (prepare -> collect -> train -> evaluate -> export [-> serve]), each stage in its own
+process; serve (the export decoded by vLLM, ``serve_eval.py``) runs when the engine's venv exists (``serve=auto``).
 
     specheads run [head=medusa1] [run_dir=runs/x] [train.train.max_steps=500] [prepare.data=jsonl ...]
 
@@ -26,8 +27,9 @@ log = logging.getLogger("specheads.run")
 RECIPES_PACKAGE = "specheads.recipes"
 
 
-def stage_commands(cfg: DictConfig) -> list[tuple[str, str, list[str]]]:
-    """(stage, recipe file, overrides) in order; every path lives under run_dir."""
+def stage_commands(cfg: DictConfig, serve: bool = False) -> list[tuple[str, str, list[str]]]:
+    """(stage, recipe file, overrides) in order; every path lives under run_dir. ``serve``: end with the serve
+    stage (``serve_stage_wanted``), on the evaluation's prompts and settings (its ``eval.*`` overrides)."""
     run = Path(cfg.run_dir)
     # a preset's dicts (architecture, eagle3, train_preset) are keys the stages' default target lacks: ++ adds them
     target = [f"{'++' if v and isinstance(v, (dict, list)) else ''}target.{k}={hydra_value(v)}"
@@ -49,9 +51,16 @@ def stage_commands(cfg: DictConfig) -> list[tuple[str, str, list[str]]]:
         ("export", "export.py", [f"head_dir={train_out / 'head'}", f"output_dir={run / 'export' / cfg.head}",
                                  f"eval_report={report / 'report.json'}", f"training_data={prepared}", "overwrite=true"]),
     ]
+    if serve:
+        stages.append(("serve", "serve_eval.py", [f"export_dir={run / 'export' / cfg.head / 'vllm'}",
+                                                  f"eval_report={report / 'report.json'}",
+                                                  f"output_dir={run / 'serve' / cfg.head}", f"eval.chat_dir={prepared}"]))
     if not cfg.offline:
         stages = [s for s in stages if s[0] != "collect"]
-    extra = {name: list(cfg.stages[name]) for name, _, _ in stages}
+    extra = {name: list(cfg.stages.get(name, [])) for name, _, _ in stages}
+    if serve:  # the same prompts as the evaluation: its eval.* settings (of its stage list and the command line)
+        evaluated = list(cfg.stages.evaluate) + list(cfg.get("extra", {}).get("evaluate", []))
+        extra["serve"] = [o for o in evaluated if o.lstrip("+").startswith("eval.")] + extra["serve"]
     extra["train"] += list(cfg.head_overrides.get(cfg.head, []))
     for name in extra:
         extra[name] += list(cfg.get("extra", {}).get(name, []))
@@ -60,7 +69,27 @@ def stage_commands(cfg: DictConfig) -> list[tuple[str, str, list[str]]]:
 
 # --------------------------------------------------------------------------- the command line
 
-STAGES = ("prepare", "collect", "train", "evaluate", "export")
+STAGES = ("prepare", "collect", "train", "evaluate", "export", "serve")
+
+
+def serve_stage_wanted(setting, head: str) -> bool:
+    """Whether the run ends with the serve stage: ``serve=true`` always (no engine: the stage's one-line error),
+    ``false`` never, ``auto`` when an engine is found (``scripts/setup_engine.sh`` made ``.venv-vllm``)."""
+    if isinstance(setting, bool):
+        return setting
+    if str(setting) != "auto":
+        raise SystemExit(f"specheads run: error: serve={setting}: use serve=auto (when vLLM's venv exists), "
+                         "serve=true or serve=false")
+    from specheads.serving.engine import EngineNotFoundError, find_engine
+
+    try:
+        engine = find_engine()
+    except EngineNotFoundError:
+        log.info("no vLLM engine here (bash scripts/setup_engine.sh makes one): the run ends without the serve stage")
+        return False
+    log.info("vLLM %s found (%s): the run ends by serving the %s export in it (serve=false skips it)",
+             engine.version, engine.python, head)
+    return True
 
 
 def hydra_quoted(item: str) -> str:
@@ -209,8 +238,10 @@ def write_json(path: Path, obj: dict) -> None:
     tmp.replace(path)
 
 
-def run_stages(stages: list[tuple[str, str, list[str]]], run_dir: Path, only: str | None = None) -> list[str]:
-    """Run the stages in order, each unless its marker is current; returns the stages that ran."""
+def run_stages(stages: list[tuple[str, str, list[str]]], run_dir: Path, only: str | None = None,
+               optional: tuple[str, ...] = ()) -> list[str]:
+    """Run the stages in order, each unless its marker is current; returns the stages that ran. A stage in
+    ``optional`` that fails is reported and left unmarked (the run goes on, a re-run tries it again)."""
     run_dir, done_dir = Path(run_dir), Path(run_dir) / ".done"
     inputs: dict[str, str | None] = {}
     ran = []
@@ -228,7 +259,13 @@ def run_stages(stages: list[tuple[str, str, list[str]]], run_dir: Path, only: st
                 if action == "fresh" and name not in KEEPS_OUTPUT:
                     clear_output(output, run_dir)
                 write_json(started_file, {"format": MARKER_FORMAT, "fingerprint": fingerprint, "inputs": inputs})
-                seconds = run_stage(name, recipe, overrides)
+                try:
+                    seconds = run_stage(name, recipe, overrides)
+                except SystemExit as failed:
+                    if name not in optional:
+                        raise
+                    log.warning("%s; the run goes on without it (serve=false leaves it out)", failed)
+                    continue
                 write_json(marker_file, {"format": MARKER_FORMAT, "fingerprint": fingerprint, "overrides": overrides,
                                          "inputs": inputs, "run": uuid.uuid4().hex[:16],
                                          "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": seconds})
@@ -267,6 +304,8 @@ def end_summary(run_dir: str | Path, head: str, offline: bool, target_here: str 
               ("trained head", run / "train" / head / "head"),
               ("training summary", run / "train" / head / "train_summary.json"),
               ("evaluation report", report), ("export", export)]
+    if (run / "serve" / head).is_dir():  # the serve stage ran (or tried)
+        places.append(("engine report", run / "serve" / head / "serve_report.md"))
     L += [f"specheads run: {run} ({head})", ""]
     for label, path in places:
         if path is not None:
@@ -286,7 +325,9 @@ def local_target_folder(name_or_path: str) -> str | None:
 @hydra.main(config_path="../conf", config_name="pipeline", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     t0 = time.time()
-    run_stages(stage_commands(cfg), Path(cfg.run_dir), cfg.only)
+    setting = True if cfg.only == "serve" and cfg.serve == "auto" else cfg.serve  # only=serve: asked for
+    serve = serve_stage_wanted(setting, cfg.head) if cfg.only in (None, "serve") else False
+    run_stages(stage_commands(cfg, serve), Path(cfg.run_dir), cfg.only, optional=("serve",) if setting == "auto" else ())
     OmegaConf.save(cfg, Path(cfg.run_dir) / "pipeline.yaml")
     log.info("pipeline finished in %.1f min; run folder: %s", (time.time() - t0) / 60, cfg.run_dir)
     print(end_summary(cfg.run_dir, cfg.head, cfg.offline, local_target_folder(str(cfg.target.name_or_path))))

@@ -46,6 +46,7 @@ class ServeEvalSchema:
     output_dir: str = "runs/default/serve_eval"
     num_speculative_tokens: int = 3
     eval_report: Optional[str] = None
+    same_prompts: bool = True
     plain: bool = True
     url: Optional[str] = None
     plain_url: Optional[str] = None
@@ -90,6 +91,12 @@ def run(cfg: DictConfig) -> dict:
     drafter = "medusa" if str(drafter).startswith("medusa") else drafter
     eval_report = se.read_eval_report(cfg.eval_report) if cfg.eval_report else None
     prompts = prompt_set(cfg)
+    if eval_report is not None and cfg.same_prompts:
+        scored = se.report_prompts(prompts, eval_report, cfg.eval_report)
+        if scored is None:
+            log.warning("the evaluation report does not list its prompts (evaluate again to record them): decoding "
+                        "every prompt of the eval.* settings")
+        prompts = scored or prompts
     if eval_report is not None and eval_report.get("num_prompts") != len(prompts):
         log.warning("the evaluation report scored %s prompts, this run %d: give the same eval.* settings for a "
                     "comparison on the same prompts", eval_report.get("num_prompts"), len(prompts))

@@ -11,7 +11,8 @@ from specheads.data.store import atomic_write_json
 from specheads.hardware import cpu_description
 
 SUMMARY_FILE = "run_summary.json"
-STAGES = ("prepare", "collect", "train", "evaluate", "export")
+STAGES = ("prepare", "collect", "train", "evaluate", "export", "serve")
+MAIN_JOB = STAGES[:5]  # the main job's time; serve (the export in vLLM, when its venv exists) is counted apart
 
 
 def _json(path: Path) -> dict | None:
@@ -38,7 +39,7 @@ def summarize(run_dir: str | Path, head: str, offline: bool) -> dict:
     run = Path(run_dir)
     seconds = stage_seconds(run, head)
     out: dict = {"machine": cpu_description(), "head": head, "stages_s": seconds,
-                 "total_min": round(sum(seconds.values()) / 60, 1)}
+                 "total_min": round(sum(v for k, v in seconds.items() if k in MAIN_JOB) / 60, 1)}
     manifest = _json(run / "features" / "manifest.json") if offline else None
     if manifest:
         source = manifest.get("source") or {}
@@ -58,7 +59,23 @@ def summarize(run_dir: str | Path, head: str, offline: bool) -> dict:
         out["evaluate"] = {"prompts": report.get("num_prompts"), "max_new_tokens": report.get("max_new_tokens"),
                            "target_dtype": report.get("target_dtype"), "dtype_choice": report.get("target_dtype_choice"),
                            "lossless": "exact" if lossless and all(lossless) else ("MISMATCH" if lossless else None)}
+    served = _json(run / "serve" / head / "serve_report.json")
+    if served and seconds.get("serve") is not None:  # this run's serve stage finished
+        out["serve"] = serve_record(served)
     return out
+
+
+def serve_record(report: dict) -> dict:
+    """The engine's figures over all prompts (``serve_report.json``), beside the evaluator's τ for the same chain."""
+    every = report["domains"]["all"]
+    spec, plain = every["spec"], every.get("plain") or {}
+    beside = ((report.get("evaluator") or {}).get("domains") or {}).get("all") or {}
+    return {"engine": f"{report['engine'].get('name', 'vLLM')} {report['engine'].get('version', '')}".strip(),
+            "prompts": report["num_prompts"], "num_speculative_tokens": report["num_speculative_tokens"],
+            "tau": spec["tau"], "tau_evaluator": beside.get("tau_evaluator"), "flagged": beside.get("tau_flagged"),
+            "reach": spec["reach"], "tokens_per_s": spec["tokens_per_s"], "plain_tokens_per_s": plain.get("tokens_per_s"),
+            "speedup": every.get("speedup"),
+            "greedy_identical": f"{every['identical']}/{every['compared']}" if "identical" in every else None}
 
 
 def write_summary(run_dir: str | Path, head: str, offline: bool) -> tuple[dict, list[str]]:
@@ -89,4 +106,12 @@ def summary_lines(record: dict) -> list[str]:
     if e:
         L.append(f"  evaluate: {e['prompts']} prompts x {e['max_new_tokens']} tokens, target "
                  f"{str(e['target_dtype']).removeprefix('torch.')}, lossless {e['lossless']}")
+    v = record.get("serve")
+    if v:
+        beside = f" (evaluator {v['tau_evaluator']:.2f})" if v.get("tau_evaluator") is not None else ""
+        rate = (f", {v['tokens_per_s']:.1f} tokens/s against plain {v['plain_tokens_per_s']:.1f} ({v['speedup']:.2f}x)"
+                if v.get("speedup") else "")
+        same = f", greedy identical {v['greedy_identical']}" if v.get("greedy_identical") else ""
+        L.append(f"  serve: {v['engine']}, {v['prompts']} prompts, chain of {v['num_speculative_tokens']}: "
+                 f"τ {v['tau']:.2f}{beside}{rate}{same}")
     return L

@@ -208,3 +208,56 @@ def test_end_summary_lists_the_outputs_the_table_and_the_serve_lines(tmp_path):
     assert vllm in text and text.rstrip().splitlines()[-1].lstrip().startswith("vllm serve ")  # speculators/
     assert "--speculative-draft-model-path " + str(run / "export" / "eagle3" / "sglang") in text
     assert pipeline.local_target_folder("smollm2") is None
+
+
+def test_the_serve_stage_ends_the_run_on_the_evaluations_prompts(tmp_path, launches):
+    """With vLLM's venv, the run ends by serving the vllm/ export beside the evaluation report, with the
+    evaluation's eval.* settings (its stage list's and the command line's) and nothing else of its list."""
+    plain = real_commands(tmp_path)
+    assert [n for n, _, _ in plain] == list(STAGES)
+    served = pipeline.stage_commands(*_composed(tmp_path, 'extra.evaluate=["eval.max_new_tokens=8"]',
+                                                'extra.serve=["num_speculative_tokens=5"]'), serve=True)
+    assert [n for n, _, _ in served] == [*STAGES, "serve"] and served[:5] != plain[:5]  # extra.evaluate differs
+    name, recipe, args = served[-1]
+    assert recipe == "serve_eval.py"
+    for item in (f"export_dir={tmp_path / 'export' / 'eagle3' / 'vllm'}",
+                 f"eval_report={tmp_path / 'eval' / 'eagle3' / 'report.json'}",
+                 f"output_dir={tmp_path / 'serve' / 'eagle3'}", f"eval.chat_dir={tmp_path / 'prepared'}",
+                 "eval.humaneval=2", "eval.max_minutes=7", "eval.max_new_tokens=8", "num_speculative_tokens=5"):
+        assert item in args, item
+    assert args.index("eval.max_new_tokens=32") < args.index("eval.max_new_tokens=8")  # the command line's last
+    assert not [a for a in args if a.startswith(("baselines", "head_", "serving."))]
+
+
+def _composed(run_dir, *overrides):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return (compose("pipeline", overrides=[f"run_dir={run_dir}", *overrides]),)
+
+
+def test_a_failing_serve_stage_under_auto_leaves_the_run_standing(tmp_path, launches):
+    """serve=auto: a failed serve stage is reported, left unmarked (a re-run tries it again), the run goes on;
+    asked for (serve=true): it fails the run like any stage."""
+    st = stages(tmp_path) + [("serve", "serve_eval.py", [f"output_dir={tmp_path / 'serve' / 'eagle3'}"])]
+    launches_fail = pipeline.subprocess.run
+    launches_fail.fail = {"specheads.recipes.serve_eval": 2}
+    assert pipeline.run_stages(st, tmp_path, optional=("serve",)) == list(STAGES)
+    assert not (tmp_path / ".done" / "serve.eagle3.json").exists()
+    assert pipeline.run_stages(st, tmp_path, optional=("serve",)) == ["serve"]  # tried again, now it works
+    launches_fail.fail = {"specheads.recipes.serve_eval": 2}
+    with pytest.raises(SystemExit, match="stage 'serve' failed"):
+        pipeline.run_stages(stages(tmp_path / "b") + [("serve", "serve_eval.py", [])], tmp_path / "b")
+
+
+def test_serve_auto_follows_the_engine_venv(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setenv("SPECHEADS_ENGINE_VENV", str(tmp_path / "none"))
+    assert pipeline.serve_stage_wanted("auto", "eagle3") is False
+    assert pipeline.serve_stage_wanted(True, "eagle3") is True and pipeline.serve_stage_wanted(False, "x") is False
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").symlink_to(ROOT / "tests" / "serving" / "fake_python.sh")
+    monkeypatch.setenv("SPECHEADS_ENGINE_VENV", str(tmp_path / "venv"))
+    assert pipeline.serve_stage_wanted("auto", "eagle3") is True
+    with pytest.raises(SystemExit, match="serve=maybe: use serve=auto"):
+        pipeline.serve_stage_wanted("maybe", "eagle3")

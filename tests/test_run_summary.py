@@ -47,3 +47,23 @@ def test_a_mismatch_is_named_and_missing_stages_are_left_out(tmp_path):
     record = summarize(run, "eagle3", offline=True)
     assert record["evaluate"]["lossless"] == "MISMATCH"
     assert "collect" not in record and "train" not in record and record["stages_s"] == {}
+
+
+def test_the_engines_figures_end_the_run_beside_the_evaluators_and_apart_from_its_time(tmp_path):
+    run = tmp_path / "run"
+    for key, s in (("prepare", 60.0), ("export.eagle3", 60.0), ("serve.eagle3", 300.0)):
+        _write(run / ".done" / f"{key}.json", {"seconds": s})
+    every = {"prompts": 12, "spec": {"tau": 1.35, "reach": [0.3, 0.05, 0.0], "tokens_per_s": 9.0},
+             "plain": {"tokens_per_s": 10.0}, "speedup": 0.9, "identical": 12, "compared": 12}
+    report = {"engine": {"name": "vLLM", "version": "0.32.0"}, "num_prompts": 12, "num_speculative_tokens": 3,
+              "domains": {"all": every}, "evaluator": {"domains": {"all": {"tau_evaluator": 1.34, "tau_flagged": False}}}}
+    _write(run / "serve" / "eagle3" / "serve_report.json", report)
+    record, lines = write_summary(run, "eagle3", offline=True)
+    assert record["total_min"] == 2.0 and record["stages_s"]["serve"] == 300.0  # the main job's time without serve
+    assert record["serve"] == {"engine": "vLLM 0.32.0", "prompts": 12, "num_speculative_tokens": 3, "tau": 1.35,
+                               "tau_evaluator": 1.34, "flagged": False, "reach": [0.3, 0.05, 0.0], "tokens_per_s": 9.0,
+                               "plain_tokens_per_s": 10.0, "speedup": 0.9, "greedy_identical": "12/12"}
+    assert ("serve: vLLM 0.32.0, 12 prompts, chain of 3: τ 1.35 (evaluator 1.34), 9.0 tokens/s against plain 10.0 "
+            "(0.90x), greedy identical 12/12") in "\n".join(lines)
+    (run / ".done" / "serve.eagle3.json").unlink()  # a report left by an earlier run: not this run's figures
+    assert "serve" not in write_summary(run, "eagle3", offline=True)[0]

@@ -169,7 +169,8 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     ids, plain = _plain_pass(target, runner, prompts, cfg, eos, progress)
     plain = _plain_passes(runner, prompts, ids, plain, cfg, eos, progress)
     plain_seconds = time.perf_counter() - t0
-    report = {"target": target.name, "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
+    report = {"target": target.name, "num_prompts": len(prompts), "prompt_ids": [p.id for p in prompts],
+              "max_new_tokens": cfg.max_new_tokens,
               "temperatures": list(cfg.temperatures), "target_params": _nparams(target.model),
               "repeats": cfg.repeats, "paired": cfg.paired, "plain": _timed_rows(plain[0.0]),
               "plain_by_temperature": {str(T): _timed_rows(passes) for T, passes in plain.items()},

@@ -146,6 +146,23 @@ def read_eval_report(path: str | Path) -> dict:
     return report
 
 
+def report_prompts(prompts: list[EvalPrompt], report: dict, where: str) -> list[EvalPrompt] | None:
+    """The prompts the evaluation report scored (its ``prompt_ids``), in the set's order: the engine decodes the
+    same ones. None when the report does not list them (written before it did); a ``UserError`` naming the ids
+    this prompt set lacks (other ``eval.*`` settings than the evaluation's)."""
+    ids = report.get("prompt_ids")
+    if ids is None:
+        return None
+    loaded = {p.id for p in prompts}
+    missing = [i for i in ids if i not in loaded]
+    if missing:
+        raise UserError(f"eval_report={where} scored {len(missing)} prompt(s) these eval.* settings do not load "
+                        f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): give the evaluation's eval.* "
+                        "settings, or same_prompts=false to decode this set")
+    wanted = set(ids)
+    return [p for p in prompts if p.id in wanted]
+
+
 def chain_method(report: dict, drafter: str, k: int) -> dict | None:
     """The report's method that drafts a greedy chain of at least ``k`` with ``drafter`` (no n-gram branch),
     vLLM's serving profile first, then the shortest such chain; None when it measured none."""

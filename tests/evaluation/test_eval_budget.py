@@ -56,9 +56,10 @@ def test_a_tight_budget_evaluates_the_prompts_it_fits_and_a_wide_one_all(monkeyp
     report = evaluate(tgt, cfg, resized=sizes.append)
     b = report["budget"]
     assert b["prompts"] == 1 == report["num_prompts"] == sizes[0] and b["of"] == 6 and b["decode_s"] > 0
+    assert report["prompt_ids"] == [real_load(spec)[0].id]  # the scored prompts, for serve-eval to decode the same
     assert report["methods"][0]["lossless"]["checked"] == 1
     write_report(report, tmp_path)
     assert "1 prompts (of 6: what its 1e-06-minute budget fits" in (tmp_path / "report.md").read_text()
     cfg.max_minutes = 1e4
     wide = evaluate(tgt, cfg)
-    assert wide["budget"]["prompts"] == 6 == wide["num_prompts"]
+    assert wide["budget"]["prompts"] == 6 == wide["num_prompts"] == len(wide["prompt_ids"])

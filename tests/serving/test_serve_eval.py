@@ -129,6 +129,16 @@ def test_read_eval_report_errors(tmp_path):
         se.read_eval_report(tmp_path)
 
 
+def test_the_engine_decodes_the_prompts_the_evaluation_scored():
+    """An evaluation budget may score fewer prompts than the set: the engine decodes those, in the set's order."""
+    report = {"prompt_ids": ["HumanEval/0", "mtbench/81/t1"]}
+    assert [p.id for p in se.report_prompts(PROMPTS, report, "r.json")] == ["mtbench/81/t1", "HumanEval/0"]
+    assert se.report_prompts(PROMPTS, {"methods": []}, "r.json") is None  # an older report: not listed
+    with pytest.raises(se.UserError, match=r"r.json scored 1 prompt\(s\) these eval.\* settings do not load "
+                                           r"\(chat/7\)"):
+        se.report_prompts(PROMPTS, {"prompt_ids": ["chat/7", "HumanEval/0"]}, "r.json")
+
+
 # ------------------------------------------------------------------ the recipe through the CLI
 
 
@@ -175,6 +185,14 @@ def test_recipe_end_to_end_with_a_stand_in_engine(tmp_path):
     assert every["spec"]["reach"] == [1.0, 0.0, 0.0] and every["speedup"] == pytest.approx(2.0)
     assert "fake engine log" in (tmp_path / "out" / "engine_spec.log").read_text()
     assert "| all | 8 | 2.00 |" in proc.stdout
+    # beside an evaluation that scored 2 of these prompts: the engine decodes those 2
+    ids = [p["id"] for p in report["per_prompt"]][2:4]
+    (tmp_path / "report.json").write_text(json.dumps({"num_prompts": 2, "prompt_ids": ids, "methods": []}))
+    proc = serve_eval(f"export_dir={export}", f"vllm.python={FAKE_PYTHON}", f"output_dir={tmp_path / 'two'}",
+                      f"eval_report={tmp_path / 'report.json'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "serve_report.json").read_text())
+    assert [p["id"] for p in two["per_prompt"]] == ids and "scored" not in proc.stderr
 
 
 @pytest.mark.slow
