@@ -118,7 +118,8 @@ def run(cfg: DictConfig) -> dict:
 
 def _offline(cfg, head, k, prompts, tokenizer, max_new, template_kwargs):
     from specheads.serving import serve_eval as se
-    from specheads.serving.engine import EngineProcess, engine_settings, find_engine, speculative_config
+    from specheads.serving.engine import (EngineProcess, EngineRefusedError, engine_settings, find_engine,
+                                          speculative_config)
     from specheads.targets import resolve_target_path
 
     engine = find_engine(cfg.vllm.python)
@@ -142,6 +143,12 @@ def _offline(cfg, head, k, prompts, tokenizer, max_new, template_kwargs):
         decoders = {name: se.EngineDecoder(p) for name, p in zip(logs, procs)}
         runs = se.decode_prompts(prompts, tokenizer, decoders["spec"], max_new, decoders.get("plain"), template_kwargs,
                                  progress=log.info)
+    except EngineRefusedError as refused:  # recorded: the report says which engine refused the head, and why
+        se.write_report(se.refusal_report(str(refused), {
+            "engine": {"name": "vLLM", "version": engine.version, "python": engine.python, "env": env, "logs": logs},
+            "method": head.method, "export_dir": str(head.folder), "target": str(model), "dtype": cfg.vllm.dtype,
+            "speculative_config": speculative_config(head, k)}, k), out)
+        raise
     finally:
         for p in procs:
             p.close()

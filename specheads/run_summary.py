@@ -60,18 +60,21 @@ def summarize(run_dir: str | Path, head: str, offline: bool) -> dict:
                            "target_dtype": report.get("target_dtype"), "dtype_choice": report.get("target_dtype_choice"),
                            "lossless": "exact" if lossless and all(lossless) else ("MISMATCH" if lossless else None)}
     served = _json(run / "serve" / head / "serve_report.json")
-    if served and seconds.get("serve") is not None:  # this run's serve stage finished
+    tried = seconds.get("serve") is not None or (run / ".done" / f"serve.{head}.started.json").is_file()
+    if served and tried:  # this run's serve stage finished, or failed (an engine's refusal is recorded)
         out["serve"] = serve_record(served)
     return out
 
 
 def serve_record(report: dict) -> dict:
     """The engine's figures over all prompts (``serve_report.json``), beside the evaluator's τ for the same chain."""
+    engine = f"{report['engine'].get('name', 'vLLM')} {report['engine'].get('version', '')}".strip()
+    if report.get("refused"):
+        return {"engine": engine, "refused": report["refused"]}
     every = report["domains"]["all"]
     spec, plain = every["spec"], every.get("plain") or {}
     beside = ((report.get("evaluator") or {}).get("domains") or {}).get("all") or {}
-    return {"engine": f"{report['engine'].get('name', 'vLLM')} {report['engine'].get('version', '')}".strip(),
-            "prompts": report["num_prompts"], "num_speculative_tokens": report["num_speculative_tokens"],
+    return {"engine": engine, "prompts": report["num_prompts"], "num_speculative_tokens": report["num_speculative_tokens"],
             "tau": spec["tau"], "tau_evaluator": beside.get("tau_evaluator"), "flagged": beside.get("tau_flagged"),
             "reach": spec["reach"], "tokens_per_s": spec["tokens_per_s"], "plain_tokens_per_s": plain.get("tokens_per_s"),
             "speedup": every.get("speedup"),
@@ -107,7 +110,9 @@ def summary_lines(record: dict) -> list[str]:
         L.append(f"  evaluate: {e['prompts']} prompts x {e['max_new_tokens']} tokens, target "
                  f"{str(e['target_dtype']).removeprefix('torch.')}, lossless {e['lossless']}")
     v = record.get("serve")
-    if v:
+    if v and v.get("refused"):
+        L.append(f"  serve: {v['engine']} refused the head: {v['refused']}")
+    elif v:
         beside = f" (evaluator {v['tau_evaluator']:.2f})" if v.get("tau_evaluator") is not None else ""
         rate = (f", {v['tokens_per_s']:.1f} tokens/s against plain {v['plain_tokens_per_s']:.1f} ({v['speedup']:.2f}x)"
                 if v.get("speedup") else "")

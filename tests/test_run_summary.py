@@ -67,3 +67,14 @@ def test_the_engines_figures_end_the_run_beside_the_evaluators_and_apart_from_it
             "(0.90x), greedy identical 12/12") in "\n".join(lines)
     (run / ".done" / "serve.eagle3.json").unlink()  # a report left by an earlier run: not this run's figures
     assert "serve" not in write_summary(run, "eagle3", offline=True)[0]
+
+
+def test_an_engines_refusal_ends_the_run_with_its_message(tmp_path):
+    run = tmp_path / "run"
+    _write(run / ".done" / "serve.eagle3.started.json", {"fingerprint": "x"})  # the stage ran and failed
+    _write(run / "serve" / "eagle3" / "serve_report.json", {
+        "engine": {"name": "vLLM", "version": "0.32.0"}, "refused": "vLLM did not start: RuntimeError: Model does "
+        "not support EAGLE3 interface", "num_prompts": 0, "num_speculative_tokens": 3, "domains": {}})
+    record, lines = write_summary(run, "eagle3", offline=True)
+    assert record["serve"]["refused"].endswith("Model does not support EAGLE3 interface")
+    assert "serve: vLLM 0.32.0 refused the head: vLLM did not start" in "\n".join(lines)

@@ -233,6 +233,12 @@ def build_report(runs: list[PromptRun], k: int, context: dict, eval_report: dict
     return report
 
 
+def refusal_report(message: str, context: dict, k: int) -> dict:
+    """The report of a head the engine would not load: the engine's own message, with what it was given."""
+    return {"format": FORMAT, **context, "refused": message, "num_prompts": 0, "num_speculative_tokens": k,
+            "domains": {}}
+
+
 def _f(x, nd: int = 2) -> str:
     return "–" if x is None else f"{x:.{nd}f}"
 
@@ -240,6 +246,10 @@ def _f(x, nd: int = 2) -> str:
 def markdown(report: dict) -> str:
     eng = report.get("engine", {})
     k = report["num_speculative_tokens"]
+    if report.get("refused"):
+        return (f"# {eng.get('name', 'vLLM')} {eng.get('version', '')} refused the {report.get('method')} head\n\n"
+                f"Target {report.get('target')} ({report.get('dtype')}), head {report.get('export_dir')}, "
+                f"speculative_config `{json.dumps(report.get('speculative_config'))}`.\n\n{report['refused']}\n")
     lines = [f"# Served by {eng.get('name', 'vLLM')} {eng.get('version', '')}: {report.get('method')} head, chain of {k}",
              "", f"{report['num_prompts']} prompts, max_new_tokens {report.get('max_new_tokens')}, greedy, batch 1; "
              f"target {report.get('target')} ({report.get('dtype')}); head {report.get('export_dir')}.", ""]

@@ -219,6 +219,9 @@ def test_user_errors_are_one_line_before_any_engine(tmp_path):
     line = one_line(serve_eval(f"export_dir={refused}", f"vllm.python={FAKE_PYTHON}", "plain=false",
                                f"output_dir={tmp_path / 'r' / 'out'}", cwd=tmp_path))
     assert "vLLM did not start" in line and "Unsupported speculative method: 'medusa'" in line and "engine log:" in line
+    kept = json.loads((tmp_path / "r" / "out" / "serve_report.json").read_text())  # the refusal is recorded
+    assert "Unsupported speculative method: 'medusa'" in kept["refused"] and kept["method"] == "eagle3"
+    assert "refused the eagle3 head" in (tmp_path / "r" / "out" / "serve_report.md").read_text()
     assert not (tmp_path / "out").exists()
 
 
