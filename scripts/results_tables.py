@@ -72,13 +72,24 @@ def results_table(data: dict) -> str:
                and _family(m["method"]) not in families]
         rows += [(m, run) for m in new]
         seen |= {m["method"] for m in new}
-    lines = ["| method | shape | τ | α | CPU speed-up T=0 | T=1 | measured |", "|---|---|---|---|---|---|---|"]
+    lines = ["| method | shape | τ | α | CPU speed-up T=0 | T=1 | served by vLLM | measured |",
+             "|---|---|---|---|---|---|---|---|"]
     for m, run in rows:
         where = run.get("source", "docs/benchmarks.md")
         lines.append(f"| {METHOD_NAMES[m['method']]} | {m.get('shape') or '–'} | {_f(m.get('tau'))} | "
                      f"{_f(m.get('alpha'))} | {_x(m.get('speedup'))} | {_x(m.get('t1_speedup'))} | "
-                     f"{run['date']}, commit {_commit(run)}, [{Path(where).stem}]({where}) |")
+                     f"{served_cell(run, m['method'])} | {run['date']}, commit {_commit(run)}, "
+                     f"[{Path(where).stem}]({where}) |")
     return "\n".join(lines)
+
+
+def served_cell(run: dict, method: str) -> str:
+    """The engine's figures for the method it served in the run's serve stage (``served``: the same head and
+    chain), as τ, its speed-up on that engine and the outputs identical to its plain decoding."""
+    s = run.get("served")
+    if not s or s.get("method") != method:
+        return "–"
+    return f"τ {_f(s['tau'])}, {_x(s.get('speedup'))}, identical {s['identical']} ({s['engine']})"
 
 
 def _stage_times(run: dict) -> str:

@@ -64,6 +64,17 @@ def test_a_changed_figure_changes_the_rendered_tables():
         rt.render("no markers here", "results", "new")
 
 
+def test_the_engines_figures_sit_on_the_row_of_the_method_it_served():
+    rt = _script()
+    data = copy.deepcopy(rt.load())
+    main = rt.latest_main_job(data)
+    main["served"] = {"engine": "vLLM 0.32.0", "method": main["methods"][-1]["method"], "tau": 1.37, "speedup": 0.8,
+                      "identical": "12/12"}
+    rows = rt.results_table(data).splitlines()[2:]
+    cells = [r for r in rows if "τ 1.37, 0.80×, identical 12/12 (vLLM 0.32.0)" in r]
+    assert len(cells) == 1 and cells[0].startswith(f"| {rt.METHOD_NAMES[main['methods'][-1]['method']]} |")
+
+
 def test_results_table_rows_name_their_run():
     rt = _script()
     data = rt.load()
