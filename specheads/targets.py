@@ -752,24 +752,16 @@ def load_target(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specheads import chat_templates
-    from specheads.hardware import DTYPES, Choice, choose_dtype, resolve_device
+    from specheads.hardware import DTYPES, Choice, choose_dtype, cpu_bf16_supported, resolve_device
 
     global _TP_LAYOUT
     device = resolve_device(device)
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
-    choice = None
     on_gpu = torch.device(device).type == "cuda" or (str(parallel) != "none" and torch.cuda.is_available())
-    if dtype == "auto":
-        choice = choose_dtype("auto", "cuda" if on_gpu else "cpu")  # the GPU's answer, or the CPU's before a probe
-        load_dtype = DTYPES[choice.value] if on_gpu else torch.float32
-    elif dtype in DTYPES:
-        choice, load_dtype = Choice(dtype, "as set"), DTYPES[dtype]
-    else:
-        from specheads.errors import ConfigError
-
-        raise ConfigError(f"target.dtype={dtype!r}: use auto, {', '.join(DTYPES)}")
-    dtype = load_dtype
+    # as set, or the GPU's answer; None: auto on the CPU, decided below on the model loaded in float32
+    choice = None if dtype == "auto" and not on_gpu else choose_dtype(dtype, "cuda" if on_gpu else "cpu")
+    dtype = DTYPES[choice.value] if choice else torch.float32
     mode = str(parallel or "none").lower()
     if mode not in PARALLEL_MODES:
         raise ValueError(f"target.parallel={parallel!r}: use one of {', '.join(PARALLEL_MODES)}")
@@ -796,10 +788,9 @@ def load_target(
         _TP_LAYOUT = layout
         log.info("tensor-parallel target: %s", layout.describe())
     model.eval().requires_grad_(False)
-    if choice.reason == "CPU, nothing to probe" and mode != "none":  # ranks of one split model must agree
-        choice = Choice("float32", "split target on the CPU")
-    elif choice.reason == "CPU, nothing to probe":  # auto on a CPU with bfloat16 kernels: time both on this model
-        choice = choose_dtype("auto", "cpu", model, rows=probe_rows)
+    if choice is None:  # bfloat16 where a probe of this model's own layers is faster (and the CPU has its kernels)
+        choice = (choose_dtype("auto", "cpu", model, rows=probe_rows) if mode == "none" or not cpu_bf16_supported()
+                  else Choice("float32", "split target on the CPU (its ranks must agree)"))
         if choice.value != "float32":
             model.to(DTYPES[choice.value])
     log.info("%s", choice.line("target dtype"))

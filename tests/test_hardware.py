@@ -94,6 +94,8 @@ def test_load_target_auto_loads_on_the_cpu_in_the_chosen_dtype(monkeypatch):
     choice = target.dtype_choice
     assert target.dtype == getattr(torch, choice.value) and choice.value == min(choice.seconds, key=choice.seconds.get)
     assert load_target("smollm2", "bfloat16", "cpu").dtype_choice == Choice("bfloat16", "as set")
+    split = load_target("smollm2", "auto", "cpu", parallel="device_map")  # no probe: its ranks must agree
+    assert split.dtype == torch.float32 and split.dtype_choice.reason == "split target on the CPU (its ranks must agree)"
 
 
 def test_target_rows_in_bfloat16_score_a_float32_head_state():
