@@ -367,8 +367,9 @@ def check_disk_space(root: Path, needed: int) -> None:
 
 
 def _estimate(target, spec, tokens: TokenDataset, batches: list[list[int]], todo_tokens: int,
-              header: dict, opts: CollectOptions, root: Path) -> None:
-    """Log the store size and, from one timed forward, the collection time; check the disk."""
+              header: dict, opts: CollectOptions, root: Path, rate: float | None = None) -> None:
+    """Log the store size and the collection time, at ``rate`` tokens/s (a time budget's measured rate) or from one
+    timed forward; check the disk."""
     needed = todo_tokens * header["bytes_per_token"]
     log.info("feature store %s: %d samples, %d tokens, %s, %d B/token -> ~%.3f GiB in all; rank %d/%d writes ~%.3f GiB",
              root, header["num_samples"], header["num_tokens"], header["dtype"], header["bytes_per_token"],
@@ -377,14 +378,16 @@ def _estimate(target, spec, tokens: TokenDataset, batches: list[list[int]], todo
         check_disk_space(root, needed)
     if not batches or not opts.estimate_time:
         return
-    probe = batches[len(batches) // 2][:4]  # a few mid-length samples: cheap, and time scales with tokens
-    batch = collate_features(tokens.rows(probe))
-    t0 = time.perf_counter()
-    compute_features(target, batch, spec, argmax=spec.need_last)
-    rate = batch["input_ids"].numel() / max(time.perf_counter() - t0, 1e-9)
+    how = "the budget's measured rate"
+    if not rate:
+        probe = batches[len(batches) // 2][:4]  # a few mid-length samples: cheap, and time scales with tokens
+        batch = collate_features(tokens.rows(probe))
+        t0 = time.perf_counter()
+        compute_features(target, batch, spec, argmax=spec.need_last)
+        rate, how = batch["input_ids"].numel() / max(time.perf_counter() - t0, 1e-9), "one timed batch"
     padded = sum(len(b) * max(tokens.lengths[i] for i in b) for b in batches)
-    log.info("estimated collection time for rank %d: ~%.1f min (%d padded tokens at ~%.0f tokens/s, one timed batch)",
-             opts.rank, padded / rate / 60, padded, rate)
+    log.info("estimated collection time for rank %d: ~%.1f min (%d padded tokens at ~%.0f tokens/s, %s)",
+             opts.rank, padded / rate / 60, padded, rate, how)
 
 
 def _within_budget(target, spec, dataset, tokens: TokenDataset, opts: CollectOptions, root: Path, source):
@@ -441,7 +444,8 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
     todo = [s for s in mine if not shard_is_done(root, s, header["plan_hash"], opts.verify_done)]
     plan = {s: length_batches(shards[s], tokens.lengths, opts.batch_tokens, opts.max_batch_size) for s in todo}
     todo_tokens = sum(tokens.lengths[i] for s in todo for i in shards[s])
-    _estimate(target, spec, tokens, [b for s in todo for b in plan[s]], todo_tokens, header, opts, root)
+    budget_rate = ((source or {}).get("budget") or {}).get("tokens_per_s") if opts.max_minutes is not None else None
+    _estimate(target, spec, tokens, [b for s in todo for b in plan[s]], todo_tokens, header, opts, root, budget_rate)
     log.info("rank %d: %d of its %d shards to do (%d finished already)", opts.rank, len(todo), len(mine),
              len(mine) - len(todo))
     t0 = time.perf_counter()

@@ -111,3 +111,23 @@ def test_a_non_positive_budget_is_refused(tiny_target, prepared, tmp_path):
     with pytest.raises(ValueError, match="max_minutes"):
         collect(tiny_target, prepared, tmp_path / "s", max_minutes=0)
 
+
+
+def test_the_time_estimate_uses_the_budgets_rate_without_another_timed_forward(tiny_target, prepared, tmp_path,
+                                                                                monkeypatch, caplog):
+    """The budget's probe measured the rate: the estimate reuses it, no extra forward is timed for it."""
+    import logging
+
+    import specheads.data.features as features
+
+    calls = []
+    real = features.compute_features
+    monkeypatch.setattr(features, "compute_features", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    caplog.set_level(logging.INFO, logger=features.log.name)
+    collect(tiny_target, prepared, tmp_path / "plain", estimate_time=True)
+    assert "one timed batch" in caplog.text
+    unbudgeted, calls[:] = len(calls), []  # the collection's batches + the estimate's one
+    caplog.clear()
+    collect(tiny_target, prepared, tmp_path / "s", max_minutes=1e6, estimate_time=True)
+    assert len(calls) == unbudgeted - 1 + 4  # the same batches, the budget's warm-up and 3 timed runs, nothing else
+    assert "the budget's measured rate" in caplog.text and "one timed batch" not in caplog.text
