@@ -49,7 +49,8 @@ def run(cfg: DictConfig) -> str:
     path = export_head(cfg.head_dir, output_dir, engine=cfg.engine, target=cfg.target.name_or_path,
                        eval_report=cfg.eval_report, data=cfg.training_data, dtype=cfg.dtype, spec_tokens=cfg.spec_tokens,
                        overwrite=cfg.overwrite, push_to_hub=cfg.push_to_hub, target_id=cfg.target_id,
-                       hub_private=cfg.hub_private, push_dry_run=cfg.push_dry_run)
+                       hub_private=cfg.hub_private, push_dry_run=cfg.push_dry_run,
+                       chat_template=cfg.target.get("chat_template"))
     lines = exported_lines(path, cfg.target_id or (cfg.target.name_or_path
                                                    if Path(cfg.target.name_or_path).expanduser().is_dir() else None))
     print(f"exported {cfg.head_dir} -> {path} (model card: README.md in each engine folder)\n\n"

@@ -7,14 +7,18 @@
 - a model folder or hub id whose tokenizer has a template.
 
 Every stage applies it to the target's tokenizer as it loads it (``apply``), so the prepared data's tokenizer
-fingerprint, the masks and the evaluation's prompts all use it; the export names it for the engines
-(``--chat-template``).
+fingerprint, the masks and the evaluation's prompts all use it; the export carries it to the engines (``to_carry``: a
+``chat_template.jinja`` beside the head, named by the serve lines' ``--chat-template``) where the target's own
+tokenizer lacks it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata as md
+import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from specheads.errors import UserError
@@ -90,3 +94,76 @@ def apply(tokenizer, spec: str | None):
 def model_of(spec: str | None) -> str | None:
     """The model a shipped template comes from (for model cards), else None."""
     return SHIPPED[spec][3] if spec in SHIPPED else None
+
+
+# --------------------------------------------------------------------------- carried to an export
+
+TEMPLATE_FILE = "chat_template.jinja"  # beside the exported head: what ``--chat-template`` names
+
+
+@dataclass(frozen=True)
+class CarriedTemplate:
+    """A ``target.chat_template`` an export must carry: the engines would otherwise serve the target with its
+    own tokenizer's template (or none), not the one the head was trained on.
+
+    text: the template; source: where it came from, with no path of this machine (``shipped:gemma3``, a file's
+    name, a model id); replaces: the target's tokenizer has a template of its own, a different one."""
+
+    text: str
+    source: str
+    replaces: bool = False
+    model: str | None = None  # the hub model a shipped template comes from
+
+    @property
+    def sha(self) -> str:
+        """The prepared metadata's ``chat_template_sha`` of a tokenizer with this template."""
+        return template_sha(self.text)
+
+    def record(self) -> dict:
+        return {"file": TEMPLATE_FILE, "source": self.source, "model": self.model, "sha": self.sha,
+                "replaces_own": self.replaces}
+
+
+def template_sha(text: str | None) -> str:
+    """``specheads.data.render.chat_template_sha`` of a tokenizer whose template is ``text``."""
+    return hashlib.sha256((text or "").encode()).hexdigest()[:16]
+
+
+def own_template(name_or_path: str) -> tuple[bool, str | None]:
+    """(known, text): the chat template the target's own tokenizer has (None: none), without loading it when
+    ``name_or_path`` is a folder (``chat_template.jinja``, ``chat_template.json`` or ``tokenizer_config.json``);
+    ``known`` is False when neither its files nor its tokenizer can be read."""
+    folder = Path(str(name_or_path)).expanduser()
+    if folder.is_dir():
+        if (folder / TEMPLATE_FILE).is_file():
+            return True, (folder / TEMPLATE_FILE).read_text(encoding="utf-8")
+        for name in ("chat_template.json", "tokenizer_config.json"):
+            try:
+                text = json.loads((folder / name).read_text(encoding="utf-8")).get("chat_template")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if text:
+                return True, text if isinstance(text, str) else None  # a list of named templates: not one text
+        return any((folder / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json")), None
+    from specheads.targets import load_tokenizer
+
+    try:
+        tok = load_tokenizer(str(name_or_path))
+    except Exception:  # noqa: BLE001 - unreadable here: unknown, said so by the caller
+        return False, None
+    text = getattr(tok, "chat_template", None)
+    return True, text if isinstance(text, str) and text else None
+
+
+def to_carry(spec: str | None, own: tuple[bool, str | None] = (False, None)) -> CarriedTemplate | None:
+    """The template an export of a head trained with ``target.chat_template=spec`` must carry, or None: none was
+    given, or the target's own tokenizer (``own``: ``own_template``'s answer) has that very template, which the
+    engines apply by themselves."""
+    if not spec:
+        return None
+    text, source = resolve(spec)
+    known, own_text = own
+    if known and own_text == text:
+        return None
+    source = Path(source).name if Path(source).is_absolute() else source  # no path of this machine
+    return CarriedTemplate(text, source, replaces=bool(own_text), model=model_of(spec))

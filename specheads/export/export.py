@@ -30,6 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from specheads import chat_templates
 from specheads.errors import SpecheadsError
 from specheads.export.layouts import (ENGINES, FLOAT, Layout, LayoutError, TargetInfo, TensorSpec,
                                       build_layout, engines_for, head_tensors, method_of)
@@ -160,7 +161,11 @@ class TargetOrigin:
                 "local": f"the local folder `{spec}`"}.get(self.kind, f"`{spec}`")
         text = (f"The head was trained against {what}, which has no hub id: replace `{TARGET_PLACEHOLDER}` in the "
                 "commands below with the hub id or path of exactly that model (same weights and tokenizer)")
-        if self.hint:
+        if self.hint and self.kind not in ("embedded", "gguf"):  # named by a local folder's config
+            text += (f"; its config names `{self.hint}` as its origin (`_name_or_path`), the hub model the card's "
+                     "`base_model` and the speculators verifier name: if it holds exactly that model, serve it by "
+                     "that id")
+        elif self.hint:
             text += (f"; it was converted from a quantized copy of `{self.hint}`, the closest hub model, so acceptance "
                      "serving that one can differ from the figures measured here")
         return text + ". Re-export with `target_id=<hub id>` to name it."
@@ -182,7 +187,7 @@ def target_origin(target, path: str | None, target_id: str | None = None) -> Tar
     if spec in EMBEDDED_GGUF:
         return TargetOrigin(spec, path, None, "embedded", KNOWN_ORIGINS.get(spec))
     if spec.endswith(".gguf"):
-        return TargetOrigin(spec, path, None, "gguf")
+        return TargetOrigin(spec, path, None, "gguf", gguf_hub_id(spec))
     if _HUB_ID.fullmatch(spec) and not Path(spec).expanduser().exists():
         return TargetOrigin(spec, path, spec, "hub")
     for candidate in (spec, path or ""):
@@ -190,7 +195,46 @@ def target_origin(target, path: str | None, target_id: str | None = None) -> Tar
                       if candidate else "")
         if m:
             return TargetOrigin(spec, path, f"{m.group(1)}/{m.group(2)}", "hub-cache")
-    return TargetOrigin(spec, path, None, "local" if path or Path(spec).exists() else "unknown")
+    if path or Path(spec).exists():
+        return TargetOrigin(spec, path, None, "local", folder_hub_id(path or spec))
+    return TargetOrigin(spec, path, None, "unknown")
+
+
+def folder_hub_id(folder: str | Path) -> str | None:
+    """The hub id a local model folder's ``config.json`` names as its origin (``_name_or_path``, which
+    ``save_pretrained`` writes from the id the model was loaded by), when it is one; else None."""
+    try:
+        name = json.loads((Path(folder).expanduser() / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(name, str) and _HUB_ID.fullmatch(name) and not Path(name).expanduser().exists():
+        return name
+    return None
+
+
+_GGUF_REPO_KEYS = ("general.source.huggingface.repository", "general.base_model.0.repo_url", "general.source.url")
+
+
+def gguf_hub_id(path: str | Path) -> str | None:
+    """The hub model a GGUF file was converted from: the embedded target's whose file it is (by name), else the
+    repository its metadata names (llama.cpp's ``general.source.*`` / ``general.base_model.0.repo_url``), else None."""
+    from specheads.targets import EMBEDDED_GGUF
+
+    for name, (_, _, filename, _) in EMBEDDED_GGUF.items():
+        if Path(path).name == filename and name in KNOWN_ORIGINS:
+            return KNOWN_ORIGINS[name]
+    try:
+        from gguf import GGUFReader
+
+        fields = GGUFReader(str(path)).fields
+        values = [str(fields[k].contents()) for k in _GGUF_REPO_KEYS if k in fields]
+    except Exception:  # noqa: BLE001 - no gguf package, or an unreadable file: nothing named
+        return None
+    for value in values:
+        m = re.search(r"([A-Za-z0-9][\w.-]*/[\w.-]+?)/?$", value)  # a repo id, or a URL ending with one
+        if m and _HUB_ID.fullmatch(m.group(1)) and "." not in m.group(1).split("/")[0]:
+            return m.group(1)
+    return None
 
 
 def target_info(target, head_cfg: dict, target_id: str | None = None) -> tuple[TargetInfo, TargetOrigin]:
@@ -208,7 +252,8 @@ def target_info(target, head_cfg: dict, target_id: str | None = None) -> tuple[T
         origin = target_origin(recorded, None, target_id)
         if origin.kind == "local":
             origin.kind = "unknown"
-        return TargetInfo(recorded, head_cfg["hidden_size"], head_cfg["vocab_size"], hub_id=origin.hub_id), origin
+        return TargetInfo(recorded, head_cfg["hidden_size"], head_cfg["vocab_size"], hub_id=origin.hub_id,
+                          origin_id=origin.hint), origin
     if isinstance(target, str):
         from transformers import AutoConfig
 
@@ -222,7 +267,7 @@ def target_info(target, head_cfg: dict, target_id: str | None = None) -> tuple[T
         local = str(Path(path).resolve()) if Path(path).is_dir() else path
         origin = target_origin(target, local, target_id)
         info = _info_from_config(target, config, head_cfg, origin.hub_id)
-        return replace(info, path=local if Path(local).is_dir() else None), origin
+        return replace(info, path=local if Path(local).is_dir() else None, origin_id=origin.hint), origin
     config = getattr(target, "config", target)
     name = getattr(target, "name", None) or getattr(config, "_name_or_path", None) or recorded or "target"
     origin = target_origin(name, None, target_id)
@@ -230,7 +275,7 @@ def target_info(target, head_cfg: dict, target_id: str | None = None) -> tuple[T
     if hasattr(target, "vocab_size") and hasattr(target, "lm_head"):
         info = TargetInfo(info.name, info.hidden_size, target.vocab_size, info.num_layers, info.hub_id,
                           info.architectures)
-    return info, origin
+    return replace(info, origin_id=origin.hint), origin
 
 
 def target_tensor(target, origin: TargetOrigin, suffix: str) -> torch.Tensor:
@@ -369,7 +414,7 @@ def export_head(head_dir: str | Path, out_dir: str | Path, engine: str = "both",
                 eval_report: str | Path | None = None, data: str | None = None, dtype: str | None = None,
                 spec_tokens: int | None = None, overwrite: bool = False, push_to_hub: str | None = None,
                 target_id: str | None = None, hub_private: bool = True, push_dry_run: bool = False,
-                hub_api=None) -> Path:
+                hub_api=None, chat_template: str | None = None) -> Path:
     """Export ``head_dir`` for ``engine`` into ``out_dir``; returns ``out_dir``.
 
     engine: one of ``vllm``, ``sglang``, ``speculators`` (EAGLE-3, DFlash), ``medusa`` (the original Medusa / TGI
@@ -390,10 +435,13 @@ def export_head(head_dir: str | Path, out_dir: str | Path, engine: str = "both",
     ``owner/name`` (one layout: the repo root; several: one subfolder per layout) or ``owner/name-{engine}``
     (one repo per layout), private unless ``hub_private=False``, with the token of ``HF_TOKEN`` or the
     ``huggingface_hub`` login (never printed); push_dry_run: print what would be uploaded, upload nothing;
-    hub_api: an ``HfApi``-like object (tests).
+    hub_api: an ``HfApi``-like object (tests); chat_template: the run's ``target.chat_template``
+    (``specheads.chat_templates``): where the target's own tokenizer lacks it, each folder carries it as
+    ``chat_template.jinja`` and its serve lines pass it with ``--chat-template``; the prepared data's template
+    (``data`` or the train summary's prepared folder) must be the one the engines will apply.
     """
     plan = plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spec_tokens, overwrite,
-                       push_to_hub, target_id)
+                       push_to_hub, target_id, chat_template)
     write_export(plan)
     log.info("exported %s head %s for %s -> %s", plan.method, plan.head, ", ".join(plan.layouts), plan.out)
     if push_to_hub is not None:
@@ -402,7 +450,7 @@ def export_head(head_dir: str | Path, out_dir: str | Path, engine: str = "both",
 
 
 def plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spec_tokens, overwrite,
-                push_to_hub, target_id=None) -> ExportPlan:
+                push_to_hub, target_id=None, chat_template=None) -> ExportPlan:
     """Read and check the head, the target, the report and the request; write nothing."""
     head, out = resolve_head_dir(head_dir), Path(out_dir).resolve()
     cfg, header, files = read_head(head)
@@ -431,10 +479,11 @@ def plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spe
     if method == "eagle3":
         check_draft_vocab(source["d2t"], source["t2d"], f"head {head}")
     summary = read_train_summary(head)
+    template = carried_template(chat_template, target, origin, prepared_meta(data, summary))
     nested = len(engines) > 1 or engine in ("both", "all")
     hub = hub_destinations(push_to_hub, engines, nested) if push_to_hub is not None else {}
     card = CardInputs(method, cfg, info, origin, describe_data(data, summary), report, spec_tokens,
-                      push_to_hub, summary, adapted is not None, eval_report and str(eval_report), hub)
+                      push_to_hub, summary, adapted is not None, eval_report and str(eval_report), hub, template)
     if origin.warning():
         log.warning("%s", origin.warning())
     return ExportPlan(head, out, method, layouts, source, _out_dtype(dtype, float_code), adapted, card,
@@ -459,6 +508,8 @@ def write_export(plan: ExportPlan) -> None:
             if plan.adapted is not None:
                 # Copied, not hard-linked: save_pretrained rewrites files in place, which would change a link.
                 shutil.copytree(plan.adapted, sub / plan.adapted.name)
+            if plan.card.chat_template is not None:
+                (sub / chat_templates.TEMPLATE_FILE).write_text(plan.card.chat_template.text, encoding="utf-8")
             _write_card(sub, layout, plan.card)
         make_world_readable(tmp)
         _replace_dir(tmp, plan.out)
@@ -482,6 +533,7 @@ def _provenance(plan: ExportPlan, engine: str, layout: Layout, final: Path) -> d
             "dtype": _DTYPE_NAMES[plan.dtype], "weights": layout.weights_file,
             "adapted_target": card.cfg.get("adapted_target") if card.adapted else None,
             "serve": provenance_serve(plan.method, engine, p),
+            "chat_template": card.chat_template.record() if card.chat_template else None,
             "head_config": {k: portable_name(v) if isinstance(v, str) else v for k, v in card.cfg.items()}}
 
 
@@ -563,13 +615,46 @@ def resolve_head_dir(path: str | Path) -> Path:
     return path
 
 
-def describe_data(data: str | None, summary: dict | None) -> str | None:
-    """The card's data line: ``data`` as given, or a prepared folder's metadata (``data`` or the train summary's)."""
+def prepared_meta(data: str | None, summary: dict | None) -> tuple[Path, dict] | None:
+    """(folder, its ``specheads_meta.json``) of the prepared data: ``data`` or the train summary's
+    ``prepared_dir``; None when neither is a prepared folder."""
     folder = data if data is not None else (summary or {}).get("prepared_dir")
     meta_path = Path(folder) / "specheads_meta.json" if folder else None
     if meta_path is None or not meta_path.is_file():
+        return None
+    return Path(folder), json.loads(meta_path.read_text())
+
+
+def carried_template(spec: str | None, target, origin: TargetOrigin,
+                     prepared: tuple[Path, dict] | None) -> chat_templates.CarriedTemplate | None:
+    """The ``target.chat_template`` the export carries (``chat_templates.to_carry``), after checking that the
+    template the engines will apply (it, else the target tokenizer's own) is the one the data was prepared with."""
+    where = origin.path or (origin.hub_id if origin.kind == "hub" else None)
+    if where is None and isinstance(target, str) and Path(target).expanduser().is_dir():
+        where = target
+    own = chat_templates.own_template(where) if where else (False, None)
+    try:
+        carried = chat_templates.to_carry(spec, own)
+        served = chat_templates.resolve(spec)[0] if spec else own[1]
+    except chat_templates.ChatTemplateError as e:
+        raise ExportError(str(e)) from e
+    recorded = prepared[1].get("chat_template_sha") if prepared else None
+    if recorded and (spec or own[0]) and chat_templates.template_sha(served) != recorded:
+        what = (f"target.chat_template={spec}" if spec else
+                "the target tokenizer's own template" if served else "no template (the target's tokenizer has none)")
+        raise ExportError(f"the head was trained on data prepared with another chat template (`{prepared[0].name}`: "
+                          f"chat_template_sha {recorded}) than the one the engines would apply: {what}, sha "
+                          f"{chat_templates.template_sha(served)}; give the export the target.chat_template the run "
+                          "was prepared with")
+    return carried
+
+
+def describe_data(data: str | None, summary: dict | None) -> str | None:
+    """The card's data line: ``data`` as given, or a prepared folder's metadata (``data`` or the train summary's)."""
+    found = prepared_meta(data, summary)
+    if found is None:
         return portable_name(data) if data else data
-    meta = json.loads(meta_path.read_text())
+    folder, meta = found
     src = meta.get("source") or {}
     origin = src.get("path") or src.get("source") or "?"
     regen = "answers regenerated by the target" if meta.get("regenerated") else "original answers"
@@ -680,6 +765,7 @@ class CardInputs:
     adapted: bool
     report_path: str | None = None
     hub: dict = field(default_factory=dict)  # {engine: (repo id, folder in repo or None)} when pushed
+    chat_template: chat_templates.CarriedTemplate | None = None  # carried as chat_template.jinja
 
     @property
     def serve_target(self) -> str:
@@ -732,12 +818,34 @@ def serve_params(method: str, cfg: dict, engine: str, report: list[dict] | None,
         raise ExportError(str(e)) from e
 
 
-def _card_commands(layout: Layout, card: CardInputs, folder: str, engine: str | None = None) -> dict[str, str]:
-    """The serve lines of the card for the draft at ``folder`` (the placeholder, a hub id or a download)."""
+def _card_commands(layout: Layout, card: CardInputs, folder: str, engine: str | None = None,
+                   template: str | None = None) -> dict[str, str]:
+    """The serve lines of the card for the draft at ``folder`` (the placeholder, a hub id or a download);
+    template: the carried chat template's file as the commands name it."""
     engine = engine or layout.engine
     p = serve_params(layout.method, card.cfg, engine, card.report, card.spec_tokens)
     return serve_commands(layout.method, engine, card.serve_target, folder, p,
-                          card.cfg["adapted_target"] if card.adapted else None)
+                          card.cfg["adapted_target"] if card.adapted else None, template)
+
+
+def _card_template(card: CardInputs, layout: Layout, folder: str) -> tuple[str | None, list[str]]:
+    """(the carried template's file as the commands name it, lines to run first): the engines read a local
+    file, so a draft served by its repo id gets the file downloaded beside it."""
+    if card.chat_template is None:
+        return None, []
+    name = chat_templates.TEMPLATE_FILE
+    if layout.engine in card.hub and folder == card.hub[layout.engine][0]:  # served straight from the Hub
+        local = f"./{folder.split('/')[1]}"
+        return f"{local}/{name}", [f"huggingface-cli download {folder} {name} --local-dir {local}"]
+    return f"{folder}/{name}", []
+
+
+def _template_fact(t: chat_templates.CarriedTemplate) -> str:
+    where = f"`{t.source}`" + (f" (as `{t.model}` ships it)" if t.model else "")
+    why = ("the target's tokenizer has a template of its own, another one" if t.replaces else
+           "the target's tokenizer has none")
+    return (f"`{chat_templates.TEMPLATE_FILE}` in this folder, from {where}: the head was trained on chats rendered "
+            f"with it and {why}, so the serve commands pass it (`--chat-template`)")
 
 
 def _facts(layout: Layout, card: CardInputs) -> list[tuple[str, str]]:
@@ -754,6 +862,8 @@ def _facts(layout: Layout, card: CardInputs) -> list[tuple[str, str]]:
             ("layout", f"{layout.engine}, architecture `{arch}`"),
             ("served by", SERVED_BY.get((layout.method, layout.engine), layout.engine)),
             ("data", card.data or "not recorded (pass data=... to the export)")]
+    if card.chat_template is not None:
+        rows.append(("chat template", _template_fact(card.chat_template)))
     if layout.method == "medusa":
         rows.append(("heads", f"{cfg['num_heads']} heads x {cfg['num_hidden_layers']} residual block(s)"))
         rows.append(("draft vocabulary", f"full target vocabulary ({cfg['vocab_size']})"))
@@ -849,20 +959,23 @@ def card_text(layout: Layout, card: CardInputs) -> str:
     if not card.origin.hub_id and not card.adapted:
         set_target = [target_line(card.origin.hint, "REPLACE: see the warning above")]
     label, folder, pre = _card_destination(layout, card)
-    cmds = _card_commands(layout, card, folder)
+    template, fetch = _card_template(card, layout, folder)
+    pre = pre + fetch
+    cmds = _card_commands(layout, card, folder, template=template)
     L += [f"From {label}:", "", "```bash", *pre, *set_target, cmds["shell"]] + \
          ([cmds["tgi"]] if "tgi" in cmds else []) + \
          ([NO_SGLANG[layout.method]] if layout.method in NO_SGLANG else []) + ["```", ""]
     if "python" in cmds:
         py_set = [f"{TARGET_PLACEHOLDER} = {set_target[0].split('=', 1)[1].split()[0]!r}  # REPLACE: see the "
                   "warning above"] if set_target else []
-        L += ["```python", "from vllm import LLM", *py_set, cmds["python"], "```", ""]
+        chat = ["llm = " + cmds["python"], cmds["python_chat"]] if "python_chat" in cmds else [cmds["python"]]
+        L += ["```python", "from vllm import LLM", *py_set, *chat, "```", ""]
     if layout.engine == "speculators" and layout.method == "eagle3":
         L += ["With speculators itself: `from speculators import SpeculatorModel; "
               f"SpeculatorModel.from_pretrained({folder!r})`.", ""]
     if layout.method == "dflash" and layout.engine in ("vllm", "sglang"):
         other = "sglang" if layout.engine == "vllm" else "vllm"
-        cmds = _card_commands(layout, card, folder, other)
+        cmds = _card_commands(layout, card, folder, other, template)
         L += [f"The same folder serves {'SGLang' if other == 'sglang' else 'vLLM'} "
               f"({serve_params('dflash', card.cfg, other, card.report, card.spec_tokens).source}):", "",
               "```bash", *pre, *set_target, cmds["shell"], "```", ""]
@@ -872,6 +985,7 @@ def card_text(layout: Layout, card: CardInputs) -> str:
     n = len(layout.tensors)
     L += ["## Layout", ""] + [f"- {n_}" for n_ in layout.notes]
     L += [f"- Files: `config.json`, `{layout.weights_file}` ({n} tensors), `specheads_export.json`"
+          + (f", `{chat_templates.TEMPLATE_FILE}`" if card.chat_template else "")
           + (f", `{card.cfg['adapted_target']}/` (the adapted target)" if card.adapted else "") + ".", ""]
     return "\n".join(L)
 

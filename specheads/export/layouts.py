@@ -122,6 +122,13 @@ class TargetInfo:
     hub_id: str | None = None  # the hub id a user serves the target by, when known
     architectures: tuple[str, ...] = ()
     path: str | None = None  # the local folder the target was read from, when it has no hub id
+    origin_id: str | None = None  # without a hub id: the hub model it was converted from (embedded GGUF, a folder's
+    #                               config ``_name_or_path``), which the speculators verifier names
+
+    @property
+    def verifier(self) -> str | None:
+        """speculators' ``verifier.name_or_path``: a hub id when one is known, else the local folder."""
+        return self.hub_id or self.origin_id or self.path
 
 
 # --------------------------------------------------------------------------- the head side
@@ -364,7 +371,23 @@ def _speculators_config(algorithm: str, spec_tokens: int, target: TargetInfo) ->
     return {"algorithm": algorithm, "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(spec_tokens),
                                   "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-            "verifier": {"name_or_path": target.hub_id or target.path, "architectures": list(target.architectures)}}
+            "verifier": {"name_or_path": target.verifier, "architectures": list(target.architectures)}}
+
+
+def _verifier_note(target: TargetInfo) -> list[str]:
+    """What the card says of ``verifier.name_or_path`` when the target has no hub id of its own."""
+    if target.hub_id is not None:
+        return []
+    if target.origin_id is not None:
+        return [f"speculators_config.verifier.name_or_path is `{target.origin_id}`, the hub model the target was "
+                "converted from (the head was trained on a local copy, not those exact weights); no path of the "
+                "exporting machine. Re-export with target_id=<hub id> if the target has an id of its own."]
+    # speculators 0.9 needs a verifier: Eagle3DraftModel.load_verifier_weights reads its config even when
+    # name_or_path is null (and fails), so the local folder is named; vLLM auto-serves only a hub id.
+    return [f"speculators_config.verifier.name_or_path is the exporting machine's local target folder "
+            f"(`{Path(target.path or target.name).name}`; no hub id was known): speculators' from_pretrained reads "
+            "the verifier's config from it; re-export with target_id=<hub id> before publishing (vLLM serves a "
+            "speculators folder on its own only when the verifier is a hub id)."]
 
 
 def _eagle3_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
@@ -401,14 +424,7 @@ def _eagle3_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: i
         for k in ("d2t", "t2d"):
             del tensors[k], rules[k]
         notes.append("No d2t/t2d: the draft vocabulary is the full vocabulary (speculators then has no map).")
-    if target.hub_id is None:
-        # speculators 0.9 needs a verifier: Eagle3DraftModel.load_verifier_weights reads its config even when
-        # name_or_path is null (and fails), so the local folder is named; vLLM auto-serves only a hub id.
-        notes.append(f"speculators_config.verifier.name_or_path is the exporting machine's local target folder "
-                     f"(`{Path(target.path or target.name).name}`; no hub id "
-                     "was known): speculators' from_pretrained reads the verifier's config from it; re-export with "
-                     "target_id=<hub id> before publishing (vLLM serves a speculators folder on its own only when "
-                     "the verifier is a hub id).")
+    notes += _verifier_note(target)
     return Layout("eagle3", "speculators", config, tensors, rules, notes)
 
 
@@ -540,8 +556,5 @@ def _dflash_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: i
              "vLLM shares the target's when they are equal).",
              "Served by vLLM (checked: 0.34.0, which converts this format); SGLang 0.5.23 reads only the z-lab "
              "format (the `sglang/` or `vllm/` folder)."]
-    if target.hub_id is None:
-        notes.append(f"speculators_config.verifier.name_or_path is the exporting machine's local target folder "
-                     f"(`{Path(target.path or target.name).name}`; no hub id "
-                     "was known); re-export with target_id=<hub id> before publishing.")
+    notes += _verifier_note(target)
     return Layout("dflash", "speculators", config, tensors, rules, notes)

@@ -124,16 +124,22 @@ def _dflash_params(cfg: dict, engine: str, report: list[dict] | None, spec_token
 
 
 def serve_commands(method: str, engine: str, target: str, model: str, p: ServeParams,
-                   adapted: str | None = None) -> dict[str, str]:
+                   adapted: str | None = None, chat_template: str | None = None) -> dict[str, str]:
     """``{"shell": ..., ["python": ...], ["tgi": ...]}``: the lines that serve the draft at ``model`` (a folder or
     hub id) for ``target`` (a hub id, a folder, or ``$TARGET``) with the ``engine`` layout. adapted: a Medusa-2
-    head's adapted target, a folder inside ``model`` (it is then the model served)."""
+    head's adapted target, a folder inside ``model`` (it is then the model served). chat_template: a template
+    file the engine must apply instead of the target tokenizer's (``--chat-template``, vLLM's and SGLang's flag;
+    in Python, ``LLM.chat``'s ``chat_template`` argument)."""
     target = f"{model}/{adapted}" if adapted else target
+    flag = f" --chat-template {chat_template}" if chat_template else ""
     if engine_family(engine) == "vllm":
         spec = {"method": VLLM_METHOD[method], "model": model, "num_speculative_tokens": p.tokens}
         py_target = target[1:] if target.startswith("$") else repr(target)
-        out = {"shell": f"vllm serve {target} --speculative-config '{json.dumps(spec)}'",
+        out = {"shell": f"vllm serve {target} --speculative-config '{json.dumps(spec)}'{flag}",
                "python": f"LLM(model={py_target}, speculative_config={spec!r})"}
+        if chat_template:
+            out["python_chat"] = ("llm.chat([{'role': 'user', 'content': 'Hello'}], "
+                                  f"chat_template=open({chat_template!r}).read())")
         if engine == "medusa":
             out["tgi"] = (f"text-generation-launcher --model-id {model}   # serves config.json's "
                           "base_model_name_or_path with these heads")
@@ -143,9 +149,9 @@ def serve_commands(method: str, engine: str, target: str, model: str, p: ServePa
     line = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {SGLANG_ALGO[method]} "
             f"--speculative-draft-model-path {model}")
     if method == "dflash":  # one block per step: no steps or top-k
-        return {"shell": f"{line} --speculative-num-draft-tokens {p.draft_tokens}"}
+        return {"shell": f"{line} --speculative-num-draft-tokens {p.draft_tokens}{flag}"}
     return {"shell": f"{line} --speculative-num-steps {p.steps} --speculative-eagle-topk {p.topk} "
-                     f"--speculative-num-draft-tokens {p.draft_tokens}"}
+                     f"--speculative-num-draft-tokens {p.draft_tokens}{flag}"}
 
 
 def target_line(hint: str | None, comment: str) -> str:
@@ -196,7 +202,9 @@ def exported_lines(export_dir: str | Path, target_here: str | None = None) -> li
         p = ServeParams(s["tokens"], s["steps"], s["topk"], s["draft_tokens"], s["source"])
         fam = engine_family(engine)
         label = {"vllm": "vLLM", "sglang": "SGLang"}[fam] + f" ({engine} layout: {folder})"
-        cmds = serve_commands(method, engine, target, str(folder), p, prov.get("adapted_target"))
+        template = prov.get("chat_template")  # carried beside the head: the target's tokenizer lacks it
+        cmds = serve_commands(method, engine, target, str(folder), p, prov.get("adapted_target"),
+                              str(folder / template["file"]) if template else None)
         lines += [f"# {label}; draft settings: {p.source}", cmds["shell"]] + ([cmds["tgi"]] if "tgi" in cmds else [])
         served.add(fam)
     if "sglang" not in served and prov["method"] in NO_SGLANG:
