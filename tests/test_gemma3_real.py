@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 def test_gemma3_270m_runs_every_stage_on_real_weights(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    cmd = [sys.executable, "-m", "specheads.cli", "run", "target=gemma3_270m", f"run_dir={run}",
+    cmd = [sys.executable, "-m", "specheads.cli", "run", "target=gemma3_270m", f"run_dir={run}", "serve=false",
            "prepare.data.num_samples=24", "prepare.data.max_length=96",
            "collect.collect.max_minutes=null",
            "train.train.max_minutes=null", "train.train.max_steps=3", "train.train.measure_prompts=2",
