@@ -46,7 +46,8 @@ def run(cfg: DictConfig):
                      num_samples=int(cfg.plan.num_samples), tokens_per_sample=tokens_per_sample(cfg),
                      epochs=float(cfg.plan.epochs), batch_tokens=int(cfg.collect.batch_tokens), device=device,
                      processes=int(cfg.plan.processes), device_gib=float(cfg.plan.device_gib),
-                     probe_tokens=int(cfg.plan.probe_tokens), disk_dir=cfg.plan.disk_dir)
+                     probe_tokens=int(cfg.plan.probe_tokens), disk_dir=cfg.plan.disk_dir,
+                     train_tokens=int(cfg.plan.train_tokens))
     print(format_plan(plan))
     if cfg.plan.json:
         Path(cfg.plan.json).write_text(json.dumps(plan.to_dict(), indent=1))

@@ -157,12 +157,14 @@ def probe_seconds(shapes: Counter, weights: dict | None, rows: int, reps: int = 
 
 
 def choose_dtype(requested: str, device: str | torch.device, model: nn.Module | None = None, rows: int = 256,
-                 reps: int = 3) -> Choice:
+                 reps: int = 3, shapes: Counter | None = None) -> Choice:
     """The target's dtype for a stage: ``requested`` itself unless it is ``auto``.
 
     ``auto``: on a GPU bfloat16 (float16 where the GPU lacks bfloat16); on the CPU float32 where the CPU lacks
     bfloat16 kernels, else a probe of ``model``'s own linear layers (float32 weights) at ``rows`` rows per
-    forward picks bfloat16 only where it is faster. Without a model the CPU keeps float32.
+    forward picks bfloat16 only where it is faster. ``shapes`` (``linear_shapes`` of a model not loaded, e.g. on
+    the meta device: ``specheads plan``) probes random weights of those shapes instead. Without either the CPU
+    keeps float32.
     """
     requested = str(requested)
     if requested != "auto":
@@ -177,14 +179,15 @@ def choose_dtype(requested: str, device: str | torch.device, model: nn.Module | 
         return Choice("float16", "GPU without bfloat16")
     if not cpu_bf16_supported():
         return Choice("float32", "this CPU has no bfloat16 kernels")
-    if model is None:
+    if model is None and not shapes:
         return Choice("float32", "CPU, nothing to probe")
-    shapes = linear_shapes(model)
-    weights = {}
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if w is not None and w.dim() == 2 and (w.shape[1], w.shape[0]) in shapes:
-            weights.setdefault((w.shape[1], w.shape[0]), w)
+    weights = None
+    if model is not None:
+        shapes, weights = linear_shapes(model), {}
+        for m in model.modules():
+            w = getattr(m, "weight", None)
+            if w is not None and w.dim() == 2 and (w.shape[1], w.shape[0]) in shapes:
+                weights.setdefault((w.shape[1], w.shape[0]), w)
     seconds = probe_seconds(shapes, weights, rows, reps)
     pick = "bfloat16" if seconds["bfloat16"] < seconds["float32"] else "float32"
     return Choice(pick, f"timed probe of the model's linear layers at {rows} rows", seconds)

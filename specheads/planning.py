@@ -7,20 +7,31 @@ are those of the real modules and nothing is allocated. Times come from timing m
 target's own widths on the chosen device and dtype (the probe), multiplied by the forward and backward
 FLOPs of the target and the head; attention's share (which grows with context length) is left out, so
 they are lower bounds for long contexts.
+
+The dtype is the one the stages will load the target in (``hardware.choose_dtype``: as set, a GPU's answer, or
+on a CPU float32 unless it has bfloat16 kernels and a probe of the model's own linear shapes finds bfloat16
+faster). The LM head is costed apart (``LMHeadCost``), with its own timed product: a 262k-token vocabulary makes
+it most of a small target's forward (Gemma 3 270M: 63 % of its matrix-product FLOPs). Collection computes it
+``TARGET_CHUNK`` rows at a time and keeps only the argmax, so its memory is one chunk's logits, not a batch's;
+training's loss computes it again on the columns it needs (a draft vocabulary, or all of them).
 """
 
 from __future__ import annotations
 
 import shutil
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import torch.nn.functional as F
+
 from specheads.data.store import bytes_per_token, canonical_dtype
 from specheads.errors import ConfigError
+from specheads.methods.losses import TARGET_CHUNK
 
 GiB = 2**30
 LAYOUT_SIZES = (1, 2, 4, 8)
@@ -37,6 +48,40 @@ class TargetSize:
     num_layers: int
     vocab_size: int
     experts: int = 0  # routed experts per layer (0: dense)
+    lm_head_params: int = 0  # the output projection, hidden x vocabulary (among active_params, tied or not)
+    tied: bool = False  # the LM head shares the input embedding's matrix
+    softcap: bool = False  # final_logit_softcapping: logits pass through tanh (a second logits-sized tensor)
+
+    @property
+    def decoder_params(self) -> int:
+        """Active parameters of the decoder layers' matrix products (the LM head's taken out)."""
+        return self.active_params - self.lm_head_params
+
+
+@dataclass
+class LMHeadCost:
+    """What the target's LM head (hidden x vocabulary) costs: FLOPs, measured time and memory.
+
+    flops_share: of a target forward's matrix-product FLOPs (``2 x active params`` per token);
+    time_share: of collection's predicted time (its product timed apart: ``probe_flops``);
+    collect_bytes: collection's logits, ``chunk_rows`` x vocabulary x element size (x2 with soft-capping):
+    it keeps only the argmax, ``TARGET_CHUNK`` rows at a time;
+    train_columns / online_columns: LM-head columns the training loss computes per trained row from a store /
+    with the target in the loop (a draft vocabulary, the whole vocabulary, or 0: labels are stored ids);
+    train_bytes: the loss's target rows for one batch of ``train_tokens`` tokens (a chunk's float32 logits plus
+    the kept float32 distribution, ``probs_width`` columns per row; an upper bound: only loss rows are kept)."""
+
+    params: int
+    flops_share: float
+    probe_flops: float
+    time_share: float
+    chunk_rows: int
+    collect_bytes: int
+    train_columns: int
+    online_columns: int
+    probs_width: int
+    train_tokens: int
+    train_bytes: int
 
 
 @dataclass
@@ -44,6 +89,7 @@ class Plan:
     target: str
     method: str
     dtype: str
+    dtype_reason: str  # why this dtype (hardware.choose_dtype's reason: as set, GPU, this CPU's kernels, a probe)
     num_samples: int
     tokens: int
     epochs: float
@@ -59,6 +105,7 @@ class Plan:
     collect_s: float
     train_offline_s: float
     train_online_s: float
+    lm_head: LMHeadCost | None = None
     advice: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -106,6 +153,8 @@ def target_size(target) -> TargetSize:
     experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
     per_token = getattr(text, "num_experts_per_tok", None) or getattr(text, "experts_per_token", None)
     embedding = target.model.get_input_embeddings().weight
+    head = target.model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding
     for name, p in target.model.named_parameters():
         n = p.numel()
         total += n
@@ -114,7 +163,9 @@ def target_size(target) -> TargetSize:
         active += n * per_token / experts if (experts and per_token and _is_expert(name)) else n
     return TargetSize(params=total, active_params=int(active), hidden_size=target.hidden_size,
                       intermediate_size=int(getattr(text, "intermediate_size", None) or 4 * target.hidden_size),
-                      num_layers=target.num_layers, vocab_size=target.vocab_size, experts=int(experts or 0))
+                      num_layers=target.num_layers, vocab_size=target.vocab_size, experts=int(experts or 0),
+                      lm_head_params=head.weight.numel() if head is not None else 0, tied=tied,
+                      softcap=bool(getattr(text, "final_logit_softcapping", None)))
 
 
 def head_parameters(method_name: str, target, settings: dict) -> tuple[int, Any]:
@@ -136,23 +187,74 @@ def head_parameters(method_name: str, target, settings: dict) -> tuple[int, Any]
     return trainable, method
 
 
-def layout_memory(size: TargetSize, weight_bytes: int, batch_tokens: int, store_vectors: int) -> dict[str, float]:
+def layout_memory(size: TargetSize, weight_bytes: int, batch_tokens: int, store_vectors: int,
+                  logits_bytes: int) -> dict[str, float]:
     """GiB per device for each layout: weights split over the devices plus one collection batch's activations
-    (float32 logits over the vocabulary, the stored hidden states, one MLP's intermediate; tensor parallel
-    splits the MLP's share, the layer-split ``device_map`` runs one stage at a time)."""
+    (``logits_bytes``: one chunk of LM-head logits, ``collect_logits_bytes``; the stored hidden states, one MLP's
+    intermediate). Tensor parallel splits the MLP's share and the decoder's weights but keeps the input embedding
+    and the LM head whole on every rank (``load_target``); the layer-split ``device_map`` runs one stage at a
+    time."""
     elem = weight_bytes / max(size.params, 1)
-    logits = batch_tokens * size.vocab_size * 4
     hidden = batch_tokens * size.hidden_size * store_vectors * elem
     mlp = batch_tokens * size.intermediate_size * 2 * elem
+    vocab = size.lm_head_params * (1 if size.tied else 2) * elem  # embedding and LM head, whole on each tp rank
     out = {}
     for n in LAYOUT_SIZES:
-        weights = weight_bytes / n
         if n == 1:
-            out["one device"] = (weights + logits + hidden + mlp) / GiB
+            out["one device"] = (weight_bytes + logits_bytes + hidden + mlp) / GiB
         else:
-            out[f"tp {n}"] = (weights + logits + hidden + mlp / n) / GiB
-            out[f"device_map {n}"] = (weights + logits + hidden + mlp) / GiB
+            out[f"tp {n}"] = ((weight_bytes - vocab) / n + vocab + logits_bytes + hidden + mlp / n) / GiB
+            out[f"device_map {n}"] = (weight_bytes / n + logits_bytes + hidden + mlp) / GiB
     return out
+
+
+def collect_logits_bytes(size: TargetSize, batch_tokens: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(rows, bytes) of the logits collection holds at once: ``target_argmax`` runs the LM head on at most
+    ``TARGET_CHUNK`` rows at a time, in the target's dtype (a soft-capped model builds a second such tensor),
+    and keeps only each row's argmax (4 bytes a token in the store)."""
+    rows = min(batch_tokens, TARGET_CHUNK)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return rows, rows * size.vocab_size * elem * (2 if size.softcap else 1)
+
+
+def label_columns(method_name: str, method, size: TargetSize) -> tuple[int, int, int]:
+    """(columns from a store, columns online, kept distribution width): the target LM-head work of ``method``'s
+    training loss per trained row (``specheads.methods``). EAGLE-3 reads the stored argmax and scores its draft
+    vocabulary's columns only (online: all, then keeps the draft's); EAGLE-1 and self-distilled Medusa keep the
+    full distribution; DFlash and Medusa on the data's tokens need none (DFlash online: the argmax)."""
+    V = size.vocab_size
+    if method_name == "eagle3":
+        draft = min(int(getattr(method, "draft_vocab_size", None) or V), V)
+        return draft, V, draft
+    if method_name == "eagle1":
+        return V, V, V
+    if method_name.startswith("medusa"):
+        distilled = getattr(method, "labels", "data") == "target" or getattr(method, "target_loss", None) == "kl"
+        return (V, V, V) if distilled else (0, 0, 0)
+    if method_name == "dflash":
+        return (0, 0, 0) if getattr(method, "labels", "target") == "data" else (0, V, 0)
+    return V, V, V  # unknown: the full distribution, the dearest case
+
+
+def train_label_bytes(train_tokens: int, columns: int, probs_width: int) -> int:
+    """One training batch's target rows: a chunk of float32 logits over ``columns`` plus the float32
+    distribution kept for every row (``target_probs``)."""
+    return (min(train_tokens, TARGET_CHUNK) * columns + train_tokens * probs_width) * 4
+
+
+def _best_seconds(fn, dev: torch.device, repeats: int) -> float:
+    """The best of ``repeats`` timed calls of ``fn`` after one warm-up (synchronised on a GPU)."""
+    def run() -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - t0
+
+    run()
+    return max(min(run() for _ in range(repeats)), 1e-9)
 
 
 def probe_flops(size: TargetSize, dtype: torch.dtype, device: str, tokens: int = 256, repeats: int = 3) -> float:
@@ -162,43 +264,57 @@ def probe_flops(size: TargetSize, dtype: torch.dtype, device: str, tokens: int =
     h, i = size.hidden_size, size.intermediate_size
     x = torch.randn(tokens, h, dtype=dtype, device=dev)
     w = torch.randn(h, i, dtype=dtype, device=dev)
-
-    def run() -> float:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        (x @ w).sum().item()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        return time.perf_counter() - t0
-
-    run()
-    best = min(run() for _ in range(repeats))
-    return 2.0 * tokens * h * i / max(best, 1e-9)
+    return 2.0 * tokens * h * i / _best_seconds(lambda: (x @ w).sum().item(), dev, repeats)
 
 
-def _auto_dtype(size: TargetSize, device: str, tokens: int) -> str:
-    """``target.dtype=auto`` for the plan: the stages' rule (``hardware.choose_dtype``) on the plan's probe."""
-    from specheads.hardware import choose_dtype, cpu_bf16_supported
+PROBE_ELEMENTS = 2**24  # the largest weight a probe builds (~16M: 64 MiB in float32); wider ones are sliced
 
-    if torch.device(device).type == "cuda" or not cpu_bf16_supported():
-        return choose_dtype("auto", device).value
-    rates = {name: probe_flops(size, getattr(torch, name), device, tokens) for name in ("float32", "bfloat16")}
-    return max(rates, key=rates.get)
+
+def probe_lm_head_flops(size: TargetSize, dtype: torch.dtype, device: str, tokens: int = 256,
+                        repeats: int = 2) -> float:
+    """FLOP/s of the LM head as collection runs it: ``tokens`` rows of hidden states against a slice of the
+    vocabulary's rows (``F.linear``), then each row's argmax, in ``dtype`` on ``device``. A slice of
+    ``PROBE_ELEMENTS`` weights (at least 4096 rows) is as wide a product as the whole head and keeps the probe
+    short."""
+    dev = torch.device(device)
+    h = size.hidden_size
+    cols = min(size.vocab_size, max(4096, PROBE_ELEMENTS // h))
+    x = torch.randn(tokens, h, dtype=dtype, device=dev)
+    w = torch.randn(cols, h, dtype=dtype, device=dev)
+    return 2.0 * tokens * h * cols / _best_seconds(lambda: F.linear(x, w).max(-1).indices.sum().item(), dev, repeats)
+
+
+def probe_shapes(shapes: Counter) -> Counter:
+    """``shapes`` with every weight over ``PROBE_ELEMENTS`` cut into as many narrower slices as it takes (the same
+    FLOPs in total), so probing a 70B target's LM head (1.05B weights) builds 64 MiB weights, not 4 GiB."""
+    out: Counter = Counter()
+    for (fan_in, fan_out), n in shapes.items():
+        k = max(1, -(-fan_in * fan_out // PROBE_ELEMENTS))
+        out[(fan_in, max(1, fan_out // k))] += n * k
+    return out
+
+
+def stage_dtype(requested: str, target, device: str):
+    """The dtype the stages will load the target in (``hardware.choose_dtype``, a ``Choice``): ``auto`` on a CPU
+    with bfloat16 kernels probes random weights of the target's own linear shapes (``probe_shapes``), its LM head
+    among them, at the rows ``load_target`` probes."""
+    from specheads.hardware import choose_dtype, linear_shapes
+
+    return choose_dtype(str(requested), device, shapes=probe_shapes(linear_shapes(target.model)))
 
 
 def make_plan(*, target_name: str, config, method_name: str, method_settings: dict, dtype: str, store_dtype: str,
               num_samples: int, tokens_per_sample: float, epochs: float, batch_tokens: int, device: str,
-              processes: int = 1, device_gib: float = 80.0, probe_tokens: int = 256, disk_dir: str | Path | None = None) -> Plan:
+              processes: int = 1, device_gib: float = 80.0, probe_tokens: int = 256, disk_dir: str | Path | None = None,
+              train_tokens: int = 4096) -> Plan:
     if num_samples <= 0 or tokens_per_sample <= 0 or epochs <= 0 or processes <= 0:
         raise ConfigError(f"plan needs positive sizes: num_samples={num_samples}, tokens_per_sample="
                           f"{tokens_per_sample}, epochs={epochs}, processes={processes}")
     store_dtype = canonical_dtype(store_dtype)
     target = meta_target(config, target_name)
     size = target_size(target)
-    if str(dtype) == "auto":  # as the stages decide it: bfloat16 on a GPU, on a CPU the faster where it has bf16
-        dtype = _auto_dtype(size, device, probe_tokens)
-    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    choice = stage_dtype(str(dtype).removeprefix("torch."), target, device)  # as the stages will decide it
+    dtype, torch_dtype = choice.value, getattr(torch, choice.value)
     trainable, method = head_parameters(method_name, target, method_settings)
     spec = method.feature_spec
     tokens = int(num_samples * tokens_per_sample)
@@ -207,27 +323,47 @@ def make_plan(*, target_name: str, config, method_name: str, method_settings: di
                                                                  spec.need_last, store_dtype)
     weight_bytes = size.params * torch.empty((), dtype=torch_dtype).element_size()
     rate = probe_flops(size, torch_dtype, device, probe_tokens) * processes  # data parallel: processes share the tokens
-    target_fwd = 2.0 * size.active_params * tokens
+    head_rate = probe_lm_head_flops(size, torch_dtype, device, probe_tokens) * processes
+    decoder_s = 2.0 * size.decoder_params * tokens / rate
+    lm_head_s = 2.0 * size.lm_head_params * tokens / head_rate  # every position's argmax
     unroll = max(int(getattr(method, "ttt_steps", 1) or 1), 1)
     head_step = 6.0 * trainable * tokens * unroll * epochs
-    collect_s = target_fwd / rate
+    offline_cols, online_cols, width = label_columns(method_name, method, size)
+    labels_s = 2.0 * size.hidden_size * tokens * epochs / head_rate  # per LM-head column the loss computes
+    chunk_rows, logits_bytes = collect_logits_bytes(size, batch_tokens, torch_dtype)
+    lm_head = LMHeadCost(params=size.lm_head_params, flops_share=size.lm_head_params / max(size.active_params, 1),
+                         probe_flops=head_rate / processes, time_share=lm_head_s / (decoder_s + lm_head_s),
+                         chunk_rows=chunk_rows, collect_bytes=logits_bytes, train_columns=offline_cols,
+                         online_columns=online_cols, probs_width=width, train_tokens=train_tokens,
+                         train_bytes=train_label_bytes(train_tokens, online_cols if spec.online_only else offline_cols,
+                                                       width))
     free = None
     if disk_dir is not None:
         probe = Path(disk_dir)
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
         free = shutil.disk_usage(probe).free
-    plan = Plan(target=target_name, method=method_name, dtype=str(dtype), num_samples=num_samples, tokens=tokens,
-                epochs=epochs, target_size=size, head_trainable=trainable, store_bytes=store, disk_free=free,
-                memory=layout_memory(size, weight_bytes, batch_tokens, vectors), probe_flops=rate / processes,
-                probe_device=str(device), processes=processes, device_gib=device_gib, collect_s=collect_s, train_offline_s=head_step / rate,
-                train_online_s=(head_step + target_fwd * epochs) / rate)
+    plan = Plan(target=target_name, method=method_name, dtype=dtype, dtype_reason=choice.reason,
+                num_samples=num_samples, tokens=tokens, epochs=epochs, target_size=size, head_trainable=trainable,
+                store_bytes=store, disk_free=free,
+                memory=layout_memory(size, weight_bytes, batch_tokens, vectors, logits_bytes),
+                probe_flops=rate / processes, probe_device=str(device), processes=processes, device_gib=device_gib,
+                collect_s=decoder_s + lm_head_s, train_offline_s=head_step / rate + offline_cols * labels_s,
+                train_online_s=head_step / rate + epochs * decoder_s + online_cols * labels_s, lm_head=lm_head)
     plan.advice = advise(plan)
     return plan
 
 
 def advise(plan: Plan) -> list[str]:
     advice = []
+    if plan.dtype == "bfloat16" and plan.probe_device == "cpu" and not _cpu_bf16():
+        advice.append(f"target.dtype=bfloat16 on a CPU without bfloat16 kernels: its products take a slow generic "
+                      f"path (the probe: {_rate(plan.probe_flops)}); target.dtype=auto loads float32 here")
+    h = plan.lm_head
+    if h is not None and h.train_bytes > 0.25 * plan.device_gib * GiB:
+        advice.append(f"{plan.method}'s loss keeps the target's distribution over {h.probs_width} columns per "
+                      f"trained row: {h.train_bytes / GiB:.1f} GiB per batch of {h.train_tokens} tokens; lower "
+                      "train.max_tokens (or train EAGLE-3, which keeps its draft vocabulary's columns only)")
     if plan.store_bytes == 0:
         advice.append(f"{plan.method} trains the target itself: online training only (no store)")
     elif plan.disk_free is not None and plan.store_bytes + GiB > plan.disk_free:
@@ -244,6 +380,21 @@ def advise(plan: Plan) -> list[str]:
         advice.append(f"no layout of up to {LAYOUT_SIZES[-1]} devices fits {plan.device_gib:g} GiB: more nodes "
                       "(device_map over a node, tp within it) or a smaller collect.batch_tokens")
     return advice
+
+
+def _cpu_bf16() -> bool:
+    from specheads.hardware import cpu_bf16_supported
+
+    return cpu_bf16_supported()
+
+
+def _rate(flops: float) -> str:
+    """A FLOP rate readable at any size: ``0.03 TFLOP/s`` reads as nothing, ``31.2 GFLOP/s`` does not."""
+    return f"{flops / 1e12:.2f} TFLOP/s" if flops >= 1e11 else f"{flops / 1e9:.1f} GFLOP/s"
+
+
+def _bytes(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.0f} MiB"
 
 
 def _human_time(seconds: float) -> str:
@@ -266,12 +417,25 @@ def format_plan(plan: Plan) -> str:
         "  store    " + ("none (online only)" if plan.store_bytes == 0 else
                          f"{plan.store_bytes / GiB:.1f} GiB" + (f" ({plan.disk_free / GiB:.1f} GiB free)"
                                                                  if plan.disk_free is not None else "")),
-        f"  memory per device ({plan.dtype} weights + one collection batch):",
+        f"  dtype    {plan.dtype} ({plan.dtype_reason})",
     ]
+    h = plan.lm_head
+    if h is not None:
+        cols = {0: "none (token ids)", s.vocab_size: f"all {s.vocab_size}"}
+        lines += [
+            f"  LM head  {s.hidden_size} x {s.vocab_size}: {h.flops_share:.0%} of a forward's matrix-product FLOPs, "
+            f"{h.time_share:.0%} of collection's time (its product at {_rate(h.probe_flops)})",
+            f"           collection keeps the argmax only, {h.chunk_rows} rows of logits at a time: "
+            f"{_bytes(h.collect_bytes)}",
+            f"           training's target columns per row: {cols.get(h.train_columns, h.train_columns)} from the "
+            f"store, {cols.get(h.online_columns, h.online_columns)} online; "
+            f"{_bytes(h.train_bytes)} per batch of {h.train_tokens} tokens",
+        ]
+    lines += [f"  memory per device ({plan.dtype} weights + one collection batch):"]
     lines += [f"    {k:<14} {v:8.1f} GiB" for k, v in plan.memory.items()]
     lines += [
-        f"  time with {plan.processes} data-parallel process(es), each at the probe's {plan.probe_flops / 1e12:.2f} "
-        f"TFLOP/s on {plan.probe_device} (matrix products only; attention adds with context length):",
+        f"  time with {plan.processes} data-parallel process(es), each at the probe's {_rate(plan.probe_flops)} "
+        f"on {plan.probe_device} (matrix products only; attention adds with context length):",
         f"    collect          {_human_time(plan.collect_s)}",
         f"    train offline    {_human_time(plan.train_offline_s)}",
         f"    train online     {_human_time(plan.train_online_s)}",

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from specheads.data.store import bytes_per_token
@@ -99,3 +100,106 @@ def test_a_prepared_set_sizes_the_tokens_per_sample(tmp_path):
                   cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert json.loads((tmp_path / "p.json").read_text())["tokens"] == 100 * 500
+
+
+# --------------------------------------------------------------------------- issue 38: what a 262k vocabulary costs
+
+SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)  # its published config
+
+
+@pytest.fixture
+def fixed_rates(monkeypatch):
+    """The probes at fixed rates (decoder 1e10, LM head 2e10 FLOP/s), recording the dtype each ran in."""
+    seen = []
+
+    def rate(value):
+        def probe(size, dtype, device, tokens=256, repeats=3):
+            seen.append(dtype)
+            return value
+        return probe
+
+    monkeypatch.setattr("specheads.planning.probe_flops", rate(1e10))
+    monkeypatch.setattr("specheads.planning.probe_lm_head_flops", rate(2e10))
+    return seen
+
+
+def gemma_plan(**kw):
+    return plan_for("gemma3_270m", **{"dtype": "float32", "method_settings": {"aux_layers": [2, 9, 15],
+                                                                                "draft_vocab_size": 4096}, **kw})
+
+
+def test_the_lm_head_is_costed_apart_from_the_decoder(fixed_rates):
+    p = gemma_plan()
+    s, h = p.target_size, p.lm_head
+    assert (s.lm_head_params, s.tied, s.softcap) == (640 * 262144, True, False)
+    assert h.flops_share == pytest.approx(0.626, abs=0.001)  # most of Gemma 3 270M's forward
+    decoder_s, head_s = 2 * s.decoder_params * p.tokens / 1e10, 2 * s.lm_head_params * p.tokens / 2e10
+    assert p.collect_s == pytest.approx(decoder_s + head_s)
+    assert h.time_share == pytest.approx(head_s / (decoder_s + head_s))
+    smollm2 = plan_for("gemma3_270m", target_name="smollm2", config=target_config("smollm2", SMOLLM2),
+                       dtype="float32", method_settings={"aux_layers": [2, 15, 27], "draft_vocab_size": 2048})
+    assert smollm2.lm_head.flops_share == pytest.approx(0.210, abs=0.001)
+
+
+def test_collection_holds_one_chunk_of_logits_not_a_batch(fixed_rates):
+    small, big = gemma_plan(batch_tokens=512), gemma_plan(batch_tokens=8192)
+    assert small.lm_head.collect_bytes == 512 * 262144 * 4
+    assert big.lm_head.chunk_rows == 1024 and big.lm_head.collect_bytes == 1024 * 262144 * 4  # 1 GiB, not 8
+    assert big.memory["one device"] < 268098176 * 4 / 2**30 + 1.5
+    bf16 = gemma_plan(batch_tokens=8192, dtype="bfloat16")
+    assert bf16.lm_head.collect_bytes == 1024 * 262144 * 2  # the LM head runs in the target's dtype
+    # Tensor parallel keeps the (tied) embedding / LM head whole on every rank.
+    assert big.memory["tp 8"] > 167772160 * 4 / 2**30 > big.memory["device_map 8"] - 1.1
+
+
+def test_training_computes_the_target_columns_its_loss_needs(fixed_rates):
+    e3 = gemma_plan()
+    assert (e3.lm_head.train_columns, e3.lm_head.online_columns, e3.lm_head.probs_width) == (4096, 262144, 4096)
+    e1 = gemma_plan(method="eagle1", method_settings={}, train_tokens=4096, device_gib=16)
+    V = 262144
+    assert e1.lm_head.train_bytes == (1024 * V + 4096 * V) * 4  # the full distribution of every trained row
+    assert any("keeps the target's distribution over 262144 columns" in a for a in e1.advice)
+    assert e1.train_offline_s > e3.train_offline_s
+    m1 = gemma_plan(method="medusa1", method_settings={})
+    assert m1.lm_head.train_columns == 0 and m1.lm_head.train_bytes == 0  # trained on the data's tokens
+
+
+def test_the_probe_runs_in_the_dtype_the_stages_choose(fixed_rates, monkeypatch):
+    from specheads.hardware import BF16_ENV
+
+    monkeypatch.setenv(BF16_ENV, "0")  # a CPU without bfloat16 kernels (the issue's AVX2 EPYC)
+    p = gemma_plan(dtype="auto")
+    assert (p.dtype, p.dtype_reason) == ("float32", "this CPU has no bfloat16 kernels")
+    assert set(fixed_rates) == {torch.float32}
+    fixed_rates.clear()
+    monkeypatch.setenv(BF16_ENV, "1")  # with kernels: the stages' probe of the model's own linear shapes
+    probed = []
+
+    def probe_seconds(shapes, weights, rows, reps=3, backward=False, dtypes=("float32", "bfloat16")):
+        probed.append((dict(shapes), rows))
+        return {"float32": 2.0, "bfloat16": 1.0}
+
+    monkeypatch.setattr("specheads.hardware.probe_seconds", probe_seconds)
+    p = gemma_plan(dtype="auto")
+    assert p.dtype == "bfloat16" and set(fixed_rates) == {torch.bfloat16}
+    (shapes, rows), = probed
+    # the LM head among them (cut into 10 slices of at most 2**24 weights: the same FLOPs), at load_target's rows
+    assert shapes[(640, 262144 // 10)] == 10 and rows == 256 and max(i * o for i, o in shapes) <= 2**24
+
+
+def test_bfloat16_on_a_cpu_without_its_kernels_is_said_in_readable_figures(monkeypatch):
+    from specheads.hardware import BF16_ENV
+    from specheads.planning import format_plan
+
+    monkeypatch.setenv(BF16_ENV, "0")
+    monkeypatch.setattr("specheads.planning.probe_flops", lambda *a, **k: 3e9)
+    monkeypatch.setattr("specheads.planning.probe_lm_head_flops", lambda *a, **k: 4e9)
+    p = gemma_plan(dtype="bfloat16")
+    assert p.dtype_reason == "as set"
+    assert any("slow generic path (the probe: 3.0 GFLOP/s); target.dtype=auto loads float32" in a for a in p.advice)
+    text = format_plan(p)
+    assert "0.00 TFLOP/s" not in text and "at the probe's 3.0 GFLOP/s" in text
+    assert "LM head  640 x 262144: 63% of a forward's matrix-product FLOPs" in text
+    assert "collection keeps the argmax only, 1024 rows of logits at a time: 0.50 GiB" in text
+    assert "4096 from the store, all 262144 online" in text

@@ -24,6 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 ROW_MULTIPLE = 64
 """Selected rows are padded up to a multiple of this (see the module docstring)."""
+TARGET_CHUNK = 1024
+"""Rows of target logits built at a time: the only full-vocabulary tensor collection holds (it keeps the argmax)."""
 
 
 def pad_rows(x: torch.Tensor, multiple: int = ROW_MULTIPLE) -> torch.Tensor:
@@ -34,7 +36,7 @@ def pad_rows(x: torch.Tensor, multiple: int = ROW_MULTIPLE) -> torch.Tensor:
 
 @torch.no_grad()
 def target_probs(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                 columns: torch.Tensor | None = None, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                 columns: torch.Tensor | None = None, chunk: int = TARGET_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """Target distribution and argmax for rows of post-norm hidden states.
 
     logits_fn: (n, H) -> (n, V) target logits (``target.logits``); hidden: (N, H);
@@ -77,7 +79,7 @@ def column_logits(target, columns: torch.Tensor) -> Callable[[torch.Tensor], tor
 
 @torch.no_grad()
 def target_argmax(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                  chunk: int = 1024) -> torch.Tensor:
+                  chunk: int = TARGET_CHUNK) -> torch.Tensor:
     """(..., H) hidden -> (...) argmax of ``logits_fn`` (e.g. ``target.logits``), ``chunk`` rows at a time.
 
     ``max(-1).indices`` is the argmax (the first maximal index on ties, as ``argmax``), and on a CPU
