@@ -23,6 +23,9 @@ def preset(name: str) -> dict:
 
 
 def plan_for(name: str, method: str = "eagle3", **kw):
+    """The plan of a preset; the tests of sizes, bytes and advice take the probes at fixed rates (``fixed_rates``):
+    a real probe of a 70B model's layers in bfloat16 takes minutes on a CPU without bfloat16 kernels (the CLI
+    tests run the real one)."""
     raw = preset(name)
     settings = {"aux_layers": raw["eagle3"]["aux_layers"], "draft_vocab_size": 32000} if method == "eagle3" else {}
     args = dict(target_name=name, config=target_config(raw["name_or_path"], raw["architecture"]), method_name=method,
@@ -36,14 +39,14 @@ def plan_for(name: str, method: str = "eagle3", **kw):
 @pytest.mark.parametrize("name,total,active", [
     ("llama3_1_8b", 8.03, None), ("llama3_3_70b", 70.55, None), ("qwen3_8b", 8.19, None),
     ("qwen3_30b_a3b", 30.5, 3.3 - 0.31), ("gpt_oss_20b", 20.9, 3.6), ("gemma3_12b", 11.8, None)])
-def test_preset_architectures_have_their_published_sizes(name, total, active):
+def test_preset_architectures_have_their_published_sizes(name, total, active, fixed_rates):
     size = plan_for(name).target_size
     assert size.params / 1e9 == pytest.approx(total, abs=0.1)
     if active is not None:
         assert size.active_params / 1e9 == pytest.approx(active, abs=0.1)
 
 
-def test_store_bytes_follow_the_stored_vectors():
+def test_store_bytes_follow_the_stored_vectors(fixed_rates):
     p = plan_for("qwen3_8b")
     # EAGLE-3 stores three fused layers plus the last hidden state, bfloat16, for every token
     assert p.store_bytes == 1000 * 1000 * bytes_per_token(4096, 3, True, "bfloat16")
@@ -51,7 +54,7 @@ def test_store_bytes_follow_the_stored_vectors():
     assert 0.45 < fp8.store_bytes / p.store_bytes < 0.55
 
 
-def test_layouts_split_the_weights_and_the_advice_follows_the_device():
+def test_layouts_split_the_weights_and_the_advice_follows_the_device(fixed_rates):
     p = plan_for("llama3_3_70b")
     assert p.memory["one device"] > 2 * 70.5e9 / 2**30  # 141 GB of bfloat16 weights alone
     assert p.memory["tp 8"] < p.memory["tp 4"] < p.memory["tp 2"] < p.memory["one device"]
@@ -60,7 +63,7 @@ def test_layouts_split_the_weights_and_the_advice_follows_the_device():
     assert any(a.startswith("no layout") for a in small.advice)
 
 
-def test_a_store_that_does_not_fit_the_disk_recommends_online_training(tmp_path):
+def test_a_store_that_does_not_fit_the_disk_recommends_online_training(tmp_path, fixed_rates):
     p = plan_for("qwen3_8b", num_samples=10**7, disk_dir=tmp_path)
     assert p.store_bytes > p.disk_free
     assert any("train online" in a for a in p.advice)
@@ -69,7 +72,7 @@ def test_a_store_that_does_not_fit_the_disk_recommends_online_training(tmp_path)
                                                        disk_dir=tmp_path).advice)
 
 
-def test_a_method_that_trains_the_target_has_no_store():
+def test_a_method_that_trains_the_target_has_no_store(fixed_rates):
     p = plan_for("qwen3_8b", method="medusa2")
     assert p.store_bytes == 0 and any("online training only" in a for a in p.advice)
 
