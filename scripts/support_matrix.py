@@ -3,6 +3,7 @@
     python scripts/support_matrix.py                      # runs pytest tests/families, writes the doc
     python scripts/support_matrix.py --log run.jsonl      # render from an existing support log (no run)
     python scripts/support_matrix.py --tests tests/families tests/data/test_prepare_families.py
+    python scripts/support_matrix.py --real               # only the real-weights section (docs/real_weights.json)
 
 The family tests (tests/families/support_log.py) write one JSON line per (family, stage, outcome) when
 SPECHEADS_SUPPORT_LOG is set; outcomes are ``passed``, ``refused: <reason>`` (the library's one-line
@@ -27,6 +28,8 @@ DOC = REPO / "docs" / "support_matrix.md"
 DEFAULT_TESTS = ("tests/families", "tests/data/test_real_chat_formats.py")
 CHAT = "chat:"  # the family key prefix of the chat-format tests (their table is the second one)
 DOC_TEST = "tests/families/test_support_doc.py"
+REAL = REPO / "docs" / "real_weights.json"  # measured runs on real weights and in a real engine (rendered below)
+REAL_HEADING = "## Real weights and a real engine"
 COLUMNS = {  # log stage -> column header (architecture table)
     "collect_store": "collect store", "collect_online": "collect online",
     "train_medusa1": "train medusa1", "train_medusa2": "medusa2", "train_eagle1": "eagle1", "train_eagle3": "eagle3",
@@ -101,6 +104,42 @@ def render(cells: dict[tuple[str, str], str], test_ids) -> str:
         for key in formats:
             name = key[len(CHAT):]
             lines.append(f"| {key} | {symbol(cells[(key, 'prepare')])} | {template_source(name)} |")
+    return "\n".join(lines) + "\n" + render_real(load_real())
+
+
+def load_real(path: Path = REAL) -> dict | None:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def render_real(data: dict | None) -> str:
+    """The section of the families run on their real weights (``docs/real_weights.json``, recorded by hand from
+    measured runs): what ran, and each head kind in the engine, served or refused with the engine's message."""
+    if not data:
+        return ""
+    heads = data["heads"]
+    lines = ["", REAL_HEADING, "", data["about"], "",
+             "| family | model (real weights) | stages | " + " | ".join(f"{data['engine']}: {h}" for h in heads)
+             + " | measured |", "|---|---|---|" + "---|" * len(heads) + "---|"]
+    refusals: list[str] = []
+    for run in data["runs"]:
+        cells = []
+        for h in heads:
+            cell = run["served"].get(h)
+            if cell is None:
+                cells.append("—")
+            elif cell["outcome"] == "served":
+                cells.append("✓" + (f" ({cell['note']})" if cell.get("note") else ""))
+            elif cell["outcome"] == "refused":
+                if cell["note"] not in refusals:
+                    refusals.append(cell["note"])
+                cells.append(f"E{refusals.index(cell['note']) + 1}")
+            else:
+                cells.append("✗" + (f" ({cell['note']})" if cell.get("note") else ""))
+        lines.append(f"| {run['family']} | {run['model']} | {run['stages']} | " + " | ".join(cells)
+                     + f" | {run['date']}, [{Path(run['source']).stem}]({Path(run['source']).name}) |")
+    if refusals:
+        lines += ["", "Refused by the engine, in its own words:", ""] + \
+                 [f"- E{i + 1}: {r}" for i, r in enumerate(refusals)]
     return "\n".join(lines) + "\n"
 
 
@@ -119,7 +158,7 @@ def parse_doc(text: str) -> tuple[dict[tuple[str, str], str], str | None]:
     digest = None
     cells: dict[tuple[str, str], str] = {}
     stages = list(COLUMNS)
-    for ln in text.splitlines():
+    for ln in text.split(REAL_HEADING)[0].splitlines():
         if ln.startswith("<!-- test-ids:"):
             digest = ln.split()[2]
         elif ln.startswith("| ") and not ln.startswith(("| family", "| chat format")):
@@ -157,7 +196,14 @@ def main(argv=None) -> int:
     ap.add_argument("--log", type=Path, help="render from this support log instead of running the tests")
     ap.add_argument("--tests", nargs="+", default=list(DEFAULT_TESTS), help="pytest paths that log support lines")
     ap.add_argument("--out", type=Path, default=DOC, help=f"the Markdown written (default {DOC.relative_to(REPO)})")
+    ap.add_argument("--real", action="store_true", help="only re-render the real-weights section from "
+                    f"{REAL.relative_to(REPO)} (no test run)")
     args = ap.parse_args(argv)
+    if args.real:
+        matrix = args.out.read_text().split("\n" + REAL_HEADING)[0].rstrip("\n") + "\n"
+        args.out.write_text(matrix + render_real(load_real()))
+        print(f"wrote {args.out} (real-weights section)")
+        return 0
     rc = 0
     if args.log is None:
         with tempfile.TemporaryDirectory() as tmp:

@@ -55,3 +55,26 @@ def test_render_round_trips_every_outcome():
     assert doc[("llama", "collect_store")] == "✓" and doc[("llama", "export_vllm")] == "✗"
     assert doc[("gemma2", "evaluate_tree")] == "R1" and doc[("chat:qwen3", "prepare")] == "✓"
     assert doc[("llama", "export_sglang")] == "—" and digest == sm.test_ids_digest(["a::b"])
+
+
+def test_the_real_weights_section_is_rendered_from_its_record():
+    sm = _script()
+    section = sm.render_real(sm.load_real())
+    assert section and sm.REAL_HEADING in section
+    assert sm.DOC.read_text().endswith(section), \
+        "docs/support_matrix.md's real-weights section differs from docs/real_weights.json: run " \
+        "python scripts/support_matrix.py --log <a support log> (or render_real into the doc)"
+
+
+def test_an_engines_refusal_is_quoted_once_and_numbered():
+    sm = _script()
+    data = {"about": "a", "engine": "vLLM 0.32.0", "heads": ["eagle3", "eagle1", "dflash"], "runs": [
+        {"family": "gemma3_text", "model": "g", "stages": "all", "date": "d", "source": "docs/serving.md",
+         "served": {"eagle3": {"outcome": "refused", "note": "RuntimeError: no EAGLE3 interface"},
+                    "eagle1": {"outcome": "served", "note": "τ 1.1"},
+                    "dflash": {"outcome": "refused", "note": "RuntimeError: no EAGLE3 interface"}}}]}
+    text = sm.render_real(data)
+    assert "| gemma3_text | g | all | E1 | ✓ (τ 1.1) | E1 | d, [serving](serving.md) |" in text
+    assert text.count("no EAGLE3 interface") == 1 and "- E1: RuntimeError: no EAGLE3 interface" in text
+    assert sm.parse_doc(sm.render({("llama", "collect_store"): "passed"}, ["a::b"]))[0] == {
+        ("llama", "collect_store"): "✓", **{("llama", s): "—" for s in list(sm.COLUMNS)[1:]}}
