@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -197,9 +198,9 @@ class EngineProcess:
         self.wall_load_s = time.perf_counter() - t
         if ready.get("event") != "ready":
             self.close()
+            cause = root_cause(self.log_path) or f"{ready.get('type', '')}: {first_line(ready.get('message', ''))}"
             raise EngineRefusedError(f"vLLM did not start with {config.get('speculative_config') or 'no drafter'}: "
-                                     f"{ready.get('type', '')}: {first_line(ready.get('message', ''))} "
-                                     f"(engine log: {self.log_path})")
+                                     f"{cause} (engine log: {self.log_path})")
         self.load_s = float(ready["load_s"])
         self.version = ready.get("vllm")
 
@@ -244,6 +245,27 @@ class EngineProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# an exception line of a traceback in the engine's log, under any of its processes' log prefixes
+_EXCEPTION = re.compile(r"(?:^|\] |\) )((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)): (.+)$")
+_RELAYS = ("See root cause above", "Engine core initialization failed")  # vLLM's wrappers of a worker's error
+
+
+def root_cause(log_path: Path, limit: int = 400) -> str | None:
+    """The exception that stopped the engine, from its log (``RuntimeError: Model does not support EAGLE3 ...``),
+    not vLLM's relays of it ("Engine core initialization failed. See root cause above."): the first one a process
+    logged as an ERROR, else the last one printed (a traceback the engine recovered from comes earlier); or None."""
+    try:
+        lines = Path(log_path).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    found = [(" ERROR " in line, m) for line in lines if (m := _EXCEPTION.search(line.strip()))
+             and not any(r in m.group(2) for r in _RELAYS)]
+    if not found:
+        return None
+    m = next((m for error, m in found if error), found[-1][1])
+    return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2).strip()}"[:limit]
 
 
 def first_line(message: str, limit: int = 400) -> str:

@@ -244,3 +244,26 @@ def test_config_composes_for_both_engines_and_catches_typos():
     assert endpoint.engine == "endpoint" and endpoint.url == "http://127.0.0.1:8000"
     OmegaConf.to_container(offline, resolve=True, throw_on_missing=True)
     assert [p.id for p in module.prompt_set(offline)][:2] == ["mtbench/121/t1", "mtbench/121/t2"]
+
+
+def test_a_refusal_quotes_the_engines_root_cause_not_its_relay(tmp_path):
+    """vLLM's own message for a worker that failed is "Engine core initialization failed. See root cause above.":
+    the refusal quotes the cause its log holds (the first one logged as an ERROR, else the last printed)."""
+    from specheads.serving.engine import root_cause
+
+    log = tmp_path / "engine.log"
+    log.write_text(
+        "Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+        "RecursionError: maximum recursion depth exceeded while calling a Python object\n"  # recovered from, earlier
+        "(EngineCore pid=7) INFO 12-03 [core.py:1] loading\n"
+        "(Worker pid=8) ERROR 12-03 13:35:25 [multiproc_executor.py:953]     raise RuntimeError(\n"
+        "(Worker pid=8) ERROR 12-03 13:35:25 [multiproc_executor.py:953] RuntimeError: Model does not support "
+        "EAGLE3 interface but aux_hidden_state_outputs was requested\n"
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert root_cause(log) == ("RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs "
+                               "was requested")
+    log.write_text("ValueError: first\nvllm.v1.engine.exceptions.EngineDeadError: the engine died\n"
+                   "RuntimeError: Engine core initialization failed. See root cause above.\n")
+    assert root_cause(log) == "EngineDeadError: the engine died"
+    log.write_text("INFO all fine\n")
+    assert root_cause(log) is None and root_cause(tmp_path / "missing.log") is None
