@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from specheads import chat_templates
 from specheads.errors import SpecheadsError
+from specheads.export.engine_targets import vllm_refusal
 from specheads.export.layouts import (ENGINES, FLOAT, Layout, LayoutError, TargetInfo, TensorSpec,
                                       build_layout, engines_for, head_tensors, method_of)
 from specheads.export.serve import (FOLDER_PLACEHOLDER, NO_SGLANG, TARGET_VAR, ServeParams, provenance_serve,
@@ -275,6 +276,9 @@ def target_info(target, head_cfg: dict, target_id: str | None = None) -> tuple[T
     if hasattr(target, "vocab_size") and hasattr(target, "lm_head"):
         info = TargetInfo(info.name, info.hidden_size, target.vocab_size, info.num_layers, info.hub_id,
                           info.architectures)
+    model = getattr(target, "model", None)
+    if not info.architectures and model is not None:  # a model made in memory: its class is its architecture
+        info = replace(info, architectures=(type(model).__name__,))
     return replace(info, origin_id=origin.hint), origin
 
 
@@ -486,6 +490,8 @@ def plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spe
                       push_to_hub, summary, adapted is not None, eval_report and str(eval_report), hub, template)
     if origin.warning():
         log.warning("%s", origin.warning())
+    if (refused := vllm_refusal(method, info.architectures)) and any(e != "sglang" for e in layouts):
+        log.warning("%s", refused)
     return ExportPlan(head, out, method, layouts, source, _out_dtype(dtype, float_code), adapted, card,
                       nested=nested, target_source=target_source)
 
@@ -860,7 +866,9 @@ def _facts(layout: Layout, card: CardInputs) -> list[tuple[str, str]]:
             ("method", _TITLES[layout.method] + (" (Medusa-2: served with its adapted target, "
                                                   f"`{cfg['adapted_target']}/`)" if card.adapted else "")),
             ("layout", f"{layout.engine}, architecture `{arch}`"),
-            ("served by", SERVED_BY.get((layout.method, layout.engine), layout.engine)),
+            ("served by", SERVED_BY.get((layout.method, layout.engine), layout.engine)
+             + (f"; **{refused}**" if (refused := vllm_refusal(layout.method, t.architectures))
+                and layout.engine != "sglang" else "")),
             ("data", card.data or "not recorded (pass data=... to the export)")]
     if card.chat_template is not None:
         rows.append(("chat template", _template_fact(card.chat_template)))

@@ -1,4 +1,4 @@
-"""What an export says of its target (issue 38): the chat template the head was trained with, carried where the
+"""What an export says of its target: the chat template the head was trained with, carried where the
 target's own tokenizer lacks it (``chat_template.jinja`` + ``--chat-template``), ``base_model`` in the card, and a
 speculators verifier that names a hub id, not the exporting machine's folder, whenever one is known."""
 
@@ -202,3 +202,24 @@ def test_a_local_folder_is_named_by_its_configs_hub_id_else_by_nothing(head, tar
     out = export_head(head, tmp_path / "out3", "all", str(named), target_id="acme/exact")
     assert _speculators_verifier(out) == "acme/exact"
     assert (out / "vllm" / "README.md").read_text().startswith("---\nbase_model: acme/exact\n")
+
+
+def test_a_target_vllm_cannot_hand_auxiliary_states_is_said_on_the_card(tmp_path, caplog):
+    """EAGLE-3 and DFlash draft from the target's auxiliary hidden states; vLLM 0.32's Gemma 3 class does not hand
+    them over and the engine refuses the head at load: the card's "served by" and the export's log say so, with
+    the engine's message; a Llama target's card does not."""
+    import logging
+
+    from specheads.export.engine_targets import VLLM_REFUSAL, vllm_refusal
+
+    gemma = make_tiny_target("gemma3_text", vocab=V, hidden=H, layers=LAYERS)
+    assert type(gemma.model).__name__ == "Gemma3ForCausalLM"
+    head = save_head(make_head("eagle3", gemma), tmp_path / "head")
+    with caplog.at_level(logging.WARNING):
+        out = export_head(head, tmp_path / "out", "all", gemma)
+    served_by = [ln for ln in (out / "vllm" / "README.md").read_text().splitlines() if ln.startswith("| served by |")]
+    assert "vLLM 0.32.0 cannot serve this head on this target" in served_by[0] and VLLM_REFUSAL in served_by[0]
+    assert "Gemma3ForCausalLM" in served_by[0] and "cannot serve this head" in caplog.text
+    assert "cannot serve" not in (out / "sglang" / "README.md").read_text()
+    assert vllm_refusal("eagle3", ["LlamaForCausalLM"]) is None and vllm_refusal("eagle1", ["Gemma3ForCausalLM"]) is None
+    assert vllm_refusal("dflash", ["Gemma2ForCausalLM"]) is not None
