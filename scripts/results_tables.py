@@ -112,7 +112,9 @@ def quickstart_times(data: dict) -> str:
     main = latest_main_job(data)
     test = data["test_runs"][0]
     text = (f"Measured on a fresh clone of commit `{main['commit']}` ({main['date']}, {main['machine']}): set-up "
-            f"{main['setup_s']} s, then **{main['total_min']} minutes** for the run ({_stage_times(main)}). "
+            f"{main['setup_s']} s, then **{main['total_min']} minutes** for the run ({_stage_times(main)})"
+            + (f"; with vLLM's venv set up, its serve stage added {main['serve_s']} s" if main.get("serve_s") else "")
+            + ". "
             f"The tests: {test['passed']} passed, {test['skipped']} skipped in {test['tests_min']} min "
             f"({test['total_min']} min with set-up; commit `{test['commit']}`, {test['date']}, {test['machine']}).")
     kinds = machine_range(data)
@@ -170,8 +172,8 @@ def _cell(m: dict | None, with_alpha: bool = False) -> str:
 def history_table(data: dict) -> str:
     """docs/benchmarks.md: every main-job run, newest first."""
     lines = ["| date | commit | fresh clone | machine | what ran | set-up + run | stages | training (EAGLE-3) | "
-             "EAGLE-3 with lookup branch | EAGLE-3 head alone | n-gram | vLLM chain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "EAGLE-3 with lookup branch | EAGLE-3 head alone | n-gram | vLLM chain | served by vLLM |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["runs"]:
         if r["kind"] != "main_job":
             continue
@@ -189,7 +191,7 @@ def history_table(data: dict) -> str:
             _stage_times(r) or "–", train,
             f"{best['method']}: {_cell(best, True)}" if best else "–",
             _cell(by.get("eagle3"), best is None),
-            _cell(by.get("ngram")), _cell(by.get("eagle3-vllm"))]) + " |")
+            _cell(by.get("ngram")), _cell(by.get("eagle3-vllm")), served_cell(r, "eagle3-vllm")]) + " |")
     return "\n".join(lines)
 
 
