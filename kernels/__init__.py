@@ -14,8 +14,22 @@ set before the kernel modules are first imported), which is how the unit tests c
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import os
+import sys
+
+if __name__ == "kernels":
+    # Imported as a top-level `kernels`: a clone's root is on sys.path (`python -m` run in it) and the
+    # name asked for is Hugging Face's `kernels` package, which transformers imports. Hand the import
+    # over to an installed one: the import statement returns whatever sys.modules holds at the end.
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
+    _spec = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
+    if _spec is not None and _spec.loader is not None:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module
+        _spec.loader.exec_module(_module)
 
 INSTALL_HINT = "pip install triton  (or: pip install 'specheads[kernels]')"
 

@@ -7,9 +7,10 @@
 # torch comes first and is pinned for every later install, so nothing drags in a multi-GB CUDA build
 # behind it: on a machine whose python already has torch (a GPU box), the venv sees and keeps that
 # torch; otherwise the CPU build torch==2.13.0 is installed. deepspeed builds against that torch
-# (no build isolation, no prebuilt ops). The embedded assets (model and data) install with --no-deps.
+# (no build isolation, no prebuilt ops). Every other dependency is held at the versions the tests last
+# passed with (scripts/constraints.txt). The embedded assets (model and data) install with --no-deps.
 set -euo pipefail
-if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,11p' "$0"; exit 0; fi
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,12p' "$0"; exit 0; fi
 cd "$(dirname "$0")/.."
 VENV=${SPECHEADS_VENV:-.venv}
 PY=${PYTHON:-python3}
@@ -35,6 +36,7 @@ fi
 TORCH_VERSION=$(python -c "import torch; print(torch.__version__.split('+')[0])")
 CONSTRAINT="$VENV/specheads-constraints.txt"
 echo "torch==$TORCH_VERSION" > "$CONSTRAINT"
+grep -v '^#' scripts/constraints.txt >> "$CONSTRAINT"  # the tested versions of everything else
 export PIP_CONSTRAINT="$CONSTRAINT"
 
 echo "[setup] installing specheads[dev,kernels] (torch pinned at $TORCH_VERSION)"

@@ -101,6 +101,19 @@ def test_every_module_and_config_ships(installed):
     assert recipes >= {p.name for p in (REPO / "recipes").glob("*.py")}
 
 
+def test_the_clones_kernels_folder_hides_no_installed_kernels_package():
+    """`python -m`/`-c` run in the clone put its root first on sys.path. transformers imports Hugging Face's
+    `kernels` package (a dependency of recent releases): the clone's kernels/ folder must give way to it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    code = ("import kernels, transformers.activations; import specheads.kernels as t; "
+            "print(getattr(kernels, '__file__', None)); print(t.__file__)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    top, ours = proc.stdout.split()
+    assert top == "None" or not Path(top).resolve().is_relative_to(REPO / "kernels"), f"`import kernels` gave {top}"
+    assert Path(ours).resolve() == REPO / "kernels" / "__init__.py"
+
+
 def test_configs_load_as_package_resources(installed):
     code = ("from hydra import compose, initialize_config_module\n"
             "with initialize_config_module('specheads.conf', version_base='1.3'):\n"
