@@ -43,8 +43,11 @@ def summarize(run_dir: str | Path, head: str, offline: bool) -> dict:
     manifest = _json(run / "features" / "manifest.json") if offline else None
     if manifest:
         source = manifest.get("source") or {}
+        budget = source.get("budget")
+        if budget and budget.get("cut"):  # the rows a cut kept are the store's; the summary keeps the counts
+            budget = {**budget, "cut": {k: v for k, v in budget["cut"].items() if k != "kept_rows"}}
         out["collect"] = {"samples": manifest.get("num_samples"), "tokens": manifest.get("num_tokens"),
-                          "target_dtype": source.get("target_dtype"), "budget": source.get("budget"),
+                          "target_dtype": source.get("target_dtype"), "budget": budget,
                           "prepared_samples": source.get("num_samples")}
         if seconds.get("collect") and manifest.get("num_tokens"):
             out["collect"]["tokens_per_s_with_startup"] = round(manifest["num_tokens"] / seconds["collect"])
@@ -98,6 +101,8 @@ def summary_lines(record: dict) -> list[str]:
         b = c.get("budget")
         part = (f"{c['samples']} of {b['prepared_rows']} prepared chats in its {b['max_minutes']:g}-minute budget "
                 f"at ~{b['tokens_per_s']:.0f} tokens/s" if b else f"{c['samples']} chats")
+        if b and b.get("cut"):
+            part += f", cut at {b['cut']['overrun']:g}x the budget (the machine ran slower than its probe)"
         L.append(f"  collect: target {dtype}, {part} ({c['tokens']} tokens)")
     t = record.get("train")
     if t:

@@ -8,6 +8,12 @@ whole set on a fast one. The rate comes from timed forwards of the target on row
 (after a kill) keeps the same rows, the same shard plan and the shards already written, and every process of
 a several-process collection reads the one decision of the first (``decide``). The store's metadata says it
 is partial by design (``source.budget``); later stages read the rows it holds.
+
+The rate is measured once, before the collection; a machine that slows down afterwards (another job
+starting beside it) would carry the collection past its budget. A single-process collection therefore
+stops ``OVERRUN`` times its budget after it began and keeps the rows it collected (``cut``): shards are
+collected shortest rows first, so the rows kept are the shortest of the budget's; ``budget.json`` records
+them, and a re-run keeps exactly that store.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ log = logging.getLogger(__name__)
 
 BUDGET_FILE = "budget.json"
 WAIT_S = 1800  # how long a process waits for the first process's decision
+OVERRUN = 1.15  # a single-process collection is cut this many times its budget after it began
 
 
 def rows_within(lengths: Sequence[int], tokens: float) -> int:
@@ -93,10 +100,26 @@ def decide(root: str | Path, lengths: Sequence[int], max_minutes: float, process
     return decision
 
 
+def cut(root: str | Path, decision: dict, kept_rows: Sequence[int], tokens: int, from_plan: str,
+        to_plan: str) -> dict:
+    """Record that the collection stopped at its deadline keeping the prepared rows ``kept_rows``; the store's
+    plan ``from_plan`` becomes ``to_plan`` (the same finished shards, fewer rows). Written before the store
+    changes, so a collection killed halfway through the change completes it on its re-run."""
+    decision = {**decision, "cut": {"rows": len(kept_rows), "tokens": int(tokens), "kept_rows": list(kept_rows),
+                                    "overrun": OVERRUN, "from_plan": from_plan, "to_plan": to_plan}}
+    atomic_write_json(Path(root) / BUDGET_FILE, decision)
+    log.warning("collection passed %.2fx its %g-minute budget: cut to the %d of %d rows collected (%d tokens); "
+                "%s records it", OVERRUN, decision["max_minutes"], len(kept_rows), decision["rows"], tokens,
+                Path(root) / BUDGET_FILE)
+    return decision
+
+
 def _describe(d: dict) -> str:
     whole = "the whole set" if d["rows"] == d["prepared_rows"] else "partial by design"
+    cut = (f"; cut at its deadline to {d['cut']['rows']} rows ({d['cut']['tokens']} tokens)"
+           if d.get("cut") else "")
     return (f"{d['tokens']} tokens for {d['max_minutes']:g} min at ~{d['tokens_per_s']:.0f} tokens/s per process "
-            f"x {d['processes']}: {whole}")
+            f"x {d['processes']}: {whole}{cut}")
 
 
 def _read(path: Path) -> dict | None:

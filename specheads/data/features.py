@@ -20,7 +20,7 @@ import logging
 import math
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -29,9 +29,9 @@ from torch.utils.data import Dataset, Sampler
 from tqdm import tqdm
 
 from specheads.data.store import (
-    MANIFEST, PLAN, STORE_FORMAT, CorruptShardError, InsufficientDiskError, ShardRecord, ShardWriter,
+    MANIFEST, PLAN, SHARD_DIR, STORE_FORMAT, CorruptShardError, InsufficientDiskError, ShardRecord, ShardWriter,
     StoreMismatchError, atomic_write_json, bytes_per_token, canonical_dtype, check_shard_file, decode_hidden,
-    read_manifest, read_record, remove_stale_temps,
+    read_manifest, read_record, record_file, remove_stale_temps,
 )
 from specheads.targets import Target, default_eagle3_layers
 from specheads.methods.base import ARGMAX_KEY, FeatureSpec
@@ -306,11 +306,17 @@ def store_header(target: Target, spec: FeatureSpec, opts: CollectOptions, ids: l
     return header
 
 
-def open_plan(root: Path, header: dict[str, Any]) -> None:
-    """Record the plan in a new store, or check that an existing one was begun with the same plan."""
+def open_plan(root: Path, header: dict[str, Any], adopt_from: str | None = None,
+              contents: list[tuple[list[str], list[int]]] | None = None) -> None:
+    """Record the plan in a new store, or check that an existing one was begun with the same plan.
+    ``adopt_from``: a plan this one replaces (a budget's cut, ``replan``, with the new plan's shard
+    ``contents``): a store begun with it is moved over."""
     path = root / PLAN
     if path.exists():
         old = json.loads(path.read_text())
+        if adopt_from is not None and old.get("plan_hash") == adopt_from:
+            replan(root, header, adopt_from, contents or [])
+            return
         if old.get("plan_hash") != header["plan_hash"]:
             diff = [k for k in header if k not in ("plan_hash", "source") and old.get(k) != header[k]]
             raise StoreMismatchError(
@@ -319,6 +325,31 @@ def open_plan(root: Path, header: dict[str, Any]) -> None:
         return
     root.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, header)
+
+
+def replan(root: Path, header: dict[str, Any], from_plan: str, contents: list[tuple[list[str], list[int]]]) -> None:
+    """Move a store from plan ``from_plan`` to ``header``'s, a plan of fewer rows whose first shards are the
+    old plan's (a budget's cut; ``contents``: each new shard's ids and lengths): a finished shard holding what
+    the new plan has at its index is relabelled, any other is deleted, then the new plan is written.
+    Idempotent, so a kill part-way is completed by the re-run."""
+    for index in range(max(len(contents), _highest_record(root) + 1)):
+        record = read_record(root, index)
+        if record is None or record.plan_hash == header["plan_hash"]:
+            continue
+        if (record.plan_hash == from_plan and index < len(contents)
+                and (record.ids, record.lengths) == tuple(contents[index])):
+            record.plan_hash = header["plan_hash"]
+            atomic_write_json(root / record_file(index), asdict(record))
+        else:
+            (root / record_file(index)).unlink(missing_ok=True)
+            (root / record.file).unlink(missing_ok=True)
+    atomic_write_json(root / PLAN, header)
+
+
+def _highest_record(root: Path) -> int:
+    folder = root / SHARD_DIR
+    found = [int(p.stem) for p in folder.glob("*.json") if p.stem.isdigit()] if folder.exists() else []
+    return max(found, default=-1)
 
 
 def shard_is_done(root: Path, index: int, plan_hash: str, full: bool) -> bool:
@@ -409,10 +440,39 @@ def _within_budget(target, spec, dataset, tokens: TokenDataset, opts: CollectOpt
     if opts.rank == 0 and not opts.write and target.layout.tp_size > 1:
         rate()  # a tensor-parallel peer of the first process: the same forwards (collectives), nothing decided
     decision = budget.decide(root, tokens.lengths, opts.max_minutes, opts.world_size, first, rate)
-    if decision["rows"] < len(tokens):
+    if decision.get("cut"):  # stopped at its deadline before: the rows it kept
+        dataset = dataset.select(decision["cut"]["kept_rows"])
+        tokens = TokenDataset(dataset)
+    elif decision["rows"] < len(tokens):
         dataset = dataset.select(range(decision["rows"]))
         tokens = TokenDataset(dataset)
     return dataset, tokens, {**(source or {}), "budget": decision}
+
+
+def _cut_at_deadline(target, spec, dataset, tokens: TokenDataset, shards: list[list[int]], shard: int,
+                     done: list[int], header: dict, opts: CollectOptions, root: Path, writer: "ShardWriter") -> None:
+    """Stop a budgeted collection past its deadline: keep the finished shards (every one before ``shard``)
+    and the rows ``done`` of ``shard``; record the cut (``budget.cut``), move the store to the plan of those
+    rows (``replan``), and hand the writer the new plan for the rows of ``shard`` it holds."""
+    from specheads.data import budget
+
+    kept = sorted([i for sh in shards[:shard] for i in sh] + done)
+    renumber = {old: new for new, old in enumerate(kept)}
+    lengths = [tokens.lengths[i] for i in kept]
+    new_shards = plan_shards(lengths, max(1, opts.shard_bytes // header["bytes_per_token"]), opts.shard_samples)
+    expected = [[renumber[i] for i in sh] for sh in shards[:shard]] + ([[renumber[i] for i in done]] if done else [])
+    if new_shards != expected:  # plan_shards packs a prefix of its order the same way: this cannot differ
+        raise RuntimeError(f"{root}: the cut's plan does not reproduce the finished shards; not cutting")
+    ids = [str(x) for x in dataset.select(kept)["id"]] if tokens.has_ids else [str(i) for i in kept]
+    source = dict(header["source"])
+    new = store_header(target, spec, opts, ids, lengths, new_shards, source)
+    source["budget"] = budget.cut(root, source["budget"], kept, sum(lengths), header["plan_hash"], new["plan_hash"])
+    new["source"] = source
+    writer.drain()  # the shards finished before the cut are on disk, under the old plan
+    replan(root, new, header["plan_hash"], [([ids[i] for i in sh], [lengths[i] for i in sh]) for sh in new_shards])
+    writer.plan_hash = new["plan_hash"]
+    if done:
+        writer.finish(shard, [ids[renumber[i]] for i in done])
 
 
 def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: str | Path,
@@ -437,7 +497,9 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
     bpt = bytes_per_token(target.hidden_size, len(spec.aux_layers), spec.need_last, opts.dtype)
     shards = plan_shards(tokens.lengths, max(1, opts.shard_bytes // bpt), opts.shard_samples)
     header = store_header(target, spec, opts, ids, tokens.lengths, shards, source)
-    open_plan(root, header)
+    cut = ((source or {}).get("budget") or {}).get("cut") if opts.max_minutes is not None else None
+    open_plan(root, header, adopt_from=cut and cut["from_plan"],
+              contents=[([ids[i] for i in sh], [tokens.lengths[i] for i in sh]) for sh in shards] if cut else None)
     mine = list(range(opts.rank, len(shards), opts.world_size))
     if opts.write:
         remove_stale_temps(root, mine)
@@ -460,12 +522,26 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
     # this rank's tokens still to collect: tqdm's ETA is their count left at the pace so far (rank 0 shows it)
     bar = tqdm(total=todo_tokens, desc=f"collect rank {opts.rank}" if opts.world_size > 1 else "collect",
                unit="tok", unit_scale=True, dynamic_ncols=True, disable=opts.rank != 0 or not opts.progress)
+    # a budget's deadline (``budget.OVERRUN``): one process only, whose store the cut can move; rows with ids
+    deadline = None
+    if opts.max_minutes is not None and opts.world_size == 1 and not cut and tokens.has_ids:
+        from specheads.data.budget import OVERRUN
+
+        deadline = t0 + opts.max_minutes * 60 * OVERRUN
     try:
         for s in todo:
+            done: list[int] = []
             for b in plan[s]:
+                if deadline is not None and time.perf_counter() > deadline and (done or s != todo[0]):
+                    _cut_at_deadline(target, spec, dataset, tokens, shards, s, done, header, opts, root, writer)
+                    break
                 writer.add(compute_features(target, collate_features(tokens.rows(b)), spec, argmax=spec.need_last))
                 bar.update(sum(tokens.lengths[i] for i in b))
-            writer.finish(s, [ids[i] for i in shards[s]])
+                done += b
+            else:
+                writer.finish(s, [ids[i] for i in shards[s]])
+                continue
+            break
     except BaseException:
         writer.close(check=False)  # keep the shards finished so far; the original error propagates
         raise

@@ -318,6 +318,16 @@ class ShardWriter:
         """Write everything added since the last ``finish`` as shard ``index`` holding samples ``ids``."""
         self._put(("finish", index, list(ids)))
 
+    def drain(self) -> None:
+        """Wait until everything handed over so far is processed (finished shards written); re-raises a
+        writer error."""
+        import threading
+
+        done = threading.Event()
+        self._put(("drain", done, None))
+        done.wait()
+        self._raise()
+
     def close(self, check: bool = True) -> list[ShardRecord]:
         """Wait for pending writes; returns the records written (``check``: re-raise a writer error)."""
         self._queue.put(None)
@@ -336,6 +346,9 @@ class ShardWriter:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
+            if item[0] == "drain":
+                item[1].set()
+                continue
             if self.error is not None:
                 continue  # drain so the producer never blocks; the error surfaces on its next call
             try:

@@ -171,7 +171,7 @@ def check_store_source(features_dir: str | None, prepared_dir: str | None, metho
     if stored == prepared:
         return
     if (manifest.get("source") or {}).get("budget") and all(prepared.get(i) == n for i, n in stored.items()):
-        return  # a store that collection's time budget cut short holds the set's first rows, by design
+        return  # a time budget's store holds the set's first rows (or those a cut at its deadline kept), by design
     source = (manifest.get("source") or {}).get("prepared_dir")
     differ = sum(prepared.get(i) != n for i, n in stored.items())
     where = f"prepared_dir={source}" if source else "the prepared set it was collected from"

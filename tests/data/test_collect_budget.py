@@ -131,3 +131,86 @@ def test_the_time_estimate_uses_the_budgets_rate_without_another_timed_forward(t
     collect(tiny_target, prepared, tmp_path / "s", max_minutes=1e6, estimate_time=True)
     assert len(calls) == unbudgeted - 1 + 4  # the same batches, the budget's warm-up and 3 timed runs, nothing else
     assert "the budget's measured rate" in caplog.text and "one timed batch" not in caplog.text
+
+
+def _slow_collection(monkeypatch, seconds_per_batch: float):
+    """A machine slower than its probe: the probe reads any rate (the budget takes every row), then every
+    forward of the collection takes ``seconds_per_batch``."""
+    import specheads.data.budget as budget
+    import specheads.data.features as features
+
+    monkeypatch.setattr(budget, "measure_rate", lambda *a, **kw: 1e12)
+    real = features.compute_features
+
+    def slow(*a, **kw):
+        time.sleep(seconds_per_batch)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(features, "compute_features", slow)
+
+
+def _features_by_id(root, target):
+    from specheads.data.features import FeatureDataset
+
+    ds = FeatureDataset(root, SPEC, target)
+    return {ds[i]["id"]: ds[i] for i in range(len(ds))}
+
+
+def test_a_collection_past_its_deadline_is_cut_to_the_rows_it_collected(tiny_target, prepared, tmp_path,
+                                                                         monkeypatch):
+    import torch
+
+    from specheads.data.budget import OVERRUN
+
+    full = tmp_path / "full"
+    collect(tiny_target, prepared, full)  # every row, no budget: the reference features
+    _slow_collection(monkeypatch, 0.25)
+    root = tmp_path / "s"
+    minutes = 1.0 / 60 / OVERRUN  # a deadline 1 s after the collection began: 4 of its batches
+    summary = collect(tiny_target, prepared, root, max_minutes=minutes)
+    manifest = read_manifest(root)
+    cut = json.loads((root / BUDGET_FILE).read_text())["cut"]
+    assert json.loads((root / BUDGET_FILE).read_text())["rows"] == len(prepared)  # the budget took every row
+    assert 0 < cut["rows"] == manifest["num_samples"] < len(prepared) and summary["manifest"] == manifest
+    assert len(manifest["shards"]) >= 2  # finished shards kept beside the cut one's collected rows
+    ids = sorted(i for s in manifest["shards"] for i in s["ids"])
+    assert ids == sorted(prepared["id"][i] for i in cut["kept_rows"])
+    lengths = sorted(len(x) for x in prepared["input_ids"])
+    assert sorted(n for s in manifest["shards"] for n in s["lengths"]) == lengths[:cut["rows"]]  # shortest first
+    assert manifest["source"]["budget"]["cut"]["rows"] == cut["rows"]
+    reference, kept = _features_by_id(full, tiny_target), _features_by_id(root, tiny_target)
+    for i, item in kept.items():
+        for key in ("input_ids", "hidden_last", "hidden_aux", "target_argmax"):
+            assert torch.equal(item[key], reference[i][key]), (i, key)
+    digests = shard_digests(root)
+    again = collect(tiny_target, prepared, root, max_minutes=minutes)  # a re-run keeps the cut store as it is
+    assert again["shards_written"] == 0 and shard_digests(root) == digests and read_manifest(root) == manifest
+
+
+def test_a_cut_killed_halfway_is_completed_by_the_rerun(tiny_target, prepared, tmp_path, monkeypatch):
+    import specheads.data.features as features
+    from specheads.data.budget import OVERRUN
+    from specheads.data.store import PLAN
+
+    _slow_collection(monkeypatch, 0.25)
+    root = tmp_path / "s"
+    minutes = 1.0 / 60 / OVERRUN
+    real = features.replan
+
+    def killed(*a, **kw):
+        raise KeyboardInterrupt  # the process dies after budget.json recorded the cut, before the store moved
+
+    monkeypatch.setattr(features, "replan", killed)
+    with pytest.raises(KeyboardInterrupt):
+        collect(tiny_target, prepared, root, max_minutes=minutes)
+    cut = json.loads((root / BUDGET_FILE).read_text())["cut"]
+    assert json.loads((root / PLAN).read_text())["plan_hash"] == cut["from_plan"]
+    finished = shard_digests(root)
+    assert finished  # shards finished before the cut, under the old plan
+    monkeypatch.setattr(features, "replan", real)
+    summary = collect(tiny_target, prepared, root, max_minutes=minutes)
+    manifest = read_manifest(root)
+    assert manifest["plan_hash"] == cut["to_plan"] and manifest["num_samples"] == cut["rows"]
+    assert sorted(i for s in manifest["shards"] for i in s["ids"]) == sorted(prepared["id"][i] for i in cut["kept_rows"])
+    assert summary["shards_written"] == len(manifest["shards"]) - len(finished)  # only the cut shard again
+    assert {k: v for k, v in shard_digests(root).items() if k in finished} == finished
