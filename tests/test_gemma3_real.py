@@ -27,7 +27,8 @@ def test_gemma3_270m_runs_every_stage_on_real_weights(tmp_path):
            "train.train.measure_tokens=8", "train.data.eval_samples=4", "train.train.save_every=0",
            "evaluate.eval=tiny", "evaluate.eval.mtbench_per_category=0", "evaluate.eval.humaneval=1",
            "evaluate.eval.chat=1", "evaluate.eval.max_new_tokens=6", "evaluate.eval.max_minutes=null",
-           "evaluate.head_ngram=0", "evaluate.head_ngram_extend=0"]
+           "evaluate.head_ngram=0", "evaluate.head_ngram_extend=0", "evaluate.head_shape=tree",
+           "evaluate.baselines=[]", "evaluate.serving.engines=[]", "evaluate.temperatures=[0.0]"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1700)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     from specheads.data.prepare import load_prepared
@@ -46,8 +47,8 @@ def test_gemma3_270m_runs_every_stage_on_real_weights(tmp_path):
     summary = json.loads((run / "train" / "eagle3" / "train_summary.json").read_text())
     assert summary["steps"] == 3
     report = json.loads((run / "eval" / "eagle3" / "report.json").read_text())
-    assert report["num_prompts"] == 2
-    assert all(m["lossless"]["exact"] for m in report["methods"] if m.get("lossless"))
+    assert report["num_prompts"] == 2 and [m["name"] for m in report["methods"]] == ["eagle3-tree"]
+    assert report["methods"][0]["lossless"]["exact"]
     export = json.loads((run / "export" / "eagle3" / "vllm" / "config.json").read_text())
     assert export["draft_vocab_size"] == 4096
     card = (run / "export" / "eagle3" / "vllm" / "README.md").read_text()

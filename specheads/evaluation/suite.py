@@ -38,7 +38,7 @@ from specheads.decoding.ngram_table import NgramTable
 from specheads.decoding.runner import TargetRunner
 from specheads.decoding.tree import normalize_choices
 from specheads.decoding.verify import LOSSLESS
-from specheads.errors import InputNotFoundError, UserError
+from specheads.errors import ConfigError, InputNotFoundError, UserError
 from specheads.evaluation.benchmarks import (BenchmarkSpec, EvalPrompt, encode, load_benchmarks, scored_chat_ids,
                                              separation_record, turn_id)
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
@@ -716,16 +716,16 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
     trees (``PromptLookupBranch``), right after it; with ``head_ngram_extend`` > 0 its best first drafts are
     continued too (``head_ngram_extend_len`` tokens from the prompt lookup or ``head_ngram_table``'s n-grams)."""
     if head_shape not in ("tree", "auto"):
-        raise ValueError(f"head_shape '{head_shape}': use tree or auto")
+        raise ConfigError(f"head_shape={head_shape}: use tree or auto")
     tree = tree or TreeShape("dynamic", depth=5, topk=4, total_tokens=24)
     serving = serving or ServingProfiles()
     unknown = set(serving.engines) - {"vllm", "sglang"}
     if unknown:
-        raise ValueError(f"serving.engines: unknown profile(s) {sorted(unknown)}; use vllm and/or sglang")
+        raise ConfigError(f"serving.engines: unknown profile(s) {sorted(unknown)}; use vllm and/or sglang")
     out: list[MethodSpec] = []
     if method:
         if not head_dir:
-            raise ValueError(f"method={method} needs head_dir (a trained head or training output folder)")
+            raise ConfigError(f"method={method} needs head_dir (a trained head or training output folder)")
         vllm = TreeShape("chain", k=serving.vllm_num_speculative_tokens)
         if method == "medusa":
             static = TreeShape("static", choices=tuple(map(tuple, medusa_choices)) if medusa_choices else None)
@@ -748,7 +748,7 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
             out.append(MethodSpec("dflash-tree", "dflash", replace(tree, depth=min(tree.depth, B - 1)), verify,
                                   head_dir=head_dir))
         else:
-            raise ValueError(f"method '{method}': use medusa, eagle1, eagle3 or dflash (or none for baselines only)")
+            raise ConfigError(f"method '{method}': use medusa, eagle1, eagle3 or dflash (or none for baselines only)")
         if head_ngram:
             own = out[0]
             name = f"{own.name}+ngram{head_ngram}" + (f"+x{head_ngram_extend}" if head_ngram_extend else "")
@@ -773,7 +773,7 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
         elif b == "two_model":
             out.append(MethodSpec(f"two_model-chain{chain_k}", "two_model", chain, verify, draft_model=two_model))
         else:
-            raise ValueError(f"baseline '{b}': use ngram, lookahead, early_exit or two_model")
+            raise ConfigError(f"baseline '{b}': use ngram, lookahead, early_exit or two_model")
     if not out and not allow_empty:
-        raise ValueError("nothing to evaluate: give method + head_dir, or baselines")
+        raise ConfigError("nothing to evaluate: give method + head_dir, or baselines")
     return out

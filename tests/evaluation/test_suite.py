@@ -10,6 +10,7 @@ import torch
 
 from tests.conftest import make_tiny_model
 from specheads.decoding.drafters import TreeShape
+from specheads.errors import ConfigError
 from specheads.evaluation.benchmarks import BenchmarkSpec
 from specheads.evaluation.report import write_report
 from specheads.evaluation.suite import EvalConfig, MethodSpec, ServingProfiles, evaluate, plan_methods
@@ -152,12 +153,15 @@ def test_plan_methods_profiles(tmp_path):
     assert (la.name, la.drafter, la.lookahead, la.shape.depth) == ("lookahead-W6N3G4", "lookahead", (6, 3, 4), 2)
     only_vllm = [m.name for m in plan_methods("eagle1", str(tmp_path), [], serving=ServingProfiles(engines=["vllm"]))]
     assert only_vllm == ["eagle1-tree", "eagle1-vllm"]
-    with pytest.raises(ValueError, match="unknown profile"):
+    # settings, so ConfigError: the recipe prints its one line before the target loads (not a traceback)
+    with pytest.raises(ConfigError, match="unknown profile"):
         plan_methods("eagle1", str(tmp_path), [], serving=ServingProfiles(engines=["trtllm"]))
-    with pytest.raises(ValueError, match="needs head_dir"):
+    with pytest.raises(ConfigError, match="needs head_dir"):
         plan_methods("medusa", None)
-    with pytest.raises(ValueError, match="baseline 'foo'"):
+    with pytest.raises(ConfigError, match="baseline 'foo'"):
         plan_methods(None, None, ["foo"])
+    with pytest.raises(ConfigError, match="head_shape=chain2: use tree or auto"):
+        plan_methods("eagle3", str(tmp_path), [], head_shape="chain2")
     hybrid = plan_methods("eagle3", str(tmp_path), ["ngram"], head_shape="auto", head_ngram=3, ngram_max=2,
                           serving=ServingProfiles(engines=["vllm"]))
     assert [m.name for m in hybrid] == ["eagle3-auto", "eagle3-auto+ngram3", "eagle3-vllm", "ngram-chain4"]
