@@ -34,16 +34,18 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(180
 CASES = [(2, "eagle3"), (2, "medusa2"), (2, "dflash"), (3, "eagle3"), (3, "medusa2")]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"zero{z}-{m}" for z, m in CASES])
-def ds_run(request, assets, tmp_path_factory):
-    stage, method = request.param
-    out = tmp_path_factory.mktemp(f"zero{stage}_{method}") / "run"
-    run = launch(f"cpu_zero{stage}.yaml", out, train_args(assets, out, method, "train.measure_prompts=0"))
-    return stage, method, run.check()
+@pytest.mark.parametrize("stage,method", CASES, ids=[f"zero{z}-{m}" for z, m in CASES])
+def test_zero_on_two_processes(stage, method, assets, tmp_path):
+    """One launch per case, every check on it (one test, so a test scheduler that spreads tests over workers
+    cannot launch a case twice, as it did a module-scoped fixture's)."""
+    out = tmp_path / "run"
+    run = launch(f"cpu_zero{stage}.yaml", out, train_args(assets, out, method, "train.measure_prompts=0")).check()
+    for check in (world_of_two_and_one_head, each_rank_holds_half_of_the_optimizer_state,
+                  parameters_are_partitioned_only_under_zero3, saved_head_equals_the_gathered_parameters):
+        check(stage, method, run)
 
 
-def test_world_of_two_and_one_head(ds_run):
-    stage, method, run = ds_run
+def world_of_two_and_one_head(stage, method, run) -> None:
     assert_world_of_two(run)
     assert_rank0_writes_once(run, 3)
     losses = run.losses()
@@ -54,8 +56,7 @@ def test_world_of_two_and_one_head(ds_run):
     assert ev["tau_estimate"] == pytest.approx(estimate_tau(ev)[0])
 
 
-def test_each_rank_holds_half_of_the_optimizer_state(ds_run):
-    stage, method, run = ds_run
+def each_rank_holds_half_of_the_optimizer_state(stage, method, run) -> None:
     ckpt = run.out / "checkpoints" / final_ckpt_name(run)
     parts = zero_partitions(ckpt)
     assert [p["file"] for p in parts] == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
@@ -67,8 +68,7 @@ def test_each_rank_holds_half_of_the_optimizer_state(ds_run):
     assert total <= sum(p["fp32_numel"] for p in parts) <= total + 128
 
 
-def test_parameters_are_partitioned_only_under_zero3(ds_run):
-    stage, method, run = ds_run
+def parameters_are_partitioned_only_under_zero3(stage, method, run) -> None:
     ckpt = run.out / "checkpoints" / final_ckpt_name(run)
     model_files = zero_files(ckpt)["model"]
     trained = {name for group in torch.load(model_files[0], map_location="cpu", weights_only=False)["param_shapes"]
@@ -84,8 +84,7 @@ def test_parameters_are_partitioned_only_under_zero3(ds_run):
             assert sum(module[k].numel() for k in trained if k in module) == 0, f.name  # no rank holds them whole
 
 
-def test_saved_head_equals_the_gathered_parameters(ds_run):
-    stage, method, run = ds_run
+def saved_head_equals_the_gathered_parameters(stage, method, run) -> None:
     gathered = gathered_fp32(run.out / "checkpoints" / final_ckpt_name(run))
     head = run.head_state()
     for name, saved in head.items():
