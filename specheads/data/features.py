@@ -529,19 +529,20 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
 
         deadline = t0 + opts.max_minutes * 60 * OVERRUN
     try:
+        stopped = False
         for s in todo:
             done: list[int] = []
             for b in plan[s]:
-                if deadline is not None and time.perf_counter() > deadline and (done or s != todo[0]):
+                stopped = deadline is not None and time.perf_counter() > deadline and bool(done or s != todo[0])
+                if stopped:
                     _cut_at_deadline(target, spec, dataset, tokens, shards, s, done, header, opts, root, writer)
                     break
                 writer.add(compute_features(target, collate_features(tokens.rows(b)), spec, argmax=spec.need_last))
                 bar.update(sum(tokens.lengths[i] for i in b))
                 done += b
-            else:
-                writer.finish(s, [ids[i] for i in shards[s]])
-                continue
-            break
+            if stopped:
+                break
+            writer.finish(s, [ids[i] for i in shards[s]])
     except BaseException:
         writer.close(check=False)  # keep the shards finished so far; the original error propagates
         raise
