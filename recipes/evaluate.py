@@ -22,7 +22,7 @@ from tqdm import tqdm
 from specheads.decoding.drafters import TreeShape
 from specheads.errors import ConfigError, InputNotFoundError, UserError, user_errors
 from specheads.progress import evaluation_steps
-from specheads.evaluation.benchmarks import BenchmarkSpec, load_benchmarks
+from specheads.evaluation.prompts import BenchmarkSpec, load_benchmarks
 from specheads.evaluation.report import write_report
 from specheads.evaluation.suite import (HEAD_MODEL_TYPES, EvalConfig, ServingProfiles, evaluate, plan_methods,
                                        verifier_for)

@@ -20,7 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from specheads.errors import ConfigError, user_errors
-from specheads.evaluation.benchmarks import BenchmarkSpec, load_benchmarks
+from specheads.evaluation.prompts import BenchmarkSpec, load_benchmarks
 
 log = logging.getLogger("specheads.serve_eval")
 

@@ -232,7 +232,7 @@ def keep_chat_heldout_out(dataset, train_idx: list[int], eval_idx: list[int],
     scores. Each chat's per-turn samples stay on one side: a training row whose chat has a held-out
     row is held out too."""
     from specheads.data.render import chat_id
-    from specheads.evaluation.benchmarks import chat_heldout_ids
+    from specheads.evaluation.prompts import chat_heldout_ids
 
     ids = _row_ids(dataset)
     scored = {chat_id(x) for x in chat_heldout_ids(ids)}

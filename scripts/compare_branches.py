@@ -24,7 +24,7 @@ from specheads.decoding.generate import speculative_generate
 from specheads.decoding.grouped_attention import use_grouped_attention
 from specheads.decoding.head_drafters import EagleDrafter
 from specheads.decoding.runner import TargetRunner
-from specheads.evaluation.benchmarks import BenchmarkSpec, encode, load_benchmarks, scored_chat_ids
+from specheads.evaluation.prompts import BenchmarkSpec, encode, load_benchmarks, scored_chat_ids
 from specheads.evaluation.suite import load_ngram_table
 from specheads.models.eagle3 import Eagle3Model
 from specheads.targets import eos_token_ids, load_target

@@ -284,7 +284,7 @@ def noisy_copy(model, scale: float, seed: int = 1):
 
 def synthetic_prompts(n: int, vocab: int, seed: int = 0):
     """Token-id prompts with repeats (so the n-gram baseline finds matches); no tokenizer needed."""
-    from specheads.evaluation.benchmarks import EvalPrompt
+    from specheads.data.benchmarks import EvalPrompt
 
     rng = random.Random(seed)
     out = []

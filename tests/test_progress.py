@@ -42,7 +42,7 @@ def test_evaluation_total_is_the_number_of_progress_reports(smollm2_tokenizer, m
     early-exit drafters), so its ETA reaches zero when the evaluation ends."""
     import specheads.evaluation.suite as suite
     from specheads.decoding.drafters import TreeShape
-    from specheads.evaluation.benchmarks import BenchmarkSpec
+    from specheads.evaluation.prompts import BenchmarkSpec
     from specheads.evaluation.suite import EvalConfig, MethodSpec, evaluate
     from specheads.targets import Target
     from tests.conftest import make_tiny_model

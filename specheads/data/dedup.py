@@ -54,7 +54,7 @@ def conversation_key(messages: Sequence[dict]) -> str:
 def benchmark_keys() -> dict[str, str]:
     """{key: evaluation prompt id} of every MT-bench question (its first turn) and every HumanEval prompt
     (its stub and the evaluator's request around it)."""
-    from specheads.evaluation.benchmarks import load_humaneval, load_mtbench
+    from specheads.data.benchmarks import load_humaneval, load_mtbench
 
     keys: dict[str, str] = {}
     for p in load_mtbench(per_category=None, turns=(1,)):

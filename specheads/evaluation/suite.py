@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from specheads.data.benchmarks import EvalPrompt
 from specheads.decoding.drafters import (Drafter, EarlyExitDrafter, ModelDrafter, NgramDrafter, PromptLookupBranch,
                                          TreeShape)
 from specheads.decoding.cpu_linears import choose_cpu_linears, pack_like
@@ -39,8 +40,8 @@ from specheads.decoding.runner import TargetRunner
 from specheads.decoding.tree import normalize_choices
 from specheads.decoding.verify import LOSSLESS
 from specheads.errors import ConfigError, InputNotFoundError, UserError
-from specheads.evaluation.benchmarks import (BenchmarkSpec, EvalPrompt, encode, load_benchmarks, scored_chat_ids,
-                                             separation_record, turn_id)
+from specheads.evaluation.prompts import (BenchmarkSpec, encode, load_benchmarks, scored_chat_ids, separation_record,
+                                          turn_id)
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
 from specheads.evaluation.recommend import recommend
 from specheads.hardware import machine_description

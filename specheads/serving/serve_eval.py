@@ -26,7 +26,8 @@ from typing import Callable, Protocol
 
 from specheads import acceptance_math as am
 from specheads.errors import UserError
-from specheads.evaluation.benchmarks import EvalPrompt, encode
+from specheads.data.benchmarks import EvalPrompt
+from specheads.evaluation.prompts import encode
 from specheads.serving.counters import EngineCounters
 
 FORMAT = "specheads.serve_eval/1"

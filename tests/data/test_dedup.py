@@ -10,7 +10,7 @@ import pytest
 
 from specheads.data.dedup import DEDUP_VERSION, DedupReport, benchmark_keys, drop_duplicates, prompt_key
 from specheads.data.prepare import PrepareConfig, PrepareError, load_prepared, prepare, prepared_is_current
-from specheads.evaluation.benchmarks import load_humaneval, load_mtbench
+from specheads.data.benchmarks import load_humaneval, load_mtbench
 from specheads.targets import Target
 
 

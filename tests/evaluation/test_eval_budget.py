@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specheads.evaluation.benchmarks import EvalPrompt
+from specheads.data.benchmarks import EvalPrompt
 from specheads.evaluation.suite import _spread
 
 
@@ -40,7 +40,7 @@ def test_a_tight_budget_evaluates_the_prompts_it_fits_and_a_wide_one_all(monkeyp
     kept prompts (lossless checked on them), and the bar is told the new size."""
     import specheads.evaluation.suite as suite
     from specheads.decoding.drafters import TreeShape
-    from specheads.evaluation.benchmarks import BenchmarkSpec
+    from specheads.evaluation.prompts import BenchmarkSpec
     from specheads.evaluation.report import write_report
     from specheads.evaluation.suite import EvalConfig, MethodSpec, evaluate
 

@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import make_tiny_target
 from specheads.decoding.drafters import TreeShape
 from specheads.decoding.tree import choices_from_accuracies
-from specheads.evaluation.benchmarks import EvalPrompt
+from specheads.data.benchmarks import EvalPrompt
 from specheads.evaluation.suite import EvalConfig, MethodSpec, build_drafter, evaluate, train_tau
 from specheads.methods.medusa import TREE_FILE, default_choices, write_medusa_tree
 from specheads.models.medusa import medusa_for_target

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from specheads.data.prepare import write_prepared
 from specheads.errors import UserError
-from specheads.evaluation.benchmarks import load_chat_heldout, scored_chat_ids
+from specheads.evaluation.prompts import load_chat_heldout, scored_chat_ids
 from specheads.targets import Target
 from tests.conftest import make_tiny_model
 

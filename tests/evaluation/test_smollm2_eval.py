@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specheads.decoding.drafters import TreeShape
-from specheads.evaluation.benchmarks import BenchmarkSpec
+from specheads.evaluation.prompts import BenchmarkSpec
 from specheads.evaluation.suite import EvalConfig, MethodSpec, evaluate
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import torch
 from tests.conftest import make_tiny_model
 from specheads.decoding.drafters import TreeShape
 from specheads.errors import ConfigError
-from specheads.evaluation.benchmarks import BenchmarkSpec
+from specheads.evaluation.prompts import BenchmarkSpec
 from specheads.evaluation.report import write_report
 from specheads.evaluation.suite import EvalConfig, MethodSpec, ServingProfiles, evaluate, plan_methods
 from specheads.targets import Target

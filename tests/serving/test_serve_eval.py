@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from specheads.evaluation.benchmarks import EvalPrompt
+from specheads.data.benchmarks import EvalPrompt
 from specheads.serving import serve_eval as se
 from specheads.serving.counters import EngineCounters
 

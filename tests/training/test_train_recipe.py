@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from specheads.data.prepare import write_prepared
-from specheads.evaluation.benchmarks import chat_heldout_ids
+from specheads.evaluation.prompts import chat_heldout_ids
 from specheads.targets import tokenizer_fingerprint
 from tests.conftest import make_tiny_model
 
@@ -161,7 +161,7 @@ def test_recipe_reads_an_offline_feature_store(setup, tmp_path):
 
 def test_the_evaluators_chat_slice_is_never_trained_on():
     from engine_helpers import token_dataset
-    from specheads.evaluation.benchmarks import chat_heldout_ids
+    from specheads.evaluation.prompts import chat_heldout_ids
 
     ds = token_dataset(250)  # ids s0..s249: the last 1% as sorted strings is 3 rows
     held_ids = chat_heldout_ids([f"s{i}" for i in range(250)])
@@ -195,7 +195,7 @@ def test_a_chats_per_turn_samples_stay_on_one_side_of_the_split():
 
     from engine_helpers import progression_rows
     from specheads.data.features import TokenDataset
-    from specheads.evaluation.benchmarks import chat_heldout_ids
+    from specheads.evaluation.prompts import chat_heldout_ids
 
     rows = progression_rows(300)
     rows["id"] = [f"c{i // 3:03d}@turn{2 * (i % 3) + 1}" for i in range(300)]  # 100 chats, 3 samples each

