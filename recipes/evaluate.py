@@ -42,7 +42,7 @@ class EvalSetSchema:
     jsonl_limit: Optional[int] = None
     max_new_tokens: int = 32
     repeats: int = 3  # timed batch-1 decode passes per speed figure (after a warm-up): median and range
-    max_minutes: Optional[float] = None  # a time budget: the prompts that fit it, spread over the domains
+    max_minutes: Optional[float] = None  # a time budget: every domain first (docs/evaluate.md)
 
 
 @dataclass
@@ -227,8 +227,8 @@ def run(cfg: DictConfig) -> dict:
 
     with tqdm(desc="evaluate", unit="step", total=steps(len(load_benchmarks(ecfg.benchmarks))),
               dynamic_ncols=True) as bar:
-        def resized(prompts: int) -> None:
-            bar.total = steps(prompts)
+        def resized(total: int) -> None:  # the budget's plan: the steps it will take
+            bar.total = total
             bar.refresh()
 
         report = evaluate(target, ecfg, progress=lambda msg: (bar.set_postfix_str(msg), bar.update(1)),

@@ -46,8 +46,7 @@ def _spread(r: dict, key: str, nd: int = 2) -> str:
 
 def markdown(report: dict) -> str:
     b = report.get("budget")
-    budget = (f" (of {b['of']}: what its {b['max_minutes']:g}-minute budget fits at {b['decode_s']:.1f} s per "
-              f"plain decode, spread over the domains)" if b and b["prompts"] < b["of"] else "")
+    budget = f" (of {b['of']}: the time budget's, below)" if b and b["prompts"] < b["of"] else ""
     lines = [f"# Speculative decoding evaluation: {report['target']}", "",
              f"{report['num_prompts']} prompts{budget}, max_new_tokens {report['max_new_tokens']}, "
              f"temperatures {report['temperatures']}. τ = tokens per target forward (bonus included); "
@@ -57,6 +56,7 @@ def markdown(report: dict) -> str:
     by_t = report.get("plain_by_temperature") or {str(report["temperatures"][0]): report["plain"]}
     lines += ["Plain decoding: " + "; ".join(f"T={t} {_spread(rows['all'], 'tokens_per_s', 1)} tokens/s"
                                              for t, rows in by_t.items()) + ".", ""]
+    lines += budget_md(report)
     lines += _precision_md(report)
     lines += separation_md(report.get("data_separation"))
     if report["methods"]:
@@ -64,6 +64,30 @@ def markdown(report: dict) -> str:
     for m in report["methods"]:
         lines += _method_md(m, report)
     return "\n".join(lines) + "\n"
+
+
+def budget_md(report: dict) -> list[str]:
+    """What the time budget (``eval.max_minutes``, ``evaluation.budget``) bought first and what it left out."""
+    b = report.get("budget")
+    if not b:
+        return []
+    core, left = b.get("core") or {}, b.get("left_out") or {}
+    line = (f"Time budget {b['max_minutes']:g} min (a plain decode took {b['decode_s']:.1f} s here; about "
+            f"{b['estimate_s']:.0f} s planned): first one prompt of each of the {len(core.get('domains', []))} "
+            f"domains for {', '.join(core.get('methods', []))} at T={core.get('temperature')}")
+    if b.get("over_budget"):
+        line += " (more than the budget holds: evaluated anyway)"
+    temps = [str(t) for t in report.get("temperatures", [])]
+    parts = []
+    for r in left.get("rows", []):
+        gone = [str(t) for t in r["temperatures"]]
+        parts.append(f"row {r['method']} " + ("entirely" if gone == temps else "at T=" + ", ".join(gone)))
+    if left.get("prompts"):
+        parts.append(f"{len(left['prompts'])} of {b['of']} prompts ({', '.join(left['prompts'])})")
+    for r in left.get("batch_sizes", []):
+        parts.append(f"{r['method']} at batch size " + ", ".join(map(str, r["batch_sizes"])))
+    line += (". Left out for time: " + "; ".join(parts) + "." if parts else ". Nothing was left out.")
+    return [line, ""]
 
 
 def _speedup_md(report: dict) -> str:

@@ -40,8 +40,8 @@ from specheads.decoding.runner import TargetRunner
 from specheads.decoding.tree import normalize_choices
 from specheads.decoding.verify import LOSSLESS
 from specheads.errors import ConfigError, InputNotFoundError, UserError
-from specheads.evaluation.prompts import (BenchmarkSpec, encode, load_benchmarks, scored_chat_ids, separation_record,
-                                          turn_id)
+from specheads.evaluation.prompts import BenchmarkSpec, encode, load_benchmarks, scored_chat_ids, separation_record
+from specheads.evaluation.budget import EvalPlan, full_plan, plan_budget
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
 from specheads.evaluation.recommend import recommend
 from specheads.hardware import machine_description
@@ -133,7 +133,7 @@ class EvalConfig:
     exact_forward: str = "auto"  # batch-invariant target forwards (specheads.decoding.exact): auto | on | off
     cpu_linears: str = "auto"  # oneDNN-prepacked CPU linear layers (specheads.decoding.cpu_linears): auto | packed | plain
     cpu_threads: str | int = "auto"  # decoding's CPU threads (specheads.decoding.cpu_threads): auto (measured) | n
-    max_minutes: float | None = None  # a time budget: the prompts that fit it at a measured decode (``fit_budget``)
+    max_minutes: float | None = None  # a time budget: every domain first, then rows, temperatures, prompts (``fit_budget``)
     paired: bool = True  # time a plain decode of each prompt right before its speculative one (see above)
     grouped_attention: bool = True  # GQA targets on SDPA: fold the heads instead of copying the KV cache (grouped_attention.py)
     chat_template_kwargs: dict = field(default_factory=dict)  # the template's switches (enable_thinking), as served
@@ -146,8 +146,8 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
              checkpoint: Callable[[dict], None] | None = None,
              resized: Callable[[int], None] | None = None) -> dict:
     """The whole evaluation; returns the report dict (see ``report.py``). ``checkpoint(report)`` is
-    called after the plain pass and after each method with the report so far; ``resized(n)`` when a time
-    budget (``cfg.max_minutes``) leaves n prompts of the set."""
+    called after the plain pass and after each method with the report so far; ``resized(steps)`` when a time
+    budget (``cfg.max_minutes``, ``fit_budget``) leaves ``steps`` progress reports to make (the bar's total)."""
     started = time.perf_counter()
     progress = progress or (lambda msg: None)
     checkpoint = checkpoint or (lambda r: None)
@@ -161,14 +161,16 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     linears = choose_cpu_linears(target.model, cfg.cpu_linears)  # the baseline never gets the slower layout
     threads = choose_cpu_threads(target.model, cfg.cpu_threads)  # plain and speculative decoding alike
     runner = TargetRunner(target.model)
-    budget = None
-    if cfg.max_minutes is not None:
-        prompts, budget = fit_budget(prompts, target, runner, cfg, eos, time.perf_counter() - started)
+    if cfg.max_minutes is None:
+        plan = full_plan(prompts, cfg.methods, cfg.temperatures, cfg.batch_sizes)
+    else:
+        plan = fit_budget(prompts, target, runner, cfg, eos, time.perf_counter() - started)
         if resized is not None:
-            resized(len(prompts))
+            resized(plan.steps(cfg.methods, cfg.repeats, cfg.paired, cfg.batch_prompts))
+    prompts = plan.prompts
     t0 = time.perf_counter()
     ids, plain = _plain_pass(target, runner, prompts, cfg, eos, progress)
-    plain = _plain_passes(runner, prompts, ids, plain, cfg, eos, progress)
+    plain = _plain_passes(runner, prompts, ids, plain, cfg, eos, progress, plan.plain_temperatures())
     plain_seconds = time.perf_counter() - t0
     report = {"target": target.name, "num_prompts": len(prompts), "prompt_ids": [p.id for p in prompts],
               "max_new_tokens": cfg.max_new_tokens,
@@ -180,11 +182,13 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
               "target_dtype_choice": target.dtype_choice.record() if getattr(target, "dtype_choice", None) else None,
               "machine": machine_description(target.device),
               "data_separation": separation_record(cfg.benchmarks, prompts),
-              "budget": budget, "methods": []}
+              "budget": plan.record, "methods": []}
     plain_tokens = {p.id: r for p, r in zip(prompts, ids["tokens"])}
     checkpoint(report)
     chosen: dict[tuple[str, str | None], dict] = {}  # one shape choice per head (with or without a lookup branch)
-    for spec in cfg.methods:
+    for spec, temps, sizes in zip(cfg.methods, plan.temperatures, plan.batch_sizes):
+        if not temps:  # left out for time (the budget's record names it)
+            continue
         if spec.auto_shape:
             key = (spec.drafter, spec.head_dir)
             if key not in chosen:
@@ -201,64 +205,36 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
             checkpoint(report)
 
         partial(_eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_tokens, cfg, eos,
-                             progress, partial))
+                             progress, partial, temps, sizes))
     report["recommendation"] = recommend(report, cfg.recommend_ks)
     return report
 
 
-SHAPE_CHOICE_DECODES = 6  # what one head's shape choice costs, in plain decodes (cost curve + draft timing)
-SPEC_DECODE_COST = 1.5  # a speculative decode in plain decodes, for the budget (drafting and wider forwards; a
-# 2-core AVX2 EPYC's main job spent about 1.5x its plain decodes on the speculative ones)
-
-
-def fit_budget(prompts: list[EvalPrompt], target: Target, runner, cfg: EvalConfig, eos, spent_s: float
-               ) -> tuple[list[EvalPrompt], dict]:
-    """The prompts that fit ``cfg.max_minutes``, from one timed plain decode of the first prompt: each prompt
-    costs that decode once plainly and, per method and temperature, a paired plain and a speculative decode
-    (``SPEC_DECODE_COST`` plain decodes; ``repeats`` of each when not paired); each auto-shaped head adds ``SHAPE_CHOICE_DECODES``. Prompts are kept
-    round-robin over domains (every domain before a second of any), a later turn only with its first; at least
-    one. Returns (prompts, the record for the report)."""
+def fit_budget(prompts: list[EvalPrompt], target: Target, runner, cfg: EvalConfig, eos, spent_s: float) -> EvalPlan:
+    """The plan that fits ``cfg.max_minutes`` (``budget.plan_budget``: every domain for the head's row and the
+    n-gram baseline at T = 0 first, then the other rows, temperatures, prompts and batch sizes), priced from one
+    timed plain decode of the first prompt after ``spent_s`` seconds of set-up; its record goes in the report."""
     first = next(p for p in prompts if p.turn == 0)
     pid = encode(first, target.tokenizer, {}, cfg.chat_template_kwargs)
     _warm_up(runner, None, pid, cfg, eos)
     t = time.perf_counter()
     speculative_generate(runner, None, [pid], cfg.max_new_tokens, 0.0, "greedy", eos)
     decode = time.perf_counter() - t
-    passes = (1 + SPEC_DECODE_COST) * (1 if cfg.paired else max(cfg.repeats, 1))
-    per_prompt = decode * (1 + len(cfg.methods) * len(cfg.temperatures) * passes)
-    shapes = len({(m.drafter, m.head_dir) for m in cfg.methods if m.auto_shape}) * SHAPE_CHOICE_DECODES * decode
-    left = cfg.max_minutes * 60 - spent_s - 2 * decode - shapes
-    n = max(1, min(len(prompts), int(left // per_prompt)))
-    kept = _spread(prompts, n)
-    record = {"max_minutes": cfg.max_minutes, "prompts": len(kept), "of": len(prompts), "decode_s": round(decode, 2),
-              "estimate_s": round(spent_s + 2 * decode + shapes + per_prompt * len(kept), 1)}
-    log.info("evaluation budget %g min: %d of %d prompts (a %d-token plain decode took %.1f s here; about %.0f s "
-             "in all)", cfg.max_minutes, len(kept), len(prompts), cfg.max_new_tokens, decode, record["estimate_s"])
-    return kept, record
-
-
-def _spread(prompts: list[EvalPrompt], n: int) -> list[EvalPrompt]:
-    """``n`` prompts taken round-robin over domains (first prompts in set order), each later turn following its
-    first turn's prompt, in the set's order."""
-    firsts = [p for p in prompts if p.turn == 0]
-    domains: dict[str, list[EvalPrompt]] = {}
-    for p in firsts:
-        domains.setdefault(p.domain, []).append(p)
-    later = {}
-    for p in prompts:
-        if p.turn > 0:
-            later.setdefault(turn_id(p, 0), []).append(p)
-    keep: set[str] = set()
-    count, depth = 0, 0
-    while count < n and depth < max(len(v) for v in domains.values()):
-        for group in domains.values():
-            if depth < len(group) and count < n:
-                p = group[depth]
-                keep.add(p.id)
-                count += 1 + len(later.get(p.id, []))
-                keep.update(q.id for q in later.get(p.id, []))
-        depth += 1
-    return [p for p in prompts if p.id in keep]
+    plan = plan_budget(prompts, cfg.methods, cfg.temperatures, cfg.batch_sizes, budget_s=cfg.max_minutes * 60 - spent_s,
+                       decode_s=decode, repeats=cfg.repeats, paired=cfg.paired, batch_prompts=cfg.batch_prompts,
+                       max_new_tokens=cfg.max_new_tokens)
+    rec = plan.record
+    rec.update(max_minutes=cfg.max_minutes, decode_s=round(decode, 2), estimate_s=round(spent_s + rec["plan_s"], 1))
+    left = rec["left_out"]
+    log.info("evaluation budget %g min: %d of %d prompts, %d of %d rows, %d left out at some temperature (a %d-token "
+             "plain decode took %.1f s here; about %.0f s in all)", cfg.max_minutes, len(plan.prompts), len(prompts),
+             sum(1 for t in plan.temperatures if t), len(cfg.methods), len(left["rows"]), cfg.max_new_tokens, decode,
+             rec["estimate_s"])
+    if rec["over_budget"]:
+        log.warning("evaluation budget %g min: one prompt of each domain for %s at T=%g alone takes about %.0f s; "
+                    "evaluating that much anyway", cfg.max_minutes, ", ".join(rec["core"]["methods"]),
+                    rec["core"]["temperature"], rec["estimate_s"])
+    return plan
 
 
 def _chosen_shape(choice: dict) -> TreeShape:
@@ -349,12 +325,12 @@ def _paired_timing_pass(runner, drafter, prompts, ids, cfg, T, verify, eos) -> t
     return spec_runs, plain_runs
 
 
-def _plain_passes(runner, prompts, ids, first, cfg, eos, progress) -> dict[float, list[dict]]:
-    """{T: [by_domain summaries of each timed plain pass]}: ``repeats`` passes at every temperature
+def _plain_passes(runner, prompts, ids, first, cfg, eos, progress, temperatures) -> dict[float, list[dict]]:
+    """{T: [by_domain summaries of each timed plain pass]}: ``repeats`` passes at each of ``temperatures``
     (the greedy pass that made the answers is the first at T = 0)."""
     out = {}
     wanted = 1 if cfg.paired else max(cfg.repeats, 1)  # paired: each method times its own plain decodes
-    for T in sorted(set(cfg.temperatures) | {0.0}):
+    for T in temperatures:
         passes = [by_domain(first)] if T == 0 else []
         while len(passes) < wanted:
             passes.append(by_domain(_timing_pass(runner, None, prompts, ids, cfg, T, _plain_verify(T), eos)))
@@ -374,9 +350,11 @@ def _run(p: EvalPrompt, res: GenerationResult, b: int = 0) -> Run:
 
 
 def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_tokens, cfg, eos, progress,
-                 partial=lambda row: None) -> dict:
-    """One method at every temperature, then batches; ``partial(row)`` after each part.
-    plain: {T: [by_domain summaries of each timed plain pass]} (``_plain_passes``)."""
+                 partial=lambda row: None, temperatures=None, batch_sizes=None) -> dict:
+    """One method at each of ``temperatures`` (default: ``cfg``'s), then batches of ``batch_sizes`` (default:
+    ``cfg``'s); ``partial(row)`` after each part. plain: {T: [by_domain summaries of each timed plain pass]}
+    (``_plain_passes``)."""
+    temperatures = cfg.temperatures if temperatures is None else temperatures
     out = {"name": spec.name, "drafter": spec.drafter, "shape": spec.shape_label(), "verify": spec.verify,
            "lossless_verify": LOSSLESS.get(spec.verify, True), "profile": spec.profile,
            "ngram_branch": spec.ngram_branch, "draft_params_per_forward": drafter.params_per_forward, "by_temperature": {}}
@@ -388,7 +366,7 @@ def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_token
     out["c_gpu"] = c_gpu
     t_start = time.perf_counter()
     _warm_up(runner, drafter, ids["prompt_ids"][0], cfg, eos)
-    for T in cfg.temperatures:
+    for T in temperatures:
         gen, plain_gen = torch.Generator().manual_seed(cfg.seed), torch.Generator().manual_seed(cfg.seed)
         runs, plain_runs, mism = [], [], []
         for i, (p, pid) in enumerate(zip(prompts, ids["prompt_ids"])):
@@ -424,7 +402,8 @@ def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_token
             out["lossless"] = {"checked": len(prompts), "mismatches": mism, "exact": not mism}
         out["eval_seconds"] = time.perf_counter() - t_start
         partial(out)
-    out["batch"] = _batch_speed(spec, drafter, runner, ids, plain_tokens, prompts, cfg, eos, progress)
+    out["batch"] = _batch_speed(spec, drafter, runner, ids, plain_tokens, prompts, cfg, eos, progress,
+                                cfg.batch_sizes if batch_sizes is None else batch_sizes)
     out["eval_seconds"] = time.perf_counter() - t_start
     return out
 
@@ -443,11 +422,11 @@ def _mismatch(target, prompt_ids, want, got) -> dict | None:
             "margin_vs_speculative": float(logits[want[i]] - logits[got[i]])}
 
 
-def _batch_speed(spec, drafter, runner, ids, plain_tokens, prompts, cfg, eos, progress) -> dict:
+def _batch_speed(spec, drafter, runner, ids, plain_tokens, prompts, cfg, eos, progress, batch_sizes) -> dict:
     """Greedy plain vs speculative wall clock at each batch size > 1 (one target forward per step)."""
     out = {}
     pids = ids["prompt_ids"][: cfg.batch_prompts]
-    for bs in cfg.batch_sizes:
+    for bs in batch_sizes:
         if bs <= 1:
             continue
         t_plain = t_spec = 0.0
