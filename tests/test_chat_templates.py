@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specheads.chat_templates import CHATML, SHIPPED, ChatTemplateError, model_of, resolve, shipped_template
+from specheads.targets.chat_templates import CHATML, SHIPPED, ChatTemplateError, model_of, resolve, shipped_template
 from specheads.targets import load_tokenizer, resolve_target_path, tokenizer_fingerprint
 
 REPO = Path(__file__).resolve().parents[1]

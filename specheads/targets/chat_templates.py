@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specheads.errors import UserError
+from specheads.targets.files import TargetLoadError, TargetNotFoundError
+from specheads.targets.tokenizers import own_tokenizer
 
 # name -> (package, file in it, comment lines a redistributor added, to drop), the model it comes from
 SHIPPED: dict[str, tuple[str, str, str | None, str]] = {
@@ -70,10 +72,8 @@ def resolve(spec: str) -> tuple[str, str]:
     path = Path(spec).expanduser()
     if path.is_file():
         return path.read_text(encoding="utf-8"), str(path.resolve())
-    from specheads.targets import TargetLoadError, TargetNotFoundError, load_tokenizer
-
     try:
-        tok = load_tokenizer(spec)
+        tok = own_tokenizer(spec)
     except (TargetLoadError, TargetNotFoundError, OSError, ValueError):
         tok = None
     text = getattr(tok, "chat_template", None) if tok is not None else None
@@ -145,10 +145,8 @@ def own_template(name_or_path: str) -> tuple[bool, str | None]:
             if text:
                 return True, text if isinstance(text, str) else None  # a list of named templates: not one text
         return any((folder / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json")), None
-    from specheads.targets import load_tokenizer
-
     try:
-        tok = load_tokenizer(str(name_or_path))
+        tok = own_tokenizer(str(name_or_path))
     except Exception:  # noqa: BLE001 - unreadable here: unknown, said so by the caller
         return False, None
     text = getattr(tok, "chat_template", None)

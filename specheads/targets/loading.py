@@ -1,0 +1,89 @@
+"""How every stage loads its target: ``load_target`` (whole, tensor-parallel or over several devices, in the
+dtype this machine runs fastest) and ``load_tokenizer`` (the tokenizer alone), both with ``target.chat_template``
+applied.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specheads.targets import chat_templates
+from specheads.targets.files import EMBEDDED_TARGET, TARGET_HINT, TargetLoadError, resolve_target_path
+from specheads.targets.model import Target
+from specheads.targets.parallel import (PARALLEL_MODES, ParallelLayout, finish_tensor_parallel, launch_rank_world,
+                                        split_kwargs)
+from specheads.targets.tokenizers import own_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(name_or_path: str = EMBEDDED_TARGET, chat_template: str | None = None):
+    """The target's tokenizer; ``chat_template`` (``specheads.targets.chat_templates``) replaces or adds its template."""
+    return chat_templates.apply(own_tokenizer(name_or_path), chat_template)
+
+
+def load_target(
+    name_or_path: str = EMBEDDED_TARGET,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    parallel: str | None = "none",
+    tp_size: int | None = None,
+    max_memory: str | int | None = None,
+    probe_rows: int = 256,
+    chat_template: str | None = None,
+) -> Target:
+    """Load a frozen target from the embedded default, a GGUF file, a local folder or a hub id.
+
+    parallel: ``none`` (whole on ``device``); ``tp``: tensor-parallel under torchrun / accelerate launch
+    (``tp_plan="auto"``), over groups of ``tp_size`` consecutive ranks (default: the processes of a
+    node), so groups are data-parallel replicas (``ParallelLayout``); the input embedding and LM head
+    are kept whole on every rank (drafters borrow them); ``device_map``: this process's layers spread
+    over its share of the node's GPUs (``device_map_devices``; ``max_memory`` per GPU), on CPU the CPU.
+    ``device`` is ignored by ``tp`` (each rank's device is ``cuda:LOCAL_RANK`` or the CPU) and
+    ``device_map``. ``device="auto"``: a GPU when present, else the CPU. ``dtype="auto"``: bfloat16 on a GPU;
+    on the CPU the model loads in float32 and a timed probe of its linear layers at ``probe_rows`` rows per
+    forward (the stage's own: many for collection, a few for decoding) keeps float32 or casts it to bfloat16
+    where that is faster (``hardware.choose_dtype``; never on a CPU without bfloat16 kernels). The choice and
+    its figures are logged in one line and kept as ``Target.dtype_choice``. ``chat_template``: a template for
+    the tokenizer (``specheads.targets.chat_templates``: a file, a shipped name, or a model that has one).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specheads.hardware import DTYPES, Choice, choose_dtype, cpu_bf16_supported, resolve_device
+
+    device = resolve_device(device)
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    on_gpu = torch.device(device).type == "cuda" or (str(parallel) != "none" and torch.cuda.is_available())
+    # as set, or the GPU's answer; None: auto on the CPU, decided below on the model loaded in float32
+    choice = None if dtype == "auto" and not on_gpu else choose_dtype(dtype, "cuda" if on_gpu else "cpu")
+    dtype = DTYPES[choice.value] if choice else torch.float32
+    mode = str(parallel or "none").lower()
+    if mode not in PARALLEL_MODES:
+        raise ValueError(f"target.parallel={parallel!r}: use one of {', '.join(PARALLEL_MODES)}")
+    kwargs, layout = split_kwargs(mode, tp_size, max_memory)
+    path = resolve_target_path(name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        tokenizer = chat_templates.apply(AutoTokenizer.from_pretrained(path), chat_template)
+    except OSError as e:
+        raise TargetLoadError(f"cannot load target '{name_or_path}': {e}; {TARGET_HINT}") from e
+    if not kwargs:  # whole: none, or tp with groups of one
+        model.to(device)
+    if layout is not None:  # tp
+        finish_tensor_parallel(model, layout, sharded=bool(kwargs))
+    model.eval().requires_grad_(False)
+    if choice is None:  # bfloat16 where a probe of this model's own layers is faster (and the CPU has its kernels)
+        choice = (choose_dtype("auto", "cpu", model, rows=probe_rows) if mode == "none" or not cpu_bf16_supported()
+                  else Choice("float32", "split target on the CPU (its ranks must agree)"))
+        if choice.value != "float32":
+            model.to(DTYPES[choice.value])
+    log.info("%s", choice.line("target dtype"))
+    if layout is None:
+        rank, world = launch_rank_world()
+        layout = ParallelLayout(mode, world, rank, 1)
+    target = Target(model, tokenizer, name=name_or_path, layout=layout)
+    target.dtype_choice = choice
+    return target

@@ -1,0 +1,282 @@
+"""The ``Target`` wrapper: a frozen causal LM and what the heads read from it (shapes, embeddings, LM head,
+logits, the hidden states at aux layers and ``last``; layer convention: ``specheads.targets``), and the facts
+that identify it (``config_hash``, ``eos_token_ids``). ``specheads.targets.loading`` builds one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from specheads.errors import SpecheadsError
+from specheads.targets.parallel import ParallelLayout
+from specheads.targets.tokenizers import tokenizer_fingerprint
+
+
+class UnsupportedTargetError(SpecheadsError, ValueError):
+    """A stage cannot serve this target's architecture (the message names the family and the reason)."""
+
+
+def model_family(config) -> str:
+    """The transformers ``model_type`` of a target config (its text config for a multimodal one)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return str(getattr(text, "model_type", None) or "unknown")
+
+
+def output_logits(config, lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits from post-norm hidden states: ``lm_head(hidden)``, soft-capped as the model's own
+    forward does when its config sets ``final_logit_softcapping`` (Gemma-2: ``cap * tanh(logits / cap)``).
+    The cap is monotonic, so the argmax is ``lm_head``'s either way; distributions (soft labels, sampling,
+    verification at a temperature) need it."""
+    logits = lm_head(hidden)
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def default_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """Low, middle and high fusion layers (inputs of decoder layers, see ``specheads.targets``).
+
+    Always three distinct, ascending layers: (2, N//2, N-3) from 7 layers up (the EAGLE-3 default);
+    smaller test models get (1, N//2, N-1), and 3 layers (0, 1, 2).
+    """
+    if num_layers < 3:
+        raise ValueError(f"EAGLE-3 fuses three distinct layers; a target with {num_layers} layers has too few")
+    if num_layers == 3:
+        return (0, 1, 2)
+    if num_layers < 7:
+        return (1, num_layers // 2, num_layers - 1)
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def check_aux_layers(aux_layers, target: "Target", setting: str = "aux_layers") -> None:
+    """Refuse aux layers the target does not have (a ``ConfigError`` naming them), before any work."""
+    from specheads.errors import ConfigError
+
+    bad = [i for i in (aux_layers or ()) if not 0 <= int(i) < target.num_layers]
+    if bad:
+        raise ConfigError(f"{setting} {list(aux_layers)}: layer(s) {bad} out of range for target '{target.name}' "
+                          f"with {target.num_layers} decoder layers (0..{target.num_layers - 1})")
+
+
+@dataclass
+class TargetFeatures:
+    """Hidden states read from one target forward pass.
+
+    aux:  tuple of (B, T, H), one per requested aux layer (inputs of those decoder layers)
+    last: (B, T, H) post-norm last hidden state, or None when not requested
+    """
+
+    aux: tuple[torch.Tensor, ...]
+    last: torch.Tensor | None
+
+
+class Target:
+    """A frozen causal LM plus what the heads need from it (embeddings, LM head, hidden states).
+
+    ``layout`` says how the model is split (``ParallelLayout``; unsplit by default).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer=None, name: str = "unnamed", layout: "ParallelLayout | None" = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.decoder = model.get_decoder()
+        self.layers = self.decoder.layers
+        self.layout = layout or ParallelLayout()
+        self.dtype_choice = None  # how ``load_target`` chose the dtype (``hardware.Choice``), for reports
+
+    @classmethod
+    def tokenizer_only(cls, tokenizer, name: str) -> "Target":
+        """A target known by its tokenizer alone (for stages that do not run the model)."""
+        self = cls.__new__(cls)
+        self.model = self.decoder = self.layers = None
+        self.tokenizer, self.name, self.layout = tokenizer, name, ParallelLayout()
+        return self
+
+    # -- shape facts
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        """Where inputs go: the input embedding's device (the first device of a ``device_map`` split)."""
+        weight = getattr(self.model.get_input_embeddings(), "weight", None)
+        return weight.device if weight is not None else next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    # -- the decoder layers' memory
+    def release_layers(self, reload: Callable[[], "Target"]) -> None:
+        """Free the decoder layers' weights (moved to the meta device) until ``layers_loaded`` needs them.
+
+        For training from a feature store, which reads only the embedding, the final norm and the LM head:
+        an 8B target's layers are ~15 GB in bfloat16, SmolLM2's 424 MB in float32. ``reload`` makes a fresh
+        whole target with this one's settings (``load_target``); its layers are taken while needed.
+        """
+        if self.layout.mode != "none":
+            raise ValueError(f"release_layers: a {self.layout.mode} target is split; only a whole one can be reloaded")
+        for layer in self.layers:
+            layer.to("meta")
+        self._reload = reload
+
+    @property
+    def layers_released(self) -> bool:
+        return getattr(self, "_reload", None) is not None and next(self.layers.parameters()).is_meta
+
+    @contextmanager
+    def layers_loaded(self) -> Iterator["Target"]:
+        """The target with its decoder layers in place (reloaded if ``release_layers`` freed them, and
+        freed again on exit)."""
+        if not self.layers_released:
+            yield self
+            return
+        fresh = self._reload()
+        for i, layer in enumerate(fresh.layers):
+            self.layers[i] = layer
+        del fresh
+        try:
+            yield self
+        finally:
+            for layer in self.layers:
+                layer.to("meta")
+
+    # -- identity
+    def config_hash(self) -> str:
+        return config_hash(self.model.config)
+
+    def tokenizer_fingerprint(self) -> str:
+        if self.tokenizer is None:
+            return "none"
+        return tokenizer_fingerprint(self.tokenizer)
+
+    # -- features
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) -> (B, T, H) raw token embeddings (as the drafter sees them; no model-specific scaling),
+        on the device of ``input_ids``."""
+        return self.raw_embedding(input_ids).to(input_ids.device)
+
+    @property
+    def raw_embedding(self) -> nn.Module:
+        """The token embedding's table lookup without the scaling some families fold into the module
+        (Gemma-3's ``Gemma3TextScaledWordEmbedding`` multiplies by sqrt(H)): what the engines hand a drafter
+        (their target embedding layer is the plain table; the scale lives in the target's own forward)."""
+        return RawEmbedding(self.embed_tokens)
+
+    def logits(self, last: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) post-norm hidden -> (B, T, V) target logits (``output_logits``), on the device of ``last``,
+        computed in the LM head's dtype (a bfloat16 target's head scores float32 features: stored or online)."""
+        weight = getattr(self.lm_head, "weight", None)
+        x = last.to(weight.device, weight.dtype) if weight is not None else last
+        return output_logits(self.config, self.lm_head, x).to(last.device)
+
+    @torch.no_grad()
+    def forward_features(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        aux_layers: Sequence[int] = (),
+        need_last: bool = True,
+    ) -> TargetFeatures:
+        """Run the decoder once (no LM head) and return the requested hidden states.
+
+        input_ids: (B, T); attention_mask: (B, T) with 1 for real tokens (right padding).
+        """
+        for i in aux_layers:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(f"aux layer {i} out of range for a target with {self.num_layers} layers")
+        with capture_layer_inputs(self.layers, aux_layers) as captured:
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        # A device_map split leaves each layer's states on that layer's device: bring them to the input's.
+        here = input_ids.device
+        last = out.last_hidden_state.to(here) if need_last else None
+        return TargetFeatures(aux=tuple(captured[i].to(here) for i in aux_layers), last=last)
+
+
+class RawEmbedding(nn.Module):
+    """A token embedding's plain table lookup, sharing (not copying) its weight: (B, T) -> (B, T, H)."""
+
+    def __init__(self, embedding: nn.Module):
+        super().__init__()
+        self.__dict__["embedding"] = embedding  # not a submodule: its weight stays the target's alone
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.embedding.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(input_ids, self.embedding.weight)
+
+
+def eos_token_ids(target: "Target") -> list[int]:
+    """Every end-of-sequence id the target's generation config, model config or tokenizer names."""
+    ids = set()
+    for src in (getattr(target.model, "generation_config", None), getattr(target.model, "config", None),
+                target.tokenizer):  # a tokenizer-only target (answers from an endpoint) has no model
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, (list, tuple)):
+            ids.update(int(x) for x in e)
+    return sorted(ids)
+
+
+@contextmanager
+def capture_layer_inputs(layers: nn.ModuleList, layer_ids: Sequence[int]) -> Iterator[dict[int, torch.Tensor]]:
+    """Forward pre-hooks recording the hidden-state input of each chosen decoder layer."""
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+
+    def make_hook(i: int):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            captured[i] = hidden.detach()
+
+        return hook
+
+    for i in set(layer_ids):
+        handles.append(layers[i].register_forward_pre_hook(make_hook(i), with_kwargs=True))
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def config_hash(config) -> str:
+    """Hash of the architecture-defining parts of a model config (not its name, dtype or paths)."""
+    d = config.to_dict()
+    for k in ("_name_or_path", "torch_dtype", "dtype", "transformers_version", "architectures",
+              "quantization_config", "_attn_implementation_autoset", "use_cache", "distributed_config"):
+        d.pop(k, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
