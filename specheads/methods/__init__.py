@@ -16,6 +16,7 @@ METHODS: dict[str, str] = {
     "eagle1": "specheads.methods.eagle1:Eagle1Method",
     "eagle3": "specheads.methods.eagle3:Eagle3Method",
     "dflash": "specheads.methods.dflash:DFlashMethod",
+    "peagle": "specheads.methods.peagle:PEagleMethod",
 }
 
 

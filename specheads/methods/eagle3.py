@@ -87,10 +87,15 @@ class Eagle3Method(FusedLayers):
         self.loss_rows = loss_rows
         self.fc_norm = bool(fc_norm)
 
+    def make_model(self, target: Target) -> Eagle3Model:
+        """The untrained model for ``target`` (P-EAGLE builds its own), before the draft vocabulary is set."""
+        return Eagle3Model(Eagle3Config.from_target(target, self.draft_vocab_size, self.feature_spec.aux_layers,
+                                                    self.fc_norm))
+
     def build(self, target: Target) -> Eagle3Model:
         self.bind(target)
-        config = Eagle3Config.from_target(target, self.draft_vocab_size, self.feature_spec.aux_layers, self.fc_norm)
-        model = Eagle3Model(config).to(target.device).attach(target)
+        model = self.make_model(target).to(target.device).attach(target)
+        config = model.config
         if self.vocab_data is None:
             raise ValueError("Eagle3Method needs vocab_data (a prepared dataset) to pick the draft vocabulary: "
                              "set method.vocab_data=<path>")

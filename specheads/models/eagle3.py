@@ -116,12 +116,19 @@ class Eagle3Model(PreTrainedModel):
 
     def decode(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                attn_mask: torch.Tensor | None = None, cache: KVCache | UnrollCache | None = None) -> torch.Tensor:
-        """One drafter layer: (B, q, H) hidden, (B, q) ids and positions -> (B, q, H) pre-norm output.
+        """The drafter's layers: (B, q, H) hidden, (B, q) ids and positions -> (B, q, H) pre-norm output.
 
         attn_mask: (B, q, len(cache) + q) bool, True = attend; None = whole cache + causal.
         """
         cos, sin = self.rotary_emb(hidden, position_ids)
-        return self.midlayer(hidden, cos, sin, attn_mask, cache, embeds=self.embed(input_ids))
+        h = self.midlayer(hidden, cos, sin, attn_mask, cache, embeds=self.embed(input_ids))
+        for layer in self.extra_layers():
+            h = layer(h, cos, sin, attn_mask, cache)
+        return h
+
+    def extra_layers(self) -> list:
+        """Decoder layers after ``midlayer`` (none for EAGLE-3; P-EAGLE's ``layers.{i}``, i >= 1)."""
+        return []
 
     def logits(self, h_out: torch.Tensor) -> torch.Tensor:
         """(..., H) pre-norm output -> (..., V_draft) draft logits."""

@@ -225,7 +225,8 @@ class DraftAttention(nn.Module):
             cache.values[layer].append(v)
             out = unrolled_attention(q, cache.keys[layer], cache.values[layer], scale)
         else:
-            past = 0 if cache is None else len(cache)
+            # this layer's own length: with several layers, layer 0 has already appended the new keys
+            past = 0 if cache is None or cache.keys[layer] is None else cache.keys[layer].shape[2]
             if cache is not None:
                 k, v = cache.update(layer, k, v)
             mask = _check_mask(attn_mask, B, q_len, past, x.device)

@@ -1,0 +1,110 @@
+"""P-EAGLE: EAGLE-3 that drafts K tokens in one forward (parallel drafting, arXiv 2602.01469).
+
+The model is EAGLE-3's (``specheads.models.eagle3``: ``fc`` fuses the low/mid/high target states, ``midlayer``
+reads ``[input_layernorm(embed(ids)); hidden_norm(hidden)]``, ``norm`` and a reduced-vocabulary ``lm_head`` with
+``d2t``/``t2d``), plus:
+
+* ``mask_hidden`` (1, n_aux · H_target): a learnt stand-in for the target states of positions not yet verified.
+  It takes the real states' path: ``fuse(mask_hidden)`` (``fc_norm`` if any, then ``fc``), exactly as vLLM
+  (``llm_base_proposer``: ``combine_hidden_states(mask_hidden)``) fills its parallel-drafting slots.
+* ``mask_token_id`` in the config: the token the parallel slots read (an existing row of the target's embedding).
+* optional extra decoder layers ``layers.{i}`` (i >= 1; the paper's drafts have 4 layers), plain Llama layers
+  on the residual stream, as vLLM's ``llama_eagle3`` builds its layers after the first.
+
+Drafting (one forward per block; the alignment of ``specheads.models.eagle3``): the drafter's input at the last
+verified position ``t`` is (fused state at ``t``, the pending token ``ids[t+1]``) at position ``t`` (depth 0); depth
+``d = 1..K-1`` is (``fuse(mask_hidden)``, ``mask_token_id``) at position ``t+d``. Depth ``d``'s output gives the
+logits of ``ids[t+2+d]``. Queries attend causally: depth ``d`` sees the verified context up to ``t`` and depths
+``0..d`` of its own block, which is the rule ``parallel_attention_mask`` builds for training.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specheads.models.eagle3 import Eagle3Config, Eagle3Model
+from specheads.models.layers import DraftDecoderLayer, KVCache
+from specheads.targets import Target
+
+
+class PEagleConfig(Eagle3Config):
+    """EAGLE-3's config plus: mask_token_id (the parallel slots' token), num_depths (K: tokens one forward drafts,
+    depth 0 included; the depths trained) and num_hidden_layers >= 1 (layer 0 is EAGLE-3's ``midlayer``)."""
+
+    model_type = "specheads_peagle"
+    mask_token_id: int | None = None
+    num_depths: int = 4
+
+    @classmethod
+    def from_target(cls, target: Target, draft_vocab_size: int, aux_layers=None, fc_norm: bool = False,
+                    num_layers: int = 1, num_depths: int = 4, mask_token_id: int | None = None) -> "PEagleConfig":
+        from specheads.models.dflash import default_mask_token
+
+        base = Eagle3Config.from_target(target, draft_vocab_size, aux_layers, fc_norm).to_dict()
+        for key in ("model_type", "transformers_version", "architectures"):
+            base.pop(key, None)
+        base.update(num_hidden_layers=int(num_layers), num_depths=int(num_depths),
+                    mask_token_id=default_mask_token(target) if mask_token_id is None else int(mask_token_id))
+        return cls(**base)
+
+
+class PEagleModel(Eagle3Model):
+    config_class = PEagleConfig
+    base_model_prefix = "peagle"
+
+    def __init__(self, config: PEagleConfig):
+        super().__init__(config)
+        if config.num_hidden_layers < 1 or config.num_depths < 1:
+            raise ValueError(f"P-EAGLE needs num_hidden_layers >= 1 and num_depths >= 1, got "
+                             f"{config.num_hidden_layers} / {config.num_depths}")
+        if config.mask_token_id is None:
+            raise ValueError("P-EAGLE needs mask_token_id in its config")
+        # keys "1", "2", ...: saved as layers.{i}.*, the names vLLM's eagle3 loader gives the layers after the first
+        self.layers = nn.ModuleDict({str(i): DraftDecoderLayer(config, layer=i)
+                                     for i in range(1, config.num_hidden_layers)})
+        width = len(config.aux_layers or (0, 0, 0)) * (config.target_hidden_size or config.hidden_size)
+        self.mask_hidden = nn.Parameter(torch.zeros(1, width))
+
+    @property
+    def num_draft_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_depths(self) -> int:
+        return int(self.config.num_depths)
+
+    def extra_layers(self) -> list:
+        return [self.layers[str(i)] for i in range(1, self.config.num_hidden_layers)]
+
+    def attach(self, target: Target) -> "PEagleModel":
+        super().attach(target)
+        if not 0 <= int(self.config.mask_token_id) < target.vocab_size:
+            raise ValueError(f"mask_token_id {self.config.mask_token_id} is not a row of the target's embedding "
+                             f"(vocabulary {target.vocab_size})")
+        return self
+
+    def mask_state(self) -> torch.Tensor:
+        """(1, H) the fused input of every parallel slot: ``fuse(mask_hidden)``."""
+        return self.fuse(self.mask_hidden)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.num_draft_layers)
+
+
+def parallel_attention_mask(anchor: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B, Q, Q) bool (True = may attend) over a packed sequence of depth-0 and parallel-slot queries.
+
+    anchor (B, Q): the position whose verified state a query's chain starts from; depth (B, Q) or (Q,): 0 for
+    real tokens, d >= 1 for the slot d positions after its anchor; valid (B, Q): real entries (padding False).
+    A query sees the valid depth-0 keys whose anchor is at or before its own, and the valid keys of its own
+    anchor with depth 1..its own. Every query sees itself, so a padding row is never fully masked.
+    """
+    B, Q = anchor.shape
+    depth = depth.expand(B, Q) if depth.dim() == 1 else depth
+    aq, ak = anchor[:, :, None], anchor[:, None, :]
+    dq, dk = depth[:, :, None], depth[:, None, :]
+    context = (dk == 0) & (ak <= aq)
+    own = (dk >= 1) & (ak == aq) & (dk <= dq)
+    allowed = (context | own) & valid[:, None, :].bool()
+    return allowed | torch.eye(Q, dtype=torch.bool, device=anchor.device)[None]
