@@ -1,4 +1,4 @@
-"""scripts/compare_speculators.py: our feature store, converted, reads back through speculators' own
+"""scripts/bench/compare_speculators.py: our feature store, converted, reads back through speculators' own
 dataset class as the same rows, tokens and hidden states (skipped where speculators is not importable)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("compare_speculators", REPO / "scripts" / "compare_speculators.py")
+    spec = importlib.util.spec_from_file_location("compare_speculators", REPO / "scripts" / "bench" / "compare_speculators.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -93,7 +93,7 @@ def test_rerun_skips_and_mismatched_tokenizer_is_refused(tiny_setup, tmp_path):
 def test_bench_collect_reports_ratio_and_dtypes(tiny_setup, tmp_path):
     model_dir, prepared = tiny_setup
     out = tmp_path / "bench.json"
-    run([sys.executable, "scripts/bench_collect.py", "--target", str(model_dir), "--prepared", str(prepared),
+    run([sys.executable, "scripts/bench/bench_collect.py", "--target", str(model_dir), "--prepared", str(prepared),
          "--samples", "12", "--max-length", "32", "--batch-tokens", "64", "--repeats", "1", "--train-steps", "3",
          "--json", str(out)])
     report = json.loads(out.read_text())

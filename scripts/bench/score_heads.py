@@ -1,6 +1,6 @@
 """Score trained heads and bigram baselines on conversations that no head was trained on (run by hand).
 
-    python scripts/score_heads.py --prepared runs/big/prepared --skip runs/x/prepared \
+    python scripts/bench/score_heads.py --prepared runs/big/prepared --skip runs/x/prepared \
         --head medusa1=runs/x/train/medusa1 --head eagle3=runs/x/train/eagle3 --max-rows 200
 
 Rows of ``--prepared`` whose ids also appear in ``--skip`` (the training set) are left out; the
@@ -22,7 +22,7 @@ import math
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 

@@ -1,10 +1,10 @@
 """Cost curves: time and peak memory of each stage against its input size, on this machine.
 
-    python scripts/cost_curves.py prepare --sizes 1000 10000 100000
-    python scripts/cost_curves.py collect --sizes 25 50 100          # chats of the embedded ShareGPT, SmolLM2
-    python scripts/cost_curves.py train --sizes 100 200 400          # optimizer steps (the main job's settings) on the 100-chat store
-    python scripts/cost_curves.py evaluate --sizes 1 2 4             # MT-bench questions per category + as many HumanEval (T=0, batch 1, one pass)
-    python scripts/cost_curves.py all --markdown docs/cost_curves.md
+    python scripts/bench/cost_curves.py prepare --sizes 1000 10000 100000
+    python scripts/bench/cost_curves.py collect --sizes 25 50 100          # chats of the embedded ShareGPT, SmolLM2
+    python scripts/bench/cost_curves.py train --sizes 100 200 400          # optimizer steps (the main job's settings) on the 100-chat store
+    python scripts/bench/cost_curves.py evaluate --sizes 1 2 4             # MT-bench questions per category + as many HumanEval (T=0, batch 1, one pass)
+    python scripts/bench/cost_curves.py all --markdown docs/cost_curves.md
 
 Each point runs the stage as a user does (``python -m specheads.cli <verb> ...``) in a fresh process, while a
 sampler reads the resident memory of that process and of every process it started (worker processes
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # the main job's training settings for EAGLE-3 on the CPU (conf/pipeline.yaml), without its time budget
 MAIN_JOB_TRAIN = ["optim.lr=1.5e-3", "optim.warmup_steps=10", "train.max_minutes=null", "train.mixed_precision=bf16",
                   "train.eval_every=0", "train.save_every=50", "data.max_tokens=2048", "data.eval_samples=16",
@@ -193,7 +193,7 @@ def machine() -> str:
 
 
 def markdown(points: list[dict]) -> str:
-    lines = [f"Measured by `scripts/cost_curves.py` on {machine()}, {time.strftime('%Y-%m-%d')}.", ""]
+    lines = [f"Measured by `scripts/bench/cost_curves.py` on {machine()}, {time.strftime('%Y-%m-%d')}.", ""]
     for stage in ("prepare", "collect", "train", "evaluate"):
         rows = [p for p in points if p["stage"] == stage]
         if not rows:

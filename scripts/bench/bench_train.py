@@ -1,10 +1,10 @@
 """Benchmark training throughput and peak memory per method on this machine (run by hand).
 
-    python scripts/bench_train.py --methods medusa1 medusa2 eagle1 eagle3 \
+    python scripts/bench/bench_train.py --methods medusa1 medusa2 eagle1 eagle3 \
         --target smollm2 --prepared runs/default/prepared --steps 8 --max-tokens 2048
-    python scripts/bench_train.py --methods medusa1 eagle3 --target tiny \
+    python scripts/bench/bench_train.py --methods medusa1 eagle3 --target tiny \
         --arg eagle3:vocab_data={prepared}                                 # tiny random Llama, synthetic data
-    python scripts/bench_train.py --methods medusa1 medusa2 eagle1 eagle3 --target tiny \
+    python scripts/bench/bench_train.py --methods medusa1 medusa2 eagle1 eagle3 --target tiny \
         --arg eagle3:vocab_data={prepared} --num-processes 1 2 --max-seconds 30 --threads 1   # 1 -> 2 processes
 
 Each method runs in its own process (so peak RSS is that method's) through the real engine with
@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,6 +1,6 @@
 """Benchmark our EAGLE-3 trainer against vLLM speculators' on the same target, data and settings (run by hand).
 
-    PYTHONPATH=<folder holding speculators and its deps> python scripts/compare_speculators.py \
+    PYTHONPATH=<folder holding speculators and its deps> python scripts/bench/compare_speculators.py \
         --features runs/quickstart/features --prepared runs/quickstart/prepared --minutes 2.5
     ... --settings float32:3 bfloat16:3 float32:1 bfloat16:1 --draft-vocab-size 4096 --json report.json
     ... --only ours                        # our trainer alone (speculators need not be installed)
@@ -54,7 +54,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONVERT_FORMAT = "specheads.compare_speculators/1"
 
 

@@ -1,7 +1,7 @@
 """The target's verify cost curve on this machine: one forward over n new tokens ÷ one token.
 
 What `specheads evaluate head_shape=auto` measures before choosing a chain length, for any n:
-    .venv/bin/python scripts/bench_verify_cost.py [--target smollm2] [--dtype float32] [--context 300] [--reps 12]
+    .venv/bin/python scripts/bench/bench_verify_cost.py [--target smollm2] [--dtype float32] [--context 300] [--reps 12]
                                                   [--linears auto|packed|plain]
 Prints the one-token forward time and v(n) for n = 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64.
 """

@@ -2,7 +2,7 @@
 continued from an n-gram table: the three decoded in turn per prompt, several passes (run by hand; the
 figures of the README's n-gram table paragraph).
 
-    .venv/bin/python scripts/compare_branches.py --head runs/quickstart/train/eagle3/head --fan 3 \\
+    .venv/bin/python scripts/bench/compare_branches.py --head runs/quickstart/train/eagle3/head --fan 3 \\
         --table runs/quickstart/features --chat-dir runs/quickstart/prepared --passes 3
 
 Prompts: the pipeline's default subset (one MT-bench question per category, turn 1; 2 HumanEval tasks;

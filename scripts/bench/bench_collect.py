@@ -1,7 +1,7 @@
 """Benchmark hidden-state collection against a bare forward pass, and the store's dtypes.
 
-    python scripts/bench_collect.py --prepared runs/default/prepared --samples 16 --max-length 256
-    python scripts/bench_collect.py --target /models/Llama-3.1-8B-Instruct --device cuda --dtype-target bfloat16 \
+    python scripts/bench/bench_collect.py --prepared runs/default/prepared --samples 16 --max-length 256
+    python scripts/bench/bench_collect.py --target /models/Llama-3.1-8B-Instruct --device cuda --dtype-target bfloat16 \
         --samples 512 --max-length 2048 --batch-tokens 16384
 
 1. throughput: the same length-sorted batches that collection plans go through (a) a bare decoder

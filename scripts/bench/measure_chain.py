@@ -1,6 +1,6 @@
 """Measured chain acceptance of EAGLE-3 heads on fixed ShareGPT prompts (run by hand; the table in docs/ablations.md).
 
-    .venv/bin/python scripts/measure_chain.py --skip 1500 --prompts 24 --k 3 runs/ablate/a/head runs/ablate/b/head
+    .venv/bin/python scripts/bench/measure_chain.py --skip 1500 --prompts 24 --k 3 runs/ablate/a/head runs/ablate/b/head
 
 Takes the first user turn of the packaged ShareGPT records after the first ``--skip`` (pick a number past
 what the heads were trained on: `data.num_samples` reads from the start), renders it with the target's chat

@@ -2,14 +2,14 @@
 # One row of the EAGLE-3 ablation table (docs/ablations.md): train EAGLE-3 on a run's feature store for a time budget with the
 # quickstart's settings plus the given overrides, then print the held-out figures (top-1 per step against
 # the target's argmax on training-side held-out chats, and the measured chain-3 tau on held-out prompts).
-#   bash scripts/ablate_eagle3.sh NAME RUN_DIR MINUTES [overrides...]
-#   bash scripts/ablate_eagle3.sh ttt1 runs/quickstart 4 method.ttt_steps=1
-#   bash scripts/ablate_eagle3.sh freeze runs/quickstart 4 method.init_lm_head_from_target=true method.freeze_lm_head=true
+#   bash scripts/bench/ablate_eagle3.sh NAME RUN_DIR MINUTES [overrides...]
+#   bash scripts/bench/ablate_eagle3.sh ttt1 runs/quickstart 4 method.ttt_steps=1
+#   bash scripts/bench/ablate_eagle3.sh freeze runs/quickstart 4 method.init_lm_head_from_target=true method.freeze_lm_head=true
 # Output: runs/ablate/NAME (train_summary.json, metrics.jsonl) and one line on stdout. Run one at a time.
 set -euo pipefail
 [ $# -ge 3 ] || { sed -n 2,8p "$0"; exit 2; }
 name=$1; run=$2; mins=$3; shift 3
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=runs/ablate/$name
 mkdir -p runs/ablate
 .venv/bin/python recipes/train.py method=eagle3 features_dir="$run/features" prepared_dir="$run/prepared" output_dir="$out" \

@@ -1,7 +1,7 @@
 """Time batched tree verification: PyTorch reference vs Triton kernel, on SGLang-like shapes.
 
-    python scripts/bench_kernels.py                       # B in {1, 8, 32}, n in {8, 24, 64}, V in {128256, 49152}
-    python scripts/bench_kernels.py --B 1 8 --n 8 24 --V 49152 --iters 5
+    python scripts/bench/bench_kernels.py                       # B in {1, 8, 32}, n in {8, 24, 64}, V in {128256, 49152}
+    python scripts/bench/bench_kernels.py --B 1 8 --n 8 24 --V 49152 --iters 5
 
 On CUDA it times both backends (and checks that they agree exactly); on CPU it times the reference
 only and says that the kernel needs CUDA. Trees are random (each node's parent is any earlier node
