@@ -24,6 +24,7 @@ from specheads.errors import ConfigError, InputNotFoundError, UserError, user_er
 from specheads.progress import evaluation_steps
 from specheads.evaluation.prompts import BenchmarkSpec, load_benchmarks
 from specheads.evaluation.report import write_report
+from specheads.evaluation.settings import check_number
 from specheads.evaluation.suite import (HEAD_MODEL_TYPES, EvalConfig, ServingProfiles, evaluate, plan_methods,
                                        verifier_for)
 from specheads.targets import load_target
@@ -171,6 +172,7 @@ def run(cfg: DictConfig) -> dict:
         if kind == head_method or kind in heads.values():
             raise ConfigError(f"heads.{name} ({path}) is a second {kind} head: give each drafter family once")
         heads[name] = (kind, path)
+    check_number("threads", cfg.threads, "?>= 1", integer=True, note="null = torch's default")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     ev = OmegaConf.to_container(cfg.eval, resolve=True)
