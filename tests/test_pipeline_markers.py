@@ -180,6 +180,11 @@ def test_dflash_after_eagle3_reuses_its_feature_store(tmp_path, launches):
     assert "method=eagle3" in dict((n, o) for n, _, o in dflash)["collect"]
     assert "method=dflash" in dict((n, o) for n, _, o in dflash)["train"]
     assert pipeline.run_stages(dflash, tmp_path) == ["train", "evaluate", "export"]  # no second collection
+    peagle = commands("head=peagle")  # P-EAGLE fuses EAGLE-3's layers too
+    assert "method=eagle3" in dict((n, o) for n, _, o in peagle)["collect"]
+    assert "method=peagle" in dict((n, o) for n, _, o in peagle)["train"]
+    assert "head_method=peagle" in dict((n, o) for n, _, o in peagle)["evaluate"]
+    assert pipeline.run_stages(peagle, tmp_path) == ["train", "evaluate", "export"]
 
 
 def test_end_summary_lists_the_outputs_the_table_and_the_serve_lines(tmp_path):

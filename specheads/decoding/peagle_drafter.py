@@ -76,3 +76,26 @@ class PEagleDrafter(EagleDrafter):
         toks = d2t_full[draft]
         return [DraftTree.chain(toks[b].tolist(), None if q is None else q[b], draft_forwards=1) if active[b]
                 else DraftTree.empty() for b in range(B)]
+
+
+def load_peagle_drafter(head_dir, target, shape: TreeShape | None = None) -> PEagleDrafter:
+    """The evaluator's drafter for a saved P-EAGLE head folder (in the head's dtype, attached to ``target``)."""
+    from specheads.decoding.cpu_linears import pack_like
+    from specheads.models.peagle import PEagleModel
+
+    model = PEagleModel.from_pretrained(head_dir).to(target.device).eval().attach(target)
+    pack_like(model, target.model)
+    return PEagleDrafter(model, shape)
+
+
+def peagle_depths(head_dir) -> int:
+    """K of a saved P-EAGLE head: the tokens one of its forwards drafts (``num_depths`` in its config.json)."""
+    import json
+    from pathlib import Path
+
+    from specheads.errors import UserError
+
+    cfg = json.loads((Path(head_dir) / "config.json").read_text())
+    if cfg.get("model_type") != "specheads_peagle" or "num_depths" not in cfg:
+        raise UserError(f"{head_dir}: its config.json is not a P-EAGLE head's (model_type specheads_peagle, num_depths)")
+    return int(cfg["num_depths"])

@@ -44,17 +44,16 @@ from specheads.evaluation.prompts import BenchmarkSpec, encode, load_benchmarks,
 from specheads.evaluation.budget import EvalPlan, full_plan, plan_budget
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
 from specheads.evaluation.recommend import recommend
-from specheads.evaluation.settings import check_eval_config, check_method_settings
 from specheads.hardware import machine_description
 from specheads.targets import Target, eos_token_ids
 from specheads.training.run_log import read_train_summary
 
 log = logging.getLogger(__name__)
-DRAFTERS = ("ngram", "lookahead", "early_exit", "two_model", "medusa", "eagle1", "eagle3", "dflash")
-HEADS = ("medusa", "eagle1", "eagle3", "dflash")
+DRAFTERS = ("ngram", "lookahead", "early_exit", "two_model", "medusa", "eagle1", "eagle3", "dflash", "peagle")
+HEADS = ("medusa", "eagle1", "eagle3", "dflash", "peagle")
 # the ``model_type`` of each head family's saved config.json (checked against the drafter asked for)
 HEAD_MODEL_TYPES = {"medusa": "medusa", "eagle1": "specheads_eagle1", "eagle3": "specheads_eagle3",
-                    "dflash": "specheads_dflash"}
+                    "dflash": "specheads_dflash", "peagle": "specheads_peagle"}
 
 
 @dataclass
@@ -138,10 +137,6 @@ class EvalConfig:
     paired: bool = True  # time a plain decode of each prompt right before its speculative one (see above)
     grouped_attention: bool = True  # GQA targets on SDPA: fold the heads instead of copying the KV cache (grouped_attention.py)
     chat_template_kwargs: dict = field(default_factory=dict)  # the template's switches (enable_thinking), as served
-
-    def __post_init__(self):
-        check_eval_config(self)  # a ConfigError naming the setting, before anything loads
-        self.temperatures = tuple(float(T) for T in self.temperatures)  # report keys "0.0", as serve-eval reads
 
 
 Progress = Callable[[str], None]
@@ -562,6 +557,10 @@ def _build_drafter(spec: MethodSpec, target: Target, cfg: EvalConfig | None) -> 
             spec.tree_source = spec.tree_source or "medusa_choices (given)"
         pack_like(heads, target.model)
         return MedusaDrafter(heads, shape)
+    if spec.drafter == "peagle":  # one forward drafts a chain of K (specheads.decoding.peagle_drafter)
+        from specheads.decoding.peagle_drafter import load_peagle_drafter
+
+        return load_peagle_drafter(head, target, spec.shape)
     from specheads.decoding.head_drafters import EagleDrafter
 
     if spec.drafter == "eagle1":
@@ -704,9 +703,6 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
         raise ConfigError(f"head_shape={head_shape}: use tree or auto")
     tree = tree or TreeShape("dynamic", depth=5, topk=4, total_tokens=24)
     serving = serving or ServingProfiles()
-    check_method_settings(chain_k, tree, serving, early_exit_layers, ngram_max, verify, lookahead, medusa_choices,
-                          medusa_tree_nodes, head_ngram, head_ngram_extend, head_ngram_extend_len,
-                          head_ngram_table_tokens)
     unknown = set(serving.engines) - {"vllm", "sglang"}
     if unknown:
         raise ConfigError(f"serving.engines: unknown profile(s) {sorted(unknown)}; use vllm and/or sglang")
@@ -735,8 +731,13 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                                   head_dir=head_dir))
             out.append(MethodSpec("dflash-tree", "dflash", replace(tree, depth=min(tree.depth, B - 1)), verify,
                                   head_dir=head_dir))
+        elif method == "peagle":  # one forward drafts a chain of K
+            from specheads.decoding.peagle_drafter import peagle_depths
+
+            K = peagle_depths(resolve_head_dir(head_dir))
+            out.append(MethodSpec(f"peagle-chain{K}", "peagle", TreeShape("chain", k=K), verify, head_dir=head_dir))
         else:
-            raise ConfigError(f"method '{method}': use medusa, eagle1, eagle3 or dflash (or none for baselines only)")
+            raise ConfigError(f"method '{method}': use medusa, eagle1, eagle3, dflash or peagle (or none for baselines only)")
         if head_ngram:
             own = out[0]
             name = f"{own.name}+ngram{head_ngram}" + (f"+x{head_ngram_extend}" if head_ngram_extend else "")
@@ -744,7 +745,7 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                                   ngram_extend=head_ngram_extend, ngram_extend_len=head_ngram_extend_len,
                                   ngram_table=head_ngram_table if head_ngram_extend else None,
                                   ngram_table_tokens=head_ngram_table_tokens))
-        if "vllm" in serving.engines and method != "dflash":
+        if "vllm" in serving.engines and method not in ("dflash", "peagle"):
             out.append(MethodSpec(f"{method}-vllm", method, vllm, verify, head_dir=head_dir, profile="vllm"))
     chain = TreeShape("chain", k=chain_k)
     for b in baselines or ():

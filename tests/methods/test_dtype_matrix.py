@@ -15,6 +15,7 @@ from specheads.methods.dflash import DFlashMethod
 from specheads.methods.eagle1 import Eagle1Method
 from specheads.methods.eagle3 import Eagle3Method
 from specheads.methods.medusa import Medusa1Method, Medusa2Method
+from specheads.methods.peagle import PEagleMethod
 from specheads.training.batches import DatasetBatches
 from specheads.training.config import OptimConfig, TrainConfig
 from specheads.training.engine import train
@@ -29,6 +30,8 @@ METHODS = {
     "eagle3": lambda: Eagle3Method(draft_vocab_size=64, ttt_steps=2, vocab_data=[
         {"input_ids": i, "loss_mask": m} for i, m in zip(ROWS["input_ids"], ROWS["loss_mask"])]),
     "dflash": lambda: DFlashMethod(block_size=4, anchors=4),
+    "peagle": lambda: PEagleMethod(draft_vocab_size=64, num_depths=3, vocab_data=[
+        {"input_ids": i, "loss_mask": m} for i, m in zip(ROWS["input_ids"], ROWS["loss_mask"])]),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

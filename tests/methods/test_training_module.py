@@ -43,11 +43,13 @@ def _batch(target, method):
 def _method(name):
     kw = {"medusa1": dict(num_heads=2), "medusa2": dict(num_heads=2, lora_r=4),
           "eagle1": dict(eval_steps=2), "eagle3": dict(draft_vocab_size=64, ttt_steps=2,
-                                                       vocab_data=[{"input_ids": list(range(V)), "loss_mask": [1] * V}])}
+                                                       vocab_data=[{"input_ids": list(range(V)), "loss_mask": [1] * V}]),
+          "peagle": dict(draft_vocab_size=64, num_depths=3, num_layers=2,
+                         vocab_data=[{"input_ids": list(range(V)), "loss_mask": [1] * V}])}
     return build_method(name, **kw[name])
 
 
-@pytest.mark.parametrize("name", ["medusa1", "medusa2", "eagle1", "eagle3"])
+@pytest.mark.parametrize("name", ["medusa1", "medusa2", "eagle1", "eagle3", "peagle"])
 def test_loss_through_a_ddp_wrapper_matches_the_plain_module(group, name):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
