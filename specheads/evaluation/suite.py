@@ -44,6 +44,7 @@ from specheads.evaluation.prompts import BenchmarkSpec, encode, load_benchmarks,
 from specheads.evaluation.budget import EvalPlan, full_plan, plan_budget
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
 from specheads.evaluation.recommend import recommend
+from specheads.evaluation.settings import check_eval_config, check_method_settings
 from specheads.hardware import machine_description
 from specheads.targets import Target, eos_token_ids
 from specheads.training.run_log import read_train_summary
@@ -137,6 +138,10 @@ class EvalConfig:
     paired: bool = True  # time a plain decode of each prompt right before its speculative one (see above)
     grouped_attention: bool = True  # GQA targets on SDPA: fold the heads instead of copying the KV cache (grouped_attention.py)
     chat_template_kwargs: dict = field(default_factory=dict)  # the template's switches (enable_thinking), as served
+
+    def __post_init__(self):
+        check_eval_config(self)  # a ConfigError naming the setting, before anything loads
+        self.temperatures = tuple(float(T) for T in self.temperatures)  # report keys "0.0", as serve-eval reads
 
 
 Progress = Callable[[str], None]
@@ -703,6 +708,9 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
         raise ConfigError(f"head_shape={head_shape}: use tree or auto")
     tree = tree or TreeShape("dynamic", depth=5, topk=4, total_tokens=24)
     serving = serving or ServingProfiles()
+    check_method_settings(chain_k, tree, serving, early_exit_layers, ngram_max, verify, lookahead, medusa_choices,
+                          medusa_tree_nodes, head_ngram, head_ngram_extend, head_ngram_extend_len,
+                          head_ngram_table_tokens)
     unknown = set(serving.engines) - {"vllm", "sglang"}
     if unknown:
         raise ConfigError(f"serving.engines: unknown profile(s) {sorted(unknown)}; use vllm and/or sglang")
