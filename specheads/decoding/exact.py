@@ -1,42 +1,55 @@
-"""Batch-invariant target forwards, so that speculative decoding in reduced precision stays exact.
+"""Batch-invariant target forwards, so that speculative decoding stays exact on any CPU and in any precision.
 
 Speculative decoding is lossless only if the target's logits for a token do not depend on how many
-other tokens share its forward: a verify forward over a draft tree must give, for every node, what a
-one-token forward after its accepted ancestors gives. In float32 the kernels' shape-dependent
-rounding moves logits by ~1e-5 and greedy decoding has never been seen to change; in bfloat16 the
-scaled-dot-product attention kernels reduce over the keys in a blocking that depends on the number of
-queries and keys, the logits move by up to ~0.4 and greedy outputs diverge (4 of 12 evaluation
-prompts, measured). On the CPU the linear layers are already invariant (oneDNN: one output row
-depends on its input row only, bitwise, for every row count measured), so the fix is the attention:
+other tokens share its forward: a verify forward over a draft tree must give, for every node, bitwise
+what a one-token forward after its accepted ancestors gives. Two kinds of operation break that:
 
-- ``exact_attention`` computes softmax(q kᵀ·scale + mask) v in float64 and rounds the result to the
-  model's dtype. Different query counts still change the float64 sums in their last bits (~1e-16
-  relative), but a bfloat16 rounding (8 mantissa bits) only differs where the value lies within that
-  distance of a rounding boundary: about 1e-13 per element, so the rounded outputs, and with them
-  every later layer, are bitwise those of one-token forwards in practice (``tests/decoding/
-  test_exact.py`` checks every node of random trees, bitwise).
-- ``pack_cpu_linears`` (CPU, bfloat16; ``cpu_linears.py``): the linear weights reordered once into
-  oneDNN's blocked layout, which removes the per-call weight reorder that makes an unpacked bfloat16
-  linear slower than float32 at one row (the same oneDNN kernel whatever the row count, so the layers
-  stay invariant).
+- **Attention.** The scaled-dot-product kernels reduce over the keys in a blocking that depends on the
+  number of queries. ``exact_attention`` computes softmax(q kᵀ·scale + mask) v in float64 and rounds the
+  result to the model's dtype: different query counts still change the float64 sums in their last bits
+  (~1e-16 relative), which a float32 or bfloat16 rounding turns into a different value only where the
+  value lies that close to a rounding boundary (about 1e-9 per float32 element).
+- **Linear layers.** oneDNN and the BLAS pick a kernel per row count: one row goes through a
+  matrix-vector kernel, a few rows through another blocking, and the sums come out in other orders. On
+  a 2-core AMD EPYC with AVX-512 and bfloat16 kernels every float32 row of a one-row call differed from
+  the same row in a call of two or more, and two- or three-row calls from calls of four or more; in
+  bfloat16 a one-row call differed from the others in a few elements of the layers whose input is over
+  1024 wide (SmolLM2's MLP down-projection, 1536): the bfloat16 main job's report found 4 of 12 prompts
+  decoded differently. The row counts from which a layer's rows no longer depend on the call are a fact
+  of the machine, the kernel library and the thread count, so ``linear_row_floor`` measures them on the
+  model's own layers, at run time, and ``apply_row_floor`` pads every smaller call up to that floor (and
+  splits any call over ``MAX_ROWS`` rows into chunks): every row of every forward then goes through
+  kernels proven to give it the same bits.
 
-``make_exact(model, mode)`` applies both where they are needed; the evaluator calls it for the plain
-and the speculative decodes alike, so both run the same arithmetic.
+``make_exact(model, mode)`` switches the attention (before the linear layers' layout is chosen);
+``prove_exact(model)``, once the layout and the thread count are set, measures and applies the row floor,
+then checks the whole model end to end (``tree_vs_sequential``: every node of random draft trees against
+one-token forwards along its path, bitwise). The evaluator runs plain and speculative decodes alike in
+this arithmetic; its plain decodes that only time the baseline run with the floor lifted
+(``row_floor_lifted``), the fastest arithmetic a plain decode of this target has here.
 """
 
 from __future__ import annotations
 
 import logging
+import random
+import statistics
+import time
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from specheads.decoding.cpu_linears import can_pack, pack_cpu_linears
+from specheads.decoding.cpu_linears import PackedLinear, can_pack, pack_cpu_linears, packed_count
+from specheads.decoding.runner import TargetRunner
 
 log = logging.getLogger(__name__)
 
 ATTENTION_NAME = "specheads_exact"
 EXACT_MODES = ("auto", "on", "off")
+MAX_ROWS = 64  # linear calls with more rows are split into chunks of this many (the row floor is proven up to it)
+FLOOR_CAP = 16  # a floor above this is not offered: the padded one-token forward would cost more than it saves
+_FLOOR_ATTR = "_specheads_row_floor"
 
 
 def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -92,19 +105,230 @@ def _register() -> None:
 def make_exact(model: nn.Module, mode: str = "auto") -> dict:
     """Make ``model``'s forwards batch-invariant for exact speculative decoding (in place).
 
-    mode ``auto``: on for a reduced-precision model (bfloat16 / float16) on the CPU, off for float32
-    and on GPUs (where cuBLAS may pick another kernel per row count, so the linear layers are not
-    row-invariant and float64 attention alone would not make the forwards exact); ``on`` / ``off``
-    force it. Returns what was done, for the report: {"attention": ..., "packed_linears": n}.
+    mode ``auto``: on for a model on the CPU, in every dtype (float32 rows move with the row count too),
+    off on GPUs (the fused kernels and cuBLAS are another story: their verification is checked against
+    the references by ``scripts/gpu_check.sh``); ``on`` / ``off`` force it. Returns what was done, for the
+    report: {"attention": ..., "packed_linears": n}; ``prove_exact`` then adds the linear layers' row floor.
     """
     if mode not in EXACT_MODES:
         raise ValueError(f"exact_forward={mode!r}: use one of {', '.join(EXACT_MODES)}")
     p = next(model.parameters())
-    on = mode == "on" or (mode == "auto" and p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float16))
+    on = mode == "on" or (mode == "auto" and p.device.type == "cpu")
     if not on:
         return {"attention": model.config._attn_implementation, "packed_linears": 0}
     _register()
     model.set_attn_implementation(ATTENTION_NAME)
-    packed = pack_cpu_linears(model) if can_pack(model) and p.dtype == torch.bfloat16 else 0
+    packed = pack_cpu_linears(model) if can_pack(model) and p.dtype == torch.bfloat16 and not packed_count(model) else 0
     log.info("exact forwards: float64 attention, %d linear layers packed for oneDNN", packed)
     return {"attention": ATTENTION_NAME, "packed_linears": packed}
+
+
+# ---------------------------------------------------------------- the linear layers' row floor
+
+
+def _linear_kinds(model: nn.Module) -> dict[tuple, nn.Module]:
+    """One linear layer of each kind (class, in, out, bias, dtype): layers of a kind run the same kernels."""
+    kinds: dict[tuple, nn.Module] = {}
+    for m in model.modules():
+        if type(m) in (nn.Linear, PackedLinear):
+            kinds.setdefault((type(m).__name__, m.in_features, m.out_features, m.bias is not None, m.weight.dtype), m)
+    return kinds
+
+
+def _unfloored(m: nn.Module):
+    state = getattr(m, _FLOOR_ATTR, None)
+    return state["forward"] if state else m.forward
+
+
+def linear_row_floor(model: nn.Module, max_rows: int = MAX_ROWS, seed: int = 0) -> dict:
+    """Measure, for each kind of linear layer of ``model`` (as it will run: layout, dtype, thread count
+    already set), the smallest row count ``f`` such that every call of ``f`` to ``max_rows`` rows gives each
+    row bitwise what a call over ``max_rows`` rows gives it, whatever its neighbours and its place in the
+    call. Returns {"floor": the largest over kinds, "per_kind": {kind: f}, "seconds": s}."""
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)
+    per_kind = {}
+    with torch.no_grad():
+        for key, m in _linear_kinds(model).items():
+            forward = _unfloored(m)
+            w = m.weight
+            x = torch.randn(max_rows, m.in_features, generator=gen).to(w.device, w.dtype)
+            ref = forward(x)
+            bad = 0
+            for rows in range(max_rows - 1, 0, -1):  # from the top: the first failing count sets the floor
+                # every row of the reference, in calls of ``rows`` rows at two alignments
+                starts = sorted({min(s, max_rows - rows) for s in range(0, max_rows, rows)}
+                                | {min(s, max_rows - rows) for s in range(rows // 2, max_rows, rows)})
+                if any(not torch.equal(forward(x[s:s + rows]), ref[s:s + rows]) for s in starts):
+                    bad = rows
+                    break
+            per_kind["{} {}x{}{} {}".format(key[0], key[1], key[2], "+b" if key[3] else "",
+                                            str(key[4]).replace("torch.", ""))] = bad + 1
+    return {"floor": max(per_kind.values(), default=1), "per_kind": per_kind,
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _floored_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    state = getattr(module, _FLOOR_ATTR)
+    forward, floor, chunk = state["forward"], state["floor"], state["chunk"]
+    if not state["on"]:
+        return forward(x)
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    if floor <= n <= chunk:
+        return forward(x)
+    outs = []
+    for s in range(0, n, chunk):
+        part = rows[s:s + chunk]
+        k = part.shape[0]
+        if k < floor:  # pad with copies of the part's first row: any rows do, they are dropped
+            part = torch.cat([part, part[:1].expand(floor - k, -1)])
+        outs.append(forward(part)[:k])
+    return torch.cat(outs).view(*x.shape[:-1], -1)
+
+
+def apply_row_floor(model: nn.Module, floor: int, chunk: int = MAX_ROWS) -> int:
+    """Make every linear layer of ``model`` run calls of fewer than ``floor`` rows padded to ``floor`` and
+    calls of more than ``chunk`` rows in chunks (``floor = chunk = 1``: every row alone, the one-row kernel
+    for all). In place, on the modules as they are (apply after the layout is chosen); returns how many."""
+    n = 0
+    for m in model.modules():
+        if type(m) in (nn.Linear, PackedLinear):
+            forward = _unfloored(m)
+            setattr(m, _FLOOR_ATTR, {"forward": forward, "floor": floor, "chunk": chunk, "on": True})
+            m.forward = _floored_forward.__get__(m)
+            n += 1
+    return n
+
+
+def remove_row_floor(model: nn.Module) -> None:
+    """Undo ``apply_row_floor``."""
+    for m in model.modules():
+        state = getattr(m, _FLOOR_ATTR, None)
+        if state:
+            m.forward = state["forward"]
+            delattr(m, _FLOOR_ATTR)
+
+
+@contextmanager
+def row_floor_lifted(model: nn.Module):
+    """Run ``model``'s linear layers as the kernels choose (no padding, no chunks) inside the block: the
+    plain decodes that only time the baseline use it, so a speed-up is never measured against a padded one."""
+    states = [s for s in (getattr(m, _FLOOR_ATTR, None) for m in model.modules()) if s]
+    for s in states:
+        s["on"] = False
+    try:
+        yield
+    finally:
+        for s in states:
+            s["on"] = True
+
+
+# ---------------------------------------------------------------- the end-to-end proof
+
+
+def _path(parents: list[int], i: int) -> list[int]:
+    """Node ``i``'s root-to-node path (node indices, root first)."""
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+def tree_vs_sequential(model: nn.Module, contexts=(40, 150), sizes=(3, 6, 12), seed: int = 0,
+                       vocab: int | None = None, reference_parents=None) -> dict:
+    """Every node of random draft trees: its logits from one verify forward of the tree against a one-token
+    forward after each of its ancestors (committed one by one, as plain decoding does), compared bitwise.
+    ``reference_parents(parents) -> parents`` decodes the one-token reference along other paths (a control
+    that must fail). Returns {"nodes", "unequal", "largest_difference", "moved"} (moved: nodes whose
+    reference path differs from their tree path)."""
+    rng = random.Random(seed)
+    vocab = vocab or model.config.vocab_size
+    r = TargetRunner(model)
+    unequal = total = moved = 0
+    worst = 0.0
+    with torch.no_grad():
+        for length in contexts:
+            prompt = [rng.randrange(vocab) for _ in range(length)]
+            for n in sizes:
+                toks = [rng.randrange(vocab) for _ in range(n)]
+                parents = [-1] + [rng.randrange(-1, i) for i in range(1, n)]
+                ref = reference_parents(parents) if reference_parents else parents
+                r.prefill([prompt])
+                tree = r.forward(torch.tensor([toks]), torch.tensor([parents])).logits[0]
+                for i in range(n):
+                    r.prefill([prompt])
+                    for j in _path(ref, i):
+                        one = r.forward(torch.tensor([[toks[j]]]), torch.tensor([[-1]])).logits[0, 0]
+                        r.commit([[0]])
+                    total += 1
+                    moved += _path(ref, i) != _path(parents, i)
+                    unequal += not torch.equal(one, tree[i])
+                    worst = max(worst, float((one.float() - tree[i].float()).abs().max()))
+    return {"nodes": total, "unequal": unequal, "largest_difference": worst, "moved": moved}
+
+
+def _one_token_ms(model: nn.Module, reps: int = 5) -> float:
+    vocab = model.config.vocab_size
+    prompt = [(17 + 31 * i) % vocab for i in range(64)]
+    r = TargetRunner(model)
+    r.prefill([prompt])
+    r.timed_chain([prompt[-1]])
+    return 1000 * statistics.median(r.timed_chain([prompt[-1]]) for _ in range(reps))
+
+
+def prove_exact(model: nn.Module, check_sizes=(3, 8), check_contexts=(48,), max_rows: int = MAX_ROWS) -> dict:
+    """Measure and apply the row floor of ``model``'s linear layers (exact forwards on, ``make_exact``), then
+    prove the whole model: random draft trees verified in one forward against one-token forwards, bitwise.
+    A floor above ``FLOOR_CAP`` is refused (every row then runs alone, which is exact by construction); a
+    failed proof says so (``proven`` False) and the caller falls back. Returns the record for the report:
+    {"row_floor", "row_floor_per_kind", "floor_seconds", "one_token_ms": {"floored", "lifted"}, "proof": {...},
+    "proven"}."""
+    measured = linear_row_floor(model, max_rows)
+    floor, chunk = measured["floor"], max_rows
+    if floor > FLOOR_CAP:
+        floor = chunk = 1
+    apply_row_floor(model, floor, chunk)
+    t0 = time.perf_counter()
+    proof = tree_vs_sequential(model, contexts=check_contexts, sizes=check_sizes)
+    proof["seconds"] = round(time.perf_counter() - t0, 2)
+    floored = _one_token_ms(model)
+    with row_floor_lifted(model):
+        lifted = _one_token_ms(model)
+    record = {"row_floor": floor, "row_chunk": chunk, "row_floor_per_kind": measured["per_kind"],
+              "floor_seconds": measured["seconds"], "one_token_ms": {"floored": round(floored, 2), "lifted": round(lifted, 2)},
+              "proof": proof, "proven": proof["unequal"] == 0}
+    log.info("exact forwards: linear row floor %d (chunks of %d), one-token forward %.1f ms floored vs %.1f ms; "
+             "proof: %d of %d tree nodes bitwise equal to one-token forwards", floor, chunk, floored, lifted,
+             proof["nodes"] - proof["unequal"], proof["nodes"])
+    return record
+
+
+def settle_exact(model: nn.Module, cpu_linears: str = "auto") -> dict:
+    """Prove exact forwards on ``model`` as it will decode (after ``make_exact``, the layout and the thread
+    count) and fall back where the proof fails: a reduced-precision model goes to float32 (its layout chosen
+    again) and is proven again, and the record says why. Exact forwards off: nothing to prove ({}). Returns
+    ``prove_exact``'s record, with ``fallback`` {"from", "reason", "first"} where it fell back."""
+    if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+        return {}
+    record = prove_exact(model)
+    dtype = next(model.parameters()).dtype
+    if record["proven"] or dtype == torch.float32:
+        if not record["proven"]:
+            log.warning("exact forwards NOT proven: %d of %d tree nodes differ from one-token forwards; the "
+                        "lossless check may find mismatches", record["proof"]["unequal"], record["proof"]["nodes"])
+        return record
+    from specheads.decoding.cpu_linears import choose_cpu_linears, unpack_cpu_linears
+
+    reason = (f"{str(dtype).replace('torch.', '')} forwards not proven exact on this machine: "
+              f"{record['proof']['unequal']} of {record['proof']['nodes']} tree nodes differ from one-token forwards")
+    log.warning("%s; decoding in float32 instead", reason)
+    remove_row_floor(model)
+    unpack_cpu_linears(model)
+    model.float()
+    linears = choose_cpu_linears(model, cpu_linears)
+    again = prove_exact(model)
+    again["fallback"] = {"from": str(dtype).replace("torch.", ""), "to": "float32", "reason": reason,
+                         "first": record, "cpu_linears": linears}
+    return again

@@ -3,57 +3,20 @@ forwards after each node's ancestors give, so speculative decoding in bfloat16 s
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from conftest import make_tiny_model
 from specheads.decoding.cpu_linears import PackedLinear, can_pack
-from specheads.decoding.exact import ATTENTION_NAME, exact_attention, make_exact
-from specheads.decoding.runner import TargetRunner
+from specheads.decoding.exact import (ATTENTION_NAME, apply_row_floor, exact_attention, linear_row_floor, make_exact,
+                                      prove_exact, remove_row_floor, row_floor_lifted, settle_exact,
+                                      tree_vs_sequential)
 
 
-def _random_tree(rng: random.Random, n: int, vocab: int) -> tuple[list[int], list[int]]:
-    parents = [-1] + [rng.randrange(-1, i) for i in range(1, n)]
-    return [rng.randrange(vocab) for _ in range(n)], parents
-
-
-def _path(parents: list[int], i: int) -> list[int]:
-    """Node ``i``'s root-to-node path (node indices, root first)."""
-    path = []
-    while i >= 0:
-        path.append(i)
-        i = parents[i]
-    return path[::-1]
-
-
-def _tree_vs_sequential(model, contexts=(40, 150), sizes=(3, 6, 12), vocab=256, seed=0,
-                        reference_parents=None) -> tuple[int, int, float, int]:
-    """(unequal, total, largest difference, nodes whose reference path differs): logits of every node of
-    random trees, one verify forward vs one-token forwards of its root-to-node path, compared bitwise.
-    ``reference_parents(parents) -> parents`` builds the one-token reference along other paths (the control)."""
-    rng = random.Random(seed)
-    r = TargetRunner(model)
-    unequal = total = moved = 0
-    worst = 0.0
-    for length in contexts:
-        prompt = [rng.randrange(vocab) for _ in range(length)]
-        for n in sizes:
-            toks, parents = _random_tree(rng, n, vocab)
-            ref = reference_parents(parents) if reference_parents else parents
-            r.prefill([prompt])
-            tree = r.forward(torch.tensor([toks]), torch.tensor([parents])).logits[0]
-            for i in range(n):
-                r.prefill([prompt])
-                for j in _path(ref, i):
-                    one = r.forward(torch.tensor([[toks[j]]]), torch.tensor([[-1]])).logits[0, 0]
-                    r.commit([[0]])
-                total += 1
-                moved += _path(ref, i) != _path(parents, i)
-                unequal += not torch.equal(one, tree[i])
-                worst = max(worst, float((one.float() - tree[i].float()).abs().max()))
-    return unequal, total, worst, moved
+def _tree_vs_sequential(model, contexts=(40, 150), sizes=(3, 6, 12), seed=0, reference_parents=None):
+    """(unequal, total, largest difference, nodes whose reference path differs)."""
+    r = tree_vs_sequential(model, contexts=contexts, sizes=sizes, seed=seed, reference_parents=reference_parents)
+    return r["unequal"], r["nodes"], r["largest_difference"], r["moved"]
 
 
 def _bf16_model():
@@ -63,6 +26,7 @@ def _bf16_model():
 def test_bf16_tree_verify_is_bitwise_sequential_with_exact_forwards():
     model = _bf16_model()
     assert make_exact(model, "auto")["attention"] == ATTENTION_NAME
+    assert prove_exact(model)["proven"]
     unequal, total, worst, _ = _tree_vs_sequential(model)
     assert total == 2 * (3 + 6 + 12)
     assert unequal == 0 and worst == 0.0
@@ -74,6 +38,7 @@ def test_the_bitwise_comparison_tells_a_wrong_ancestor_path_apart():
     whose path is the same in both, and differs on every other one, so the test above can fail."""
     model = _bf16_model()
     make_exact(model, "on")
+    prove_exact(model)
     chain = lambda parents: [i - 1 for i in range(len(parents))]  # noqa: E731
     unequal, total, _, moved = _tree_vs_sequential(model, reference_parents=chain)
     assert total == 42 and 0 < moved < total  # random trees: some nodes' paths are a chain prefix, most not
@@ -113,7 +78,8 @@ def test_exact_attention_matches_sdpa_in_float32(mask_kind):
 
 def test_make_exact_modes():
     m32 = make_tiny_model("llama", layers=1)
-    assert make_exact(m32, "auto") == {"attention": "eager", "packed_linears": 0}  # float32: left as it is
+    assert make_exact(m32, "off") == {"attention": "eager", "packed_linears": 0}
+    assert make_exact(make_tiny_model("llama", layers=1), "auto")["attention"] == ATTENTION_NAME  # float32 too
     with pytest.raises(ValueError, match="exact_forward='yes'"):
         make_exact(m32, "yes")
     assert make_exact(m32, "on")["attention"] == ATTENTION_NAME
@@ -137,3 +103,90 @@ def test_the_exact_bfloat16_linear_is_bitwise_the_same_for_every_row_count():
     if packs:
         assert torch.equal(full, lin(x))
     assert all(torch.equal(layer(x[:1, :m]), full[:1, :m]) for m in range(1, 14))
+
+
+def _wide_model(dtype):
+    """Wide enough for the kernels that move with the row count: the MLP's down projection reads 1536 inputs
+    (float32 rows of a one-row call differ from a call of several on every x86 CPU measured; bfloat16 ones on
+    a CPU with bfloat16 kernels where the input is over 1024 wide)."""
+    return make_tiny_model("llama", hidden=768, layers=2, heads=4, kv_heads=2, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_exact_forwards_are_bitwise_sequential_at_real_widths(dtype):
+    """The main job's failure on a CPU with bfloat16 kernels (4 of 12 prompts differed from plain greedy
+    decoding) came from a 1536-wide linear layer whose one-row kernel sums in another order; float64
+    attention alone left it. With the measured row floor every node of every tree is bitwise what one-token
+    forwards give, in both precisions the dtype probe can pick, under whatever instruction set this run
+    dispatches (CI repeats tests/decoding under AVX2)."""
+    model = _wide_model(dtype)
+    make_exact(model, "auto")
+    record = prove_exact(model)
+    assert record["proven"] and 1 <= record["row_floor"] <= 16
+    unequal, total, worst, _ = _tree_vs_sequential(model, contexts=(40, 150), sizes=(3, 6, 12))
+    assert total == 42 and unequal == 0 and worst == 0.0
+
+
+def test_the_row_floor_pads_small_calls_splits_large_ones_and_keeps_every_row():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 5, dtype=torch.float64)
+    seen = []
+    inner = lin.forward
+    lin.forward = lambda x: (seen.append(x.shape[0]), inner(x))[1]
+    model = torch.nn.Sequential(lin)
+    apply_row_floor(model, floor=4, chunk=6)
+    x = torch.randint(-3, 4, (2, 7, 8)).double()  # small integers: every product and sum exact in float64
+    want = x @ lin.weight.T + lin.bias
+    assert torch.equal(lin(x[:1, :1]), want[:1, :1]) and seen == [4]  # one row, padded to the floor
+    seen.clear()
+    assert torch.equal(lin(x), want) and seen == [6, 6, 4]  # 14 rows: chunks of 6, the last 2 padded to 4
+    seen.clear()
+    with row_floor_lifted(model):
+        assert torch.equal(lin(x[:1, :1]), want[:1, :1]) and seen == [1]  # lifted: as the kernels choose
+    seen.clear()
+    assert torch.equal(lin(x[0, :5]), want[0, :5]) and seen == [5]  # within [floor, chunk]: untouched
+    remove_row_floor(model)
+    seen.clear()
+    lin(x[:1, :1])
+    assert seen == [1]
+
+
+def test_the_row_floor_measurement_finds_a_kernel_that_moves_with_the_row_count(monkeypatch):
+    """A linear layer whose calls of fewer than 3 rows sum in another order (as a one-row kernel does) gets
+    a floor of 3; an ordinary exact one a floor of 1."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 4, bias=False, dtype=torch.float64)
+    lin.weight.data = torch.randint(-3, 4, (4, 16)).double()
+    model = torch.nn.Sequential(lin)
+    assert linear_row_floor(model, max_rows=8)["floor"] == 1
+    inner = lin.forward
+    lin.forward = lambda x: inner(x) + (1e-9 if x.shape[0] < 3 else 0.0)
+    measured = linear_row_floor(model, max_rows=8)
+    assert measured["floor"] == 3 and list(measured["per_kind"].values()) == [3]
+
+
+class _RowCountDependent(torch.nn.Module):
+    """A layer whose bfloat16 output moves with the number of rows fed (a kernel no row floor can fix:
+    it is not a linear layer); in float32 it is the identity."""
+
+    def forward(self, x):
+        if x.dtype == torch.bfloat16 and x.shape[-2] > 1:
+            return x + 0.05 * torch.ones_like(x)
+        return x
+
+
+def test_an_unproven_bfloat16_target_falls_back_to_float32_and_says_why():
+    model = _bf16_model()
+    model.model.layers[0].mlp.act_fn = _RowCountDependent()
+    make_exact(model, "auto")
+    record = settle_exact(model)
+    assert next(model.parameters()).dtype == torch.float32
+    assert record["proven"] and record["fallback"]["from"] == "bfloat16"
+    assert record["fallback"]["first"]["proof"]["unequal"] > 0 and "not proven exact" in record["fallback"]["reason"]
+    assert _tree_vs_sequential(model)[0] == 0
+
+
+def test_settle_exact_leaves_a_model_without_exact_forwards_alone():
+    model = make_tiny_model("llama", layers=1)
+    make_exact(model, "off")
+    assert settle_exact(model) == {}
