@@ -32,7 +32,7 @@ from specheads.decoding.drafters import (Drafter, EarlyExitDrafter, ModelDrafter
                                          TreeShape)
 from specheads.decoding.cpu_linears import choose_cpu_linears, pack_like
 from specheads.decoding.cpu_threads import choose_cpu_threads
-from specheads.decoding.exact import make_exact
+from specheads.decoding.exact import make_exact, row_floor_lifted, settle_exact
 from specheads.decoding.grouped_attention import ATTENTION_NAME as GROUPED_ATTENTION, use_grouped_attention
 from specheads.decoding.generate import GenerationResult, speculative_generate
 from specheads.decoding.ngram_table import NgramTable
@@ -165,6 +165,9 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
         log.info("timing the target's linear layers packed and plain")  # a phase, not a step of the bar
     linears = choose_cpu_linears(target.model, cfg.cpu_linears)  # the baseline never gets the slower layout
     threads = choose_cpu_threads(target.model, cfg.cpu_threads)  # plain and speculative decoding alike
+    exact.update(settle_exact(target.model, cfg.cpu_linears))  # the row floor, the proof, float32 where unproven
+    if exact.get("fallback"):
+        linears = exact["fallback"]["cpu_linears"]
     runner = TargetRunner(target.model)
     if cfg.max_minutes is None:
         plan = full_plan(prompts, cfg.methods, cfg.temperatures, cfg.batch_sizes)
@@ -315,8 +318,10 @@ def _plain_verify(T: float) -> str:
 
 
 def _plain_run(runner, p: EvalPrompt, pid, cfg, T, eos, gen) -> Run:
-    """One timed plain decode of one prompt (the paired half of a speculative decode)."""
-    return _run(p, speculative_generate(runner, None, [pid], cfg.max_new_tokens, T, _plain_verify(T), eos, gen))
+    """One timed plain decode of one prompt (the paired half of a speculative decode), in the fastest
+    arithmetic a plain decode has here (the exact forwards' row floor lifted: ``exact.row_floor_lifted``)."""
+    with row_floor_lifted(runner.model):
+        return _run(p, speculative_generate(runner, None, [pid], cfg.max_new_tokens, T, _plain_verify(T), eos, gen))
 
 
 def _paired_timing_pass(runner, drafter, prompts, ids, cfg, T, verify, eos) -> tuple[list[Run], list[Run]]:
@@ -338,7 +343,8 @@ def _plain_passes(runner, prompts, ids, first, cfg, eos, progress, temperatures)
     for T in temperatures:
         passes = [by_domain(first)] if T == 0 else []
         while len(passes) < wanted:
-            passes.append(by_domain(_timing_pass(runner, None, prompts, ids, cfg, T, _plain_verify(T), eos)))
+            with row_floor_lifted(runner.model):  # timing only: the fastest plain arithmetic
+                passes.append(by_domain(_timing_pass(runner, None, prompts, ids, cfg, T, _plain_verify(T), eos)))
             progress(f"plain T={T} pass {len(passes)}/{wanted}")
         out[T] = passes
     return out
