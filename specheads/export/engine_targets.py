@@ -9,7 +9,7 @@ serving an EAGLE-3 head of Gemma 3 270M, ``Gemma3ForCausalLM``, with vLLM's CPU 
 
 from __future__ import annotations
 
-AUX_STATE_METHODS = ("eagle3", "dflash")
+AUX_STATE_METHODS = ("eagle3", "dflash", "peagle")
 VLLM_REFUSAL = "RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
 VLLM_AUX_STATE_TARGETS = {
     "0.32.0": frozenset({

@@ -480,7 +480,7 @@ def plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spe
     needs = {r.source for lay in layouts.values() for r in lay.rules.values() if r.from_target}
     target_source = {n: target_tensor(target, origin, n) for n in sorted(needs)}
     source = {k: v for f in files for k, v in load_file(str(f)).items()}
-    if method == "eagle3":
+    if method in ("eagle3", "peagle"):
         check_draft_vocab(source["d2t"], source["t2d"], f"head {head}")
     summary = read_train_summary(head)
     template = carried_template(chat_template, target, origin, prepared_meta(data, summary))
@@ -732,7 +732,7 @@ def push_export(plan: "ExportPlan", repo_spec: str, private: bool = True, dry_ru
 
 # --------------------------------------------------------------------------- model card
 
-_TITLES = {"medusa": "Medusa", "eagle1": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash"}
+_TITLES = {"medusa": "Medusa", "eagle1": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash", "peagle": "P-EAGLE"}
 # Which engines serve each method (read from the loaders; docs/export.md). Layout -> engines that read it.
 SERVED_BY = {
     ("medusa", "vllm"): "vLLM up to 0.32 (checked: 0.32.0); not vLLM 0.33 (no Medusa method); not SGLang (no Medusa "
@@ -752,6 +752,11 @@ SERVED_BY = {
     ("dflash", "speculators"): "vLLM (checked: 0.34.0), which converts the speculators format itself; **not SGLang** "
                                "(0.5.23 reads only the z-lab format: use the `sglang/` folder); speculators' own "
                                "loader not checked",
+    ("peagle", "vllm"): "vLLM (method `eagle3` with `parallel_drafting: true`; the 0.32.0 wheel's loader read, not "
+                        "served here); not SGLang",
+    ("peagle", "speculators"): "vLLM, which turns `speculators_model_type: peagle` into eagle3 + parallel drafting "
+                               "(the 0.32.0 wheel's config parsing read, not served here); speculators' own loader not "
+                               "checked",
 }
 
 
@@ -880,11 +885,14 @@ def _facts(layout: Layout, card: CardInputs) -> list[tuple[str, str]]:
     if layout.method == "eagle1":
         rows.append(("draft vocabulary", f"full target vocabulary ({cfg['vocab_size']}, target LM head)"))
         rows.append(("input feature", "the target's post-norm last hidden state"))
-    if layout.method == "eagle3":
+    if layout.method in ("eagle3", "peagle"):
         ids = (layout.config.get("eagle_config") or layout.config)["eagle_aux_hidden_state_layer_ids"]
         rows.append(("draft vocabulary", f"{cfg['draft_vocab_size']} of {cfg['vocab_size']} target tokens (d2t/t2d)"))
         rows.append(("aux layers", f"inputs of target decoder layers {cfg['aux_layers']} (= HF hidden_states "
                                    f"indices); written as {layout.engine} ids {ids}"))
+    if layout.method == "peagle":
+        rows.append(("parallel drafting", f"{cfg['num_depths']} tokens per draft forward (mask_token_id "
+                                          f"{cfg['mask_token_id']}, learnt mask_hidden)"))
     if layout.method == "dflash":
         c = layout.config
         key, ids = (("aux_hidden_state_layer_ids", c["aux_hidden_state_layer_ids"]) if layout.engine == "speculators"

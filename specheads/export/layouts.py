@@ -47,13 +47,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-METHODS = ("medusa", "eagle1", "eagle3", "dflash")
+METHODS = ("medusa", "eagle1", "eagle3", "dflash", "peagle")
 ENGINES = ("vllm", "sglang", "speculators", "medusa")
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format and loader were checked
 FLOAT = "float"  # any floating dtype, the same for every float tensor of a file
 
 _MODEL_TYPES = {"medusa": "medusa", "specheads_eagle1": "eagle1", "specheads_eagle3": "eagle3",
-                "specheads_dflash": "dflash"}
+                "specheads_dflash": "dflash", "specheads_peagle": "peagle"}
 _ARCHITECTURES = {  # (method, engine) -> the architecture written (the medusa layout writes none)
     ("medusa", "vllm"): "MedusaModel",
     ("eagle1", "vllm"): "EagleLlamaForCausalLM",
@@ -65,6 +65,8 @@ _ARCHITECTURES = {  # (method, engine) -> the architecture written (the medusa l
     ("dflash", "vllm"): "DFlashDraftModel",  # z-lab's format (vLLM registry -> qwen3_dflash.DFlashQwen3ForCausalLM)
     ("dflash", "sglang"): "DFlashDraftModel",  # the same folder (SGLang srt/models/dflash.py EntryClass)
     ("dflash", "speculators"): "DFlashSpeculator",  # speculators' format, which vLLM converts (algos.update_dflash)
+    ("peagle", "vllm"): "LlamaForCausalLMEagle3",  # EAGLE-3's loader, served with parallel_drafting: true
+    ("peagle", "speculators"): "PEagleSpeculator",  # speculators' peagle format (vLLM: algos.update_peagle)
 }
 _LLAMA_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "vocab_size",
@@ -212,6 +214,8 @@ def head_tensors(method: str, cfg: dict) -> dict[str, TensorSpec]:
                     "d2t": TensorSpec((cfg["draft_vocab_size"],), "int64"),
                     "t2d": TensorSpec((cfg["vocab_size"],), "bool")})
         return out
+    if method == "peagle":
+        return _peagle_tensors(cfg)
     if method == "dflash":
         _need(cfg, "aux_layers", "block_size", "mask_token_id")
         Ht = cfg.get("target_hidden_size") or H
@@ -264,14 +268,14 @@ def _check_target(method: str, cfg: dict, target: TargetInfo) -> None:
         raise LayoutError(f"head hidden_size {H} != target {target.name} hidden_size {target.hidden_size}")
     if cfg["vocab_size"] != target.vocab_size:
         raise LayoutError(f"head vocab_size {cfg['vocab_size']} != target {target.name} vocab_size {target.vocab_size}")
-    if method in ("eagle3", "dflash"):
+    if method in ("eagle3", "dflash", "peagle"):
         Ht = cfg.get("target_hidden_size") or H
         if Ht != target.hidden_size:
             raise LayoutError(f"head target_hidden_size {Ht} != target {target.name} hidden_size {target.hidden_size}")
         bad = [i for i in cfg["aux_layers"] if not (target.num_layers is None or 0 <= i < target.num_layers)]
         if bad:
             raise LayoutError(f"aux layers {bad} do not exist in target {target.name} ({target.num_layers} layers)")
-    if method == "dflash":
+    if method in ("dflash", "peagle"):
         mask = cfg["mask_token_id"]
         if not 0 <= int(mask) < target.vocab_size:
             raise LayoutError(f"mask_token_id {mask} is not a row of target {target.name}'s embedding (vocab "
@@ -296,6 +300,8 @@ def build_layout(method: str, engine: str, cfg: dict, target: TargetInfo, spec_t
     if method == "dflash":
         return (_dflash_speculators(cfg, target, src, spec_tokens) if engine == "speculators"
                 else _dflash(cfg, engine, target, src))
+    if method == "peagle":
+        return _peagle(cfg, engine, target, src, spec_tokens)
     if engine == "speculators":
         return _eagle3_speculators(cfg, target, src, spec_tokens)
     if engine == "medusa":
@@ -558,3 +564,50 @@ def _dflash_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: i
              "format (the `sglang/` or `vllm/` folder)."]
     notes += _verifier_note(target)
     return Layout("dflash", "speculators", config, tensors, rules, notes)
+
+
+# --------------------------------------------------------------------------- P-EAGLE
+
+PEAGLE_SERVED = ("vLLM (checked against the 0.32.0 wheel's loader and config parsing, not served here): EAGLE-3's "
+                 "loader with `parallel_drafting: true` in the speculative config; it reads `mask_hidden` (a load error "
+                 "when missing) and the config's `mask_token_id`, and fills each parallel slot with "
+                 "`fc(mask_hidden)` and that token. SGLang has no parallel-drafting EAGLE.")
+
+
+def _peagle_tensors(cfg: dict) -> dict[str, TensorSpec]:
+    """EAGLE-3's tensors (``midlayer`` reads 2H), its later layers ``layers.{i}`` (H) and ``mask_hidden``."""
+    _need(cfg, "draft_vocab_size", "aux_layers", "mask_token_id", "num_depths")
+    L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
+    Ht = cfg.get("target_hidden_size") or H
+    out = head_tensors("eagle3", dict(cfg, num_hidden_layers=1))
+    for i in range(1, L):
+        out.update(_attention_layer(cfg, f"layers.{i}", H, input_norm=True, hidden_norm=False))
+    out["mask_hidden"] = TensorSpec((1, len(cfg["aux_layers"]) * Ht))
+    return out
+
+
+def _peagle(cfg: dict, engine: str, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
+    """EAGLE-3's layout for ``engine`` (vllm or speculators) plus ``mask_hidden``, the mask token and the layers
+    after the first; ``mask_hidden``'s column blocks follow ``fc``'s (ascending aux layers)."""
+    one = dict(cfg, num_hidden_layers=1)
+    if engine == "speculators":
+        lay = _eagle3_speculators(one, target, src, spec_tokens)
+        lay.config.update(architectures=[_ARCHITECTURES["peagle", "speculators"]], speculators_model_type="peagle",
+                          mask_token_id=int(cfg["mask_token_id"]))
+        lay.config["transformer_layer_config"]["num_hidden_layers"] = cfg["num_hidden_layers"]
+        if cfg.get("fc_norm"):  # vLLM's update_peagle forwards no fc_norm: the layer config carries it
+            lay.config["transformer_layer_config"]["fc_norm"] = True
+        lay.config["speculators_config"]["algorithm"] = "peagle"
+        lay.notes.append("vLLM turns `speculators_model_type: peagle` into method eagle3 with parallel_drafting and "
+                         "reads `mask_token_id` as its parallel-drafting token.")
+    else:
+        lay = _eagle3(one, engine, target, src)
+        lay.config.update(architectures=[_ARCHITECTURES["peagle", engine]], num_hidden_layers=cfg["num_hidden_layers"],
+                          mask_token_id=int(cfg["mask_token_id"]))
+    aux = [int(i) for i in cfg["aux_layers"]]
+    order = tuple(sorted(range(len(aux)), key=lambda j: aux[j]))
+    if order != tuple(range(len(aux))):
+        lay.rules["mask_hidden"] = Rule("mask_hidden", chunk_order=order)
+    lay.notes += [f"Trained to draft {cfg['num_depths']} tokens per forward (num_speculative_tokens at most that).",
+                  PEAGLE_SERVED]
+    return Layout("peagle", engine, lay.config, lay.tensors, lay.rules, lay.notes)

@@ -35,6 +35,9 @@ def _model_class(head_cfg: dict):
     if method == "dflash":
         from specheads.models.dflash import DFlashConfig, DFlashModel
         return DFlashConfig, DFlashModel
+    if method == "peagle":
+        from specheads.models.peagle import PEagleConfig, PEagleModel
+        return PEagleConfig, PEagleModel
     from specheads.models.eagle3 import Eagle3Config, Eagle3Model
     return Eagle3Config, Eagle3Model
 
@@ -69,10 +72,10 @@ def exported_head_state(folder: str | Path) -> tuple[dict, dict[str, torch.Tenso
                 back[j] = chunks[pos]
             t = torch.cat(back, dim=1)
         state[rule.source] = t
-    if prov["method"] == "eagle3" and "d2t" not in state:  # a full draft vocabulary: identity maps
+    if prov["method"] in ("eagle3", "peagle") and "d2t" not in state:  # a full draft vocabulary: identity maps
         state["d2t"] = torch.zeros(head_cfg["draft_vocab_size"], dtype=torch.long)
         state["t2d"] = torch.ones(head_cfg["vocab_size"], dtype=torch.bool)
-    elif prov["method"] == "eagle3" and "t2d" not in state:
+    elif prov["method"] in ("eagle3", "peagle") and "t2d" not in state:
         t2d = torch.zeros(head_cfg["vocab_size"], dtype=torch.bool)
         t2d[torch.arange(state["d2t"].numel()) + state["d2t"]] = True
         state["t2d"] = t2d

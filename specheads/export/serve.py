@@ -23,10 +23,11 @@ from specheads.evaluation.recommend import best_for_gpu
 
 FOLDER_PLACEHOLDER = "<path-or-repo-id-of-this-folder>"  # the card's draft model when nothing was pushed
 TARGET_VAR = "TARGET"  # the commands' target when it has no hub id: ``$TARGET``, set by a line before them
-VLLM_METHOD = {"medusa": "medusa", "eagle1": "eagle", "eagle3": "eagle3", "dflash": "dflash"}
+VLLM_METHOD = {"medusa": "medusa", "eagle1": "eagle", "eagle3": "eagle3", "dflash": "dflash", "peagle": "eagle3"}
 SGLANG_ALGO = {"eagle1": "EAGLE", "eagle3": "EAGLE3", "dflash": "DFLASH"}
 NO_SGLANG = {"medusa": "# SGLang: no Medusa support (no Medusa loader in SGLang 0.5.23): serve with vLLM up to "
-                       "0.32 (the line above) or TGI"}
+                       "0.32 (the line above) or TGI",
+             "peagle": "# SGLang: no parallel-drafting EAGLE (P-EAGLE) in SGLang 0.5.23: serve with vLLM (the line above)"}
 PREFERRED_T, PREFERRED_DOMAIN = "0.0", "all"
 
 
@@ -59,6 +60,8 @@ def serve_params(method: str, cfg: dict, engine: str, report: list[dict] | None,
     engine = engine_family(engine)
     if method == "dflash":
         return _dflash_params(cfg, engine, report, spec_tokens)
+    if method == "peagle":
+        return _peagle_params(cfg, report, spec_tokens)
     if spec_tokens is not None:
         return ServeParams.chain(int(spec_tokens), "given by spec_tokens (a chain)")
     rows = _rows(report, lambda r: r["profile"] == engine)
@@ -106,6 +109,21 @@ def _from_row(row: dict) -> ServeParams:
     raise ValueError(f"report row {row['name']}: shape {shape!r} is neither chainK nor tree(dD,kK,nN)")
 
 
+def _peagle_params(cfg: dict, report: list[dict] | None, spec_tokens: int | None) -> ServeParams:
+    """P-EAGLE drafts a chain of up to ``num_depths`` tokens in one forward: ``spec_tokens`` when given (at most
+    that), else the evaluated ``peagle-chain{K}`` row, else K."""
+    K = int(cfg["num_depths"])
+    if spec_tokens is not None:
+        if not 1 <= int(spec_tokens) <= K:
+            raise ValueError(f"spec_tokens={spec_tokens}: this P-EAGLE head drafts 1 to {K} tokens per forward")
+        return ServeParams.chain(int(spec_tokens), "given by spec_tokens (a chain)")
+    rows = _rows(report, lambda r: r["drafter"] == "peagle" and re.fullmatch(r"chain\d+", r["shape"] or ""))
+    if rows:
+        p = _from_row(rows[0])
+        return ServeParams.chain(min(p.tokens, K), p.source)
+    return ServeParams.chain(K, f"the head's num_depths ({K} tokens per draft forward; not measured here)")
+
+
 def _dflash_params(cfg: dict, engine: str, report: list[dict] | None, spec_tokens: int | None) -> ServeParams:
     """DFlash drafts one block per step: ``block_size - 1`` tokens after the anchor (vLLM's
     ``num_speculative_tokens``; SGLang's ``--speculative-num-draft-tokens`` counts the anchor too)."""
@@ -134,6 +152,8 @@ def serve_commands(method: str, engine: str, target: str, model: str, p: ServePa
     flag = f" --chat-template {chat_template}" if chat_template else ""
     if engine_family(engine) == "vllm":
         spec = {"method": VLLM_METHOD[method], "model": model, "num_speculative_tokens": p.tokens}
+        if method == "peagle":  # P-EAGLE is EAGLE-3 with the parallel slots (vLLM's SpeculativeConfig field)
+            spec["parallel_drafting"] = True
         py_target = target[1:] if target.startswith("$") else repr(target)
         out = {"shell": f"vllm serve {target} --speculative-config '{json.dumps(spec)}'{flag}",
                "python": f"LLM(model={py_target}, speculative_config={spec!r})"}
