@@ -103,25 +103,43 @@ def _speedup_md(report: dict) -> str:
             "speculative vs fastest plain pass – fastest vs slowest).")
 
 
+def _floor_md(ex: dict) -> str:
+    """The exact forwards' linear row floor and their proof on this machine (``decoding.exact.prove_exact``)."""
+    if "row_floor" not in ex:
+        return ""
+    proof = ex["proof"]
+    if ex["row_floor"] == ex.get("row_chunk", 0) == 1:
+        floor = "every linear layer fed one row at a time (no row floor up to 16 made them row-invariant here)"
+    else:
+        ms = ex["one_token_ms"]
+        floor = (f"linear layers fed at least {ex['row_floor']} rows per call, the smallest count from which "
+                 f"their rows no longer depend on the call here (one-token forward {ms['floored']:.1f} ms padded, "
+                 f"{ms['lifted']:.1f} ms as the kernels choose: the plain decodes that time the baseline run so)")
+    said = (f"; {floor}; proof: {proof['nodes'] - proof['unequal']} of {proof['nodes']} nodes of random draft trees "
+            f"bitwise equal to one-token forwards{'' if ex['proven'] else ', NOT PROVEN'}")
+    fb = ex.get("fallback")
+    if fb:
+        said += f"; {fb['reason']}, so the target decodes in {fb['to']}"
+    return said
+
+
 def _precision_md(report: dict) -> list[str]:
     """How the target computed: its dtype and whether its forwards were made batch-invariant."""
     if "target_dtype" not in report:
         return []
     ex = report.get("exact_forward") or {}
     dtype = report["target_dtype"].removeprefix("torch.")
-    how = (f"exact forwards (attention in float64, rounded to {dtype}: a forward over n tokens gives what n "
-           f"one-token forwards give; {ex.get('packed_linears', 0)} linear layers prepacked for oneDNN)"
+    how = (f"exact forwards (attention in float64, rounded to {dtype}{_floor_md(ex)})"
            if ex.get("attention") == ATTENTION_NAME else f"attention `{ex.get('attention')}`"
            + (" (SDPA with each key/value head's query heads folded into query rows: no copy of the KV cache "
               "per forward)" if ex.get("attention") == GROUPED_ATTENTION else ""))
     lin = report.get("cpu_linears") or {}
     ms = lin.get("one_token_ms")
-    if ex.get("attention") != ATTENTION_NAME:  # exact forwards already named their packed layers
-        if ms:
-            how += (f"; linear layers {lin['linears']} (one-token forward measured here {ms['packed']:.1f} ms "
-                    f"with oneDNN-prepacked weights, {ms['plain']:.1f} ms without; the faster one is used)")
-        elif lin.get("linears") == "packed":
-            how += f"; {lin['packed_linears']} linear layers prepacked for oneDNN"
+    if ms:
+        how += (f"; linear layers {lin['linears']} (one-token forward measured here {ms['packed']:.1f} ms "
+                f"with oneDNN-prepacked weights, {ms['plain']:.1f} ms without; the faster one is used)")
+    elif lin.get("linears") == "packed":
+        how += f"; {lin['packed_linears']} linear layers prepacked for oneDNN"
     th = report.get("cpu_threads") or {}
     if th.get("one_token_ms"):
         how += (f"; decoding on {th['threads']} of {th['of']} threads (one-token forward measured here "
