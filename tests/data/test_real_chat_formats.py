@@ -15,7 +15,8 @@ import pytest
 
 from specheads.data.render import render_samples, turn_token_groups
 from specheads.data.sources import Conversation
-from tests.data.real_chat_formats import FAMILIES, real_tokenizer
+from specheads.targets.chat_templates import SHIPPED, shipped_template
+from tests.data.real_chat_formats import FAMILIES, SOURCES, package_file, real_tokenizer
 
 USERS = ("Hi there, who are you?", "What is 17 * 3?")
 ANSWERS = ("I am a helpful assistant.", "17 * 3 = 51.")
@@ -81,6 +82,20 @@ def check(family: str, msgs: list[dict], n_samples: int, kwargs: dict | None = N
             assert through.startswith(before)
             want = generated(msgs[i]["content"], msgs[i].get("reasoning_content"))
             assert through[len(before):] == want, f"turn {i}"
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_every_shipped_template_is_where_shipped_says(name):
+    """``target.chat_template=<name>`` reads the file ``SHIPPED`` names: a wrong path or a package the set-up
+    forgot fails here (``ChatTemplateError``), as it would for a user."""
+    assert "{%" in shipped_template(name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_tokenizer_source_is_installed(family):
+    package, files = SOURCES[family]["tokenizer"]
+    for rel in files:
+        assert package_file(package, rel).stat().st_size > 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
