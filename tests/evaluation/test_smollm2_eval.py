@@ -29,3 +29,25 @@ def test_smollm2_baselines_lossless(smollm2):
         row = m["by_temperature"]["0.0"]["all"]
         assert row["tau"] == pytest.approx(row["new_tokens"] / row["target_forwards"])
     assert report["plain"]["all"]["tau"] == 1.0  # no drafts: one token per forward, exactly
+
+
+def test_smollm2_in_the_dtype_this_machine_picks_is_lossless_where_bfloat16_once_was_not(monkeypatch):
+    """The real target loaded as the evaluate stage loads it (``target.dtype=auto``: bfloat16 where the probe finds
+    it faster, as on a CPU with AVX-512 and bfloat16 kernels), the n-gram baseline on the four prompts whose
+    greedy outputs once diverged from plain decoding there (at tokens 10-29, the target's margins 0 to 0.125):
+    the report's lossless check must be exact, with the exact forwards proven on this machine."""
+    import specheads.evaluation.suite as suite
+    from specheads.targets import load_target
+
+    target = load_target("smollm2", "auto", "cpu", probe_rows=4)
+    wanted = {"mtbench/111/t1", "mtbench/91/t1", "HumanEval/0", "HumanEval/1"}
+    real = suite.load_benchmarks
+    monkeypatch.setattr(suite, "load_benchmarks", lambda s: [p for p in real(s) if p.id in wanted])
+    spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1,), humaneval=2, chat=0)
+    report = evaluate(target, EvalConfig([MethodSpec("ngram", "ngram", TreeShape("chain", k=4))], spec,
+                                         max_new_tokens=32, temperatures=(0.0,), batch_sizes=(1,), repeats=1))
+    assert sorted(report["prompt_ids"]) == sorted(wanted)
+    ex = report["exact_forward"]
+    assert ex["proven"] and ex["proof"]["unequal"] == 0, ex
+    (m,) = report["methods"]
+    assert m["lossless"] == {"checked": 4, "mismatches": [], "exact": True}
