@@ -1,11 +1,15 @@
-"""Render the measurement tables of README.md and docs/benchmarks.md from docs/benchmarks.json.
+"""Render the measured figures of README.md and docs/*.md from docs/benchmarks.json.
 
     python scripts/results_tables.py            # rewrite the tables between their marker comments
     python scripts/results_tables.py --check    # exit 1 (naming the file) where a table differs
 
-docs/benchmarks.json is the one record of measured runs (newest first). Each table sits between
-``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in its file; everything outside the markers is left alone,
-so the figures are written once, in the JSON. tests/test_docs.py checks that the files match this script.
+docs/benchmarks.json is the one record of measured runs (newest first), written by ``specheads record FILE``
+(specheads/record.py): every entry names its commit, date and machine. Entries from before the record command
+whose commit was never noted sit apart, under ``unrecorded``, rendered only as docs/benchmarks.md's
+"Unrecorded history". Each block sits between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in its file;
+everything outside the markers is left alone, so the figures are written once, in the JSON.
+tests/test_docs.py checks that the files match this script and that no prose outside the blocks states a
+measured figure the JSON does not hold.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "docs" / "benchmarks.json"
 README = REPO / "README.md"
 BENCHMARKS = REPO / "docs" / "benchmarks.md"
+EXPORT = REPO / "docs" / "export.md"
+SERVING = REPO / "docs" / "serving.md"
 # method key -> what a reader calls it (the order of the README's results table)
 METHOD_NAMES = {
     "eagle3+lookup+table": "EAGLE-3 + prompt-lookup branch + n-gram table (main job's default)",
@@ -46,7 +52,14 @@ def _x(x) -> str:
 
 
 def _commit(run: dict) -> str:
-    return f"`{run['commit']}`" if run.get("commit") else "not recorded"
+    if not run.get("commit"):
+        return "not recorded"
+    return f"`{run['commit'][:7]}`" + (" (dirty tree)" if run.get("dirty") else "")
+
+
+def unrecorded(data: dict) -> dict:
+    """The entries whose commit was never noted: ``{"runs": [...], "test_runs": [...]}``."""
+    return data.get("unrecorded") or {"runs": [], "test_runs": []}
 
 
 def latest_main_job(data: dict) -> dict:
@@ -111,16 +124,18 @@ def quickstart_times(data: dict) -> str:
     """README: what the two Quickstart commands took on the newest measured clone, and on each CPU kind."""
     main = latest_main_job(data)
     test = data["test_runs"][0]
-    text = (f"Measured on a fresh clone of commit `{main['commit']}` ({main['date']}, {main['machine']}): set-up "
-            f"{main['setup_s']} s, then **{main['total_min']} minutes** for the run ({_stage_times(main)})"
+    setup = f"set-up {main['setup_s']} s, then " if main.get("setup_s") else ""
+    text = (f"Measured on a fresh clone of commit {_commit(main)} ({main['date']}, {main['machine']}): {setup}"
+            f"**{main['total_min']} minutes** for the run ({_stage_times(main)})"
             + (f"; with vLLM's venv set up, its serve stage added {main['serve_s']} s" if main.get("serve_s") else "")
             + ". "
             f"The tests: {test['passed']} passed, {test['skipped']} skipped in {test['tests_min']} min "
-            f"({test['total_min']} min with set-up; commit `{test['commit']}`, {test['date']}, {test['machine']}).")
+            + (f"({test['total_min']} min with set-up; " if test.get("total_min") is not None else "(")
+            + f"commit {_commit(test)}, {test['date']}, {test['machine']}).")
     kinds = machine_range(data)
     if len(kinds) > 1:
         text += " The machines measured, newest run of each: " + "; ".join(
-            f"{r['cpu']}: {r['total_min']} min (`{r['commit']}`)" for r in kinds) + "."
+            f"{r['cpu']}: {r['total_min']} min ({_commit(r)})" for r in kinds) + "."
     return text
 
 
@@ -148,7 +163,7 @@ def run_domains(data: dict) -> str:
         return "(the per-domain rows of this run were not recorded)"
     lines = [f"τ per domain at T={pd['T']}:", "", "| domain | " + " | ".join(pd["columns"]) + " |",
              "|---|" + "---|" * len(pd["columns"])]
-    lines += ["| " + " | ".join([row[0]] + [f"{x:.2f}" for x in row[1:]]) + " |" for row in pd["rows"]]
+    lines += ["| " + " | ".join([row[0]] + [_f(x) for x in row[1:]]) + " |" for row in pd["rows"]]
     return "\n".join(lines)
 
 
@@ -169,12 +184,12 @@ def _cell(m: dict | None, with_alpha: bool = False) -> str:
     return ", ".join(parts) + shape
 
 
-def history_table(data: dict) -> str:
-    """docs/benchmarks.md: every main-job run, newest first."""
+def history_table(data: dict, runs: list[dict] | None = None) -> str:
+    """docs/benchmarks.md: every recorded main-job run (or ``runs``), newest first."""
     lines = ["| date | commit | fresh clone | machine | what ran | set-up + run | stages | training (EAGLE-3) | "
              "EAGLE-3 with lookup branch | EAGLE-3 head alone | n-gram | vLLM chain | served by vLLM |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in data["runs"]:
+    for r in data["runs"] if runs is None else runs:
         if r["kind"] != "main_job":
             continue
         tr = (r.get("train") or {}).get("eagle3") or {}
@@ -187,7 +202,7 @@ def history_table(data: dict) -> str:
         by = {m["method"]: m for m in r.get("methods", [])}
         best = _best(r, "eagle3+")  # the head with the lookup branch (and table); none before the branch existed
         lines.append(" | ".join([
-            f"| {r['date']}", _commit(r), "yes" if r.get("fresh_clone") else "no", r["machine"], r["what"], total,
+            f"| {r['date']}", _commit(r), "yes" if r.get("fresh_clone") else "no", r["machine"], r.get("what") or "–", total,
             _stage_times(r) or "–", train,
             f"{best['method']}: {_cell(best, True)}" if best else "–",
             _cell(by.get("eagle3"), best is None),
@@ -195,10 +210,10 @@ def history_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def followups_list(data: dict) -> str:
+def followups_list(data: dict, runs: list[dict] | None = None) -> str:
     """docs/benchmarks.md: the extra decodes of a run's head (other prompts, more passes), and run notes."""
     lines = []
-    for r in data["runs"]:
+    for r in data["runs"] if runs is None else runs:
         if r["kind"] != "main_job":
             continue
         items = list(r.get("followups", [])) + ([f"note: {r['note']}"] if r.get("note") else [])
@@ -207,20 +222,71 @@ def followups_list(data: dict) -> str:
     return "\n".join(lines)
 
 
-def tests_table(data: dict) -> str:
+def tests_table(data: dict, runs: list[dict] | None = None) -> str:
     lines = ["| date | commit | machine | command | passed | skipped | tests | with set-up |", "|---|---|---|---|---|---|---|---|"]
-    for t in data["test_runs"]:
-        lines.append(f"| {t['date']} | {_commit(t)} | {t['machine']} | `{t['run']}` | {t['passed']} | {t['skipped']} | "
-                     f"{t['tests_min']} min | {t['total_min']} min |")
+    for t in data["test_runs"] if runs is None else runs:
+        total = f"{t['total_min']} min" if t.get("total_min") is not None else "–"
+        lines.append(f"| {t['date']} | {_commit(t)} | {t['machine']} | `{t.get('run', 'pytest')}` | {t['passed']} | "
+                     f"{t['skipped']} | {t['tests_min']} min | {total} |")
+    return "\n".join(lines)
+
+
+def unrecorded_history(data: dict) -> str:
+    """docs/benchmarks.md: the runs and test runs whose commit was never noted, apart from the record."""
+    old = unrecorded(data)
+    notes = followups_list(data, old["runs"])
+    return "\n".join([history_table(data, old["runs"]), "", tests_table(data, old["test_runs"])]
+                     + (["", notes] if notes else []))
+
+
+def latest_served(data: dict) -> dict | None:
+    """The newest recorded engine measurement: a ``serve_runs`` entry or a main-job run's serve stage."""
+    found = [(s["date"], 1, s) for s in data.get("serve_runs", []) if not s.get("refused")]
+    found += [(r["date"], 0, {**r["served"], "date": r["date"], "commit": r["commit"], "dirty": r.get("dirty"),
+                             "machine": r["machine"]})
+              for r in data["runs"] if r.get("served") and not r["served"].get("refused")]
+    return max(found, key=lambda x: (x[0], x[1]))[2] if found else None
+
+
+def served_line(data: dict) -> str:
+    """README and docs/serving.md: the engine's τ beside the evaluator's for the same chain, its speed-up and
+    greedy identity, from the newest recorded measurement."""
+    s = latest_served(data)
+    if s is None:
+        return "No engine measurement is recorded yet (`specheads record serve_report.json`)."
+    beside = f" against the evaluator's {_f(s['tau_evaluator'])} for the same chain" if s.get("tau_evaluator") else ""
+    rate = (f"; {_f(s['tokens_per_s'], 1)} against {_f(s['plain_tokens_per_s'], 1)} tokens/s plain ({_x(s['speedup'])})"
+            if s.get("speedup") is not None else "")
+    same = f"; output identical to plain decoding on {s['identical']} prompts" if s.get("identical") else ""
+    return (f"Latest recorded: {s['engine']}, a chain of {s['k']}, τ {_f(s['tau'])}{beside}{rate}{same} "
+            f"({s['date']}, commit {_commit(s)}, {s['machine']}).")
+
+
+def export_check(data: dict) -> str:
+    """docs/export.md: the newest recorded run of scripts/check_engine_loaders.py, one line per check."""
+    checks = data.get("export_checks") or []
+    if not checks:
+        return ("No run of `scripts/check_engine_loaders.py` is recorded yet: run it, save its output and "
+                "`specheads record` that file.")
+    c = checks[0]
+    lines = [f"Latest recorded run ({c['date']}, commit {_commit(c)}, {c['machine']}): {c['ok']} passed, "
+             f"{c['skipped']} skipped, {c['failed']} failed.", "", "| engine | head | layout | check | result |",
+             "|---|---|---|---|---|"]
+    for r in c["checks"]:
+        mark = "skipped" if r["ok"] is None else "ok" if r["ok"] else "**FAILED**"
+        lines.append(f"| {r.get('engine', '')} | {r.get('head', '')} | {r.get('layout', '')} | {r['check']} | "
+                     f"{mark}: {r.get('detail', '')} |")
     return "\n".join(lines)
 
 
 def blocks(data: dict) -> dict[Path, dict[str, str]]:
     """{file: {marker name: the text between its markers}}."""
     return {README: {"results": results_table(data), "quickstart-times": quickstart_times(data),
-                     "run-summary": run_summary(data), "run-domains": run_domains(data)},
+                     "run-summary": run_summary(data), "run-domains": run_domains(data), "served": served_line(data)},
             BENCHMARKS: {"history": history_table(data), "history-notes": followups_list(data),
-                         "test-runs": tests_table(data)}}
+                         "test-runs": tests_table(data), "unrecorded-history": unrecorded_history(data)},
+            EXPORT: {"export-check": export_check(data)},
+            SERVING: {"served": served_line(data)}}
 
 
 def render(text: str, name: str, content: str, path: Path | str = "") -> str:

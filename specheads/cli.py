@@ -8,6 +8,7 @@
     specheads plan target=qwen3_8b plan.num_samples=500000   # store bytes, memory per layout, time, before any run
     specheads serve-eval export_dir=runs/quickstart/export/eagle3/vllm   # the head in vLLM (bash scripts/setup_engine.sh)
     specheads run            # the whole pipeline on the embedded default (see recipes/pipeline.py)
+    specheads record runs/quickstart/run_summary.json   # append a measurement to docs/benchmarks.json (--help)
     specheads --conf-dir     # where the shipped Hydra configs are (e.g. conf/launcher/*.yaml for accelerate)
 
 Each verb runs the module ``specheads.recipes.<recipe>``, as ``python -m specheads.recipes.<recipe>``
@@ -33,6 +34,37 @@ VERBS = {
     "plan": "plan.py",
     "serve-eval": "serve_eval.py",
 }
+def record_main(argv: list[str]) -> None:
+    """``specheads record FILE``: append FILE's measurement to a checkout's docs/benchmarks.json
+    (``specheads.record``)."""
+    import argparse
+
+    from specheads.errors import user_errors
+    from specheads.record import checkout_state, record
+
+    ap = argparse.ArgumentParser(prog="specheads record", description=(
+        "Append a measurement to docs/benchmarks.json, stamped with the checkout's commit (and whether its tree "
+        "was dirty), the date and the machine: a run_summary.json, a serve_report.json, a pytest log (its closing "
+        "'N passed ... in X s' line) or the output of scripts/check_engine_loaders.py."))
+    ap.add_argument("file", help="the output to record")
+    ap.add_argument("--checkout", default=".", help="the git checkout that was measured (default: here)")
+    ap.add_argument("--into", default=None, help="the results file (default: CHECKOUT/docs/benchmarks.json)")
+    ap.add_argument("--wall-s", type=float, default=None, help="a test log's whole command, set-up included, in s")
+    ap.add_argument("--run", default=None, help="the command that was measured, as the tables should show it")
+    ap.add_argument("--what", default=None, help="one line on what ran (the history table's 'what ran')")
+    ap.add_argument("--machine", default=None, help="the machine in words (default: this CPU's description)")
+    ap.add_argument("--fresh-clone", action="store_true", default=None, help="the checkout was a clean clone")
+    ap.add_argument("--date", default=None, help="YYYY-MM-DD (default: today)")
+    args = ap.parse_args(argv)
+    with user_errors("record"):
+        entry = record(args.file, args.into or Path(args.checkout) / "docs" / "benchmarks.json",
+                       checkout_state(args.checkout), wall_s=args.wall_s, machine=args.machine, date=args.date,
+                       run=args.run, what=args.what, fresh_clone=args.fresh_clone)
+    dirty = " (dirty tree)" if entry["dirty"] else ""
+    print(f"recorded a {entry['kind']} entry: {entry['date']}, commit {entry['commit'][:7]}{dirty}, {entry['machine']}")
+
+
+NOT_HYDRA = {"record": record_main}  # verbs with plain options and no recipe
 
 
 def recipes_dir() -> Path:
@@ -77,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
-        print("verbs: " + ", ".join(VERBS))
+        print("verbs: " + ", ".join([*VERBS, *NOT_HYDRA]))
         raise SystemExit(0 if argv else 2)
     if argv[0] == "--conf-dir":
         try:
@@ -86,8 +118,11 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"specheads: {e}") from None
         raise SystemExit(0)
     verb, overrides = argv[0], argv[1:]
+    if verb in NOT_HYDRA:
+        NOT_HYDRA[verb](overrides)
+        raise SystemExit(0)
     if verb not in VERBS:
-        raise SystemExit(f"specheads: unknown verb '{verb}'; choose one of: {', '.join(VERBS)}")
+        raise SystemExit(f"specheads: unknown verb '{verb}'; choose one of: {', '.join([*VERBS, *NOT_HYDRA])}")
     recipes_dir()  # a clear message when specheads.recipes is missing (an install older than the packaging)
     check_group_choices(verb, overrides)
     module = paths.recipe_module(VERBS[verb])

@@ -4,6 +4,7 @@ collection budget, training's steps), read back from what the stages wrote, for 
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def summarize(run_dir: str | Path, head: str, offline: bool) -> dict:
     """The run's record: machine, stage seconds and total, and per stage what it chose and measured."""
     run = Path(run_dir)
     seconds = stage_seconds(run, head)
-    out: dict = {"machine": cpu_description(), "head": head, "stages_s": seconds,
+    out: dict = {"machine": cpu_description(), "date": datetime.date.today().isoformat(), "head": head, "stages_s": seconds,
                  "total_min": round(sum(v for k, v in seconds.items() if k in MAIN_JOB) / 60, 1)}
     manifest = _json(run / "features" / "manifest.json") if offline else None
     if manifest:
@@ -62,11 +63,39 @@ def summarize(run_dir: str | Path, head: str, offline: bool) -> dict:
         out["evaluate"] = {"prompts": report.get("num_prompts"), "max_new_tokens": report.get("max_new_tokens"),
                            "target_dtype": report.get("target_dtype"), "dtype_choice": report.get("target_dtype_choice"),
                            "lossless": "exact" if lossless and all(lossless) else ("MISMATCH" if lossless else None)}
+        out.update(method_figures(report))
     served = _json(run / "serve" / head / "serve_report.json")
     tried = seconds.get("serve") is not None or (run / ".done" / f"serve.{head}.started.json").is_file()
     if served and tried:  # this run's serve stage finished, or failed (an engine's refusal is recorded)
         out["serve"] = serve_record(served)
     return out
+
+
+def method_figures(report: dict) -> dict:
+    """Each evaluated row's shape, α, τ and speed-up over all prompts at the report's first temperature (and the
+    speed-up at T=1 where it ran), and τ per domain: what ``specheads record`` puts in the results file."""
+    temps = [str(t) for t in report.get("temperatures", [])]
+    if not temps or not report.get("methods"):
+        return {}
+    first, t1 = temps[0], next((t for t in temps if float(t) == 1.0), None)
+    rows = []
+    for m in report["methods"]:
+        by = m.get("by_temperature") or {}
+        every = (by.get(first) or {}).get("all") or {}
+        row = {"name": m["name"], "shape": m.get("shape"), "tau": _r(every.get("tau")), "alpha": _r(every.get("alpha")),
+               "speedup": _r(every.get("speedup"))}
+        if t1 and t1 != first:
+            row["t1_speedup"] = _r(((by.get(t1) or {}).get("all") or {}).get("speedup"))
+        rows.append(row)
+    names = [m["name"] for m in report["methods"] if first in (m.get("by_temperature") or {})]
+    domains = list(next((m["by_temperature"][first] for m in report["methods"] if first in m.get("by_temperature", {})), {}))
+    table = [[d] + [_r(((m["by_temperature"].get(first) or {}).get(d) or {}).get("tau")) for m in report["methods"]
+                    if m["name"] in names] for d in domains]
+    return {"methods": rows, "per_domain": {"T": float(first), "columns": names, "rows": table}}
+
+
+def _r(x, nd: int = 2):
+    return None if x is None else round(float(x), nd)
 
 
 def serve_record(report: dict) -> dict:

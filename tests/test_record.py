@@ -1,0 +1,135 @@
+"""specheads record: a run_summary.json, serve_report.json, pytest log or loader-check output becomes one entry
+of docs/benchmarks.json, stamped with the checkout's commit (and dirtiness), date and machine; bad inputs are
+one-line user errors and leave the file as it was."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from specheads.cli import main
+from specheads.record import Checkout, RecordError, checkout_state, method_key, record
+
+CHECKOUT = Checkout(commit="0123456789abcdef0123456789abcdef01234567", dirty=False)
+SUMMARY = {"machine": "CPU X (2 cores, avx2, bf16 kernels no)", "date": "2026-12-04", "head": "eagle3",
+           "stages_s": {"prepare": 9.4, "collect": 300.0, "train": 460.0, "evaluate": 380.0, "export": 5.0, "serve": 170.0},
+           "total_min": 19.2, "collect": {"tokens_per_s_with_startup": 246},
+           "train": {"steps": 590, "tokens_per_s": 2723.0, "heldout_step0_top1": 0.32},
+           "evaluate": {"prompts": 9, "max_new_tokens": 32, "lossless": "exact"},
+           "methods": [{"name": "eagle3-auto", "shape": "chain1", "tau": 1.25, "alpha": 0.27, "speedup": 0.86},
+                       {"name": "eagle3-auto+ngram4+x1", "shape": "fan2", "tau": 1.6, "alpha": 0.44, "speedup": 1.01}],
+           "serve": {"engine": "vLLM 0.32.0", "prompts": 9, "num_speculative_tokens": 3, "tau": 1.31,
+                     "tau_evaluator": 1.31, "flagged": False, "reach": [0.28, 0.04, 0.0], "tokens_per_s": 18.1,
+                     "plain_tokens_per_s": 22.2, "speedup": 0.81, "greedy_identical": "9/9"}}
+SERVE = {"engine": {"name": "vLLM", "version": "0.32.0"}, "num_prompts": 12, "num_speculative_tokens": 3,
+         "domains": {"all": {"spec": {"tau": 1.35, "reach": [0.3, 0.05, 0.0], "tokens_per_s": 18.6},
+                             "plain": {"tokens_per_s": 21.0}, "speedup": 0.89, "identical": 12, "compared": 12}}}
+LOG = "collected 1207 items\n....\n===== 1190 passed, 17 skipped, 3 warnings in 918.30s (0:15:18) =====\n"
+CHECK = ("ok    vllm 0.32.0        Medusa   vllm/          MedusaConfig + Medusa.load_weights: 15/15 parameters\n"
+         "skip  sglang             DFlash   sglang/        loader pieces: no --sglang-wheel given\n"
+         "FAIL  vllm 0.33.0        EAGLE-3  speculators/   SpeculatorsConfig conversion: aux ids (2, 2, 1)\n"
+         "2 ok/skipped, 1 failed\n")
+
+
+@pytest.fixture
+def results(tmp_path):
+    path = tmp_path / "benchmarks.json"
+    path.write_text(json.dumps({"about": "x", "runs": [{"kind": "main_job", "date": "2026-12-01"}], "test_runs": []}))
+    return path
+
+
+def _write(tmp_path, name, contents):
+    path = tmp_path / name
+    path.write_text(contents if isinstance(contents, str) else json.dumps(contents))
+    return path
+
+
+def test_a_run_summary_becomes_a_main_job_entry_newest_first(tmp_path, results):
+    entry = record(_write(tmp_path, "run_summary.json", SUMMARY), results, CHECKOUT, fresh_clone=True, what="main job")
+    data = json.loads(results.read_text())
+    assert data["runs"][0] == entry and data["runs"][1]["date"] == "2026-12-01"
+    assert entry["commit"] == CHECKOUT.commit and entry["dirty"] is False and entry["fresh_clone"] is True
+    assert entry["machine"] == SUMMARY["machine"] and entry["total_min"] == 19.2 and entry["serve_s"] == 170
+    assert entry["stages_s"] == {"prepare": 9, "collect": 300, "train": 460, "evaluate": 380, "export": 5}
+    assert [m["method"] for m in entry["methods"]] == ["eagle3", "eagle3+lookup+table"]
+    assert entry["served"]["tau"] == 1.31 and entry["served"]["identical"] == "9/9"
+    assert entry["served"]["method"] == "eagle3-vllm"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []  # the temp file was renamed
+
+
+def test_a_serve_report_a_test_log_and_a_loader_check_are_recorded(tmp_path, results):
+    serve = record(_write(tmp_path, "serve_report.json", SERVE), results, CHECKOUT, machine="box")
+    assert (serve["kind"], serve["tau"], serve["speedup"], serve["identical"], serve["machine"]) == \
+        ("serve", 1.35, 0.89, "12/12", "box")
+    tests = record(_write(tmp_path, "ci.log", LOG), results, CHECKOUT, wall_s=1086, machine="box")
+    assert (tests["passed"], tests["skipped"], tests["failed"], tests["tests_min"], tests["total_min"]) == \
+        (1190, 17, 0, 15.3, 18.1)
+    check = record(_write(tmp_path, "check.txt", CHECK), results, CHECKOUT, machine="box")
+    assert (check["ok"], check["skipped"], check["failed"]) == (1, 1, 1)
+    assert check["checks"][0] == {"ok": True, "engine": "vllm 0.32.0", "head": "Medusa", "layout": "vllm/",
+                                  "check": "MedusaConfig + Medusa.load_weights", "detail": "15/15 parameters"}
+    data = json.loads(results.read_text())
+    assert [len(data[k]) for k in ("serve_runs", "test_runs", "export_checks")] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("name, contents, words", [
+    ("run_summary.json", '{"stages_s": {', "corrupt JSON"),
+    ("report.json", {"methods": [], "num_prompts": 12}, "not one specheads record reads"),
+    ("notes.txt", "nothing measured here\n", "neither a pytest log"),
+])
+def test_a_corrupt_or_wrong_kind_input_is_a_one_line_error_and_changes_nothing(tmp_path, results, name, contents,
+                                                                                words):
+    before = results.read_text()
+    with pytest.raises(RecordError, match=words):
+        record(_write(tmp_path, name, contents), results, CHECKOUT)
+    assert results.read_text() == before
+
+
+def test_the_command_stamps_the_checkouts_commit_and_dirtiness(tmp_path, capsys):
+    repo = tmp_path / "clone"
+    (repo / "docs").mkdir(parents=True)
+    (repo / "docs" / "benchmarks.json").write_text(json.dumps({"runs": [], "test_runs": []}))
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "x"], check=True)
+    head = subprocess.run(git[:3] + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert checkout_state(repo) == Checkout(head, False)
+    (repo / "docs" / "benchmarks.json").write_text(json.dumps({"runs": [], "test_runs": [], "x": 1}))
+    assert checkout_state(repo).dirty
+    log = _write(tmp_path, "ci.log", LOG)
+    with pytest.raises(SystemExit) as exit_:
+        main(["record", str(log), "--checkout", str(repo), "--machine", "box", "--date", "2026-12-04"])
+    assert exit_.value.code == 0 and f"commit {head[:7]} (dirty tree)" in capsys.readouterr().out
+    entry = json.loads((repo / "docs" / "benchmarks.json").read_text())["test_runs"][0]
+    assert (entry["commit"], entry["dirty"], entry["date"], entry["machine"]) == (head, True, "2026-12-04", "box")
+    with pytest.raises(SystemExit) as exit_:
+        main(["record", str(tmp_path / "missing.json"), "--checkout", str(repo)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "missing.json" in err
+
+
+def test_method_keys_follow_the_evaluation_row_names():
+    assert [method_key(n) for n in ("eagle3-auto", "eagle3-auto+ngram4+x1", "eagle3-auto+ngram4", "eagle3-vllm",
+                                    "ngram-chain4", "dflash-chain7")] == \
+        ["eagle3", "eagle3+lookup+table", "eagle3+lookup", "eagle3-vllm", "ngram", "dflash"]
+
+
+def test_a_recorded_run_is_what_the_docs_render(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("results_tables", repo / "scripts" / "results_tables.py")
+    rt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rt)
+    results = tmp_path / "benchmarks.json"
+    results.write_text((repo / "docs" / "benchmarks.json").read_text(encoding="utf-8"), encoding="utf-8")
+    record(_write(tmp_path, "run_summary.json", {**SUMMARY, "date": "2099-01-01"}), results, CHECKOUT,
+           fresh_clone=True, date="2099-01-01")
+    data = rt.load(results)
+    assert "2099-01-01, commit `0123456` (" not in rt.results_table(data)  # clean tree: no dirty mark
+    assert "| 1.60 | 0.44 | 1.01× |" in rt.results_table(data) and "2099-01-01, commit `0123456`" in rt.results_table(data)
+    assert "τ 1.31 against the evaluator's 1.31" in rt.served_line(data) and "commit `0123456`" in rt.served_line(data)
