@@ -144,13 +144,14 @@ def render_real(data: dict | None) -> str:
 
 
 def template_source(name: str) -> str:
-    """Where the tests take a chat format's template (tests/data/real_chat_formats.SOURCES)."""
+    """Where a chat format's template comes from: the model (tests/data/real_chat_formats.SOURCES) and the file
+    specheads ships for it (specheads.targets.chat_templates.SHIPPED, which the tests use)."""
     sys.path.insert(0, str(REPO))
+    from specheads.targets.chat_templates import SHIPPED
     from tests.data.real_chat_formats import SOURCES
 
-    src = SOURCES.get(name, {})
-    package, path = src.get("template", ("?", "?"))
-    return f"{src.get('model', name)}: `{package}` {path.rsplit('/', 1)[-1]}"
+    package, path = SHIPPED[name][:2]
+    return f"{SOURCES.get(name, {}).get('model', name)}: `{package}` {path.rsplit('/', 1)[-1]}"
 
 
 def parse_doc(text: str) -> tuple[dict[tuple[str, str], str], str | None]:

@@ -78,12 +78,13 @@ def smollm2_tokenizer():
 
 # --------------------------------------------------------------------------- support log (docs/support_matrix.md)
 # A test that takes the ``support`` fixture and names what it covers (``support(family, stage)``) logs its
-# outcome when SPECHEADS_SUPPORT_LOG is set (tests/families/support_log.py; scripts/support_matrix.py).
+# outcome when SPECHEADS_SUPPORT_LOG is set (tests/families/support_log.py; scripts/support_matrix.py); without it,
+# a passing one fails unless the doc's cell for its (family, stage) shows that outcome.
 import sys as _sys  # noqa: E402
 from pathlib import Path as _Path  # noqa: E402
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parent / "families"))
-from support_log import SupportRecord, write_line  # noqa: E402
+from support_log import ENV as _SUPPORT_LOG, SupportRecord, doc_disagreement, write_line  # noqa: E402
 
 
 @pytest.fixture
@@ -99,7 +100,11 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     record = getattr(item, "_support_record", None)
-    if record is None or record.family is None or record.stage is None:
+    if record is None or record.family is None or record.stage is None or report.skipped:
         return
     if report.when == "call" or (report.when == "setup" and report.failed):
         write_line(record, report.passed, item.nodeid)
+        if report.passed and not os.environ.get(_SUPPORT_LOG):  # rendering: the doc is about to be rewritten
+            wrong = doc_disagreement(record)
+            if wrong:
+                report.outcome, report.longrepr = "failed", wrong

@@ -1,27 +1,18 @@
 """docs/support_matrix.md is what scripts/support_matrix.py renders from the current family tests.
 
-Two checks: the doc was made from the family tests that exist now (their ids' digest, from a
-``--collect-only`` run), and, when the family tests ran earlier in this session (``pytest tests/families``),
-every (family, stage) they logged has the doc's cell (✓, ✗ or R).
+Three checks, none of which depends on which tests ran before in this process (pytest-xdist splits them over
+workers at will): the doc was made from the family tests that exist now (their ids' digest, from a
+``--collect-only`` run); it is, byte for byte, what the renderer writes for the cells it shows (so its prose, its
+refusal list and its template sources are current); and each cell is the outcome of its tests, which every family
+test that passes checks for its own cell (``support_log.doc_disagreement``, tests/conftest.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-import pytest
-
 import support_log
+from support_log import SupportRecord, doc_disagreement, parse_refusals
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("support_matrix", REPO / "scripts" / "support_matrix.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+_script = support_log.renderer
 
 
 def test_doc_was_generated_from_the_current_family_tests():
@@ -32,19 +23,34 @@ def test_doc_was_generated_from_the_current_family_tests():
         "the family tests changed since docs/support_matrix.md was generated: run python scripts/support_matrix.py"
 
 
-def test_doc_agrees_with_this_sessions_outcomes():
-    if not support_log.SESSION:
-        pytest.skip("no family test ran before this one in this session (run pytest tests/families)")
+def test_doc_is_what_the_renderer_writes_for_its_cells():
     sm = _script()
-    doc, _ = sm.parse_doc(sm.DOC.read_text())
-    outcomes: dict[tuple[str, str], str] = {}
-    for line in support_log.SESSION:
-        key = (line["family"], line["stage"])
-        if outcomes.get(key, "passed") == "passed":
-            outcomes[key] = line["outcome"]
-    wrong = {key: (doc.get(key), out) for key, out in outcomes.items() if not str(doc.get(key)).startswith(sm.symbol(out))}
-    assert not wrong, f"docs/support_matrix.md disagrees with this run (doc cell, outcome): {wrong}; " \
-                      "run python scripts/support_matrix.py"
+    text = sm.DOC.read_text()
+    cells, _ = sm.parse_doc(text)
+    refusals = parse_refusals(text)
+    outcomes = {key: {"✓": "passed", "✗": "failed"}.get(cell) or f"refused: {refusals.get(cell, '')}"
+                for key, cell in cells.items() if cell != "—"}
+    ids = [ln for ln in text.splitlines() if ln.startswith("<!-- test-ids:")]
+    rendered = [ids[0] if ln.startswith("<!-- test-ids:") else ln for ln in sm.render(outcomes, []).splitlines()]
+    assert rendered == text.splitlines(), "docs/support_matrix.md is not what scripts/support_matrix.py renders " \
+                                          "for its own cells: run python scripts/support_matrix.py"
+
+
+def test_a_cell_that_is_not_the_tests_outcome_is_reported(tmp_path):
+    sm = _script()
+    cells = {("llama", "collect_store"): "passed", ("llama", "export_vllm"): "refused: llama: no way",
+             ("qwen3", "collect_store"): "failed"}
+    doc = tmp_path / "matrix.md"
+    doc.write_text(sm.render(cells, ["a::b"]))
+    assert doc_disagreement(SupportRecord()("llama", "collect_store"), doc) is None
+    refused = SupportRecord()("llama", "export_vllm")
+    refused.refused("llama: no way")
+    assert doc_disagreement(refused, doc) is None
+    refused.refused("llama: another reason")
+    assert "another reason" in doc_disagreement(refused, doc)
+    assert "'R1'" in doc_disagreement(SupportRecord()("llama", "export_vllm"), doc)  # passes now, doc says refused
+    assert "'✗'" in doc_disagreement(SupportRecord()("qwen3", "collect_store"), doc)
+    assert "None" in doc_disagreement(SupportRecord()("phi3", "collect_store"), doc)  # no row at all
 
 
 def test_render_round_trips_every_outcome():
