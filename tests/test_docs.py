@@ -81,10 +81,17 @@ def prose(text: str) -> str:
     return re.sub(r"`[^`\n]*`", "", text)
 
 
+TABLE_HEAD = re.compile(r"^\|.*(τ|α|tokens/s|tok/s|speed-up|MiB|ratio|\bs\b|\bmin\b).*\|\n\|[-| :]+\|\n((?:\|.*\|\n?)+)", re.M)
+
+
 def figures(text: str) -> list[tuple[str, str, str]]:
-    """(the words as written, kind, number) of every measured figure in ``text``."""
+    """(the words as written, kind, number) of every measured figure in ``text``; in a hand-written table whose
+    header names a measure, every decimal figure (kind ``table``: such a table belongs in a rendered block)."""
     out = [(m.group(0), UNITS[m.group(2)], m.group(1)) for m in AFTER.finditer(text)]
-    return out + [(m.group(0), WORDS[m.group(1)], m.group(2)) for m in BEFORE.finditer(text)]
+    out += [(m.group(0), WORDS[m.group(1)], m.group(2)) for m in BEFORE.finditer(text)]
+    for t in TABLE_HEAD.finditer(text):
+        out += [(n, "table", n) for n in re.findall(r"(?<![\w.])\d+\.\d+(?![\w.])", t.group(2))]
+    return out
 
 
 def recorded_figures(data: dict) -> set[tuple[str, float]]:
@@ -141,6 +148,9 @@ def test_a_figure_without_a_record_is_caught():
             "<!-- results:end -->\n<!-- unrecorded:begin -->\n*Unrecorded history: x.* τ 1.90\n<!-- unrecorded:end -->\n")
     assert unrecorded_figures(text, held) == ["25 minutes", "3 failed", "τ 1.35"]
     assert unrecorded_figures("budgets of 6, 7 and 7 minutes", held, ["7 minutes"]) == []
+    table = "| setting | ours tokens/s | ratio |\n|---|---|---|\n| fp32, TTT 3 | 916 | 2.11 |\n"
+    assert unrecorded_figures(table, held) == ["2.11"]
+    assert unrecorded_figures("| head | layout |\n|---|---|\n| EAGLE-3 | 1.5 |\n", held) == []
 
 
 def test_records_have_commits_and_unrecorded_history_stays_apart():
