@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from specheads.export.export import ExportError
+from specheads.export.checks import ExportError
 from specheads.export.layouts import TargetInfo, build_layout, method_of
 
 

@@ -1,6 +1,6 @@
 """The command lines that serve an exported head with vLLM and SGLang, and the draft settings they use.
 
-One home for them: the model card (``export.card_text``), the export recipe and the pipeline's end summary
+One home for them: the model card (``card.card_text``), the export recipe and the pipeline's end summary
 all build their lines here.
 
 Draft settings (``serve_params``): ``spec_tokens`` when given (a chain); else what the evaluation report
@@ -8,7 +8,8 @@ recommends for GPU serving (``recommend.py``: the chain length or tree depth wit
 speed-up, never beyond what was measured) for the engine's serving-profile row (``<method>-vllm`` chain,
 ``<method>-sglang`` tree; SGLang without a tree row drafts the vLLM row's recommended chain, DFlash reads
 its ``dflash-chain{B-1}`` row), at T = 0 over all domains; else that row's measured shape; else evaluate's
-default profiles (vLLM 3 tokens; SGLang 5 steps x top-4, 8 draft tokens). Flags: docs/export.md.
+default profiles (vLLM 3 tokens; SGLang 5 steps x top-4, 8 draft tokens); settings no head can draft are an
+``ExportError``. Flags: docs/export.md.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specheads.evaluation.recommend import best_for_gpu
+from specheads.export.checks import ExportError
 
 FOLDER_PLACEHOLDER = "<path-or-repo-id-of-this-folder>"  # the card's draft model when nothing was pushed
 TARGET_VAR = "TARGET"  # the commands' target when it has no hub id: ``$TARGET``, set by a line before them
@@ -56,7 +58,8 @@ def serve_params(method: str, cfg: dict, engine: str, report: list[dict] | None,
                  spec_tokens: int | None = None) -> ServeParams:
     """The draft settings for serving ``method`` (head config ``cfg``) with the layout ``engine``.
 
-    report: rows of ``export.load_eval_report`` (each with its ``recommendation`` entry, when the report has one)."""
+    report: rows of ``run_records.load_eval_report`` (each with its ``recommendation`` entry, when the report
+    has one)."""
     engine = engine_family(engine)
     if method == "dflash":
         return _dflash_params(cfg, engine, report, spec_tokens)
@@ -106,7 +109,7 @@ def _from_row(row: dict) -> ServeParams:
     if tree:
         d, k, n = map(int, tree.groups())
         return ServeParams(d, d, k, n + 1, f"the measured {where}")
-    raise ValueError(f"report row {row['name']}: shape {shape!r} is neither chainK nor tree(dD,kK,nN)")
+    raise ExportError(f"report row {row['name']}: shape {shape!r} is neither chainK nor tree(dD,kK,nN)")
 
 
 def _peagle_params(cfg: dict, report: list[dict] | None, spec_tokens: int | None) -> ServeParams:
@@ -115,7 +118,7 @@ def _peagle_params(cfg: dict, report: list[dict] | None, spec_tokens: int | None
     K = int(cfg["num_depths"])
     if spec_tokens is not None:
         if not 1 <= int(spec_tokens) <= K:
-            raise ValueError(f"spec_tokens={spec_tokens}: this P-EAGLE head drafts 1 to {K} tokens per forward")
+            raise ExportError(f"spec_tokens={spec_tokens}: this P-EAGLE head drafts 1 to {K} tokens per forward")
         return ServeParams.chain(int(spec_tokens), "given by spec_tokens (a chain)")
     rows = _rows(report, lambda r: r["drafter"] == "peagle" and re.fullmatch(r"chain\d+", r["shape"] or ""))
     if rows:
@@ -136,8 +139,8 @@ def _dflash_params(cfg: dict, engine: str, report: list[dict] | None, spec_token
         if rows:
             p = _from_row(rows[0])
     if not 1 <= p.tokens <= B - 1:
-        raise ValueError(f"a DFlash head with block_size {B} drafts 1..{B - 1} tokens per step; got {p.tokens} "
-                         "(the slots past the trained block were never trained)")
+        raise ExportError(f"a DFlash head with block_size {B} drafts 1..{B - 1} tokens per step; got {p.tokens} "
+                          "(the slots past the trained block were never trained)")
     return ServeParams(p.tokens, 1, 1, p.tokens + 1, p.source)
 
 

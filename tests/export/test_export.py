@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
-from specheads.export import ExportError, export_head, head_tensors
+from specheads.export import ExportError, export_head, head_tensors, target_origin
 from specheads.export import export as export_mod
 from specheads.models.eagle1 import Eagle1Config, Eagle1Model
 from specheads.models.eagle3 import Eagle3Config, Eagle3Model
@@ -334,7 +334,7 @@ def test_failed_export_leaves_no_half_written_folder(target, target_dir, tmp_pat
         assert (sub / "model.safetensors").is_file()  # the failure strikes mid-export
         raise OSError("disk full")
 
-    monkeypatch.setattr(export_mod, "_write_card", fail_after_weights)
+    monkeypatch.setattr(export_mod, "write_card", fail_after_weights)
     with pytest.raises(OSError, match="disk full"):
         export_head(head, out, "both", str(target_dir), dtype="bfloat16", overwrite=True)
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # the old export is intact
@@ -531,16 +531,16 @@ def test_card_names_the_target_by_its_hub_id(target, target_dir, tmp_path):
     shutil.copytree(target_dir, cache)
     card = (export_head(head, tmp_path / "out2", "sglang", str(cache)) / "README.md").read_text()
     assert "base_model: acme/tiny-chat" in card and "--model-path acme/tiny-chat " in card
-    assert export_mod.target_origin("acme/other", None).hub_id == "acme/other"
+    assert target_origin("acme/other", None).hub_id == "acme/other"
     with pytest.raises(ExportError, match="target_id must be a hub id"):
         export_head(head, tmp_path / "out3", "vllm", str(target_dir), target_id="/a/local/path")
 
 
 def test_card_of_the_embedded_gguf_target_warns_and_suggests_the_original(tmp_path):
-    origin = export_mod.target_origin("smollm2", "/cache/models/SmolLM2-135M-Instruct")
+    origin = target_origin("smollm2", "/cache/models/SmolLM2-135M-Instruct")
     assert origin.hub_id is None and origin.hint == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert "GGUF" in origin.warning() and "HuggingFaceTB/SmolLM2-135M-Instruct" in origin.warning()
-    gguf = export_mod.target_origin("/models/llama.Q4_K_M.gguf", "/cache/models/llama")
+    gguf = target_origin("/models/llama.Q4_K_M.gguf", "/cache/models/llama")
     assert gguf.hub_id is None and "GGUF file" in gguf.warning()
 
 

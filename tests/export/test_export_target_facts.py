@@ -12,8 +12,8 @@ import pytest
 
 from specheads.targets.chat_templates import CHATML, TEMPLATE_FILE, template_sha
 from specheads.export import ExportError, export_head
-from specheads.export import export as export_mod
 from specheads.export.serve import exported_lines
+from specheads.export.target import KNOWN_ORIGINS, target_origin
 from tests.conftest import make_tiny_target
 from tests.export.test_export import H, LAYERS, V, make_head, save_head
 
@@ -172,11 +172,11 @@ def test_the_embedded_gemma_target_is_named_by_its_hub_id(head, target, tmp_path
 
 
 def test_a_gguf_file_names_the_hub_model_it_was_converted_from():
-    assert export_mod.KNOWN_ORIGINS["gemma3_270m"] == "google/gemma-3-270m"
-    gemma = export_mod.target_origin("/data/models/gemma-3-270m-q4_k_m.gguf", "/cache/models/gemma")
+    assert KNOWN_ORIGINS["gemma3_270m"] == "google/gemma-3-270m"
+    gemma = target_origin("/data/models/gemma-3-270m-q4_k_m.gguf", "/cache/models/gemma")
     assert gemma.kind == "gguf" and gemma.hub_id is None and gemma.hint == "google/gemma-3-270m"
     assert "quantized copy of `google/gemma-3-270m`" in gemma.warning()
-    assert export_mod.target_origin("/data/models/unknown.Q4_K_M.gguf", None).hint is None  # no such file: no id
+    assert target_origin("/data/models/unknown.Q4_K_M.gguf", None).hint is None  # no such file: no id
 
 
 def test_a_local_folder_is_named_by_its_configs_hub_id_else_by_nothing(head, target, tmp_path):
