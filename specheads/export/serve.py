@@ -25,7 +25,18 @@ from specheads.export.checks import ExportError
 
 FOLDER_PLACEHOLDER = "<path-or-repo-id-of-this-folder>"  # the card's draft model when nothing was pushed
 TARGET_VAR = "TARGET"  # the commands' target when it has no hub id: ``$TARGET``, set by a line before them
-VLLM_METHOD = {"medusa": "medusa", "eagle1": "eagle", "eagle3": "eagle3", "dflash": "dflash", "peagle": "eagle3"}
+# vLLM's speculative_config "method" per head kind (the export record's method: a family, or medusa1/medusa2)
+VLLM_METHOD = {"medusa": "medusa", "medusa1": "medusa", "medusa2": "medusa", "eagle1": "eagle", "eagle3": "eagle3",
+               "dflash": "dflash", "peagle": "eagle3"}
+def vllm_speculative_config(method: str, model: str, tokens: int) -> dict:
+    """vLLM's ``speculative_config`` for a head of kind ``method`` at ``model`` drafting ``tokens`` per step
+    (P-EAGLE is EAGLE-3 with the parallel slots: vLLM's ``parallel_drafting`` field)."""
+    spec = {"method": VLLM_METHOD[method], "model": model, "num_speculative_tokens": int(tokens)}
+    if method == "peagle":
+        spec["parallel_drafting"] = True
+    return spec
+
+
 SGLANG_ALGO = {"eagle1": "EAGLE", "eagle3": "EAGLE3", "dflash": "DFLASH"}
 NO_SGLANG = {"medusa": "# SGLang: no Medusa support (no Medusa loader in SGLang 0.5.23): serve with vLLM up to "
                        "0.32 (the line above) or TGI",
@@ -154,9 +165,7 @@ def serve_commands(method: str, engine: str, target: str, model: str, p: ServePa
     target = f"{model}/{adapted}" if adapted else target
     flag = f" --chat-template {chat_template}" if chat_template else ""
     if engine_family(engine) == "vllm":
-        spec = {"method": VLLM_METHOD[method], "model": model, "num_speculative_tokens": p.tokens}
-        if method == "peagle":  # P-EAGLE is EAGLE-3 with the parallel slots (vLLM's SpeculativeConfig field)
-            spec["parallel_drafting"] = True
+        spec = vllm_speculative_config(method, model, p.tokens)
         py_target = target[1:] if target.startswith("$") else repr(target)
         out = {"shell": f"vllm serve {target} --speculative-config '{json.dumps(spec)}'{flag}",
                "python": f"LLM(model={py_target}, speculative_config={spec!r})"}

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specheads.errors import ConfigError, InputNotFoundError, UserError
+from specheads.export.serve import VLLM_METHOD, vllm_speculative_config
 
 ENGINE_VENV = ".venv-vllm"
 SETUP_COMMAND = "bash scripts/setup_engine.sh"
@@ -104,16 +105,11 @@ class ExportedHead:
     """An exported folder ``specheads export`` wrote, as the engine will be given it."""
 
     folder: Path
-    method: str           # medusa | eagle1 | eagle3 | dflash (specheads_export.json's "method")
+    method: str           # medusa | eagle1 | eagle3 | peagle | dflash (specheads_export.json's "method")
     layout: str           # vllm | sglang | speculators | medusa
     target: str | None    # the target the head was exported against (a name, folder or hub id)
     adapted_target: str | None = None  # Medusa-2: the folder's target/ (served as the model)
     info: dict = field(default_factory=dict)
-
-
-# vLLM's speculative_config "method" per exported head kind
-VLLM_METHOD = {"eagle3": "eagle3", "eagle1": "eagle", "medusa": "medusa", "medusa1": "medusa", "medusa2": "medusa",
-               "dflash": "dflash"}
 
 
 def read_export(folder: str | Path) -> ExportedHead:
@@ -151,8 +147,7 @@ def read_export(folder: str | Path) -> ExportedHead:
 
 def speculative_config(head: ExportedHead, num_speculative_tokens: int) -> dict:
     """vLLM's ``speculative_config`` for the head."""
-    return {"method": VLLM_METHOD[head.method], "model": str(head.folder.resolve()),
-            "num_speculative_tokens": int(num_speculative_tokens)}
+    return vllm_speculative_config(head.method, str(head.folder.resolve()), num_speculative_tokens)
 
 
 # ------------------------------------------------------------------ the engine's process
