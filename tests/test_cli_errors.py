@@ -313,6 +313,7 @@ def test_checkpoint_saves_keep_accelerate_lines_off_the_console_unless_asked(fx,
 # --------------------------------------------------------------------------- 9: one name for a stage's output folder
 
 
+@pytest.mark.slow  # two CLI runs (collect, export) per spelling: ~20 s each on one thread
 @pytest.mark.parametrize("spelling", ["output_dir", "out_dir"])
 def test_collect_and_export_write_to_output_dir_and_the_former_out_dir_still_works_with_a_warning(fx, tmp_path,
                                                                                                spelling):

@@ -78,6 +78,7 @@ def endpoint_cfg(url, **kw):
                             endpoint={"url": url, "concurrency": 4, "retries": 1, **kw})
 
 
+@pytest.mark.slow  # the module's server takes ~30 s to start
 def test_answers_come_from_the_served_target_and_resume_from_the_journal(server, tokenizer_target, tmp_path,
                                                                         monkeypatch):
     url, model = server
@@ -123,6 +124,7 @@ def test_an_unreachable_endpoint_fails_before_any_work(tokenizer_target, tmp_pat
     assert not (tmp_path / "j.jsonl").exists()
 
 
+@pytest.mark.slow  # the module's server takes ~30 s to start
 def test_a_refused_request_names_the_server_and_its_reason(server, tokenizer_target, tmp_path):
     url, _ = server  # transformers serve refuses fields it does not know, as a strict engine does
     cfg = endpoint_cfg(url, extra_body={"no_such_field": 1})
@@ -130,6 +132,7 @@ def test_a_refused_request_names_the_server_and_its_reason(server, tokenizer_tar
         regenerate(tokenizer_target, chats(1), tmp_path / "j.jsonl", cfg)
 
 
+@pytest.mark.slow  # the module's server takes ~30 s to start
 def test_prepare_through_the_cli_records_the_endpoint_and_the_retokenized_count(server, tmp_path):
     url, _ = server
     out = subprocess.run([sys.executable, "-m", "specheads.cli", "prepare", "regenerate=endpoint",
