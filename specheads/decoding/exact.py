@@ -47,7 +47,9 @@ log = logging.getLogger(__name__)
 
 ATTENTION_NAME = "specheads_exact"
 EXACT_MODES = ("auto", "on", "off")
-MAX_ROWS = 64  # linear calls with more rows are split into chunks of this many (the row floor is proven up to it)
+# linear calls with more rows are split into chunks of this many; the row floor is proven up to it, at a cost of
+# about MAX_ROWS² rows through each kind of layer (a 262k-token LM head is the dearest)
+MAX_ROWS = 32
 FLOOR_CAP = 16  # a floor above this is not offered: the padded one-token forward would cost more than it saves
 _FLOOR_ATTR = "_specheads_row_floor"
 
