@@ -45,10 +45,6 @@ UNRECORDED_LABEL = "*Unrecorded history:"
 DESIGN = {
     "README.md": ["7 minutes"],  # the time budgets of collection, training and evaluation (conf/pipeline.yaml)
     "docs/development.md": ["8 min", "1800 s"],  # gpu_check's budget; pytest's timeout (pyproject.toml)
-    "docs/architecture.md": ["55 %"],  # a design note's figure, owned with that guide: to be recorded or dropped
-    # the real-weights section scripts/support_matrix.py renders from docs/real_weights.json (kept by hand, no
-    # commits): open until those runs are recorded here
-    "docs/support_matrix.md": ["τ 1.35", "24.2 min", "τ 1.00"],
 }
 
 
