@@ -9,6 +9,10 @@ Labels are the target's greedy tokens (``labels=target``: its argmax at ``a+j-1`
 accepts; speculators' ``ce`` form) or the data's (``labels=data``: ``input_ids[a+j]``). ``lk_weight`` > 0 mixes
 in the acceptance objective of the LK losses (arXiv 2602.23881): ``-log sum_x min(p, q)`` against the
 target's distribution ``p`` at ``a+j-1`` (``losses.acceptance_nll``), ``(1 - w) * CE + w * that`` per slot.
+``loss=dpace`` (D-PACE, arXiv 2605.18810) replaces the fixed decay by weights each block earns from its own
+cross-entropies (``losses.dpace_weights``, detached): ``sum_j w_j CE_j`` over the counted slots of every block,
+divided by the number of counted slots; ``gamma`` is then unused and ``lk_weight`` must be 0 (D-PACE reads each
+slot's acceptance as ``exp(-CE)``, which holds for the plain cross-entropy only).
 
 Held-out metrics, per block slot: ``step{j-1}`` top-1 agreement with the labels and ``joint{j-1}`` (slots
 ``1..j`` all right), whose sum plus one is the chain acceptance length of one block at T=0 (``tau_joint``).
@@ -22,12 +26,15 @@ from pathlib import Path
 import torch
 
 from specheads.methods.base import ARGMAX_KEY, FusedLayers, StepOutput
-from specheads.methods.losses import hard_cross_entropy, target_argmax
+from specheads.methods.losses import dpace_weights, hard_cross_entropy, target_argmax
 from specheads.methods.ttt import summarize_steps
 from specheads.models.dflash import DFlashConfig, DFlashModel, block_attention_mask
 from specheads.targets import Target
 
 log = logging.getLogger(__name__)
+
+LOSSES = ("ce", "dpace")
+"""``loss=``: ``ce`` weights slot j by exp(-(j-1)/gamma); ``dpace`` by D-PACE's acceptance weights."""
 
 
 class DFlashMethod(FusedLayers):
@@ -35,14 +42,14 @@ class DFlashMethod(FusedLayers):
     z-lab and speculators' CLI; 8 in ModelOpt's recipe); aux_layers: fused target layers, null = (2, N//2, N-3),
     EAGLE-3's, so one feature store serves both; mask_token_id: null = ``models.dflash.default_mask_token``;
     anchors: blocks per row per step (512 in the public recipes on a GPU); gamma: the loss decay over slots (7
-    for B=16, 4 for B=8 in ModelOpt's recipe); labels: ``target`` or ``data``; init_layer_from_target: start
-    as EAGLE-3's option does (``init_from_target``)."""
+    for B=16, 4 for B=8 in ModelOpt's recipe); labels: ``target`` or ``data``; loss: ``ce`` (the decayed
+    cross-entropy) or ``dpace``; init_layer_from_target: start as EAGLE-3's option does (``init_from_target``)."""
 
     name = "dflash"
 
     def __init__(self, num_layers: int = 1, block_size: int = 16, aux_layers=None, mask_token_id: int | None = None,
                  anchors: int = 64, gamma: float = 7.0, labels: str = "target", eval_anchors: int | None = None,
-                 head_chunk: int = 2048, target_chunk: int = 1024, lk_weight: float = 0.0,
+                 head_chunk: int = 2048, target_chunk: int = 1024, lk_weight: float = 0.0, loss: str = "ce",
                  init_layer_from_target: bool = False):
         if num_layers < 1:
             raise ValueError(f"dflash: num_layers must be at least 1, got {num_layers}")
@@ -56,12 +63,16 @@ class DFlashMethod(FusedLayers):
             raise ValueError(f"dflash: lk_weight must lie in [0, 1], got {lk_weight}")
         if labels not in ("target", "data"):
             raise ValueError(f"dflash: labels must be 'target' or 'data', got {labels!r}")
+        if loss not in LOSSES:
+            raise ValueError(f"dflash: loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+        if loss == "dpace" and lk_weight:
+            raise ValueError(f"dflash: loss=dpace weights the plain cross-entropy; set lk_weight=0 (got {lk_weight})")
         self.num_layers, self.block_size, self.mask_token_id = num_layers, block_size, mask_token_id
         self.aux_layers = tuple(aux_layers) if aux_layers is not None else None
         self.anchors, self.eval_anchors = anchors, eval_anchors or anchors
         self.gamma, self.labels = float(gamma), labels
         self.head_chunk, self.target_chunk, self.lk_weight = head_chunk, target_chunk, float(lk_weight)
-        self.init_layer_from_target = init_layer_from_target
+        self.init_layer_from_target, self.loss_name = init_layer_from_target, loss
 
     def build(self, target: Target) -> DFlashModel:
         self.bind(target)
@@ -73,9 +84,11 @@ class DFlashMethod(FusedLayers):
         return model
 
     def slot_weights(self, device=None) -> torch.Tensor:
-        """(B,) loss weight of each block slot: 0 for the anchor, exp(-(j-1)/gamma) for slot j >= 1."""
+        """(B,) loss weight of each block slot: 0 for the anchor, exp(-(j-1)/gamma) for slot j >= 1 (1 under
+        ``loss=dpace``, whose weights each block computes from its cross-entropies)."""
         j = torch.arange(self.block_size, device=device, dtype=torch.float32)
-        return torch.where(j > 0, torch.exp(-(j - 1) / self.gamma), torch.zeros_like(j))
+        later = torch.ones_like(j) if self.loss_name == "dpace" else torch.exp(-(j - 1) / self.gamma)
+        return torch.where(j > 0, later, torch.zeros_like(j))
 
     def sample_anchors(self, batch: dict, n: int, generator: torch.Generator | None = None):
         """(anchors (B, n) long, valid (B, n) bool): positions ``a >= 1`` whose next token is an assistant
@@ -133,8 +146,13 @@ class DFlashMethod(FusedLayers):
             target_h = batch["hidden_last"][rows[sel], source[sel]]
         ce, pred = hard_cross_entropy(model.logits, h[sel], labels[sel], self.head_chunk, target_hidden=target_h,
                                       target_head=target.logits, lk_weight=self.lk_weight)
-        w = weights[sel]
-        loss = (ce * w).sum() / w.sum()
+        if self.loss_name == "dpace":
+            per_slot = ce.new_zeros(sel.shape)
+            per_slot[sel] = ce.detach()
+            loss = (dpace_weights(per_slot, sel)[sel] * ce).sum() / sel.sum()
+        else:
+            w = weights[sel]
+            loss = (ce * w).sum() / w.sum()
         right = pred == labels[sel]
         slot = torch.arange(self.block_size, device=h.device).expand_as(sel)[sel]
         metrics = {"blocks": float(sel.any(-1).sum())}

@@ -6,6 +6,7 @@
 * ``soft_cross_entropy``: -sum p log softmax(head(h)) over rows, chunked; with ``checkpoint`` the
   draft logits of a chunk are recomputed in the backward pass instead of being kept.
 * ``feature_loss``: EAGLE-1's smooth-L1 regression of the next feature.
+* ``dpace_weights``: D-PACE's detached per-slot weights of a drafted block's cross-entropy.
 
 Both call the head (or the target's LM head) on their ``N`` selected rows padded up to a multiple of
 ``ROW_MULTIPLE`` with zero rows, whose logits are dropped at once (nothing else is padded or copied). ``N`` is
@@ -167,6 +168,29 @@ def hard_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
         losses.append(loss)
         preds.append(pred)
     return torch.cat(losses), torch.cat(preds)
+
+
+DPACE_ALPHA = 0.5
+"""D-PACE's floor on each slot's acceptance term: q~ = (1 - alpha) exp(-CE) + alpha (the paper's alpha)."""
+
+
+@torch.no_grad()
+def dpace_weights(ce: torch.Tensor, mask: torch.Tensor, alpha: float = DPACE_ALPHA) -> torch.Tensor:
+    """D-PACE's per-slot weights (arXiv 2605.18810), computed without gradient.
+
+    ce: (..., S) cross-entropy of each slot of a block against its hard label; mask: (..., S) bool, the slots
+    that count. With q~_i = (1 - alpha) exp(-CE_i) + alpha, slot j's weight is sum_{m >= j} prod_{i <= m} q~_i:
+    the draft's chance, softened by alpha, of accepting every slot up to m, summed over the slots m that slot j's
+    acceptance lets the chain reach (a surrogate for the gradient of the expected accepted length).
+    A slot outside ``mask`` is left out of the block: its factor is 1 and its term is not summed, so the
+    weights of the counted slots are those of the block with it removed. Padding after a block's end (or a
+    label that is not an assistant token) therefore changes neither the other slots' products nor their sums,
+    whatever its cross-entropy holds. Returns (..., S) float32, 0 outside ``mask``.
+    """
+    mask = mask.bool()
+    q = torch.where(mask, (1 - alpha) * torch.exp(-ce.float()) + alpha, torch.ones_like(ce, dtype=torch.float32))
+    reach = torch.cumprod(q, dim=-1) * mask  # prod_{i <= m} q~_i, summed only at counted m
+    return reach.flip(-1).cumsum(-1).flip(-1) * mask
 
 
 def feature_loss(pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
