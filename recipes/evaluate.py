@@ -103,7 +103,7 @@ ConfigStore.instance().store(name="evaluate_schema", node=EvaluateSchema)
 # The names `specheads train` gives its methods, as the evaluator's drafter families (Medusa-1 and -2 heads are
 # both drafted as Medusa; a Medusa-2 head brings its adapted target).
 HEAD_ALIASES = {"medusa": "medusa", "medusa1": "medusa", "medusa2": "medusa", "eagle1": "eagle1", "eagle3": "eagle3",
-                "dflash": "dflash", "peagle": "peagle"}
+                "dflash": "dflash", "peagle": "peagle", "mtp": "mtp"}
 HEAD_DIR_HINT = "give the output_dir of `specheads train` (holding head/) or its head/ folder"
 
 

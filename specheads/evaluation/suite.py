@@ -50,11 +50,11 @@ from specheads.targets import Target, eos_token_ids
 from specheads.training.run_log import read_train_summary
 
 log = logging.getLogger(__name__)
-DRAFTERS = ("ngram", "lookahead", "early_exit", "two_model", "medusa", "eagle1", "eagle3", "dflash", "peagle")
-HEADS = ("medusa", "eagle1", "eagle3", "dflash", "peagle")
+DRAFTERS = ("ngram", "lookahead", "early_exit", "two_model", "medusa", "eagle1", "eagle3", "dflash", "peagle", "mtp")
+HEADS = ("medusa", "eagle1", "eagle3", "dflash", "peagle", "mtp")
 # the ``model_type`` of each head family's saved config.json (checked against the drafter asked for)
 HEAD_MODEL_TYPES = {"medusa": "medusa", "eagle1": "specheads_eagle1", "eagle3": "specheads_eagle3",
-                    "dflash": "specheads_dflash", "peagle": "specheads_peagle"}
+                    "dflash": "specheads_dflash", "peagle": "specheads_peagle", "mtp": "specheads_mtp"}
 
 
 @dataclass
@@ -572,6 +572,10 @@ def _build_drafter(spec: MethodSpec, target: Target, cfg: EvalConfig | None) -> 
         from specheads.decoding.peagle_drafter import load_peagle_drafter
 
         return load_peagle_drafter(head, target, spec.shape)
+    if spec.drafter == "mtp":  # the target's own MTP layer, recursive (specheads.decoding.mtp_drafter)
+        from specheads.decoding.mtp_drafter import load_mtp_drafter
+
+        return load_mtp_drafter(head, target, spec.shape)
     from specheads.decoding.head_drafters import EagleDrafter
 
     if spec.drafter == "eagle1":
@@ -750,8 +754,13 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
 
             K = peagle_depths(resolve_head_dir(head_dir))
             out.append(MethodSpec(f"peagle-chain{K}", "peagle", TreeShape("chain", k=K), verify, head_dir=head_dir))
+        elif method == "mtp":  # the chain of the K steps it was trained for: what vLLM's mtp method drafts
+            from specheads.decoding.mtp_drafter import mtp_steps
+
+            K = mtp_steps(resolve_head_dir(head_dir))
+            out.append(MethodSpec(f"mtp-chain{K}", "mtp", TreeShape("chain", k=K), verify, head_dir=head_dir))
         else:
-            raise ConfigError(f"method '{method}': use medusa, eagle1, eagle3, dflash or peagle (or none for baselines only)")
+            raise ConfigError(f"method '{method}': use medusa, eagle1, eagle3, dflash, peagle or mtp (or none for baselines only)")
         if head_ngram:
             own = out[0]
             name = f"{own.name}+ngram{head_ngram}" + (f"+x{head_ngram_extend}" if head_ngram_extend else "")
@@ -759,7 +768,7 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                                   ngram_extend=head_ngram_extend, ngram_extend_len=head_ngram_extend_len,
                                   ngram_table=head_ngram_table if head_ngram_extend else None,
                                   ngram_table_tokens=head_ngram_table_tokens))
-        if "vllm" in serving.engines and method not in ("dflash", "peagle"):
+        if "vllm" in serving.engines and method not in ("dflash", "peagle", "mtp"):
             out.append(MethodSpec(f"{method}-vllm", method, vllm, verify, head_dir=head_dir, profile="vllm"))
     chain = TreeShape("chain", k=chain_k)
     for b in baselines or ():

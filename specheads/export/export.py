@@ -99,6 +99,14 @@ def export_head(head_dir: str | Path, out_dir: str | Path, engine: str = "both",
     ``chat_template.jinja`` and its serve lines pass it with ``--chat-template``; the prepared data's template
     (``data`` or the train summary's prepared folder) must be the one the engines will apply.
     """
+    head = resolve_head_dir(head_dir)
+    if (head / "config.json").is_file() and json.loads((head / "config.json").read_text()).get("model_type") == \
+            "specheads_mtp":  # a tuned MTP layer goes back into its target: a stitched checkpoint (export/mtp.py)
+        from specheads.export.mtp import export_mtp
+
+        if engine not in ("vllm", "both", "all") or push_to_hub is not None:
+            raise ExportError(f"an MTP head exports as a stitched target for vLLM only (engine={engine}), not pushed")
+        return export_mtp(head, out_dir, target, spec_tokens, overwrite)
     plan = plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spec_tokens, overwrite,
                        push_to_hub, target_id, chat_template)
     write_export(plan)

@@ -221,6 +221,9 @@ def exported_lines(export_dir: str | Path, target_here: str | None = None) -> li
     if not folders:
         return [f"(no exported folder in {export_dir})"]
     prov = folders[0][1]
+    if prov["method"] == "mtp":  # a stitched target (export/mtp.py): the folder is the model, no draft repo
+        s = json.dumps(prov["serve"]["speculative_config"])
+        return [f"# vLLM (the stitched target: {folders[0][0]})", f"vllm serve {folders[0][0]} --speculative-config '{s}'"]
     target, lines = prov.get("target_id") or target_here, []
     if target is None:
         hint = prov.get("target_hint")

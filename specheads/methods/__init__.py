@@ -17,6 +17,7 @@ METHODS: dict[str, str] = {
     "eagle3": "specheads.methods.eagle3:Eagle3Method",
     "dflash": "specheads.methods.dflash:DFlashMethod",
     "peagle": "specheads.methods.peagle:PEagleMethod",
+    "mtp": "specheads.methods.mtp:MTPMethod",
 }
 
 
