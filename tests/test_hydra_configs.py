@@ -61,7 +61,7 @@ def test_override_typo_is_an_error():
 
 
 @pytest.mark.parametrize("method, offline", [("eagle3", True), ("eagle1", True), ("medusa1", True), ("medusa2", False),
-                                             ("peagle", True)])
+                                             ("peagle", True), ("dspark", True)])
 def test_pipeline_stage_overrides_compose_against_each_recipe(method, offline, tmp_path):
     pipeline = load_recipe("pipeline.py")
     cfg = compose_cfg("pipeline", [f"head={method}", f"offline={str(offline).lower()}", f"run_dir={tmp_path}"])

@@ -185,6 +185,10 @@ def test_dflash_after_eagle3_reuses_its_feature_store(tmp_path, launches):
     assert "method=peagle" in dict((n, o) for n, _, o in peagle)["train"]
     assert "head_method=peagle" in dict((n, o) for n, _, o in peagle)["evaluate"]
     assert pipeline.run_stages(peagle, tmp_path) == ["train", "evaluate", "export"]
+    dspark = commands("head=dspark")  # DSpark too
+    assert "method=eagle3" in dict((n, o) for n, _, o in dspark)["collect"]
+    assert "method=dspark" in dict((n, o) for n, _, o in dspark)["train"]
+    assert pipeline.run_stages(dspark, tmp_path) == ["train", "evaluate", "export"]
 
 
 def test_end_summary_lists_the_outputs_the_table_and_the_serve_lines(tmp_path):

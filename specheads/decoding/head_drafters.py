@@ -312,6 +312,11 @@ class DFlashDrafter(Drafter):
     @torch.no_grad()
     def block_logits(self, seqs, active) -> torch.Tensor:
         """(B, depth, V) logits of slots 1..depth of every row's block (the context fed first)."""
+        return self.model.logits(self.block_states(seqs, active)[:, 1: 1 + self.depth]).double()
+
+    @torch.no_grad()
+    def block_states(self, seqs, active) -> torch.Tensor:
+        """(B, block, H) pre-norm states of every row's block, anchored at its last token (the context fed first)."""
         self._feed(active)
         B = len(seqs)
         p = torch.tensor([len(s) - 1 for s in seqs], device=self.device)
@@ -322,8 +327,7 @@ class DFlashDrafter(Drafter):
         anchors = torch.tensor([s[-1] for s in seqs], device=self.device)
         block = self.model.block_inputs(anchors)
         pos = p[:, None] + torch.arange(self.block, device=self.device)
-        h = self.model.decode(block, pos, self.cache if len(self.cache) else None, self.block_mask(p))
-        return self.model.logits(h[:, 1: 1 + self.depth]).double()
+        return self.model.decode(block, pos, self.cache if len(self.cache) else None, self.block_mask(p))
 
     @torch.no_grad()
     def propose(self, seqs, active, temperature, generator):

@@ -18,6 +18,7 @@ METHODS: dict[str, str] = {
     "dflash": "specheads.methods.dflash:DFlashMethod",
     "peagle": "specheads.methods.peagle:PEagleMethod",
     "mtp": "specheads.methods.mtp:MTPMethod",
+    "dspark": "specheads.methods.dspark:DSparkMethod",
 }
 
 

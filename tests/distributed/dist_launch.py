@@ -70,6 +70,7 @@ METHOD_ARGS = {  # the smallest settings of each method that still exercise its 
     "eagle1": ["method.eval_steps=2"],
     "eagle3": ["method.ttt_steps=2"],
     "dflash": ["method.block_size=4", "method.anchors=4"],
+    "dspark": ["method.block_size=4", "method.anchors=4"],
     "peagle": ["method.num_depths=3"],
 }
 

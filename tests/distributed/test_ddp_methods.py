@@ -17,7 +17,7 @@ from dist_launch import assert_rank0_writes_once, assert_world_of_two, launch, t
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
-@pytest.fixture(scope="module", params=["medusa2", "eagle1", "eagle3", "dflash", "peagle"])
+@pytest.fixture(scope="module", params=["medusa2", "eagle1", "eagle3", "dflash", "peagle", "dspark"])
 def ddp_run(request, assets, tmp_path_factory):
     method = request.param
     out = tmp_path_factory.mktemp(f"ddp_{method}") / "run"

@@ -31,7 +31,7 @@ from dist_launch import (assert_rank0_writes_once, assert_world_of_two, final_ck
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-CASES = [(2, "eagle3"), (2, "medusa2"), (2, "dflash"), (2, "peagle"), (3, "eagle3"), (3, "medusa2")]
+CASES = [(2, "eagle3"), (2, "medusa2"), (2, "dflash"), (2, "peagle"), (2, "dspark"), (3, "eagle3"), (3, "medusa2")]
 
 
 @pytest.mark.parametrize("stage,method", CASES, ids=[f"zero{z}-{m}" for z, m in CASES])
