@@ -81,6 +81,7 @@ class EvaluateSchema:
     head_ngram_extend_len: int = 2
     head_ngram_table: Optional[str] = None
     head_ngram_table_tokens: int = 1000000
+    dspark_threshold: float = 0.5
     medusa_choices: Optional[list] = None
     medusa_tree_nodes: int = 24
     serving: ServingProfiles = field(default_factory=ServingProfiles)
@@ -103,7 +104,8 @@ ConfigStore.instance().store(name="evaluate_schema", node=EvaluateSchema)
 # The names `specheads train` gives its methods, as the evaluator's drafter families (Medusa-1 and -2 heads are
 # both drafted as Medusa; a Medusa-2 head brings its adapted target).
 HEAD_ALIASES = {"medusa": "medusa", "medusa1": "medusa", "medusa2": "medusa", "eagle1": "eagle1", "eagle3": "eagle3",
-                "dflash": "dflash", "peagle": "peagle", "mtp": "mtp"}
+                "dflash": "dflash", "peagle": "peagle", "mtp": "mtp",
+                "dspark": "dspark"}
 HEAD_DIR_HINT = "give the output_dir of `specheads train` (holding head/) or its head/ folder"
 
 
@@ -190,7 +192,7 @@ def run(cfg: DictConfig) -> dict:
                            lookahead=OmegaConf.to_container(cfg.lookahead), head_shape=cfg.head_shape,
                            head_ngram=cfg.head_ngram, head_ngram_extend=cfg.head_ngram_extend,
                            head_ngram_extend_len=cfg.head_ngram_extend_len, head_ngram_table=cfg.head_ngram_table,
-                           head_ngram_table_tokens=cfg.head_ngram_table_tokens)
+                           head_ngram_table_tokens=cfg.head_ngram_table_tokens, dspark_threshold=cfg.dspark_threshold)
     for kind, path in heads.values():
         methods[:0] = plan_methods(kind, path, [], cfg.chain_k, TreeShape("dynamic", **cfg.tree),
                                    ServingProfiles(**cfg.serving), medusa_choices=(
@@ -201,7 +203,8 @@ def run(cfg: DictConfig) -> dict:
                                    head_ngram_extend=cfg.head_ngram_extend,
                                    head_ngram_extend_len=cfg.head_ngram_extend_len,
                                    head_ngram_table=cfg.head_ngram_table,
-                                   head_ngram_table_tokens=cfg.head_ngram_table_tokens)
+                                   head_ngram_table_tokens=cfg.head_ngram_table_tokens,
+                                   dspark_threshold=cfg.dspark_threshold)
     ecfg = EvalConfig(methods, BenchmarkSpec(**ev), max_new, tuple(cfg.temperatures), tuple(cfg.batch_sizes),
                       cfg.batch_prompts, cfg.seed, repeats=repeats, max_minutes=max_minutes,
                       exact_forward=cfg.exact_forward, cpu_linears=cfg.cpu_linears, cpu_threads=cfg.cpu_threads,

@@ -87,6 +87,20 @@ def load_dspark_drafter(head_dir, target, shape: TreeShape | None = None,
     from specheads.decoding.cpu_linears import pack_like
     from specheads.models.dspark import DSparkModel
 
-    model = DSparkModel.from_pretrained(head_dir).to(target.device).eval().attach(target)
+    # the draft runs in the target's dtype (its embedding and LM head are the target's own), as DFlash's
+    model = DSparkModel.from_pretrained(head_dir).to(target.device, target.dtype).eval().attach(target)
     pack_like(model, target.model)
     return DSparkDrafter(model, shape, threshold)
+
+
+def dspark_block_size(head_dir) -> int:
+    """B of a saved DSpark head (slot 0 the anchor, B-1 drafted tokens), from its config.json."""
+    import json
+    from pathlib import Path
+
+    from specheads.errors import UserError
+
+    cfg = json.loads((Path(head_dir) / "config.json").read_text())
+    if cfg.get("model_type") != "specheads_dspark" or "block_size" not in cfg:
+        raise UserError(f"{head_dir}: its config.json is not a DSpark head's (model_type specheads_dspark, block_size)")
+    return int(cfg["block_size"])

@@ -50,11 +50,13 @@ from specheads.targets import Target, eos_token_ids
 from specheads.training.run_log import read_train_summary
 
 log = logging.getLogger(__name__)
-DRAFTERS = ("ngram", "lookahead", "early_exit", "two_model", "medusa", "eagle1", "eagle3", "dflash", "peagle", "mtp")
-HEADS = ("medusa", "eagle1", "eagle3", "dflash", "peagle", "mtp")
+DRAFTERS = ("ngram", "lookahead", "early_exit", "two_model", "medusa", "eagle1", "eagle3", "dflash", "peagle", "mtp",
+            "dspark")
+HEADS = ("medusa", "eagle1", "eagle3", "dflash", "peagle", "mtp", "dspark")
 # the ``model_type`` of each head family's saved config.json (checked against the drafter asked for)
 HEAD_MODEL_TYPES = {"medusa": "medusa", "eagle1": "specheads_eagle1", "eagle3": "specheads_eagle3",
-                    "dflash": "specheads_dflash", "peagle": "specheads_peagle", "mtp": "specheads_mtp"}
+                    "dflash": "specheads_dflash", "peagle": "specheads_peagle", "mtp": "specheads_mtp",
+                    "dspark": "specheads_dspark"}
 
 
 @dataclass
@@ -87,6 +89,7 @@ class MethodSpec:
     ngram_extend_len: int = 2
     ngram_table: str | None = None
     ngram_table_tokens: int = 1_000_000  # the table reads at most this many tokens of its corpus (rows in order)
+    confidence_threshold: float | None = None  # DSpark: verify the drafts whose confidence survival reaches it
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
@@ -576,6 +579,10 @@ def _build_drafter(spec: MethodSpec, target: Target, cfg: EvalConfig | None) -> 
         from specheads.decoding.mtp_drafter import load_mtp_drafter
 
         return load_mtp_drafter(head, target, spec.shape)
+    if spec.drafter == "dspark":  # a block, the Markov bias left to right (specheads.decoding.dspark_drafter)
+        from specheads.decoding.dspark_drafter import load_dspark_drafter
+
+        return load_dspark_drafter(head, target, spec.shape, spec.confidence_threshold)
     from specheads.decoding.head_drafters import EagleDrafter
 
     if spec.drafter == "eagle1":
@@ -702,12 +709,14 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                  allow_empty: bool = False, lookahead: dict | None = None,
                  head_shape: str = "tree", head_ngram: int = 0, head_ngram_extend: int = 0,
                  head_ngram_extend_len: int = 2, head_ngram_table: str | None = None,
-                 head_ngram_table_tokens: int = 1_000_000) -> list[MethodSpec]:
+                 head_ngram_table_tokens: int = 1_000_000, dspark_threshold: float = 0.5) -> list[MethodSpec]:
     """The method list for an evaluation: the head's own shape, its serving profiles, and baselines.
 
     DFlash (``dflash``, B read from the head's config): the block drafted as a chain of B-1 (``dflash-chain{B-1}``,
     what the reference and the engines draft) and a tree of per-slot candidates (``dflash-tree``: ``tree`` with
-    its depth capped at B-1; ``DFlashDrafter``); no serving profile rows.
+    its depth capped at B-1; ``DFlashDrafter``); no serving profile rows. DSpark (``dspark``): the block as a
+    chain of B-1 with every draft verified (``dspark-chain{B-1}``) and as its confidence head schedules it
+    (``dspark-sched{t}``: the drafts whose survival reaches ``dspark_threshold``); ``DSparkDrafter``.
     head_shape: ``tree`` (the EAGLE-2 dynamic ``tree``) or ``auto`` (EAGLE: the chain this machine's
     verify cost curve and the head's held-out acceptance favour, chosen at evaluation: ``shape_choice``);
     lookahead: {window, ngram, guesses} of the lookahead baseline (default 5, 4, 5); head_ngram > 0: the
@@ -759,8 +768,15 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
 
             K = mtp_steps(resolve_head_dir(head_dir))
             out.append(MethodSpec(f"mtp-chain{K}", "mtp", TreeShape("chain", k=K), verify, head_dir=head_dir))
+        elif method == "dspark":  # the block as a chain, every draft verified, then as the confidence schedules it
+            from specheads.decoding.dspark_drafter import dspark_block_size
+
+            chain = TreeShape("chain", k=dspark_block_size(resolve_head_dir(head_dir)) - 1)
+            out.append(MethodSpec(f"dspark-chain{chain.k}", "dspark", chain, verify, head_dir=head_dir))
+            out.append(MethodSpec(f"dspark-sched{dspark_threshold:g}", "dspark", chain, verify, head_dir=head_dir,
+                                  confidence_threshold=dspark_threshold))
         else:
-            raise ConfigError(f"method '{method}': use medusa, eagle1, eagle3, dflash, peagle or mtp (or none for baselines only)")
+            raise ConfigError(f"method '{method}': use medusa, eagle1, eagle3, dflash, dspark, peagle or mtp (or none for baselines only)")
         if head_ngram:
             own = out[0]
             name = f"{own.name}+ngram{head_ngram}" + (f"+x{head_ngram_extend}" if head_ngram_extend else "")
@@ -768,7 +784,7 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                                   ngram_extend=head_ngram_extend, ngram_extend_len=head_ngram_extend_len,
                                   ngram_table=head_ngram_table if head_ngram_extend else None,
                                   ngram_table_tokens=head_ngram_table_tokens))
-        if "vllm" in serving.engines and method not in ("dflash", "peagle", "mtp"):
+        if "vllm" in serving.engines and method not in ("dflash", "dspark", "peagle", "mtp"):
             out.append(MethodSpec(f"{method}-vllm", method, vllm, verify, head_dir=head_dir, profile="vllm"))
     chain = TreeShape("chain", k=chain_k)
     for b in baselines or ():
