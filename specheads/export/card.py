@@ -13,14 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specheads.export.engine_targets import vllm_refusal
+from specheads.export.engine_targets import VLLM_CPU_REFUSED, vllm_refusal
 from specheads.export.layouts import Layout, TargetInfo
 from specheads.export.serve import (FOLDER_PLACEHOLDER, NO_SGLANG, TARGET_VAR, serve_commands, serve_params,
                                     target_line)
 from specheads.export.target import TargetOrigin, portable_name
 from specheads.targets import chat_templates
 
-_TITLES = {"medusa": "Medusa", "eagle1": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash", "peagle": "P-EAGLE"}
+_TITLES = {"medusa": "Medusa", "eagle1": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash", "peagle": "P-EAGLE",
+           "dspark": "DSpark"}
 # Which engines serve each method (read from the loaders; docs/export.md). Layout -> engines that read it.
 SERVED_BY = {
     ("medusa", "vllm"): "vLLM up to 0.32 (checked: 0.32.0); not vLLM 0.33 (no Medusa method); not SGLang (no Medusa "
@@ -45,6 +46,12 @@ SERVED_BY = {
     ("peagle", "speculators"): "vLLM, which turns `speculators_model_type: peagle` into eagle3 + parallel drafting "
                                "(the 0.32.0 wheel's config parsing read, not served here); speculators' own loader not "
                                "checked",
+    ("dspark", "vllm"): "vLLM's V2 GPU model runner (method `dspark`; the 0.32.0 wheel's loader read, not served here); "
+                        f"**not vLLM's CPU build**, which runs the V1 runner and refuses it (\"{VLLM_CPU_REFUSED['dspark']}\"); "
+                        "SGLang not checked",
+    ("dspark", "speculators"): "vLLM's V2 GPU model runner, which converts `speculators_model_type: dspark` itself (the "
+                               "0.32.0 wheel's config parsing read, not served here); **not vLLM's CPU build** "
+                               f"(\"{VLLM_CPU_REFUSED['dspark']}\"); speculators' own loader not checked",
 }
 
 
@@ -148,6 +155,20 @@ def _facts(layout: Layout, card: CardInputs) -> list[tuple[str, str]]:
         rows.append(("block", f"{cfg['block_size']} slots (the anchor, then {cfg['block_size'] - 1} mask tokens, "
                               f"mask_token_id {cfg['mask_token_id']}): up to {cfg['block_size'] - 1} drafted tokens per "
                               "step, one draft forward"))
+        rows.append(("aux layers", f"inputs of target decoder layers {cfg['aux_layers']} (= HF hidden_states "
+                                   f"indices); written as {key} {ids}"))
+    if layout.method == "dspark":
+        c = layout.config
+        key, ids = (("aux_hidden_state_layer_ids", c["aux_hidden_state_layer_ids"]) if layout.engine == "speculators"
+                    else ("target_layer_ids", c["target_layer_ids"]))
+        B = cfg["block_size"]
+        rows.append(("draft vocabulary", f"full target vocabulary ({cfg['vocab_size']}, target LM head)"))
+        rows.append(("block", f"{B} slots (the anchor, then {B - 1} mask tokens, mask_token_id {cfg['mask_token_id']}): "
+                              f"up to {B - 1} drafted tokens per step, one draft forward"))
+        rows.append(("Markov head", f"rank {cfg['markov_rank']} ({cfg.get('markov_head_type', 'vanilla')}), on the "
+                                    "previous token"))
+        rows.append(("confidence head", "yes: vLLM's adaptive verification reads it" if c["enable_confidence_head"]
+                     else "none"))
         rows.append(("aux layers", f"inputs of target decoder layers {cfg['aux_layers']} (= HF hidden_states "
                                    f"indices); written as {key} {ids}"))
     s = card.train_summary

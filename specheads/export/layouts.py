@@ -38,6 +38,9 @@ The facts (read from the loaders themselves; table and sources in docs/export.md
   ``dflash_config.target_layer_ids`` = our aux layers minus one, no embedding or LM head), written as ``vllm/``
   and ``sglang/``; and speculators' format (``speculators_model_type: dflash``, our aux ids,
   ``sliding_window_non_causal: true``, the target's embedding and LM head), which vLLM converts and SGLang cannot read.
+* **DSpark** (vLLM 0.32.0's ``qwen3_dspark.py`` and speculators conversion, read from the wheel): DFlash's tensors
+  plus ``markov_head.markov_w1``/``markov_w2`` and ``confidence_head.proj``; a Qwen3 config with the top-level
+  keys ``Qwen3DSparkModel`` reads (below). vLLM serves it only on the V2 GPU model runner.
 
 Everything here works on plain dicts (``config.json`` contents) so it can be checked without torch.
 """
@@ -47,13 +50,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-METHODS = ("medusa", "eagle1", "eagle3", "dflash", "peagle")
+METHODS = ("medusa", "eagle1", "eagle3", "dflash", "peagle", "dspark")
 ENGINES = ("vllm", "sglang", "speculators", "medusa")
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format and loader were checked
 FLOAT = "float"  # any floating dtype, the same for every float tensor of a file
 
 _MODEL_TYPES = {"medusa": "medusa", "specheads_eagle1": "eagle1", "specheads_eagle3": "eagle3",
-                "specheads_dflash": "dflash", "specheads_peagle": "peagle"}
+                "specheads_dflash": "dflash", "specheads_peagle": "peagle", "specheads_dspark": "dspark"}
 _ARCHITECTURES = {  # (method, engine) -> the architecture written (the medusa layout writes none)
     ("medusa", "vllm"): "MedusaModel",
     ("eagle1", "vllm"): "EagleLlamaForCausalLM",
@@ -67,6 +70,8 @@ _ARCHITECTURES = {  # (method, engine) -> the architecture written (the medusa l
     ("dflash", "speculators"): "DFlashSpeculator",  # speculators' format, which vLLM converts (algos.update_dflash)
     ("peagle", "vllm"): "LlamaForCausalLMEagle3",  # EAGLE-3's loader, served with parallel_drafting: true
     ("peagle", "speculators"): "PEagleSpeculator",  # speculators' peagle format (vLLM: algos.update_peagle)
+    ("dspark", "vllm"): "Qwen3DSparkModel",  # vLLM registry -> qwen3_dspark.Qwen3DSparkForCausalLM
+    ("dspark", "speculators"): "Qwen3DSparkModel",  # kept by vLLM's algos.update_dspark (one it supports)
 }
 _LLAMA_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "vocab_size",
@@ -216,6 +221,8 @@ def head_tensors(method: str, cfg: dict) -> dict[str, TensorSpec]:
         return out
     if method == "peagle":
         return _peagle_tensors(cfg)
+    if method == "dspark":
+        return _dspark_tensors(cfg)
     if method == "dflash":
         _need(cfg, "aux_layers", "block_size", "mask_token_id")
         Ht = cfg.get("target_hidden_size") or H
@@ -268,14 +275,14 @@ def _check_target(method: str, cfg: dict, target: TargetInfo) -> None:
         raise LayoutError(f"head hidden_size {H} != target {target.name} hidden_size {target.hidden_size}")
     if cfg["vocab_size"] != target.vocab_size:
         raise LayoutError(f"head vocab_size {cfg['vocab_size']} != target {target.name} vocab_size {target.vocab_size}")
-    if method in ("eagle3", "dflash", "peagle"):
+    if method in ("eagle3", "dflash", "peagle", "dspark"):
         Ht = cfg.get("target_hidden_size") or H
         if Ht != target.hidden_size:
             raise LayoutError(f"head target_hidden_size {Ht} != target {target.name} hidden_size {target.hidden_size}")
         bad = [i for i in cfg["aux_layers"] if not (target.num_layers is None or 0 <= i < target.num_layers)]
         if bad:
             raise LayoutError(f"aux layers {bad} do not exist in target {target.name} ({target.num_layers} layers)")
-    if method in ("dflash", "peagle"):
+    if method in ("dflash", "peagle", "dspark"):
         mask = cfg["mask_token_id"]
         if not 0 <= int(mask) < target.vocab_size:
             raise LayoutError(f"mask_token_id {mask} is not a row of target {target.name}'s embedding (vocab "
@@ -302,6 +309,8 @@ def build_layout(method: str, engine: str, cfg: dict, target: TargetInfo, spec_t
                 else _dflash(cfg, engine, target, src))
     if method == "peagle":
         return _peagle(cfg, engine, target, src, spec_tokens)
+    if method == "dspark":
+        return _dspark(cfg, engine, target, src, spec_tokens)
     if engine == "speculators":
         return _eagle3_speculators(cfg, target, src, spec_tokens)
     if engine == "medusa":
@@ -611,3 +620,70 @@ def _peagle(cfg: dict, engine: str, target: TargetInfo, src: dict, spec_tokens: 
     lay.notes += [f"Trained to draft {cfg['num_depths']} tokens per forward (num_speculative_tokens at most that).",
                   PEAGLE_SERVED]
     return Layout("peagle", engine, lay.config, lay.tensors, lay.rules, lay.notes)
+
+
+# --------------------------------------------------------------------------- DSpark
+
+DSPARK_SERVED = ("vLLM's V2 GPU model runner (method \"dspark\"; the 0.32.0 wheel's loader and config parsing read, not "
+                 "served here). vLLM's CPU build refuses it (no Triton, so the V1 runner: \"Model Runner V1 does not "
+                 "support: dspark speculative decoding\"). SGLang's DSpark loader was not checked.")
+
+
+def _dspark_tensors(cfg: dict) -> dict[str, TensorSpec]:
+    """DFlash's tensors plus the Markov head (V, r) x 2 and the confidence head (1, H [+ r]) with its bias."""
+    _need(cfg, "markov_rank")
+    if cfg.get("markov_head_type", "vanilla") != "vanilla":
+        raise LayoutError(f"markov_head_type {cfg['markov_head_type']!r}: vLLM 0.32 loads the vanilla Markov head only")
+    out = head_tensors("dflash", cfg)
+    V, H, r = cfg["vocab_size"], cfg["hidden_size"], int(cfg["markov_rank"])
+    out.update({"markov_head.markov_w1.weight": TensorSpec((V, r)), "markov_head.markov_w2.weight": TensorSpec((V, r))})
+    if cfg.get("enable_confidence_head", True):
+        width = H + (r if cfg.get("confidence_head_with_markov", True) else 0)
+        out.update({"confidence_head.proj.weight": TensorSpec((1, width)), "confidence_head.proj.bias": TensorSpec((1,))})
+    return out
+
+
+def _dspark(cfg: dict, engine: str, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
+    """vLLM's dense DSpark format (``Qwen3DSparkModel``) or speculators' (``speculators_model_type: dspark``).
+
+    The head drafts DFlash's way, the anchor a bonus token and slots 1..B-1 predicting (``sample_from_anchor:
+    false``, ``dspark_bonus_anchor: true``): vLLM's default ``num_speculative_tokens`` is ``block_size``, so the
+    native folder writes B-1 there; speculators' ``block_size`` counts the anchor, as DFlash's does.
+    """
+    B, H = int(cfg["block_size"]), cfg["hidden_size"]
+    aux = [int(i) for i in cfg["aux_layers"]]
+    ids = dflash_target_layer_ids("vllm", aux)
+    heads = {"markov_rank": int(cfg["markov_rank"]), "markov_head_type": cfg.get("markov_head_type", "vanilla"),
+             "enable_confidence_head": bool(cfg.get("enable_confidence_head", True)),
+             "confidence_head_with_markov": bool(cfg.get("confidence_head_with_markov", True)),
+             "mask_token_id": int(cfg["mask_token_id"]), "target_hidden_size": cfg.get("target_hidden_size") or H,
+             "sample_from_anchor": False}
+    tensors, rules = _dflash_tensors(cfg, src)
+    notes = ["Markov head `markov_head.markov_w1` (V, r) and `markov_w2` (V, r): slot j's logits plus "
+             "`markov_w2 @ markov_w1[previous token]`; confidence head `confidence_head.proj` on "
+             "[norm(h); markov_w1[previous token]] (vLLM's adaptive verification reads its sigmoid).",
+             "The anchor is a bonus token (`sample_from_anchor: false`): slots 1..B-1 draft, as the head was trained."]
+    if engine == "speculators":
+        for name in ("embed_tokens.weight", "lm_head.weight"):
+            tensors[name] = TensorSpec((target.vocab_size, H))
+            rules[name] = Rule(name, from_target=True)
+        config = {"architectures": [_ARCHITECTURES["dspark", "speculators"]], "speculators_model_type": "dspark",
+                  "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": _qwen3_config(cfg, target),
+                  "draft_vocab_size": target.vocab_size, "block_size": B, "aux_hidden_state_layer_ids": sorted(aux),
+                  "use_aux_hidden_state": True, "tie_word_embeddings": False, **heads,
+                  "speculators_config": _speculators_config("dspark", spec_tokens, target)}
+        notes.insert(0, f"Aux layers {aux} are written as aux_hidden_state_layer_ids {sorted(aux)} (vLLM's convention, "
+                        f"ours); vLLM derives target_layer_ids {ids} (minus one) and dspark_bonus_anchor itself.")
+        notes += ["embed_tokens.weight and lm_head.weight are copies of the target's (as speculators' DFlash format "
+                  "carries them; vLLM's DSpark loader keeps them, or shares the target's when they are equal)."]
+        notes += _verifier_note(target)
+    else:
+        notes.append("Token embedding and LM head are the target's (not in the file; vLLM shares them).")
+        config = {"architectures": [_ARCHITECTURES["dspark", engine]], **_qwen3_config(cfg, target), **heads,
+                  "block_size": B - 1, "dspark_bonus_anchor": True, "target_layer_ids": ids,
+                  "num_target_layers": cfg.get("num_target_layers") or target.num_layers}
+        notes.insert(0, f"Aux layers {aux} (inputs of target decoder layers) are written as target_layer_ids {ids} "
+                        "(decoder layers whose output is used: ours minus one, as vLLM's dense DSpark configs).")
+        notes.append(f"`block_size` is {B - 1}, the tokens drafted per step (vLLM's default num_speculative_tokens); "
+                     f"the trained block has {B} slots with the anchor.")
+    return Layout("dspark", engine, config, tensors, rules, notes + [DSPARK_SERVED])

@@ -38,6 +38,9 @@ def _model_class(head_cfg: dict):
     if method == "peagle":
         from specheads.models.peagle import PEagleConfig, PEagleModel
         return PEagleConfig, PEagleModel
+    if method == "dspark":
+        from specheads.models.dspark import DSparkConfig, DSparkModel
+        return DSparkConfig, DSparkModel
     from specheads.models.eagle3 import Eagle3Config, Eagle3Model
     return Eagle3Config, Eagle3Model
 

@@ -22,25 +22,29 @@ from pathlib import Path
 
 from specheads.evaluation.recommend import best_for_gpu
 from specheads.export.checks import ExportError
+from specheads.export.engine_targets import VLLM_CPU_REFUSED
 
 FOLDER_PLACEHOLDER = "<path-or-repo-id-of-this-folder>"  # the card's draft model when nothing was pushed
 TARGET_VAR = "TARGET"  # the commands' target when it has no hub id: ``$TARGET``, set by a line before them
 # vLLM's speculative_config "method" per head kind (the export record's method: a family, or medusa1/medusa2)
 VLLM_METHOD = {"medusa": "medusa", "medusa1": "medusa", "medusa2": "medusa", "eagle1": "eagle", "eagle3": "eagle3",
-               "dflash": "dflash", "peagle": "eagle3"}
+               "dflash": "dflash", "peagle": "eagle3", "dspark": "dspark"}
 def vllm_speculative_config(method: str, model: str, tokens: int) -> dict:
     """vLLM's ``speculative_config`` for a head of kind ``method`` at ``model`` drafting ``tokens`` per step
     (P-EAGLE is EAGLE-3 with the parallel slots: vLLM's ``parallel_drafting`` field)."""
     spec = {"method": VLLM_METHOD[method], "model": model, "num_speculative_tokens": int(tokens)}
     if method == "peagle":
         spec["parallel_drafting"] = True
+    if method == "dspark":  # the confidence head sizes each request's verified drafts (V2 runner)
+        spec["enable_adaptive_verification"] = True
     return spec
 
 
 SGLANG_ALGO = {"eagle1": "EAGLE", "eagle3": "EAGLE3", "dflash": "DFLASH"}
 NO_SGLANG = {"medusa": "# SGLang: no Medusa support (no Medusa loader in SGLang 0.5.23): serve with vLLM up to "
                        "0.32 (the line above) or TGI",
-             "peagle": "# SGLang: no parallel-drafting EAGLE (P-EAGLE) in SGLang 0.5.23: serve with vLLM (the line above)"}
+             "peagle": "# SGLang: no parallel-drafting EAGLE (P-EAGLE) in SGLang 0.5.23: serve with vLLM (the line above)",
+             "dspark": "# SGLang: its DSpark loader was not checked against this layout: serve with vLLM's GPU build (above)"}
 PREFERRED_T, PREFERRED_DOMAIN = "0.0", "all"
 
 
@@ -72,8 +76,8 @@ def serve_params(method: str, cfg: dict, engine: str, report: list[dict] | None,
     report: rows of ``run_records.load_eval_report`` (each with its ``recommendation`` entry, when the report
     has one)."""
     engine = engine_family(engine)
-    if method == "dflash":
-        return _dflash_params(cfg, engine, report, spec_tokens)
+    if method in ("dflash", "dspark"):
+        return _dflash_params(cfg, engine, report, spec_tokens, method)
     if method == "peagle":
         return _peagle_params(cfg, report, spec_tokens)
     if spec_tokens is not None:
@@ -138,19 +142,20 @@ def _peagle_params(cfg: dict, report: list[dict] | None, spec_tokens: int | None
     return ServeParams.chain(K, f"the head's num_depths ({K} tokens per draft forward; not measured here)")
 
 
-def _dflash_params(cfg: dict, engine: str, report: list[dict] | None, spec_tokens: int | None) -> ServeParams:
-    """DFlash drafts one block per step: ``block_size - 1`` tokens after the anchor (vLLM's
-    ``num_speculative_tokens``; SGLang's ``--speculative-num-draft-tokens`` counts the anchor too)."""
+def _dflash_params(cfg: dict, engine: str, report: list[dict] | None, spec_tokens: int | None,
+                   drafter: str = "dflash") -> ServeParams:
+    """DFlash (and DSpark, ``drafter``) drafts one block per step: ``block_size - 1`` tokens after the anchor
+    (vLLM's ``num_speculative_tokens``; SGLang's ``--speculative-num-draft-tokens`` counts the anchor too)."""
     B = int(cfg["block_size"])
     p = ServeParams.chain(B - 1, f"the trained block ({B} slots: the anchor and {B - 1} drafted tokens)")
     if spec_tokens is not None:
         p = ServeParams.chain(int(spec_tokens), "given by spec_tokens (a chain)")
     else:
-        rows = _rows(report, lambda r: r["drafter"] == "dflash" and re.fullmatch(r"chain\d+", r["shape"] or ""))
+        rows = _rows(report, lambda r: r["drafter"] == drafter and re.fullmatch(r"chain\d+", r["shape"] or ""))
         if rows:
             p = _from_row(rows[0])
     if not 1 <= p.tokens <= B - 1:
-        raise ExportError(f"a DFlash head with block_size {B} drafts 1..{B - 1} tokens per step; got {p.tokens} "
+        raise ExportError(f"a {'DSpark' if drafter == 'dspark' else 'DFlash'} head with block_size {B} drafts 1..{B - 1} tokens per step; got {p.tokens} "
                           "(the slots past the trained block were never trained)")
     return ServeParams(p.tokens, 1, 1, p.tokens + 1, p.source)
 
@@ -167,7 +172,9 @@ def serve_commands(method: str, engine: str, target: str, model: str, p: ServePa
     if engine_family(engine) == "vllm":
         spec = vllm_speculative_config(method, model, p.tokens)
         py_target = target[1:] if target.startswith("$") else repr(target)
-        out = {"shell": f"vllm serve {target} --speculative-config '{json.dumps(spec)}'{flag}",
+        gpu_only = f"   # GPU only: vLLM's CPU build refuses it (\"{VLLM_CPU_REFUSED[method]}\")" \
+            if method in VLLM_CPU_REFUSED else ""
+        out = {"shell": f"vllm serve {target} --speculative-config '{json.dumps(spec)}'{flag}{gpu_only}",
                "python": f"LLM(model={py_target}, speculative_config={spec!r})"}
         if chat_template:
             out["python_chat"] = ("llm.chat([{'role': 'user', 'content': 'Hello'}], "

@@ -64,7 +64,9 @@ def each_rank_holds_half_of_the_optimizer_state(stage, method, run) -> None:
     total = trainable_numel(run)
     for p in parts:
         assert p["fp32_numel"] <= math.ceil(total / 2) + 64, (p, total)  # half (plus alignment padding)
-        assert p["moments_numel"] == 2 * p["fp32_numel"], p  # Adam's exp_avg and exp_avg_sq of that half only
+        # Adam's exp_avg and exp_avg_sq of that half only; the last rank's moments keep the alignment padding that
+        # DeepSpeed strips from its fp32 partition (a head with an odd number of elements, e.g. DSpark's 1-wide bias)
+        assert 2 * p["fp32_numel"] <= p["moments_numel"] <= 2 * (p["fp32_numel"] + 64), p
     assert total <= sum(p["fp32_numel"] for p in parts) <= total + 128
 
 
