@@ -86,7 +86,7 @@ METHOD_RULES = {
     "lora_alpha": "> 0", "lora_dropout": "in [0, 1)", "target_weight": ">= 0", "heads_weight": ">= 0",
     "kl_temperature": "> 0", "heads_warmup_steps": ">= 0", "draft_vocab_size": ">= 1", "vocab_max_samples": "?>= 1",
     "ttt_steps": ">= 1", "step_decay": "> 0", "target_chunk": ">= 1", "head_chunk": ">= 1", "feature_weight": ">= 0",
-    "offpath_weight": "in [0, 1]", "feature_noise": ">= 0", "ce_weight": ">= 0", "eval_steps": ">= 1",
+    "offpath_weight": "in [0, 1]", "feature_noise": ">= 0", "ce_weight": ">= 0", "eval_steps": "?>= 1",
     "block_size": ">= 2", "anchors": ">= 1", "eval_anchors": "?>= 1", "gamma": "> 0", "lk_weight": "in [0, 1]",
 }
 DATA_RULES = {"max_tokens": "?>= 1", "batch_size": "?>= 1", "eval_samples": ">= 0", "eval_max_tokens": "?>= 1",
