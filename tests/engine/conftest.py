@@ -42,16 +42,17 @@ def _engine():
         pytest.skip(str(e))
 
 
-@pytest.fixture(autouse=True)
-def engine_tier(request):
-    """The engine tier (marker ``engine``) runs when asked for and an engine is installed; CI's real-engine test
-    (marker ``engine_ci``) wherever an engine is installed (and must find one under SPECHEADS_ENGINE_CI=1)."""
-    if request.node.get_closest_marker("engine_ci"):
-        return _engine()
-    asked = os.environ.get("SPECHEADS_ENGINE_TESTS") == "1" or "engine" in (request.config.getoption("-m") or "")
+def pytest_runtest_setup(item):
+    """Decided before any fixture is built (a session fixture trains a head for minutes): the engine tier (marker
+    ``engine``) runs when asked for and an engine is installed; CI's real-engine test (marker ``engine_ci``)
+    wherever an engine is installed, and must find one under SPECHEADS_ENGINE_CI=1."""
+    if item.get_closest_marker("engine_ci"):
+        _engine()
+        return
+    asked = os.environ.get("SPECHEADS_ENGINE_TESTS") == "1" or "engine" in (item.config.getoption("-m") or "")
     if not asked:
         pytest.skip("the engine tier runs with -m engine or SPECHEADS_ENGINE_TESTS=1 (scripts/engine_tests.sh)")
-    return _engine()
+    _engine()
 
 
 def specheads(*args: str, cwd: Path, timeout: float = 1800) -> subprocess.CompletedProcess:
