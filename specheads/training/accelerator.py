@@ -34,6 +34,16 @@ def quiet_library_logs(names=QUIET_LIBRARIES) -> None:
             logger.setLevel(logging.WARNING)
 
 
+def _forget_earlier_state() -> None:
+    """Accelerate keeps one state per process, whose mixed precision cannot change once set: a second training in
+    the same single process (a notebook, a test session, a bfloat16 run after a float32 one) starts from a fresh
+    state instead of failing with "AcceleratorState has already been initialized"."""
+    from accelerate.state import AcceleratorState
+
+    if AcceleratorState._shared_state:
+        AcceleratorState._reset_state(True)
+
+
 def make_accelerator(cfg: TrainConfig, method: Method | None = None):
     """An ``Accelerator`` for this config (DeepSpeed comes from ``accelerate launch --config_file``).
 
@@ -57,6 +67,8 @@ def make_accelerator(cfg: TrainConfig, method: Method | None = None):
     cpu = False
     if world > 1 and not torch.cuda.is_available():
         cpu, handlers = _cpu_processes(handlers)
+    if world == 1:
+        _forget_earlier_state()
     acc = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mp, kwargs_handlers=handlers,
                       cpu=cpu)
     if acc.num_processes != world:  # every rank training alone on all the data would pass unnoticed otherwise

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from specheads.training.config import TrainConfig
 from specheads.training.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint,
                                            remove_partial, save_checkpoint, verify_checkpoint)
 
@@ -62,3 +63,16 @@ def test_corrupt_checkpoint_is_detected(tmp_path, damage):
         (path / "manifest.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="corrupt|missing|unreadable"):
         load_checkpoint(acc, path)
+
+
+def test_a_second_training_in_the_same_process_may_take_another_mixed_precision():
+    """Accelerate's process-wide state refuses a new mixed precision once set ("AcceleratorState has already been
+    initialized"): a bfloat16 training after a float32 one in one Python process (a notebook, a test session)
+    failed so; each single-process training now starts from a fresh state."""
+    from specheads.training.accelerator import make_accelerator
+
+    _setup()  # an Accelerator already made in this process, mixed precision "no"
+    acc = make_accelerator(TrainConfig(output_dir="unused", mixed_precision="bf16"))
+    assert acc.mixed_precision == "bf16"
+    acc = make_accelerator(TrainConfig(output_dir="unused", mixed_precision="no"))
+    assert acc.mixed_precision == "no"
