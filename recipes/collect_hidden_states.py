@@ -20,6 +20,7 @@ from specheads.data.prepare import check_prepared_matches, load_prepared
 from specheads.errors import renamed_setting, user_errors
 from specheads.hardware import machine_description, resolve_device
 from specheads.targets import end_process_group, load_target
+from specheads.targets.parallel import leave_unless_first_rank
 from specheads.methods import build_method
 from specheads.methods.base import FeatureSpec
 try:  # the method/ group's schemas (conf/method/medusa*.yaml extend them)
@@ -56,6 +57,7 @@ def main(cfg: DictConfig) -> None:
     with user_errors("collect"):
         collect(cfg)
     end_process_group()
+    leave_unless_first_rank()  # after every rank wrote its shards: see specheads.targets.parallel
 
 
 def collect(cfg: DictConfig) -> None:

@@ -388,12 +388,12 @@ def add_bigram_baselines(summary: dict[str, Any], train_src, eval_src, cfg: Dict
 def main(cfg: DictConfig) -> None:
     with user_errors("train"):
         summary = run(cfg)
-    from specheads.targets import end_process_group
+    from specheads.targets.parallel import end_process_group, leave_unless_first_rank
 
     end_process_group()
-    if int(os.environ.get("RANK", "0")) == 0:  # the main process alone reports (other ranks hold no final loss)
-        print(json.dumps({k: summary[k] for k in ("method", "steps", "final_loss", "tau_estimate", "tokens_per_s",
-                                                 "head_dir")}, indent=1))
+    leave_unless_first_rank()  # the main process alone reports (other ranks hold no final loss)
+    print(json.dumps({k: summary[k] for k in ("method", "steps", "final_loss", "tau_estimate", "tokens_per_s",
+                                             "head_dir")}, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,20 @@ def end_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def leave_unless_first_rank() -> None:
+    """A launched rank other than 0 ends here, once its outputs are written and ``end_process_group`` has passed
+    every rank's barrier: ``os._exit(0)`` after flushing, without the interpreter's teardown. That teardown
+    still aborted a CPU rank now and then after the group was destroyed (``terminate called without an active
+    exception``, exit -6: a clean-clone CI run lost a two-process launch so, after its head and summary were
+    written). Rank 0, which reports, ends normally; a process not launched as a rank is left alone."""
+    rank = os.environ.get("RANK")
+    if rank is None or rank == "0" or os.environ.get("WORLD_SIZE", "1") == "1":
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def parallel_layout() -> ParallelLayout:

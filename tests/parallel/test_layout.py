@@ -92,3 +92,24 @@ def test_a_tensor_parallel_peer_computes_but_writes_nothing(tiny, tmp_path):
     assert not (tmp_path / "shards").exists() or not any((tmp_path / "shards").iterdir())
     writer = collect_hidden_states(target, rows, spec, tmp_path, CollectOptions(**opts))
     assert writer["manifest"] is not None and writer["samples"] == 12
+
+
+@pytest.mark.parametrize("env, tears_down", [({"RANK": "1", "WORLD_SIZE": "2"}, False),
+                                             ({"RANK": "0", "WORLD_SIZE": "2"}, True), ({}, True)])
+def test_a_launched_rank_other_than_0_leaves_without_the_interpreters_teardown(env, tears_down):
+    """Rank 1 of a launch ends at once (its teardown once aborted a CPU rank after its work was done); rank 0 and
+    a process not launched as a rank end normally (their exit handlers run)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import atexit; atexit.register(lambda: print('teardown')); "
+            "from specheads.targets.parallel import leave_unless_first_rank; print('work done'); "
+            "leave_unless_first_rank(); print('reported')")
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.split()
+    assert lines[:2] == ["work", "done"]
+    assert ("reported" in lines) == tears_down and ("teardown" in lines) == tears_down
