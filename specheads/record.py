@@ -74,7 +74,9 @@ def read_input(path: str | Path) -> tuple[str, object]:
         raise InputNotFoundError(f"{path}: no such file ({WHAT_IT_READS} expected)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RecordError(f"{path}: cannot be read as text ({e})") from None
-    if path.suffix == ".json" or text.lstrip()[:1] in ("{", "["):
+    # a log may open with "[" too (CI's "[setup] ..." lines): JSON by its name, or by a "{" / "[" opening that is
+    # not a log's, i.e. when no pytest line says otherwise
+    if path.suffix == ".json" or (text.lstrip()[:1] in ("{", "[") and not PYTEST_LINE.search(text)):
         try:
             data = json.loads(text)
         except ValueError as e:

@@ -133,3 +133,10 @@ def test_a_recorded_run_is_what_the_docs_render(tmp_path):
     assert "2099-01-01, commit `0123456` (" not in rt.results_table(data)  # clean tree: no dirty mark
     assert "| 1.60 | 0.44 | 1.01× |" in rt.results_table(data) and "2099-01-01, commit `0123456`" in rt.results_table(data)
     assert "τ 1.31 against the evaluator's 1.31" in rt.served_line(data) and "commit `0123456`" in rt.served_line(data)
+
+
+def test_a_ci_log_opening_with_a_bracketed_line_is_read_as_a_test_log(tmp_path, results):
+    """.ci/run's log opens with "[setup] ..." lines: a pytest log still, not corrupt JSON."""
+    log = "[setup] installing torch==2.13.0\n[setup] done in 105 s\n" + LOG
+    tests = record(_write(tmp_path, "ci.log", log), results, CHECKOUT, wall_s=825, machine="box")
+    assert (tests["kind"], tests["passed"], tests["skipped"]) == ("test_suite", 1190, 17)
