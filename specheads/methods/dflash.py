@@ -191,17 +191,22 @@ class DFlashMethod(FusedLayers):
     def drafter(model, shape):
         """The drafter the evaluator uses (measured acceptance during training): a chain is cut to the B-1
         tokens one block drafts."""
-        from dataclasses import replace
-
         from specheads.decoding.head_drafters import DFlashDrafter
 
-        if shape.kind == "chain" and shape.k > model.block_size - 1:
-            shape = replace(shape, k=model.block_size - 1)
-        return DFlashDrafter(model, shape)
+        return DFlashDrafter(model, block_chain(shape, model.block_size))
 
     def save(self, model: DFlashModel, out_dir: str, target: Target) -> None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out_dir)
+
+
+def block_chain(shape, block_size: int):
+    """``shape`` with a chain cut to the ``block_size - 1`` tokens one block drafts (DFlash, DSpark)."""
+    from dataclasses import replace
+
+    if shape.kind == "chain" and shape.k > block_size - 1:
+        return replace(shape, k=block_size - 1)
+    return shape
 
 
 def init_from_target(model: DFlashModel, target: Target) -> None:

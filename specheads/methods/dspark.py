@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from specheads.errors import UserError
 from specheads.methods.base import StepOutput
-from specheads.methods.dflash import DFlashMethod, init_from_target
+from specheads.methods.dflash import DFlashMethod, block_chain, init_from_target
 from specheads.methods.losses import pad_rows
 from specheads.models.dspark import DSparkConfig, DSparkModel
 from specheads.targets import Target
@@ -183,17 +183,9 @@ class DSparkMethod(DFlashMethod):
     def drafter(model, shape):
         """The evaluator's drafter (measured acceptance during training): the block as a chain, Markov bias
         applied left to right, every drafted token verified (no confidence schedule)."""
-        from dataclasses import replace
-
         from specheads.decoding.dspark_drafter import DSparkDrafter
 
-        if shape.kind == "chain" and shape.k > model.block_size - 1:
-            shape = replace(shape, k=model.block_size - 1)
-        return DSparkDrafter(model, shape)
-
-    def save(self, model: DSparkModel, out_dir: str, target: Target) -> None:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out_dir)
+        return DSparkDrafter(model, block_chain(shape, model.block_size))
 
 
 def warm_start(model: DSparkModel, head_dir: str) -> None:
