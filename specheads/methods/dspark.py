@@ -12,6 +12,10 @@ distribution at ``a+j-1`` (the one that verifies slot ``j``) and ``k = j - 1``:
 over the counted slots (their label an assistant token), ``TV = ||p - q||_1 / 2`` and the BCE target detached: the
 confidence head learns each slot's acceptance probability without pulling the draft towards easy targets. The
 paper's defaults (DeepSpec's ``loss.py``): ce_weight 0.1, l1_weight 0.9, gamma 4, confidence_weight 1.
+``loss=dpace`` replaces the fixed decay by D-PACE's weights (``losses.dpace_weights``, detached), computed per
+block from the draft's own cross-entropies (with the Markov bias), and divides by the counted slots as DFlash's
+``loss=dpace`` does: ``sum_j w_j (ce_weight * CE_j + l1_weight * L1_j) / (counted slots)``; the confidence term is
+unchanged.
 
 ``init_from`` warm-starts the backbone from a trained DFlash head folder (same target, sizes and fused layers);
 the Markov head's ``markov_w2`` starts at zero, so training begins from that head's own drafts.
@@ -33,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from specheads.errors import UserError
 from specheads.methods.base import StepOutput
 from specheads.methods.dflash import DFlashMethod, block_chain, init_from_target
-from specheads.methods.losses import pad_rows
+from specheads.methods.losses import dpace_weights, pad_rows
 from specheads.models.dspark import DSparkConfig, DSparkModel
 from specheads.targets import Target
 
@@ -72,11 +76,12 @@ def chunked_slot_terms(model, target_logits, h, prev, labels, target_h, chunk: i
 
 
 def combine(ce: torch.Tensor, l1: torch.Tensor, conf_logit: torch.Tensor | None, w: torch.Tensor,
-            ce_weight: float, l1_weight: float, confidence_weight: float) -> tuple[torch.Tensor, dict]:
-    """The loss from per-slot pieces (N,) and slot weights w (N,): the weighted mean of ``ce_weight * CE +
-    l1_weight * L1`` plus ``confidence_weight`` times the mean BCE of the confidence against ``1 - L1/2``
-    (detached). Returns (loss, its parts as floats)."""
-    draft = (w * (ce_weight * ce + l1_weight * l1)).sum() / w.sum()
+            ce_weight: float, l1_weight: float, confidence_weight: float,
+            denominator: torch.Tensor | float | None = None) -> tuple[torch.Tensor, dict]:
+    """The loss from per-slot pieces (N,) and slot weights w (N,): ``sum w * (ce_weight * CE + l1_weight * L1)``
+    over ``denominator`` (default ``w.sum()``: the weighted mean) plus ``confidence_weight`` times the mean BCE of
+    the confidence against ``1 - L1/2`` (detached). Returns (loss, its parts as floats)."""
+    draft = (w * (ce_weight * ce + l1_weight * l1)).sum() / (w.sum() if denominator is None else denominator)
     parts = {"ce": float(ce.detach().mean()), "l1": float(l1.detach().mean())}
     if conf_logit is None or not confidence_weight:
         return draft, parts
@@ -89,7 +94,8 @@ def combine(ce: torch.Tensor, l1: torch.Tensor, conf_logit: torch.Tensor | None,
 class DSparkMethod(DFlashMethod):
     """DFlash's settings (block_size 8: the anchor and DeepSpec's 7 drafted tokens; gamma 4: weights exp(-k/4))
     plus markov_rank (null = 256, capped at the target's hidden size), enable_confidence_head, ce_weight,
-    l1_weight, confidence_weight and init_from (a trained DFlash head folder whose weights start the backbone)."""
+    l1_weight, confidence_weight, init_from (a trained DFlash head folder whose weights start the backbone) and
+    loss (``ce``: the decayed weights; ``dpace``: D-PACE's)."""
 
     name = "dspark"
 
@@ -97,11 +103,12 @@ class DSparkMethod(DFlashMethod):
                  anchors: int = 64, gamma: float = 4.0, labels: str = "target", eval_anchors: int | None = None,
                  head_chunk: int = 2048, target_chunk: int = 1024, markov_rank: int | None = None,
                  enable_confidence_head: bool = True, ce_weight: float = 0.1, l1_weight: float = 0.9,
-                 confidence_weight: float = 1.0, init_from: str | None = None, init_layer_from_target: bool = False):
+                 confidence_weight: float = 1.0, init_from: str | None = None, init_layer_from_target: bool = False,
+                 loss: str = "ce"):
         super().__init__(num_layers=num_layers, block_size=block_size, aux_layers=aux_layers,
                          mask_token_id=mask_token_id, anchors=anchors, gamma=gamma, labels=labels,
                          eval_anchors=eval_anchors, head_chunk=head_chunk, target_chunk=target_chunk,
-                         init_layer_from_target=init_layer_from_target)
+                         init_layer_from_target=init_layer_from_target, loss=loss)
         if markov_rank is not None and markov_rank < 1:
             raise ValueError(f"dspark: markov_rank must be at least 1, got {markov_rank}")
         if min(ce_weight, l1_weight, confidence_weight) < 0 or not ce_weight + l1_weight > 0:
@@ -148,7 +155,12 @@ class DSparkMethod(DFlashMethod):
         (ce, l1, conf, pred), labels, weights, sel = self._terms(model, batch, target, self.anchors)
         if not bool(sel.any()):
             return StepOutput(loss=sum(p.sum() for p in model.parameters()) * 0.0, metrics={"blocks": 0.0})
-        loss, parts = combine(ce, l1, conf, weights[sel], self.ce_weight, self.l1_weight, self.confidence_weight)
+        w, denominator = weights[sel], None
+        if self.loss_name == "dpace":
+            per_slot = ce.new_zeros(sel.shape)
+            per_slot[sel] = ce.detach()
+            w, denominator = dpace_weights(per_slot, sel)[sel], sel.sum()
+        loss, parts = combine(ce, l1, conf, w, self.ce_weight, self.l1_weight, self.confidence_weight, denominator)
         right = pred == labels[sel]
         slot = torch.arange(self.block_size, device=ce.device).expand_as(sel)[sel]
         metrics = {"blocks": float(sel.any(-1).sum()), **parts}

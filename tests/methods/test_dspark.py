@@ -171,3 +171,34 @@ def test_a_few_steps_lower_the_loss_on_a_tiny_store(tmp_path):
     assert ev["step0_acc"] > 0.1 and ev["tv"] < 1.0, ev
     loaded = DSparkModel.from_pretrained(summary["head_dir"]).attach(target)
     assert loaded.config.markov_rank == min(256, target.hidden_size)
+
+
+def test_dpace_weights_each_block_from_its_draft_cross_entropies(setup):
+    """loss=dpace: sum_j w_j (0.1 CE_j + 0.9 L1_j) / counted slots with D-PACE's detached weights computed from the
+    draft's (Markov-biased) CE of each block, plus the unchanged confidence BCE; the default decay gives another loss."""
+    from specheads.methods.losses import dpace_weights
+
+    target, plain, model, batch = setup
+    method = build_method("dspark", block_size=4, anchors=6, num_layers=2, loss="dpace")
+    assert method.loss_name == "dpace" and method.slot_weights().tolist() == [0.0, 1.0, 1.0, 1.0]
+    torch.manual_seed(0)
+    got = method.loss(model, batch, target).loss
+    torch.manual_seed(0)
+    (ce, l1, conf, _), _, _, sel = method._terms(model, batch, target, method.anchors)
+    per_slot = torch.zeros(sel.shape)
+    per_slot[sel] = ce.detach()
+    w = dpace_weights(per_slot, sel)[sel]
+    accept = (1 - 0.5 * l1).detach().clamp(0, 1)
+    want = (w * (0.1 * ce + 0.9 * l1)).sum() / sel.sum() + F.binary_cross_entropy_with_logits(conf, accept)
+    torch.testing.assert_close(got, want)
+    torch.manual_seed(0)
+    decayed = plain.loss(model, batch, target).loss
+    assert torch.isfinite(got) and not torch.allclose(got, decayed)
+    model.zero_grad()
+    got.backward()  # the weights are constants: the gradient reaches the draft through CE and L1 only
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_dspark_refuses_an_unknown_loss():
+    with pytest.raises(ValueError, match="loss must be one of ce, dpace"):
+        build_method("dspark", block_size=4, loss="dpase")
