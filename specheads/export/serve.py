@@ -28,10 +28,11 @@ FOLDER_PLACEHOLDER = "<path-or-repo-id-of-this-folder>"  # the card's draft mode
 TARGET_VAR = "TARGET"  # the commands' target when it has no hub id: ``$TARGET``, set by a line before them
 # vLLM's speculative_config "method" per head kind (the export record's method: a family, or medusa1/medusa2)
 VLLM_METHOD = {"medusa": "medusa", "medusa1": "medusa", "medusa2": "medusa", "eagle1": "eagle", "eagle3": "eagle3",
-               "dflash": "dflash", "peagle": "eagle3", "dspark": "dspark"}
+               "dflash": "dflash", "peagle": "eagle3", "dspark": "dspark", "mtp": "mtp"}
 def vllm_speculative_config(method: str, model: str, tokens: int) -> dict:
     """vLLM's ``speculative_config`` for a head of kind ``method`` at ``model`` drafting ``tokens`` per step
-    (P-EAGLE is EAGLE-3 with the parallel slots: vLLM's ``parallel_drafting`` field)."""
+    (P-EAGLE is EAGLE-3 with the parallel slots: vLLM's ``parallel_drafting`` field; for MTP ``model`` is the
+    stitched target itself, which vLLM also serves as the target)."""
     spec = {"method": VLLM_METHOD[method], "model": model, "num_speculative_tokens": int(tokens)}
     if method == "peagle":
         spec["parallel_drafting"] = True

@@ -105,10 +105,10 @@ class ExportedHead:
     """An exported folder ``specheads export`` wrote, as the engine will be given it."""
 
     folder: Path
-    method: str           # medusa | eagle1 | eagle3 | peagle | dflash (specheads_export.json's "method")
+    method: str           # medusa | eagle1 | eagle3 | peagle | dflash | dspark | mtp (specheads_export.json's "method")
     layout: str           # vllm | sglang | speculators | medusa
     target: str | None    # the target the head was exported against (a name, folder or hub id)
-    adapted_target: str | None = None  # Medusa-2: the folder's target/ (served as the model)
+    adapted_target: str | None = None  # served as the model: Medusa-2's target/, an MTP export's folder itself
     info: dict = field(default_factory=dict)
 
 
@@ -142,6 +142,11 @@ def read_export(folder: str | Path) -> ExportedHead:
     if not (path / weights).is_file() and not any(path.glob("*.safetensors")):
         raise InputNotFoundError(f"export_dir={folder} holds no weights ({weights}); export the head again")
     adapted = path / "target" if info.get("adapted_target") and (path / "target").is_dir() else None
+    if method == "mtp":  # a stitched target: the folder is the model served; vLLM would draft with a random layer
+        from specheads.models.mtp_checkpoint import check_mtp_tensors  # if its MTP tensors were missing
+
+        check_mtp_tensors(path, int(info.get("mtp_layer", 0)))
+        adapted = path
     return ExportedHead(path, method, layout, info.get("target"), str(adapted) if adapted else None, info)
 
 

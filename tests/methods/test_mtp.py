@@ -26,11 +26,12 @@ V, H = 256, 64
 PREFIX = "model.mtp_layers.0."
 
 
-def make_mimo(folder, seed=0, with_mtp=True, declare=True):
-    """A tiny MiMoForCausalLM checkpoint folder: a Qwen2 model saved by transformers plus hand-made MTP tensors."""
+def make_mimo(folder, seed=0, with_mtp=True, declare=True, vocab=V, heads=4, kv_heads=2):
+    """A tiny MiMoForCausalLM checkpoint folder: a Qwen2 model saved by transformers plus hand-made MTP tensors.
+    (vLLM's CPU attention takes head sizes from 32 up: ``heads=1`` gives 64.)"""
     from tests.families.family_models import make_family_model
 
-    model = make_family_model("qwen2", seed=seed, vocab=V, hidden=H, layers=2)
+    model = make_family_model("qwen2", seed=seed, vocab=vocab, hidden=H, layers=2, heads=heads, kv_heads=kv_heads)
     model.save_pretrained(folder)
     cfg = json.loads((folder / "config.json").read_text())
     cfg["architectures"] = ["MiMoForCausalLM"]
@@ -221,3 +222,25 @@ def test_export_refuses_a_target_without_the_layer(mimo, trained, tmp_path):
     with pytest.raises(MTPCheckpointError, match="lacks"):
         export_head(head, tmp_path / "out", engine="vllm", target=str(bare))
     assert not (tmp_path / "out").exists()
+
+
+def test_serving_a_stitched_export_that_lost_its_mtp_tensors_is_refused_before_the_engine(mimo, trained, tmp_path):
+    """serve-eval reads the export first: vLLM itself would build a random MTP layer from such a folder and serve
+    it without a word (0 % acceptance)."""
+    from specheads.export import export_head
+    from specheads.export.serve import vllm_speculative_config
+    from specheads.serving.engine import read_export, speculative_config
+
+    folder, _ = mimo
+    _, head, _, _ = trained
+    out = export_head(head, tmp_path / "stitched", engine="vllm", target=str(folder))
+    served = read_export(out)
+    assert served.method == "mtp" and served.adapted_target == str(out)  # the stitched folder is the model served
+    assert speculative_config(served, 3) == {"method": "mtp", "model": str(out.resolve()), "num_speculative_tokens": 3}
+    assert vllm_speculative_config("mtp", "m", 2)["method"] == "mtp"
+    sd = load_file(str(out / "model.safetensors"))
+    del sd[PREFIX + "input_proj.weight"]
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(MTPCheckpointError, match="lacks 1 of MTP layer 0's tensors") as e:
+        read_export(out)
+    assert "\n" not in str(e.value)
