@@ -130,8 +130,11 @@ def main_job_entry(summary: dict) -> dict:
         out["collect_tokens_per_s"] = collect["tokens_per_s_with_startup"]
     train = summary.get("train") or {}
     if train:
-        out["train"] = {head: {k: train[k] for k in ("steps", "tokens_per_s", "heldout_step0_top1")
+        out["train"] = {head: {k: (round(train[k]) if k.startswith("peak") else train[k])
+                               for k in ("steps", "tokens_per_s", "heldout_step0_top1", "peak_rss_mb", "peak_anon_mb")
                                if train.get(k) is not None}}
+    if collect.get("store_id"):
+        out["store"] = collect["store_id"]
     ev = summary.get("evaluate") or {}
     if ev.get("lossless"):
         out["lossless"] = ev["lossless"]

@@ -5,6 +5,7 @@ collection budget, training's steps), read back from what the stages wrote, for 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 from pathlib import Path
 
@@ -50,13 +51,16 @@ def summarize(run_dir: str | Path, head: str, offline: bool) -> dict:
         out["collect"] = {"samples": manifest.get("num_samples"), "tokens": manifest.get("num_tokens"),
                           "target_dtype": source.get("target_dtype"), "budget": budget,
                           "prepared_samples": source.get("num_samples")}
+        # the store's identity: heads trained on one store (one run_dir, several heads) compare head to head
+        out["collect"]["store_id"] = hashlib.sha256((run / "features" / "manifest.json").read_bytes()).hexdigest()[:12]
         if seconds.get("collect") and manifest.get("num_tokens"):
             out["collect"]["tokens_per_s_with_startup"] = round(manifest["num_tokens"] / seconds["collect"])
     train = _json(run / "train" / head / "train_summary.json")
     if train:
         ev = train.get("eval") or {}
         out["train"] = {"steps": train.get("steps"), "tokens_per_s": train.get("tokens_per_s"),
-                        "precision": train.get("precision"), "heldout_step0_top1": ev.get("head0_top1_acc")}
+                        "precision": train.get("precision"), "heldout_step0_top1": ev.get("head0_top1_acc"),
+                        "peak_rss_mb": train.get("peak_rss_mb"), "peak_anon_mb": train.get("peak_anon_mb")}
     report = _json(run / "eval" / head / "report.json")
     if report:
         lossless = [m.get("lossless", {}).get("exact") for m in report.get("methods", []) if m.get("lossless")]
@@ -83,7 +87,7 @@ def method_figures(report: dict) -> dict:
         by = m.get("by_temperature") or {}
         every = (by.get(first) or {}).get("all") or {}
         row = {"name": m["name"], "shape": m.get("shape"), "tau": _r(every.get("tau")), "alpha": _r(every.get("alpha")),
-               "speedup": _r(every.get("speedup"))}
+               "speedup": _r(every.get("speedup")), "gpu_speedup_pred": _r(every.get("gpu_speedup_pred"))}
         if t1 and t1 != first:
             row["t1_speedup"] = _r(((by.get(t1) or {}).get("all") or {}).get("speedup"))
         rows.append(row)

@@ -15,8 +15,8 @@ from specheads.record import Checkout, RecordError, checkout_state, method_key, 
 CHECKOUT = Checkout(commit="0123456789abcdef0123456789abcdef01234567", dirty=False)
 SUMMARY = {"machine": "CPU X (2 cores, avx2, bf16 kernels no)", "date": "2026-12-04", "head": "eagle3",
            "stages_s": {"prepare": 9.4, "collect": 300.0, "train": 460.0, "evaluate": 380.0, "export": 5.0, "serve": 170.0},
-           "total_min": 19.2, "collect": {"tokens_per_s_with_startup": 246},
-           "train": {"steps": 590, "tokens_per_s": 2723.0, "heldout_step0_top1": 0.32},
+           "total_min": 19.2, "collect": {"tokens_per_s_with_startup": 246, "store_id": "0123456789ab"},
+           "train": {"steps": 590, "tokens_per_s": 2723.0, "heldout_step0_top1": 0.32, "peak_rss_mb": 2100.4},
            "evaluate": {"prompts": 9, "max_new_tokens": 32, "lossless": "exact"},
            "methods": [{"name": "eagle3-auto", "shape": "chain1", "tau": 1.25, "alpha": 0.27, "speedup": 0.86},
                        {"name": "eagle3-auto+ngram4+x1", "shape": "fan2", "tau": 1.6, "alpha": 0.44, "speedup": 1.01}],
@@ -56,6 +56,7 @@ def test_a_run_summary_becomes_a_main_job_entry_newest_first(tmp_path, results):
     assert [m["method"] for m in entry["methods"]] == ["eagle3", "eagle3+lookup+table"]
     assert entry["served"]["tau"] == 1.31 and entry["served"]["identical"] == "9/9"
     assert entry["served"]["method"] == "eagle3-vllm"
+    assert entry["store"] == "0123456789ab" and entry["train"]["eagle3"]["peak_rss_mb"] == 2100
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []  # the temp file was renamed
 
 

@@ -23,7 +23,8 @@ def test_a_run_folder_is_summarized_from_its_markers_store_summary_and_report(tm
         "budget": budget, "target_dtype": {"value": "float32", "reason": "this CPU has no bfloat16 kernels"},
         "num_samples": 700}})
     _write(run / "train" / "eagle3" / "train_summary.json", {"steps": 480, "tokens_per_s": 2000.0, "precision": {
-        "mixed_precision": "no", "target_dtype": "torch.float32"}, "eval": {"head0_top1_acc": 0.4}})
+        "mixed_precision": "no", "target_dtype": "torch.float32"}, "eval": {"head0_top1_acc": 0.4},
+        "peak_rss_mb": 2100.4, "peak_anon_mb": 900.2})
     _write(run / "eval" / "eagle3" / "report.json", {"num_prompts": 12, "max_new_tokens": 32,
                                                       "target_dtype": "torch.float32",
                                                       "methods": [{"lossless": {"exact": True}}, {}]})
@@ -32,6 +33,11 @@ def test_a_run_folder_is_summarized_from_its_markers_store_summary_and_report(tm
     assert record["total_min"] == 17.1
     assert record["collect"]["budget"] == budget and record["collect"]["tokens_per_s_with_startup"] == 300
     assert record["train"]["steps"] == 480 and record["train"]["heldout_step0_top1"] == 0.4
+    assert (record["train"]["peak_rss_mb"], record["train"]["peak_anon_mb"]) == (2100.4, 900.2)
+    store = record["collect"]["store_id"]  # the manifest's digest: another head on the same store shares it
+    assert len(store) == 12 and summarize(run, "dflash", offline=True)["collect"]["store_id"] == store
+    _write(run / "features" / "manifest.json", {"num_samples": 199})
+    assert summarize(run, "eagle3", offline=True)["collect"]["store_id"] != store
     assert record["evaluate"]["lossless"] == "exact"
     assert json.loads((run / SUMMARY_FILE).read_text()) == record
     text = "\n".join(lines)
@@ -78,3 +84,13 @@ def test_an_engines_refusal_ends_the_run_with_its_message(tmp_path):
     record, lines = write_summary(run, "eagle3", offline=True)
     assert record["serve"]["refused"].endswith("Model does not support EAGLE3 interface")
     assert "serve: vLLM 0.32.0 refused the head: vLLM did not start" in "\n".join(lines)
+
+
+def test_each_rows_predicted_gpu_speedup_is_kept(tmp_path):
+    run = tmp_path / "run"
+    every = {"tau": 1.5, "alpha": 0.3, "speedup": 0.9, "gpu_speedup_pred": 1.234}
+    _write(run / "eval" / "eagle3" / "report.json", {"num_prompts": 1, "temperatures": [0.0], "methods": [
+        {"name": "eagle3-chain3", "shape": "chain3", "by_temperature": {"0.0": {"all": every, "code": every}}}]})
+    row = summarize(run, "eagle3", offline=True)["methods"][0]
+    assert row == {"name": "eagle3-chain3", "shape": "chain3", "tau": 1.5, "alpha": 0.3, "speedup": 0.9,
+                   "gpu_speedup_pred": 1.23}
