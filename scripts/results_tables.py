@@ -26,6 +26,7 @@ README = REPO / "README.md"
 BENCHMARKS = REPO / "docs" / "benchmarks.md"
 EXPORT = REPO / "docs" / "export.md"
 SERVING = REPO / "docs" / "serving.md"
+METHODS = REPO / "docs" / "methods.md"
 # method key -> what a reader calls it (the order of the README's results table)
 METHOD_NAMES = {
     "eagle3+lookup+table": "EAGLE-3 + prompt-lookup branch + n-gram table (main job's default)",
@@ -36,6 +37,8 @@ METHOD_NAMES = {
     "dflash": "DFlash head alone",
     "dflash+lookup": "DFlash + prompt-lookup branch",
 }
+# the heads compared head to head (docs/methods.md), in the order of its rows
+HEADS = ("eagle3", "peagle", "dflash", "dspark")
 STAGES = ("prepare", "collect", "train", "evaluate", "export")
 
 
@@ -279,6 +282,71 @@ def export_check(data: dict) -> str:
     return "\n".join(lines)
 
 
+def head_to_head_runs(data: dict) -> list[dict]:
+    """The newest record of each head in ``HEADS`` trained on the newest feature store (``store``) that two or more
+    of them share, in ``HEADS`` order; [] when no store has two."""
+    by_store: dict[str, dict[str, dict]] = {}
+    for run in data["runs"]:  # newest first: the first record of a head on a store is its newest
+        if run.get("kind") == "main_job" and run.get("store") and run.get("head") in HEADS and run.get("methods"):
+            by_store.setdefault(run["store"], {}).setdefault(run["head"], run)
+    for run in data["runs"]:
+        heads = by_store.get(run.get("store") or "", {})
+        if len(heads) >= 2:
+            return [heads[h] for h in HEADS if h in heads]
+    return []
+
+
+def _mb(x) -> str:
+    return "–" if x is None else f"{x:,.0f}"
+
+
+def head_to_head(data: dict) -> str:
+    """docs/methods.md: the heads trained on one store with one budget, each row the head alone (as the evaluator's
+    own shape and, where recorded, another verification of it) and the n-gram baseline; then τ per domain."""
+    runs = head_to_head_runs(data)
+    if not runs:
+        return "(no two heads recorded on one feature store yet)"
+    r0 = runs[0]
+    lines = [f"{len(runs)} heads on one feature store (`{r0['store']}`: {r0.get('collect_tokens_per_s', '–')} "
+             f"tokens/s collected), each trained for the main job's budget and evaluated on the same prompts "
+             f"({r0.get('eval_set', '–')}); {r0['machine']}. τ, α and speed-up at T=0 over every prompt; GPU speed-up "
+             "predicted from τ and the draft's size (docs/evaluate.md); training throughput and peak resident memory "
+             "of the training process (the target and feature store included).", "",
+             "| drafter | shape | τ | α | CPU speed-up | GPU speed-up (pred.) | train steps | train tokens/s | "
+             "train peak MB | lossless | measured |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    columns, ngram = [], None
+    for run in runs:
+        train = (run.get("train") or {}).get(run["head"], {})
+        for m in run["methods"]:
+            if m["method"] == "ngram":
+                ngram = ngram or (m, run)
+                continue
+            if "+" in m["method"] or m["method"].endswith("-vllm"):
+                continue
+            columns.append((m["name"], run))
+            lines.append(f"| {m['name']} | {m.get('shape') or '–'} | {_f(m.get('tau'))} | {_f(m.get('alpha'))} | "
+                         f"{_x(m.get('speedup'))} | {_x(m.get('gpu_speedup_pred'))} | {train.get('steps', '–')} | "
+                         f"{_mb(train.get('tokens_per_s'))} | {_mb(train.get('peak_rss_mb'))} | "
+                         f"{run.get('lossless', '–')} | {run['date']}, {_commit(run)} |")
+    if ngram:
+        m, run = ngram
+        lines.append(f"| {m['name']} (no training) | {m.get('shape') or '–'} | {_f(m.get('tau'))} | "
+                     f"{_f(m.get('alpha'))} | {_x(m.get('speedup'))} | {_x(m.get('gpu_speedup_pred'))} | – | – | – | "
+                     f"{run.get('lossless', '–')} | {run['date']}, {_commit(run)} |")
+    domains: dict[str, dict[str, float]] = {}
+    for name, run in columns:
+        pd = run.get("per_domain") or {}
+        if name in pd.get("columns", []):
+            i = pd["columns"].index(name) + 1
+            for row in pd["rows"]:
+                domains.setdefault(row[0], {})[name] = row[i]
+    names = [n for n, _ in columns]
+    lines += ["", f"τ per domain at T={runs[0].get('per_domain', {}).get('T', 0.0)}:", "",
+              "| domain | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines += ["| " + " | ".join([d] + [_f(v.get(n)) for n in names]) + " |" for d, v in domains.items()]
+    return "\n".join(lines)
+
+
 def blocks(data: dict) -> dict[Path, dict[str, str]]:
     """{file: {marker name: the text between its markers}}."""
     return {README: {"results": results_table(data), "quickstart-times": quickstart_times(data),
@@ -286,7 +354,8 @@ def blocks(data: dict) -> dict[Path, dict[str, str]]:
             BENCHMARKS: {"history": history_table(data), "history-notes": followups_list(data),
                          "test-runs": tests_table(data), "unrecorded-history": unrecorded_history(data)},
             EXPORT: {"export-check": export_check(data)},
-            SERVING: {"served": served_line(data)}}
+            SERVING: {"served": served_line(data)},
+            METHODS: {"head-to-head": head_to_head(data)}}
 
 
 def render(text: str, name: str, content: str, path: Path | str = "") -> str:

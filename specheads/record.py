@@ -106,10 +106,13 @@ def _json_kind(data) -> str | None:
 
 def method_key(name: str) -> str:
     """The results table's method key of an evaluation row's name: ``eagle3-auto`` -> ``eagle3``,
-    ``eagle3-auto+ngram4+x1`` -> ``eagle3+lookup+table``, ``eagle3-vllm`` -> ``eagle3-vllm``, ``ngram-chain4`` -> ``ngram``."""
+    ``eagle3-auto+ngram4+x1`` -> ``eagle3+lookup+table``, ``eagle3-vllm`` -> ``eagle3-vllm``, ``ngram-chain4`` -> ``ngram``,
+    ``dspark-sched0.5`` -> ``dspark-sched``."""
     head = re.split(r"[-+]", name)[0]
     if head == "ngram":
         return "ngram"
+    if name.startswith(f"{head}-sched"):  # DSpark verifying as its confidence head schedules
+        return f"{head}-sched"
     if name.endswith("-vllm"):
         return f"{head}-vllm"
     if "+ngram" in name:

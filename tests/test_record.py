@@ -114,8 +114,8 @@ def test_the_command_stamps_the_checkouts_commit_and_dirtiness(tmp_path, capsys)
 
 def test_method_keys_follow_the_evaluation_row_names():
     assert [method_key(n) for n in ("eagle3-auto", "eagle3-auto+ngram4+x1", "eagle3-auto+ngram4", "eagle3-vllm",
-                                    "ngram-chain4", "dflash-chain7")] == \
-        ["eagle3", "eagle3+lookup+table", "eagle3+lookup", "eagle3-vllm", "ngram", "dflash"]
+                                    "ngram-chain4", "dflash-chain7", "dspark-chain7", "dspark-sched0.5")] == \
+        ["eagle3", "eagle3+lookup+table", "eagle3+lookup", "eagle3-vllm", "ngram", "dflash", "dspark", "dspark-sched"]
 
 
 def test_a_recorded_run_is_what_the_docs_render(tmp_path):
@@ -141,3 +141,43 @@ def test_a_ci_log_opening_with_a_bracketed_line_is_read_as_a_test_log(tmp_path, 
     log = "[setup] installing torch==2.13.0\n[setup] done in 105 s\n" + LOG
     tests = record(_write(tmp_path, "ci.log", log), results, CHECKOUT, wall_s=825, machine="box")
     assert (tests["kind"], tests["passed"], tests["skipped"]) == ("test_suite", 1190, 17)
+
+
+def test_heads_recorded_on_one_store_render_head_to_head(tmp_path):
+    """docs/methods.md: the newest record of each head on the newest store two heads share; each head's own rows
+    (not its lookup or vLLM-profile rows), the n-gram baseline once, and τ per domain by drafter."""
+    import importlib.util
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("results_tables", repo / "scripts" / "results_tables.py")
+    rt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rt)
+    results = tmp_path / "benchmarks.json"
+    results.write_text(json.dumps({"about": "x", "runs": [], "test_runs": []}))
+    assert rt.head_to_head(rt.load(results)).startswith("(no two heads")
+
+    def run(head, store, tau, date, rows=None):
+        names = rows or [f"{head}-chain4"]
+        summary = {**SUMMARY, "head": head, "date": date, "collect": {"store_id": store},
+                   "train": {"steps": 10, "tokens_per_s": 500.0, "peak_rss_mb": 1500.0},
+                   "methods": [{"name": n, "shape": "chain4", "tau": tau, "alpha": 0.3, "speedup": 0.9,
+                                "gpu_speedup_pred": 1.4} for n in names] +
+                              [{"name": "ngram-chain4", "shape": "chain4", "tau": 1.28, "alpha": 0.4, "speedup": 1.0}],
+                   "per_domain": {"T": 0.0, "columns": [*names, "ngram-chain4"],
+                                  "rows": [["code", *[tau + 0.5] * len(names), 2.0], ["all", *[tau] * len(names), 1.28]]}}
+        record(_write(tmp_path, "run_summary.json", summary), results, CHECKOUT, date=date)
+
+    run("eagle3", "aaaa", 1.5, "2099-01-01")
+    assert rt.head_to_head(rt.load(results)).startswith("(no two heads")  # one head alone compares with nothing
+    run("dflash", "bbbb", 1.9, "2099-01-02")  # another store
+    assert rt.head_to_head(rt.load(results)).startswith("(no two heads")
+    run("dspark", "aaaa", 1.7, "2099-01-03", rows=["dspark-chain7", "dspark-sched0.5", "dspark-chain7+ngram4"])
+    text = rt.head_to_head(rt.load(results))
+    rows = [ln for ln in text.splitlines() if ln.startswith("| ") and not ln.startswith("| drafter")]
+    table = [r.split(" | ")[0][2:] for r in rows[:4]]
+    assert table == ["eagle3-chain4", "dspark-chain7", "dspark-sched0.5", "ngram-chain4 (no training)"], rows
+    assert "| 1.70 | 0.30 | 0.90× | 1.40× | 10 | 500 | 1,500 | exact | 2099-01-03" in text
+    assert "| code | 2.00 | 2.20 | 2.20 |" in text and "| all | 1.50 | 1.70 | 1.70 |" in text
+    run("eagle3", "aaaa", 1.6, "2099-01-04")  # a newer EAGLE-3 record on the store replaces the older
+    assert "| eagle3-chain4 | chain4 | 1.60 |" in rt.head_to_head(rt.load(results))
