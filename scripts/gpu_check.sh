@@ -45,8 +45,9 @@ if (( rc == 124 )); then echo "gpu_check.py: TIMED OUT"; rc=1; fi
 echo
 echo "== GPU tests (pytest -m gpu)"
 if "$PY" -c "import pytest" 2>/dev/null; then
-  # no plugin auto-loading: whatever else the machine has installed stays out of the run
-  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout "${GPU_TESTS_TIMEOUT:-140}" "$PY" -m pytest -p gpu_check \
+  # no plugin auto-loading: whatever else the machine has installed stays out of the run; so pyproject's addopts,
+  # which name pytest-xdist's options, are cleared (-o addopts=): pytest would refuse them without the plugin
+  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout "${GPU_TESTS_TIMEOUT:-140}" "$PY" -m pytest -o addopts= -p gpu_check \
     -p no:cacheprovider -m gpu -q -rs \
     tests/kernels/test_verify_kernels.py tests/decoding/test_gpu.py tests/methods/test_ttt.py tests/methods/test_dflash.py 2>&1 | tee "$OUT_DIR/gpu_tests.log"
   trc=${PIPESTATUS[0]}
