@@ -48,7 +48,9 @@ class Eagle3Method(FusedLayers):
     on every non-padding row (prompts too: a store holds the target's features and argmax there as well, so
     the same collection yields more training rows; held-out metrics stay on assistant tokens, and the draft
     vocabulary is still counted on assistant tokens, what drafting predicts);
-    fc_norm: an RMSNorm per fused feature before ``fc`` (EAGLE-3.1, vLLM's and speculators' ``fc_norm``).
+    fc_norm: an RMSNorm per fused feature before ``fc`` (EAGLE-3.1, vLLM's and speculators' ``fc_norm``);
+    lk_weight: > 0 trains on ``(1 - w) * soft CE + w * -log sum_x min(p, q)`` per row, the acceptance objective of
+    the LK losses (arXiv 2602.23881) against the target's distribution on the draft vocabulary (0 = soft CE alone).
     """
 
     name = "eagle3"
@@ -58,7 +60,8 @@ class Eagle3Method(FusedLayers):
                  step_decay: float = 0.8, target_chunk: int = 1024, head_chunk: int = 2048,
                  init_lm_head_from_target: bool = False, vocab_rows=None, freeze_lm_head: bool = False,
                  feature_weight: float = 0.0, init_layer_from_target: bool = False, offpath_weight: float = 1.0,
-                 feature_noise: float = 0.0, loss_rows: str = "assistant", fc_norm: bool = False):
+                 feature_noise: float = 0.0, loss_rows: str = "assistant", fc_norm: bool = False,
+                 lk_weight: float = 0.0):
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         if freeze_lm_head and not init_lm_head_from_target:
@@ -78,6 +81,13 @@ class Eagle3Method(FusedLayers):
         if not 0 <= offpath_weight <= 1:
             raise ValueError(f"offpath_weight must lie in [0, 1], got {offpath_weight}")
         self.offpath_weight = offpath_weight
+        if not 0 <= lk_weight <= 1:
+            raise ValueError(f"{self.name}: lk_weight must lie in [0, 1], got {lk_weight}")
+        if lk_weight and offpath_weight != 1:
+            raise ValueError(f"{self.name}: lk_weight mixes in an acceptance term that offpath_weight < 1 would "
+                             f"distort (it scales the target's distribution): set one of them back "
+                             f"(lk_weight={lk_weight}, offpath_weight={offpath_weight})")
+        self.lk_weight = float(lk_weight)
         self.init_layer_from_target = init_layer_from_target
         if feature_noise < 0:
             raise ValueError(f"feature_noise must be >= 0, got {feature_noise}")
@@ -180,7 +190,7 @@ class Eagle3Method(FusedLayers):
             scale = self.feature_noise * h0.detach().float().pow(2).mean(-1, keepdim=True).sqrt()
             h0 = h0 + (scale * (2 * torch.rand_like(scale.expand_as(h0)) - 1)).to(h0.dtype)
         loss, stats = ttt_loss(model, h0, batch, rows, self.ttt_steps, self.step_decay, self.head_chunk,
-                               self.feature_weight, self.offpath_weight)
+                               self.feature_weight, self.offpath_weight, self.lk_weight)
         metrics = {}
         for i, s in enumerate(stats):
             metrics[f"step{i}_loss"] = float(s.loss)

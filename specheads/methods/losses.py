@@ -92,30 +92,39 @@ def target_argmax(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: tor
     return out.view(hidden.shape[:-1])
 
 
-def _soft_ce_chunk(head: Callable, h: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _soft_ce_chunk(head: Callable, h: torch.Tensor, p: torch.Tensor,
+                   lk_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     logp = torch.log_softmax(head(pad_rows(h))[: h.shape[0]].float(), dim=-1)
-    return -(p * logp).sum(), logp.argmax(-1)
+    loss = -(p * logp).sum(-1)
+    if lk_weight:  # -log sum_x min(p, q): acceptance_nll with q already normalised
+        accept = -torch.log(torch.minimum(p, logp.exp()).sum(-1).clamp_min(1e-12))
+        loss = (1 - lk_weight) * loss + lk_weight * accept
+    return loss.sum(), logp.argmax(-1)
 
 
 def soft_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, probs: torch.Tensor,
-                       chunk: int = 2048, use_checkpoint: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                       chunk: int = 2048, use_checkpoint: bool = True,
+                       lk_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed soft cross-entropy of ``head(hidden)`` against ``probs``, and the draft argmax.
 
     head: (n, H) -> (n, V) draft logits; hidden: (N, H); probs: (N, V) float32.
+    lk_weight > 0: each row's term is ``(1 - w) * soft CE + w * -log sum_x min(p, q)``, the acceptance objective
+    of the LK losses (``acceptance_nll``) against ``probs`` (for EAGLE-3: the target's distribution on the draft
+    vocabulary, which is what a draft over that vocabulary can match).
     Returns (loss_sum scalar, argmax (N,) long). Chunks of ``chunk`` rows; when there is more
     than one chunk and ``use_checkpoint``, each chunk's logits are recomputed in backward.
     """
     if hidden.shape[0] == 0:
         return hidden.sum() * 0.0, torch.empty(0, dtype=torch.long, device=hidden.device)
     if hidden.shape[0] <= chunk:
-        return _soft_ce_chunk(head, hidden, probs)
+        return _soft_ce_chunk(head, hidden, probs, lk_weight)
     total, preds = hidden.new_zeros((), dtype=torch.float32), []
     for s in range(0, hidden.shape[0], chunk):
         h, p = hidden[s:s + chunk], probs[s:s + chunk]
         if use_checkpoint and torch.is_grad_enabled():
-            loss, pred = checkpoint(_soft_ce_chunk, head, h, p, use_reentrant=False)
+            loss, pred = checkpoint(_soft_ce_chunk, head, h, p, lk_weight, use_reentrant=False)
         else:
-            loss, pred = _soft_ce_chunk(head, h, p)
+            loss, pred = _soft_ce_chunk(head, h, p, lk_weight)
         total = total + loss
         preds.append(pred)
     return total, torch.cat(preds)

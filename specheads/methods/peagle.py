@@ -115,7 +115,7 @@ class PEagleMethod(Eagle3Method):
                  vocab_data: str | None = None, vocab_max_samples: int | None = None, aux_layers=None,
                  target_chunk: int = 1024, head_chunk: int = 2048, init_lm_head_from_target: bool = False,
                  vocab_rows=None, freeze_lm_head: bool = False, init_layer_from_target: bool = False,
-                 loss_rows: str = "assistant", fc_norm: bool = False):
+                 loss_rows: str = "assistant", fc_norm: bool = False, lk_weight: float = 0.0):
         if num_depths < 1 or num_layers < 1:
             raise ValueError(f"peagle: num_depths and num_layers must be at least 1, got {num_depths} / {num_layers}")
         if not (0 < ratio <= 1 and 0 <= ratio_min <= 1):
@@ -126,7 +126,7 @@ class PEagleMethod(Eagle3Method):
                          aux_layers=aux_layers, ttt_steps=1, target_chunk=target_chunk, head_chunk=head_chunk,
                          init_lm_head_from_target=init_lm_head_from_target, vocab_rows=vocab_rows,
                          freeze_lm_head=freeze_lm_head, init_layer_from_target=init_layer_from_target,
-                         loss_rows=loss_rows, fc_norm=fc_norm)
+                         loss_rows=loss_rows, fc_norm=fc_norm, lk_weight=lk_weight)
         self.num_depths, self.num_layers = int(num_depths), int(num_layers)
         self.ratio, self.ratio_min, self.max_anchors = float(ratio), float(ratio_min), max_anchors
         self.mask_token_id = mask_token_id
@@ -186,7 +186,7 @@ class PEagleMethod(Eagle3Method):
             keep = rows.in_vocab[b, s]
             b, q, s = b[keep], q[keep], s[keep]
             loss_sum, pred = soft_cross_entropy(model.logits, h[b, q], rows.probs[rows.row_of[b, s]],
-                                                chunk=self.head_chunk)
+                                                chunk=self.head_chunk, lk_weight=self.lk_weight)
             n = b.numel()
             total = total + loss_sum / max(n, 1)
             metrics[f"step{d}_loss"] = float(loss_sum.detach()) / max(n, 1)

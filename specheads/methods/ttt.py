@@ -92,7 +92,7 @@ class StepStats:
 
 def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: TargetRows, steps: int,
              decay: float = 0.8, chunk: int = 2048, feature_weight: float = 0.0,
-             offpath_weight: float = 1.0) -> tuple[torch.Tensor, list[StepStats]]:
+             offpath_weight: float = 1.0, lk_weight: float = 0.0) -> tuple[torch.Tensor, list[StepStats]]:
     """Weighted sum over steps of the mean soft cross-entropy (weights ``decay**i``).
 
     Step ``i`` is trained on ``step_rows`` whose target argmax lies in the draft vocabulary.
@@ -103,6 +103,8 @@ def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: 
     offpath_weight < 1 weighs down the rows whose input token ``ids[t+1+i]`` is an assistant token
     other than the target's argmax at ``t+i`` (a state greedy drafting never reaches: it only feeds
     the target's own choices); the step's loss is then the weighted mean.
+    lk_weight > 0 mixes in the LK acceptance objective (``losses.soft_cross_entropy``); not with offpath_weight < 1,
+    which scales the target distribution itself.
     Returns (loss scalar, per-step stats with accuracy against the target argmax on those rows).
     """
     total, stats = None, []
@@ -118,7 +120,7 @@ def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: 
             weight = torch.where(offpath, offpath_weight, 1.0).to(probs.dtype)
             probs = probs * weight[:, None]
             denom = max(float(weight.sum()), 1e-6)
-        loss_sum, pred = soft_cross_entropy(model.logits, h_out[b, t], probs, chunk=chunk)
+        loss_sum, pred = soft_cross_entropy(model.logits, h_out[b, t], probs, chunk=chunk, lk_weight=lk_weight)
         step_loss = loss_sum / denom
         if feature_weight:
             true = batch["hidden_last"][b, t + 1 + i]

@@ -375,3 +375,40 @@ def test_fc_norm_normalises_each_fused_layer_before_fc_and_trains_its_norms(targ
     assert all(n.weight.grad is not None and n.weight.grad.abs().sum() > 0 for n in model.fc_norm)
     plain = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows()).build(target)
     assert plain.fc_norm is None and not plain.config.fc_norm
+
+
+def test_lk_weight_mixes_the_acceptance_objective_into_each_row(target):
+    """lk_weight=w: per row (1 - w) * soft CE + w * -log sum_x min(p, q), p the target's distribution on the draft
+    vocabulary, q the draft's; the manual reference of the soft-CE test above with that term added."""
+    w = 0.4
+    method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=1, lk_weight=w)
+    model = method.build(target)
+    batch = _batch(target, method)
+    out = method.loss(model, batch, target)
+    ids, T = batch["input_ids"], batch["input_ids"].shape[1]
+    nxt = torch.zeros_like(ids)
+    nxt[:, :-1] = ids[:, 1:]
+    _, logits = model.step(model.fuse(batch["hidden_aux"]), nxt, torch.arange(T).expand_as(ids))
+    full = target.logits(batch["hidden_last"])
+    p = torch.softmax(full[..., model.t2d], -1)
+    in_vocab = model.t2d[full.argmax(-1)]
+    total, n = 0.0, 0
+    for b in range(ids.shape[0]):
+        for t in range(T - 2):
+            if batch["loss_mask"][b, t + 2] and batch["attention_mask"][b, t + 2] and in_vocab[b, t + 1]:
+                logq = torch.log_softmax(logits[b, t], -1)
+                ce = -(p[b, t + 1] * logq).sum()
+                accept = -torch.log(torch.minimum(p[b, t + 1], logq.exp()).sum())
+                total = total + (1 - w) * ce + w * accept
+                n += 1
+    assert n > 0
+    assert_close(out.loss, total / n, atol=1e-5, rtol=1e-5)
+    plain = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=1).loss(model, batch, target)
+    assert not torch.allclose(out.loss, plain.loss)
+
+
+@pytest.mark.parametrize("kw, word", [({"lk_weight": 1.5}, "lie in [0, 1]"),
+                                      ({"lk_weight": 0.5, "offpath_weight": 0.5}, "offpath_weight")])
+def test_a_bad_lk_weight_is_refused(kw, word):
+    with pytest.raises(ValueError, match=word.replace("[", r"\[").replace("]", r"\]")):
+        Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), **kw)

@@ -72,3 +72,21 @@ def test_target_probs_calls_the_target_on_recurring_row_counts():
     assert head.rows == [64, 64]  # 64 rows, then the 6 left padded to 64
     torch.testing.assert_close(probs, torch.softmax(logits[:, columns], -1))
     assert torch.equal(argmax, logits.argmax(-1))
+
+
+def test_soft_cross_entropy_with_the_lk_term_is_the_same_chunked_and_whole():
+    from specheads.methods.losses import soft_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 12)
+    h = torch.randn(10, 8, generator=g)
+    p = torch.softmax(torch.randn(10, 12, generator=g) * 3, -1)
+    whole, pred = soft_cross_entropy(head, h, p, chunk=64, lk_weight=0.3)
+    parts, pred2 = soft_cross_entropy(head, h, p, chunk=3, lk_weight=0.3)
+    q = torch.softmax(head(h), -1)
+    want = (0.7 * -(p * q.log()).sum(-1) + 0.3 * -torch.log(torch.minimum(p, q).sum(-1))).sum()
+    torch.testing.assert_close(whole, want)
+    torch.testing.assert_close(parts, want)
+    assert torch.equal(pred, pred2)
+    plain, _ = soft_cross_entropy(head, h, p, chunk=64)
+    assert not torch.allclose(plain, whole)

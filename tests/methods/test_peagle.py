@@ -273,3 +273,18 @@ def test_a_short_run_on_a_store_learns_every_depth(tmp_path):
     assert ev["measured_prompts"] == 2.0 and ev["measured_k"] == 3.0  # the drafter's chain: one K-token draft
     loaded = PEagleModel.from_pretrained(summary["head_dir"]).attach(target)
     assert loaded.config.num_depths == 3
+
+
+def test_lk_weight_reaches_every_depths_loss(target):
+    method, lk = _method(), _method(lk_weight=0.5)
+    torch.manual_seed(0)
+    model = method.build(target)
+    batch = _batch(target, method)
+    torch.manual_seed(1)
+    plain = method.loss(model, batch, target).loss
+    torch.manual_seed(1)
+    mixed = lk.loss(model, batch, target)
+    assert torch.isfinite(mixed.loss) and not torch.allclose(plain, mixed.loss)
+    model.zero_grad()
+    mixed.loss.backward()
+    assert model.mask_hidden.grad is not None
