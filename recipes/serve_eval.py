@@ -119,7 +119,7 @@ def run(cfg: DictConfig) -> dict:
 def _offline(cfg, head, k, prompts, tokenizer, max_new, template_kwargs):
     from specheads.serving import serve_eval as se
     from specheads.serving.engine import (EngineProcess, EngineRefusedError, engine_settings, find_engine,
-                                          speculative_config)
+                                          model_engine_kwargs, speculative_config)
     from specheads.targets import resolve_target_path
 
     engine = find_engine(cfg.vllm.python)
@@ -128,7 +128,8 @@ def _offline(cfg, head, k, prompts, tokenizer, max_new, template_kwargs):
     log.info("vLLM %s (%s: %s); settings %s", engine.version, engine.found, engine.python, env)
     base = {"model": str(model), "tokenizer": str(model), "dtype": cfg.vllm.dtype,
             "max_model_len": cfg.vllm.max_model_len, "seed": 0,
-            "engine_kwargs": {"enforce_eager": True} if cfg.vllm.enforce_eager else {}}
+            "engine_kwargs": {**({"enforce_eager": True} if cfg.vllm.enforce_eager else {}),
+                              **model_engine_kwargs(model)}}
     out = Path(cfg.output_dir)
     started, logs = {}, {}
     procs = []

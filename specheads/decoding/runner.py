@@ -30,9 +30,15 @@ import torch
 from torch import nn
 
 from specheads.decoding.slots import TreeSlots
-from specheads.targets import UnsupportedTargetError, capture_layer_inputs, model_family, output_logits
+from specheads.errors import UserError
+from specheads.targets import (UnsupportedTargetError, capture_layer_inputs, model_family, output_logits,
+                               recurrent_layer_types)
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+
+class HybridTargetError(UserError):
+    """A target with recurrent (linear-attention, state-space) layers: the evaluator verifies with attention masks."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,12 @@ class TargetRunner:
     """
 
     def __init__(self, model: nn.Module, aux_layers: tuple[int, ...] = ()):
+        recurrent = recurrent_layer_types(model.config)
+        if recurrent:
+            raise HybridTargetError(
+                f"target {type(model).__name__} has {', '.join(recurrent)} layers, whose recurrent state a draft "
+                "tree's forward cannot verify and roll back here (attention layers only); measure its head in vLLM "
+                "with specheads serve-eval, which also checks greedy output against plain decoding")
         self.model = model
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()

@@ -34,8 +34,8 @@ def serve_line(model: str, tokens: int) -> str:
     return f"vllm serve {model} --speculative-config '{json.dumps(speculative_config(tokens))}'"
 
 
-def stitched_tensors(head: Path, cfg: dict, prefix: str, expected: list[str]) -> dict[str, torch.Tensor]:
-    """The head's tensors under the checkpoint's names (``layers.0.X`` -> ``<prefix>X``); exactly ``expected``."""
+def stitched_tensors(head: Path, layout, layer: int, expected: list[str]) -> dict[str, torch.Tensor]:
+    """The head's tensors under the checkpoint's names (``layout.checkpoint_key``); exactly ``expected``."""
     files = sorted(head.glob("*.safetensors"))
     if not files:
         raise ExportError(f"head {head}: no safetensors weights")
@@ -44,7 +44,7 @@ def stitched_tensors(head: Path, cfg: dict, prefix: str, expected: list[str]) ->
         for k, v in load_file(str(f)).items():
             if not k.startswith("layers.0."):
                 raise ExportError(f"head {head}: unknown tensor {k} (an MTP head holds layers.0.* only)")
-            tensors[prefix + k[len("layers.0."):]] = v
+            tensors[layout.checkpoint_key(k, layer)] = v
     missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or extra:
         raise ExportError(f"head {head}: its tensors do not match the target's MTP layer (missing {missing[:3]}, "
@@ -58,16 +58,14 @@ def export_mtp(head: Path, out_dir: str | Path, target: str | None = None, spec_
 
     target: the target's name/folder/hub id (None: the one the head was trained on, from its config);
     spec_tokens: ``num_speculative_tokens`` of the serve line (None: the steps the head was trained for)."""
-    from specheads.models.mtp_checkpoint import mtp_names
-
     cfg = json.loads((head / "config.json").read_text())
     out = Path(out_dir).resolve()
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists; pass overwrite=true to replace it")
     source = target_folder(target or cfg["target"])
     layer = int(cfg.get("mtp_layer", 0))
-    layout, _ = check_mtp_tensors(source, layer)  # refuses a target without the layer before anything is written
-    tensors = stitched_tensors(head, cfg, layout.prefix.format(i=layer), mtp_names(layout, layer))
+    layout, _, names = check_mtp_tensors(source, layer)  # refuses a target without the layer before anything is written
+    tensors = stitched_tensors(head, layout, layer, names)
     tokens = int(spec_tokens or cfg.get("num_steps", 1))
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

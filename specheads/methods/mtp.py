@@ -57,9 +57,8 @@ class MTPMethod:
 
     def build(self, target) -> MTPModel:
         folder = target_folder(target.name)
-        layout, _ = check_mtp_tensors(folder, self.mtp_layer)
-        prefix = layout.prefix.format(i=self.mtp_layer)
-        state = {"layers.0." + k[len(prefix):]: v for k, v in read_mtp_tensors(folder, self.mtp_layer).items()}
+        layout, _, _ = check_mtp_tensors(folder, self.mtp_layer)
+        state = {layout.module_key(k, self.mtp_layer): v for k, v in read_mtp_tensors(folder, self.mtp_layer).items()}
         model = MTPModel(MTPConfig.from_target(target, layout.family, self.num_steps, self.mtp_layer))
         model.load_state_dict(state, strict=True)
         return model.to(target.device).attach(target)

@@ -217,6 +217,12 @@ class DraftAttention(nn.Module):
         k = self.k_proj(x).view(B, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return self.o_proj(self.attend(q, k, v, layer, attn_mask, cache))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, attn_mask: torch.Tensor | None,
+               cache: KVCache | UnrollCache | None) -> torch.Tensor:
+        """q: (B, heads, q, D), k/v: (B, kv_heads, q, D) after RoPE -> (B, q, heads * D), through the cache."""
+        B, q_len = q.shape[0], q.shape[2]
         scale = self.head_dim ** -0.5
         if isinstance(cache, UnrollCache):
             if attn_mask is not None:
@@ -229,10 +235,10 @@ class DraftAttention(nn.Module):
             past = 0 if cache is None or cache.keys[layer] is None else cache.keys[layer].shape[2]
             if cache is not None:
                 k, v = cache.update(layer, k, v)
-            mask = _check_mask(attn_mask, B, q_len, past, x.device)
+            mask = _check_mask(attn_mask, B, q_len, past, q.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, q_len, -1))
+        return out.transpose(1, 2).reshape(B, q_len, -1)
 
 
 def _check_mask(attn_mask: torch.Tensor | None, batch: int, q_len: int, past: int, device) -> torch.Tensor:

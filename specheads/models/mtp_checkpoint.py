@@ -3,10 +3,14 @@
 Layouts are what vLLM 0.32 loads for ``speculative_config={"method": "mtp"}`` (its ``hf_config_override``
 rewrites the target's config, and the draft is read from the target's own files):
 
-| architectures[0] | MTP layer count | tensor names |
+| architectures[0] | MTP layer count | tensor names of MTP layer ``i`` |
 |---|---|---|
 | ``MiMoForCausalLM`` | ``num_nextn_predict_layers`` | ``model.mtp_layers.{i}.*`` |
+| ``Qwen3NextForCausalLM`` | ``num_nextn_predict_layers`` | ``mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm}.weight`` (shared) and ``mtp.layers.{i}.*`` |
+| ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM`` | ``mtp_num_hidden_layers`` | as Qwen3-Next |
 
+A Qwen3-Next layer's MLP is a sparse MoE (``mlp.gate``, ``mlp.experts.{e}.*``, ``mlp.shared_expert.*``,
+``mlp.shared_expert_gate``) or dense (``mlp.{gate,up,down}_proj``) by vLLM's rule (``models.mtp.mtp_layer_is_moe``).
 A config that declares no MTP layer, or files that lack any tensor of the declared layer, raise
 ``MTPCheckpointError`` (a ``UserError``) before any work: vLLM would build a random layer from them and serve it
 without a word (0 % acceptance).
@@ -37,18 +41,67 @@ class MTPCheckpointError(UserError):
 class MTPLayout:
     family: str
     count_key: str  # the config field that says how many MTP layers the checkpoint carries
-    prefix: str  # the tensor-name prefix of MTP layer {i}
-    # the names under the prefix one layer must have (the checkpoint's, vLLM's loader reads exactly these)
+    prefix: str  # the tensor-name prefix of the MTP block ({i}: MTP layer i's own prefix)
+    # the names under the prefix one layer must have (the checkpoint's, vLLM's loader reads exactly these); {i} is
+    # the layer's index, "{mlp}" stands for the names of its MLP (``mlp_names``)
     names: tuple[str, ...]
+
+    def tensor_names(self, config, layer: int = 0) -> list[str]:
+        """The checkpoint names of MTP layer ``layer`` of a target with ``config`` (dict or config object)."""
+        prefix, out = self.prefix.format(i=layer), []
+        for n in self.names:
+            if "{mlp}" in n:
+                out += [prefix + n.format(i=layer, mlp=m) for m in mlp_names(config, layer)]
+            else:
+                out.append(prefix + n.format(i=layer))
+        return out
+
+    def module_key(self, name: str, layer: int = 0) -> str:
+        """Checkpoint name -> the MTP head's parameter name (``layers.0.<name under the prefix>``, MTP layer
+        ``layer``'s own decoder layer renamed ``layers.0``)."""
+        rel = name[len(self.prefix.format(i=layer)):]
+        if "{i}" not in self.prefix:
+            rel = rel.replace(f"layers.{layer}.", "layers.0.", 1) if rel.startswith(f"layers.{layer}.") else rel
+        return "layers.0." + rel
+
+    def checkpoint_key(self, key: str, layer: int = 0) -> str:
+        """The MTP head's parameter name -> the checkpoint's (``module_key`` reversed)."""
+        rel = key[len("layers.0."):]
+        if "{i}" not in self.prefix and rel.startswith("layers.0."):
+            rel = f"layers.{layer}." + rel[len("layers.0."):]
+        return self.prefix.format(i=layer) + rel
+
+
+def _config_get(config, key: str):
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
+def mlp_names(config, layer: int = 0) -> list[str]:
+    """The MLP tensor names (under ``mlp.``) of a Qwen3-Next / Qwen3.5 MTP layer: its MoE's or a dense SwiGLU's."""
+    from specheads.models.mtp import mtp_layer_is_moe
+
+    swiglu = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+    if not mtp_layer_is_moe(config, layer):
+        return swiglu
+    experts = int(_config_get(config, "num_experts"))
+    return (["gate.weight", "shared_expert_gate.weight"] + [f"shared_expert.{w}" for w in swiglu]
+            + [f"experts.{e}.{w}" for e in range(experts) for w in swiglu])
 
 
 _QWEN2_LAYER = tuple(f"self_attn.{p}.{w}" for p in ("q_proj", "k_proj", "v_proj") for w in ("weight", "bias")) + (
     "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
     "input_layernorm.weight", "post_attention_layernorm.weight")
+_QWEN3_NEXT_BLOCK = ("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight") + tuple(
+    "layers.{i}." + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                                "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                                "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.{mlp}"))
 LAYOUTS = {
     "MiMoForCausalLM": MTPLayout("mimo", "num_nextn_predict_layers", "model.mtp_layers.{i}.",
                                  ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight",
                                   "final_layernorm.weight") + _QWEN2_LAYER),
+    "Qwen3NextForCausalLM": MTPLayout("qwen3_next", "num_nextn_predict_layers", "mtp.", _QWEN3_NEXT_BLOCK),
+    "Qwen3_5ForCausalLM": MTPLayout("qwen3_next", "mtp_num_hidden_layers", "mtp.", _QWEN3_NEXT_BLOCK),
+    "Qwen3_5MoeForCausalLM": MTPLayout("qwen3_next", "mtp_num_hidden_layers", "mtp.", _QWEN3_NEXT_BLOCK),
 }
 
 
@@ -91,29 +144,30 @@ def weight_map(folder: Path) -> dict[str, str]:
                              "target's safetensors files")
 
 
-def mtp_names(layout: MTPLayout, layer: int = 0) -> list[str]:
-    prefix = layout.prefix.format(i=layer)
-    return [prefix + n for n in layout.names]
-
-
-def check_mtp_tensors(folder: Path, layer: int = 0) -> tuple[MTPLayout, dict[str, str]]:
-    """The folder's layout and weight map, once its config declares MTP layer ``layer`` and its files hold every
-    tensor of it."""
-    layout = mtp_layout(json.loads((folder / "config.json").read_text()))
+def check_mtp_tensors(folder: Path, layer: int = 0) -> tuple[MTPLayout, dict[str, str], list[str]]:
+    """The folder's layout, weight map and MTP layer ``layer``'s tensor names, once its config declares that layer
+    and its files hold every tensor of it."""
+    config = json.loads((folder / "config.json").read_text())
+    layout = mtp_layout(config)
+    declared = int(config.get(layout.count_key) or 0)
+    if layer >= declared:
+        raise MTPCheckpointError(f"{folder}: method.mtp_layer={layer}, but the config declares {declared} MTP "
+                                 f"layer(s) ({layout.count_key})")
     wmap = weight_map(folder)
-    missing = [n for n in mtp_names(layout, layer) if n not in wmap]
+    names = layout.tensor_names(config, layer)
+    missing = [n for n in names if n not in wmap]
     if missing:
         raise MTPCheckpointError(f"{folder}: the config declares MTP layers but the checkpoint lacks {len(missing)} "
                                  f"of MTP layer {layer}'s tensors (first: {missing[0]}); vLLM would serve a random "
                                  "layer from it")
-    return layout, wmap
+    return layout, wmap, names
 
 
 def read_mtp_tensors(folder: Path, layer: int = 0) -> dict[str, torch.Tensor]:
     """MTP layer ``layer``'s tensors, named as in the checkpoint (``model.mtp_layers.0.input_proj.weight``, ...)."""
-    layout, wmap = check_mtp_tensors(folder, layer)
+    _, wmap, names = check_mtp_tensors(folder, layer)
     out = {}
-    for name in mtp_names(layout, layer):
+    for name in names:
         with safe_open(str(folder / wmap[name]), "pt") as f:
             out[name] = f.get_tensor(name)
     return out

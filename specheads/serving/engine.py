@@ -155,6 +155,19 @@ def speculative_config(head: ExportedHead, num_speculative_tokens: int) -> dict:
     return vllm_speculative_config(head.method, str(head.folder.resolve()), num_speculative_tokens)
 
 
+def model_engine_kwargs(model: str | Path) -> dict:
+    """Engine arguments a served model needs: a hybrid target (recurrent layers, e.g. Qwen3-Next's Gated DeltaNet)
+    decodes speculatively with prefix caching off, whose 'align' state-cache mode runs a Triton kernel the CPU build
+    lacks (vLLM 0.32.0: "'function' object is not subscriptable" in mamba_utils' fused pre-copy)."""
+    from specheads.targets.model import recurrent_layer_types
+
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {"enable_prefix_caching": False} if recurrent_layer_types(config) else {}
+
+
 # ------------------------------------------------------------------ the engine's process
 
 def engine_settings(engine: Engine, threads_bind: str | None = None, kv_cache_gib: int | None = None) -> dict[str, str]:

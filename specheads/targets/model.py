@@ -29,6 +29,20 @@ def model_family(config) -> str:
     return str(getattr(text, "model_type", None) or "unknown")
 
 
+# layer types whose state is a recurrence, not a key/value cache (Qwen3-Next / Qwen3.5's Gated DeltaNet, Mamba)
+RECURRENT_LAYERS = ("linear_attention", "mamba", "mamba2", "conv")
+
+
+def recurrent_layer_types(config) -> list[str]:
+    """The recurrent layer types among a config's ``layer_types`` (a config object or config.json dict; a
+    multimodal config's ``text_config`` read): [] for a target of attention layers only."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    text = get("text_config")
+    if text is not None:
+        return recurrent_layer_types(text)
+    return sorted({t for t in get("layer_types") or () if t in RECURRENT_LAYERS})
+
+
 def output_logits(config, lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
     """The target's logits from post-norm hidden states: ``lm_head(hidden)``, soft-capped as the model's own
     forward does when its config sets ``final_logit_softcapping`` (Gemma-2: ``cap * tanh(logits / cap)``).
