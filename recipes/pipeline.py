@@ -333,7 +333,8 @@ def main(cfg: DictConfig) -> None:
     print(end_summary(cfg.run_dir, cfg.head, cfg.offline, local_target_folder(str(cfg.target.name_or_path))))
     from specheads.run_summary import SUMMARY_FILE, write_summary
 
-    _, lines = write_summary(cfg.run_dir, cfg.head, cfg.offline)  # stage times and what each chose here
+    given = OmegaConf.to_container(cfg.get("extra", {}), resolve=True)  # the <stage>.<override>s of the command line
+    _, lines = write_summary(cfg.run_dir, cfg.head, cfg.offline, given)  # stage times and what each chose here
     print("\n".join(["", *lines, f"  (recorded in {Path(cfg.run_dir) / SUMMARY_FILE})"]))
 
 

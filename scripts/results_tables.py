@@ -282,17 +282,23 @@ def export_check(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _variant(run: dict) -> tuple[str, ...]:
+    """The training overrides a run was given on the command line (``settings.train``): () for the defaults."""
+    return tuple((run.get("settings") or {}).get("train") or ())
+
+
 def head_to_head_runs(data: dict) -> list[dict]:
-    """The newest record of each head in ``HEADS`` trained on the newest feature store (``store``) that two or more
-    of them share, in ``HEADS`` order; [] when no store has two."""
-    by_store: dict[str, dict[str, dict]] = {}
+    """The newest record of each head in ``HEADS`` (and of each training variant of it, ``_variant``) trained on
+    the newest feature store (``store``) that two or more heads share, in ``HEADS`` order, defaults first; [] when
+    no store has two."""
+    by_store: dict[str, dict[tuple, dict]] = {}
     for run in data["runs"]:  # newest first: the first record of a head on a store is its newest
         if run.get("kind") == "main_job" and run.get("store") and run.get("head") in HEADS and run.get("methods"):
-            by_store.setdefault(run["store"], {}).setdefault(run["head"], run)
+            by_store.setdefault(run["store"], {}).setdefault((run["head"], _variant(run)), run)
     for run in data["runs"]:
-        heads = by_store.get(run.get("store") or "", {})
-        if len(heads) >= 2:
-            return [heads[h] for h in HEADS if h in heads]
+        found = by_store.get(run.get("store") or "", {})
+        if len({head for head, _ in found}) >= 2:
+            return [found[k] for k in sorted(found, key=lambda k: (HEADS.index(k[0]), k[1]))]
     return []
 
 
@@ -323,8 +329,9 @@ def head_to_head(data: dict) -> str:
                 continue
             if "+" in m["method"] or m["method"].endswith("-vllm"):
                 continue
-            columns.append((m["name"], run))
-            lines.append(f"| {m['name']} | {m.get('shape') or '–'} | {_f(m.get('tau'))} | {_f(m.get('alpha'))} | "
+            label = m["name"] + "".join(f" ({o})" for o in _variant(run))
+            columns.append((label, m["name"], run))
+            lines.append(f"| {label} | {m.get('shape') or '–'} | {_f(m.get('tau'))} | {_f(m.get('alpha'))} | "
                          f"{_x(m.get('speedup'))} | {_x(m.get('gpu_speedup_pred'))} | {train.get('steps', '–')} | "
                          f"{_mb(train.get('tokens_per_s'))} | {_mb(train.get('peak_rss_mb'))} | "
                          f"{run.get('lossless', '–')} | {run['date']}, {_commit(run)} |")
@@ -334,13 +341,13 @@ def head_to_head(data: dict) -> str:
                      f"{_f(m.get('alpha'))} | {_x(m.get('speedup'))} | {_x(m.get('gpu_speedup_pred'))} | – | – | – | "
                      f"{run.get('lossless', '–')} | {run['date']}, {_commit(run)} |")
     domains: dict[str, dict[str, float]] = {}
-    for name, run in columns:
+    for label, name, run in columns:
         pd = run.get("per_domain") or {}
         if name in pd.get("columns", []):
             i = pd["columns"].index(name) + 1
             for row in pd["rows"]:
-                domains.setdefault(row[0], {})[name] = row[i]
-    names = [n for n, _ in columns]
+                domains.setdefault(row[0], {})[label] = row[i]
+    names = [label for label, _, _ in columns]
     lines += ["", f"τ per domain at T={runs[0].get('per_domain', {}).get('T', 0.0)}:", "",
               "| domain | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     lines += ["| " + " | ".join([d] + [_f(v.get(n)) for n in names]) + " |" for d, v in domains.items()]

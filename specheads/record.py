@@ -138,6 +138,8 @@ def main_job_entry(summary: dict) -> dict:
                                if train.get(k) is not None}}
     if collect.get("store_id"):
         out["store"] = collect["store_id"]
+    if summary.get("settings"):
+        out["settings"] = summary["settings"]
     ev = summary.get("evaluate") or {}
     if ev.get("lossless"):
         out["lossless"] = ev["lossless"]

@@ -36,12 +36,17 @@ def stage_seconds(run_dir: Path, head: str) -> dict[str, float]:
     return out
 
 
-def summarize(run_dir: str | Path, head: str, offline: bool) -> dict:
-    """The run's record: machine, stage seconds and total, and per stage what it chose and measured."""
+def summarize(run_dir: str | Path, head: str, offline: bool, settings: dict | None = None) -> dict:
+    """The run's record: machine, stage seconds and total, per stage what it chose and measured, and ``settings``:
+    the stage overrides given on the command line (``{stage: [override, ...]}``, the non-empty ones), which tell
+    two runs of one head apart (e.g. ``train: [method.loss=dpace]``)."""
     run = Path(run_dir)
     seconds = stage_seconds(run, head)
     out: dict = {"machine": cpu_description(), "date": datetime.date.today().isoformat(), "head": head, "stages_s": seconds,
                  "total_min": round(sum(v for k, v in seconds.items() if k in MAIN_JOB) / 60, 1)}
+    given = {stage: [str(o) for o in ov] for stage, ov in (settings or {}).items() if ov}
+    if given:
+        out["settings"] = given
     manifest = _json(run / "features" / "manifest.json") if offline else None
     if manifest:
         source = manifest.get("source") or {}
@@ -117,9 +122,10 @@ def serve_record(report: dict) -> dict:
             "greedy_identical": f"{every['identical']}/{every['compared']}" if "identical" in every else None}
 
 
-def write_summary(run_dir: str | Path, head: str, offline: bool) -> tuple[dict, list[str]]:
+def write_summary(run_dir: str | Path, head: str, offline: bool,
+                  settings: dict | None = None) -> tuple[dict, list[str]]:
     """Write ``run_summary.json`` into the run folder; returns it and its lines for the console."""
-    record = summarize(run_dir, head, offline)
+    record = summarize(run_dir, head, offline, settings)
     atomic_write_json(Path(run_dir) / SUMMARY_FILE, record)
     return record, summary_lines(record)
 

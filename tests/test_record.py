@@ -181,3 +181,15 @@ def test_heads_recorded_on_one_store_render_head_to_head(tmp_path):
     assert "| code | 2.00 | 2.20 | 2.20 |" in text and "| all | 1.50 | 1.70 | 1.70 |" in text
     run("eagle3", "aaaa", 1.6, "2099-01-04")  # a newer EAGLE-3 record on the store replaces the older
     assert "| eagle3-chain4 | chain4 | 1.60 |" in rt.head_to_head(rt.load(results))
+    # a head trained with other settings on the store: its own rows, after the head's default ones
+    summary = {**SUMMARY, "head": "dspark", "date": "2099-01-05", "collect": {"store_id": "aaaa"},
+               "settings": {"train": ["method.loss=dpace"]},
+               "methods": [{"name": "dspark-chain7", "shape": "chain7", "tau": 1.9, "alpha": 0.3, "speedup": 0.9}],
+               "per_domain": {"T": 0.0, "columns": ["dspark-chain7"], "rows": [["code", 2.4], ["all", 1.9]]}}
+    entry = record(_write(tmp_path, "run_summary.json", summary), results, CHECKOUT, date="2099-01-05")
+    assert entry["settings"] == {"train": ["method.loss=dpace"]}
+    text = rt.head_to_head(rt.load(results))
+    rows = [ln.split(" | ")[0][2:] for ln in text.splitlines() if ln.startswith("| ") and " | chain" in ln]
+    assert rows == ["eagle3-chain4", "dspark-chain7", "dspark-sched0.5", "dspark-chain7 (method.loss=dpace)",
+                    "ngram-chain4 (no training)"], rows
+    assert "| code | 2.10 | 2.20 | 2.20 | 2.40 |" in text

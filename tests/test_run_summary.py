@@ -94,3 +94,11 @@ def test_each_rows_predicted_gpu_speedup_is_kept(tmp_path):
     row = summarize(run, "eagle3", offline=True)["methods"][0]
     assert row == {"name": "eagle3-chain3", "shape": "chain3", "tau": 1.5, "alpha": 0.3, "speedup": 0.9,
                    "gpu_speedup_pred": 1.23}
+
+
+def test_the_command_lines_stage_overrides_are_kept_apart_from_the_defaults(tmp_path):
+    run = tmp_path / "run"
+    _write(run / ".done" / "prepare.json", {"seconds": 1.0})
+    record = summarize(run, "dflash", offline=True, settings={"train": ["method.loss=dpace"], "evaluate": []})
+    assert record["settings"] == {"train": ["method.loss=dpace"]}
+    assert "settings" not in summarize(run, "dflash", offline=True, settings={"train": [], "prepare": []})
