@@ -33,6 +33,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 BF16_ENV = "SPECHEADS_CPU_BF16"
 
 
+# Dense (no sparsity) peak TFLOP/s of a GPU's tensor cores in bfloat16 and of its float32 units (no TF32), from the
+# vendor's data sheets (SXM parts): the share of the chip's peak a benchmark reports (``peak_tflops``)
+GPU_PEAK_TFLOPS = {"H200": {"bfloat16": 989.4, "float32": 66.9}, "H100": {"bfloat16": 989.4, "float32": 66.9},
+                   "A100": {"bfloat16": 312.0, "float32": 19.5}, "L40S": {"bfloat16": 362.05, "float32": 91.6}}
+
+
+def peak_tflops(device_name: str, dtype: str) -> float | None:
+    """The peak TFLOP/s of the GPU named ``device_name`` (``torch.cuda.get_device_name()``) in ``dtype``
+    (``bfloat16`` / ``float32``), or None for a device not in ``GPU_PEAK_TFLOPS`` (a CPU among them)."""
+    for kind, peaks in GPU_PEAK_TFLOPS.items():
+        if kind in str(device_name).upper():
+            return peaks.get(dtype)
+    return None
+
+
 def resolve_device(device: str | torch.device | None) -> str:
     """``auto`` (or None): ``cuda`` when a GPU is present, else ``cpu``; anything else as given."""
     if device is None or str(device) == "auto":

@@ -7,6 +7,16 @@
     python scripts/bench/bench_train.py --methods medusa1 medusa2 eagle1 eagle3 --target tiny \
         --arg eagle3:vocab_data={prepared} --num-processes 1 2 --max-seconds 30 --threads 1   # 1 -> 2 processes
 
+    python scripts/bench/bench_train.py --methods eagle3 --target shape:llama-3.2-1b --max-tokens 8192 \
+        --arg eagle3:vocab_data={prepared}      # a GPU: Llama-3.2-1B's shape with random weights, made on the GPU
+
+By default a run does what the CLI does on this machine: the target on a GPU when there is one (``--device
+auto``), in the CLI's precision (``--dtype auto``: bfloat16 on a GPU, the timed probe's choice on a CPU) and with its
+mixed precision (``--mixed-precision auto``). ``--target shape:NAME`` builds a real model's shape with random weights
+on the device (``specheads.targets.shapes``; no download). Besides tokens/s it reports the peak GPU memory and the
+achieved TFLOP/s, counted as 2 * (the target's matrix FLOPs per token, ``forward_flops_per_token``) + 6 * (the
+head's trainable parameters) * (its unrolled steps) per training token, and their share of the GPU's peak in the
+precision trained (``hardware.peak_tflops``).
 Each method runs in its own process (so peak RSS is that method's) through the real engine with
 online features; the first ``--warmup`` steps are excluded from tokens/s. With ``--num-processes N``
 (N > 1) the same run is started as ``accelerate launch --config_file <--launcher-config> --num_processes N``
@@ -33,7 +43,11 @@ REPO = Path(__file__).resolve().parents[2]
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", default=["medusa1"], help="registered method names (engine.METHODS)")
-    p.add_argument("--target", default="smollm2", help="'tiny' (random Llama), 'smollm2', or a model folder")
+    p.add_argument("--target", default="smollm2",
+                   help="'tiny' (random Llama), 'smollm2', a model folder, or shape:NAME (random weights of a real shape)")
+    p.add_argument("--device", default="auto", help="where the target runs: auto (a GPU when present), cpu, cuda")
+    p.add_argument("--dtype", default="auto", help="the target's dtype: auto (as the CLI), float32, bfloat16")
+    p.add_argument("--mixed-precision", default="auto", help="train.mixed_precision: auto (as the CLI), no, bf16")
     p.add_argument("--prepared", default=None, help="prepared dataset folder (default: synthetic tokens, written once)")
     p.add_argument("--arg", action="append", default=[], metavar="METHOD:KEY=VALUE",
                    help="a constructor argument for one method; {prepared} becomes the data folder")
@@ -92,15 +106,32 @@ def method_kwargs(method: str, pairs: list[str], prepared: str) -> dict:
     return out
 
 
-def _load_target(name: str):
+def _load_target(name: str, device: str = "auto", dtype: str = "auto"):
+    from specheads.hardware import DTYPES, resolve_device
+
     if name == "tiny":
         sys.path.insert(0, str(REPO / "tests"))
         from conftest import make_tiny_target
 
         return make_tiny_target("llama", vocab=1000, hidden=64, layers=4)
     from specheads.targets import load_target
+    from specheads.targets.shapes import is_shape, shape_target
 
-    return load_target(name)
+    if is_shape(name):
+        device = resolve_device(device)
+        on_gpu = device.startswith("cuda")
+        return shape_target(name, device, DTYPES["bfloat16" if dtype == "auto" and on_gpu else
+                                                 "float32" if dtype == "auto" else dtype])
+    return load_target(name, dtype=dtype, device=device)
+
+
+def flops_per_token(target, method, trainable: int) -> float:
+    """Training FLOPs per token: the target's forward (matrices) and the head's forward and backward over its
+    unrolled steps (``ttt_steps``; P-EAGLE's depths; DFlash's block)."""
+    from specheads.targets.shapes import forward_flops_per_token
+
+    steps = getattr(method, "ttt_steps", None) or getattr(method, "num_depths", None) or 1
+    return forward_flops_per_token(target.config) + 6.0 * trainable * steps
 
 
 def run_one(args) -> dict:
@@ -112,15 +143,26 @@ def run_one(args) -> dict:
     from specheads.training.config import OptimConfig, TrainConfig
     from specheads.training.engine import train
 
+    from specheads.hardware import peak_tflops
+
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = _load_target(args.target)
+    target = _load_target(args.target, args.device, args.dtype)
     source = _data(args)
     kwargs = method_kwargs(args.one, args.arg, args.prepared)
+    cuda = target.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    precision = args.mixed_precision
+    if precision == "auto":  # as `specheads train` resolves it (recipes/train.training_precision)
+        from specheads.hardware import choose_mixed_precision, decoder_layer_shapes
+
+        precision = choose_mixed_precision("auto", None if cuda else decoder_layer_shapes(target.config),
+                                           probe=not cuda and int(os.environ.get("WORLD_SIZE", "1")) == 1).value
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or tmp  # one folder for all processes: the timed run resumes the warm-up's checkpoint
         common = dict(output_dir=out, save_every=0, eval_every=0, wandb_mode="disabled", progress=False,
-                      keep_checkpoints=1)
+                      keep_checkpoints=1, mixed_precision=precision)
         warm = train(build_method(args.one, **kwargs), target, source, TrainConfig(max_steps=args.warmup, **common),
                      OptimConfig())
         budget = None if args.max_seconds is None else (warm["train_s"] + args.max_seconds) / 60
@@ -129,8 +171,16 @@ def run_one(args) -> dict:
                      TrainConfig(max_steps=args.warmup + steps, max_minutes=budget, **common), OptimConfig())
     tokens = full["train_tokens"] - warm["train_tokens"]
     seconds = full["train_s"] - warm["train_s"]
-    return {"method": args.one, "target": args.target, "steps": full["steps"] - warm["steps"], "tokens": tokens,
+    tflops = flops_per_token(target, build_method(args.one, **kwargs), full.get("trainable_params") or 0) \
+        * tokens / seconds / 1e12
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    peak = peak_tflops(device, "bfloat16" if precision == "bf16" or target.dtype == torch.bfloat16 else "float32")
+    return {"method": args.one, "target": args.target, "device": device, "target_dtype": str(target.dtype),
+            "mixed_precision": precision, "steps": full["steps"] - warm["steps"], "tokens": tokens,
             "tokens_per_s": tokens / seconds, "seconds": seconds, "peak_rss_mib": full["peak_rss_mb"],
+            "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+            "trainable_params": full.get("trainable_params"), "tflops": tflops,
+            "share_of_peak": tflops / peak if peak else None,
             "threads": torch.get_num_threads(), "num_processes": full["num_processes"],
             "rank": int(os.environ.get("RANK", "0"))}
 
@@ -142,22 +192,29 @@ def main(argv=None) -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         if not args.prepared:
-            vocab = 1000 if args.target == "tiny" else _vocab_size(args.target)
+            vocab = 1000 if args.target == "tiny" else _vocab_size(args.target)  # shape:NAME: its config's
             args.prepared = str(write_synthetic(Path(tmp) / "prepared", vocab))
         results = [r for m in args.methods for n in args.num_processes if (r := _bench(m, n, args, Path(tmp)))]
     base = {r["method"]: r["tokens_per_s"] for r in results if r["num_processes"] == 1}
-    print(f"\n{'method':<10} {'procs':>5} {'tokens/s':>10} {'scaling':>8} {'peak RSS MiB per process':>26}")
+    print(f"\n{'method':<10} {'procs':>5} {'tokens/s':>10} {'scaling':>8} {'TFLOP/s':>8} {'of peak':>8} "
+          f"{'GPU MiB':>8} {'peak RSS MiB per process':>26}")
     for r in results:
         scale = f"{r['tokens_per_s'] / base[r['method']]:.2f}x" if r["method"] in base else "-"
         rss = " ".join(f"{x:.0f}" for x in r["peak_rss_mib_per_process"])
-        print(f"{r['method']:<10} {r['num_processes']:>5} {r['tokens_per_s']:>10.0f} {scale:>8} {rss:>26}")
+        share = f"{100 * r['share_of_peak']:.1f}%" if r.get("share_of_peak") else "-"
+        gpu = f"{r['peak_gpu_mib']:.0f}" if r.get("peak_gpu_mib") else "-"
+        print(f"{r['method']:<10} {r['num_processes']:>5} {r['tokens_per_s']:>10.0f} {scale:>8} {r['tflops']:>8.2f} "
+              f"{share:>8} {gpu:>8} {rss:>26}")
 
 
 def _vocab_size(target: str) -> int:
     from transformers import AutoConfig
 
     from specheads.targets import resolve_target_path
+    from specheads.targets.shapes import is_shape, shape_config
 
+    if is_shape(target):
+        return shape_config(target).vocab_size
     return AutoConfig.from_pretrained(resolve_target_path(target)).vocab_size
 
 
@@ -173,7 +230,8 @@ def _bench(m: str, n: int, args, tmp: Path) -> dict | None:
     """Run one method on ``n`` fresh processes; rank 0's JSON result plus every process's peak RSS, or None
     (with the error) on failure."""
     out = tmp / f"run-{m}-{n}"
-    one = [__file__, "--one", m, "--target", args.target, "--steps", str(args.steps), "--warmup", str(args.warmup),
+    one = [__file__, "--one", m, "--target", args.target, "--device", args.device, "--dtype", args.dtype,
+           "--mixed-precision", args.mixed_precision, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--max-tokens", str(args.max_tokens), "--prepared", args.prepared, "--out", str(out)]
     one += [f"--arg={a}" for a in args.arg]
     one += ["--threads", str(args.threads)] if args.threads else []

@@ -211,6 +211,8 @@ def _finish(method, model, target, eval_data, cfg, acc, st, last_eval, resumed, 
         "method": method.name, "steps": st.step, "epoch": st.epoch, "train_tokens": tokens,
         "tokens_per_s": tokens / st.train_s if st.train_s else None, "train_s": st.train_s,
         "peak_rss_mb": peak_rss_mb(), "peak_anon_mb": _peak_anon(st), "num_processes": acc.num_processes,
+        # DeepSpeed ZeRO-3 keeps a partitioned parameter's full size in ds_numel
+        "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad),
         "final_loss": read_losses(out).get(st.step) if acc.is_main_process else None,
         "eval": {k: v for k, v in ev.items() if not k.startswith("_")},
         "tau_estimate": ev.get("tau_estimate"), "tau_basis": ev.get("_tau_basis"),

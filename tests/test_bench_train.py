@@ -1,0 +1,48 @@
+"""scripts/bench/bench_train.py measures what the CLI runs: its precision, device and dtype default to the CLI's
+``auto`` (it once timed fp32 where `specheads train` trains bf16), and it reports TFLOP/s from the FLOP count."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from specheads.methods import build_method
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "scripts" / "bench" / "bench_train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_defaults_are_the_clis():
+    args = _bench().parse_args(["--methods", "eagle3"])
+    assert (args.mixed_precision, args.device, args.dtype) == ("auto", "auto", "auto")
+
+
+def test_a_run_trains_in_the_precision_the_clis_rule_picks_and_counts_its_flops(tmp_path, monkeypatch):
+    import specheads.hardware as hardware
+
+    asked = []
+
+    def pick(requested, shapes=None, rows=2048, reps=2, probe=True):  # the CLI's rule, its answer fixed here
+        asked.append((requested, bool(shapes), probe))
+        return hardware.Choice("bf16", "test")
+
+    monkeypatch.setattr(hardware, "choose_mixed_precision", pick)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    bench = _bench()
+    prepared = str(bench.write_synthetic(tmp_path / "prepared", 1000))
+    args = bench.parse_args(["--one", "medusa1", "--target", "tiny", "--prepared", prepared, "--steps", "2",
+                             "--warmup", "1", "--max-tokens", "512", "--out", str(tmp_path / "out")])
+    result = bench.run_one(args)
+    assert asked == [("auto", True, True)]  # on a CPU: a probe of the head's layer shapes, as `specheads train`
+    assert result["mixed_precision"] == "bf16" and result["device"] == "cpu" and result["share_of_peak"] is None
+    assert result["trainable_params"] > 0
+    per_token = bench.flops_per_token(bench._load_target("tiny"), build_method("medusa1"), result["trainable_params"])
+    assert result["tflops"] == pytest.approx(per_token * result["tokens_per_s"] / 1e12)
