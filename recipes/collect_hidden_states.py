@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specheads.data.features import CollectOptions, collect_hidden_states
 from specheads.data.prepare import check_prepared_matches, load_prepared
-from specheads.errors import renamed_setting, user_errors
+from specheads.errors import ConfigError, renamed_setting, user_errors
 from specheads.hardware import machine_description, resolve_device
 from specheads.targets import end_process_group, load_target
 from specheads.targets.parallel import leave_unless_first_rank
@@ -63,21 +63,58 @@ def main(cfg: DictConfig) -> None:
 def collect(cfg: DictConfig) -> None:
     rank = int(os.environ.get("RANK", 0))
     output_dir = renamed_setting("collect", "out_dir", "output_dir", cfg.out_dir) or cfg.output_dir
+    engine = cfg.get("engine", "hf")
+    if engine not in ("hf", "vllm"):
+        raise ConfigError(f"engine={engine}: use hf (a transformers forward here) or vllm (the engine venv's vLLM)")
     dataset, meta = load_prepared(cfg.prepared_dir)
-    log.info("loading the target %s (%s) for %d prepared rows", cfg.target.name_or_path, cfg.target.dtype, len(dataset))
-    target = load_target(cfg.target.name_or_path, cfg.target.dtype,
-                         process_device(cfg.target.get("device", "cpu"), rank),
-                         parallel=cfg.target.get("parallel", "none"), tp_size=cfg.target.get("tp_size") or None,
-                         max_memory=cfg.target.get("max_memory") or None,
-                         chat_template=cfg.target.get("chat_template"))
-    check_prepared_matches(meta, target)
-    spec = feature_spec(cfg.method, target)
+    if engine == "vllm":
+        target, spec = _engine_target(cfg, meta, output_dir, dataset)
+    else:
+        log.info("loading the target %s (%s) for %d prepared rows", cfg.target.name_or_path, cfg.target.dtype,
+                 len(dataset))
+        target = load_target(cfg.target.name_or_path, cfg.target.dtype,
+                             process_device(cfg.target.get("device", "cpu"), rank),
+                             parallel=cfg.target.get("parallel", "none"), tp_size=cfg.target.get("tp_size") or None,
+                             max_memory=cfg.target.get("max_memory") or None,
+                             chat_template=cfg.target.get("chat_template"))
+        check_prepared_matches(meta, target)
+        spec = feature_spec(cfg.method, target)
+    try:
+        _collect(cfg, target, spec, dataset, meta, output_dir, engine)
+    finally:
+        if engine == "vllm":
+            target.close()
+
+
+def _engine_target(cfg: DictConfig, meta: dict, output_dir: str, dataset):
+    """The engine-backed target (``specheads.data.engine_features``), checked against the prepared data and the
+    method's layers before the engine starts."""
+    from specheads.data.engine_features import engine_target, meta_target
+
+    if cfg.target.get("parallel", "none") != "none":
+        raise ConfigError("engine=vllm splits a large target itself: set vllm.tensor_parallel_size, not "
+                          f"target.parallel={cfg.target.parallel}")
+    described = meta_target(cfg.target.name_or_path, cfg.target.get("chat_template"))
+    check_prepared_matches(meta, described)
+    spec = feature_spec(cfg.method, described)
+    longest = max((len(r) for r in dataset["input_ids"]), default=0)
+    if longest > int(cfg.vllm.max_model_len):
+        raise ConfigError(f"vllm.max_model_len={cfg.vllm.max_model_len} is shorter than the longest prepared row "
+                          f"({longest} tokens): raise it")
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    target = engine_target(described, spec.aux_layers, spec.need_last, str(cfg.target.dtype), cfg.vllm.python,
+                           int(cfg.vllm.max_model_len), output_dir, cfg.vllm.kv_cache_gib,
+                           int(cfg.vllm.tensor_parallel_size))
+    return target, spec
+
+
+def _collect(cfg: DictConfig, target, spec, dataset, meta: dict, output_dir: str, engine: str) -> None:
     # Shards go to data-parallel ranks: a tensor-parallel group shares one, its first rank writes.
     layout = target.layout
     rank, world = layout.rank, layout.world
     opts = CollectOptions(**OmegaConf.to_object(cfg.collect), rank=layout.dp_rank, world_size=layout.dp_size,
                           write=layout.writes)
-    source = {"prepared_dir": str(Path(cfg.prepared_dir).resolve()), "method": cfg.method.name,
+    source = {"prepared_dir": str(Path(cfg.prepared_dir).resolve()), "method": cfg.method.name, "engine": engine,
               **{k: meta.get(k) for k in ("num_samples", "num_tokens", "chat_template_sha", "max_length")},
               "target_dtype": target.dtype_choice.record() if target.dtype_choice else str(target.dtype),
               "machine": machine_description(target.device)}

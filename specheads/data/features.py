@@ -80,7 +80,8 @@ def compute_features(target: Target, batch: dict[str, torch.Tensor], spec: Featu
     if spec.need_last:
         out["hidden_last"] = feats.last.float().masked_fill(pad, 0.0)
         if argmax:
-            out[ARGMAX_KEY] = target_argmax(target.logits, feats.last).masked_fill(pad[..., 0], 0)
+            am = feats.argmax if feats.argmax is not None else target_argmax(target.logits, feats.last)
+            out[ARGMAX_KEY] = am.to(device).masked_fill(pad[..., 0], 0)
     if spec.aux_layers:
         out["hidden_aux"] = torch.cat([a.float() for a in feats.aux], dim=-1).masked_fill(pad, 0.0)
     return out

@@ -229,12 +229,16 @@ class EngineProcess:
         return json.loads(line)
 
     def generate(self, prompt_token_ids: list[int], max_tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps({"op": "generate", "prompt_token_ids": list(prompt_token_ids),
-                                          "max_tokens": int(max_tokens)}) + "\n")
+        return self.request({"op": "generate", "prompt_token_ids": list(prompt_token_ids),
+                             "max_tokens": int(max_tokens)}, "result", "decode")
+
+    def request(self, message: dict, expect: str, what: str) -> dict:
+        """Send one request; the answer whose event is ``expect``, else a ``UserError`` quoting the engine."""
+        self.proc.stdin.write(json.dumps(message) + "\n")
         self.proc.stdin.flush()
         answer = self._read()
-        if answer.get("event") != "result":
-            raise UserError(f"the engine failed to decode: {answer.get('type')}: {first_line(answer.get('message', ''))} "
+        if answer.get("event") != expect:
+            raise UserError(f"the engine failed to {what}: {answer.get('type')}: {first_line(answer.get('message', ''))} "
                             f"(engine log: {self.log_path})")
         return answer
 

@@ -14,6 +14,18 @@ was started with; everything the engine prints (its log) goes to stderr, which t
 
 One prompt per request: a batch of one, greedy (temperature 0), the engine's counters read right before and
 right after it, so the caller can difference them per prompt.
+
+With ``"capture": {"layers": [...], "last": true, "argmax": true}`` in CONFIG the engine collects hidden states
+instead (``specheads.data.engine_features``): hooks in its worker keep the inputs of the listed decoder layers (the
+residual stream: vLLM hands a layer ``hidden_states`` and ``residual`` apart, their sum is the state), the final
+norm's output and the LM head's argmax over it, for every token a prefill computes:
+
+    <- {"op": "capture", "rows": [[ids...], ...], "path": "/tmp/x.safetensors"}
+    -> {"event": "captured", "path": "...", "lengths": [...], "seconds": 0.4}
+       (the file: aux_{i} (sum T, H) per layer, last (sum T, H), argmax (sum T,), rows one after another)
+
+Each row is one request with ``max_tokens=1``, so the prefill is the row; prefix caching is off (a cached prefix
+would not be computed) and a step takes a whole row (``max_num_batched_tokens`` = ``max_model_len``).
 """
 
 from __future__ import annotations
@@ -46,6 +58,69 @@ def metrics_text() -> str:
                      if line.startswith("vllm:"))
 
 
+def _install_capture(worker, layers: list[int], last: bool) -> int:
+    """Runs in the engine's worker (``collective_rpc``): forward hooks that keep the states of every token."""
+    inner = worker.model_runner.model.model
+    kept: dict = {}
+    worker._specheads_capture = kept
+
+    def layer_input(i):
+        def hook(module, args, kwargs):
+            h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
+            r = kwargs["residual"] if "residual" in kwargs else (args[2] if len(args) > 2 else None)
+            kept.setdefault(f"aux_{i}", []).append((h if r is None else h + r).detach().float().cpu())
+        return hook
+
+    for i in layers:
+        inner.layers[i].register_forward_pre_hook(layer_input(i), with_kwargs=True)
+    if last:
+        def final_norm(module, args, out):
+            kept.setdefault("last", []).append((out[0] if isinstance(out, tuple) else out).detach())
+        inner.norm.register_forward_hook(final_norm)
+    return len(inner.layers)
+
+
+def _take_capture(worker, argmax: bool) -> dict:
+    """Runs in the engine's worker: what the hooks kept since the last call (and the LM head's argmax), cleared."""
+    import torch
+
+    kept = worker._specheads_capture
+    out = {k: torch.cat(v) for k, v in kept.items() if not k == "last"}
+    if "last" in kept:
+        last = torch.cat(kept["last"])
+        if argmax:
+            with torch.no_grad():
+                out["argmax"] = worker.model_runner.model.compute_logits(last).argmax(-1).cpu()
+        out["last"] = last.float().cpu()
+    kept.clear()
+    return out
+
+
+def capture(llm, config: dict, request: dict) -> dict:
+    from safetensors.torch import save_file
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    t = time.perf_counter()
+    parts: dict = {}
+    lengths = []
+    for row in request["rows"]:
+        llm.generate([TokensPrompt(prompt_token_ids=list(row))], params, use_tqdm=False)
+        got = llm.collective_rpc(_take_capture, args=(bool(config["capture"].get("argmax")),))[0]
+        n = len(row)
+        for k, v in got.items():
+            if v.shape[0] != n:
+                raise RuntimeError(f"captured {v.shape[0]} states of {k} for a row of {n} tokens (was the prefill "
+                                   "split or cached?)")
+            parts.setdefault(k, []).append(v)
+        lengths.append(n)
+    import torch
+
+    save_file({k: torch.cat(v).contiguous() for k, v in parts.items()}, request["path"])
+    return {"event": "captured", "path": request["path"], "lengths": lengths, "seconds": time.perf_counter() - t}
+
+
 def load(config: dict):
     from vllm import LLM
 
@@ -55,7 +130,13 @@ def load(config: dict):
     if config.get("speculative_config"):
         kwargs["speculative_config"] = config["speculative_config"]
     kwargs.update(config.get("engine_kwargs") or {})
-    return LLM(**kwargs)
+    if config.get("capture"):  # every token of a row computed in one step, none from a cache
+        kwargs.update(enable_prefix_caching=False, max_num_batched_tokens=kwargs["max_model_len"])
+    llm = LLM(**kwargs)
+    if config.get("capture"):
+        llm.collective_rpc(_install_capture, args=(list(config["capture"].get("layers") or []),
+                                                   bool(config["capture"].get("last"))))
+    return llm
 
 
 def generate(llm, request: dict) -> dict:
@@ -76,6 +157,8 @@ def generate(llm, request: dict) -> dict:
 def main(argv: list[str]) -> int:
     proto = _protocol_stream()
     config = json.loads(open(argv[1]).read())
+    if config.get("capture"):  # the hooks go to the engine's worker process as pickled functions
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     t = time.perf_counter()
     try:
         import vllm
@@ -93,10 +176,13 @@ def main(argv: list[str]) -> int:
         if request.get("op") == "close":
             break
         try:
-            _say(proto, **generate(llm, request))
+            if request.get("op") == "capture":
+                _say(proto, **capture(llm, config, request))
+            else:
+                _say(proto, **generate(llm, request))
         except Exception as e:
             traceback.print_exc()
-            _say(proto, event="error", stage="generate", type=type(e).__name__, message=str(e))
+            _say(proto, event="error", stage=request.get("op", "generate"), type=type(e).__name__, message=str(e))
     try:
         llm.llm_engine.engine_core.shutdown()  # its engine-core process ends with it
     except Exception:

@@ -86,10 +86,12 @@ class TargetFeatures:
 
     aux:  tuple of (B, T, H), one per requested aux layer (inputs of those decoder layers)
     last: (B, T, H) post-norm last hidden state, or None when not requested
+    argmax: (B, T) the LM head's argmax over ``last`` when the forward computed it (a serving engine's), else None
     """
 
     aux: tuple[torch.Tensor, ...]
     last: torch.Tensor | None
+    argmax: torch.Tensor | None = None
 
 
 class Target:

@@ -122,3 +122,21 @@ def test_a_users_own_target_starts_on_a_cpu_without_device_or_dtype_overrides(ti
     if not torch.cuda.is_available():
         assert source["target_dtype"]["value"] in ("float32", "bfloat16") and "cores" in source["machine"]
     assert source["budget"]["rows"] == source["budget"]["prepared_rows"] == 30
+
+
+@pytest.mark.parametrize("override, words", [
+    (["engine=sglang"], ["engine=sglang", "hf", "vllm"]),
+    (["engine=vllm", "vllm.max_model_len=8"], ["vllm.max_model_len=8", "longest prepared row"]),
+    (["engine=vllm", "method.aux_layers=[1,2,99]"], ["99", "out of range"]),
+    (["engine=vllm", "target.parallel=tp"], ["vllm.tensor_parallel_size"]),
+])
+def test_a_bad_engine_setting_is_one_line_before_any_engine_starts(tiny_setup, tmp_path, override, words):
+    """Refused before the engine is looked for: these fail the same with no engine installed."""
+    model_dir, prepared = tiny_setup
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "SPECHEADS_ENGINE_PYTHON": "/nonexistent"}
+    proc = subprocess.run([sys.executable, "-m", "specheads.cli", "collect",
+                           *overrides(model_dir, prepared, tmp_path / "out"), *override],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    err = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+    assert proc.returncode == 2 and err.startswith("specheads collect: error:"), proc.stderr[-2000:]
+    assert all(w in err for w in words), err
