@@ -95,26 +95,11 @@ def test_loss_matches_manual_step0_and_masks_out_of_vocab(target):
     model = method.build(target)
     batch = _batch(target, method)
     out = method.loss(model, batch, target)
-    # Manual reference.
-    ids, T = batch["input_ids"], batch["input_ids"].shape[1]
-    nxt = torch.zeros_like(ids)
-    nxt[:, :-1] = ids[:, 1:]
-    _, logits = model.step(model.fuse(batch["hidden_aux"]), nxt, torch.arange(T).expand_as(ids))
-    full = target.logits(batch["hidden_last"])
-    p = torch.softmax(full[..., model.t2d], -1)
-    in_vocab = model.t2d[full.argmax(-1)]
-    total, n = 0.0, 0
-    for b in range(ids.shape[0]):
-        for t in range(T - 2):
-            if batch["loss_mask"][b, t + 2] and batch["attention_mask"][b, t + 2] and in_vocab[b, t + 1]:
-                total = total - (p[b, t + 1] * torch.log_softmax(logits[b, t], -1)).sum()
-                n += 1
-    assert n > 0
-    assert_close(out.loss, total / n, atol=1e-5, rtol=1e-5)
+    assert_close(out.loss, _manual_step0_loss(model, batch, target), atol=1e-5, rtol=1e-5)
     # With a draft vocabulary that never contains the target's argmax, nothing is trained.
     model.t2d.copy_(~model.t2d & False)
     keep = torch.ones(V, dtype=torch.bool)
-    keep[full.argmax(-1).flatten()] = False
+    keep[target.logits(batch["hidden_last"]).argmax(-1).flatten()] = False
     ids_in = keep.nonzero().squeeze(-1)[:DV]
     model.t2d[ids_in] = True
     model.d2t.copy_(ids_in - torch.arange(DV))
@@ -377,14 +362,9 @@ def test_fc_norm_normalises_each_fused_layer_before_fc_and_trains_its_norms(targ
     assert plain.fc_norm is None and not plain.config.fc_norm
 
 
-def test_lk_weight_mixes_the_acceptance_objective_into_each_row(target):
-    """lk_weight=w: per row (1 - w) * soft CE + w * -log sum_x min(p, q), p the target's distribution on the draft
-    vocabulary, q the draft's; the manual reference of the soft-CE test above with that term added."""
-    w = 0.4
-    method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=1, lk_weight=w)
-    model = method.build(target)
-    batch = _batch(target, method)
-    out = method.loss(model, batch, target)
+def _manual_step0_loss(model, batch, target, lk_weight: float = 0.0) -> torch.Tensor:
+    """Step 0's loss written out row by row: the soft CE against the target's distribution on the draft vocabulary
+    (rows whose argmax it holds), with ``lk_weight`` of -log sum min(p, q) mixed in."""
     ids, T = batch["input_ids"], batch["input_ids"].shape[1]
     nxt = torch.zeros_like(ids)
     nxt[:, :-1] = ids[:, 1:]
@@ -399,10 +379,21 @@ def test_lk_weight_mixes_the_acceptance_objective_into_each_row(target):
                 logq = torch.log_softmax(logits[b, t], -1)
                 ce = -(p[b, t + 1] * logq).sum()
                 accept = -torch.log(torch.minimum(p[b, t + 1], logq.exp()).sum())
-                total = total + (1 - w) * ce + w * accept
+                total = total + (1 - lk_weight) * ce + lk_weight * accept
                 n += 1
     assert n > 0
-    assert_close(out.loss, total / n, atol=1e-5, rtol=1e-5)
+    return total / n
+
+
+def test_lk_weight_mixes_the_acceptance_objective_into_each_row(target):
+    """lk_weight=w: per row (1 - w) * soft CE + w * -log sum_x min(p, q), p the target's distribution on the draft
+    vocabulary, q the draft's; the manual reference of the soft-CE test above with that term added."""
+    w = 0.4
+    method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=1, lk_weight=w)
+    model = method.build(target)
+    batch = _batch(target, method)
+    out = method.loss(model, batch, target)
+    assert_close(out.loss, _manual_step0_loss(model, batch, target, w), atol=1e-5, rtol=1e-5)
     plain = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), ttt_steps=1).loss(model, batch, target)
     assert not torch.allclose(out.loss, plain.loss)
 

@@ -138,12 +138,22 @@ def trained(mimo, tmp_path_factory):
 
     folder, target = mimo
     method = build_method("mtp", num_steps=3)
+    losses, head, model, batch = train_briefly(method, target, greedy_rows(target), tmp_path_factory)
+    metrics = method.evaluate(model, batch, target)
+    return losses, head, metrics, model
+
+
+def train_briefly(method, target, rows, tmp_path_factory, steps: int = 30):
+    """``steps`` AdamW steps of ``method``'s MTP layer on ``rows`` (the target's own continuations); the losses, the
+    saved head folder, the model and the batch with its features."""
+    from specheads.data.features import add_features
+
     model = method.bind(target).build(target)
-    batch = add_features(greedy_rows(target), target, method.feature_spec)
+    batch = add_features(rows, target, method.feature_spec)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     model.train()
-    for _ in range(30):
+    for _ in range(steps):
         out = method.loss(model, batch, target)
         opt.zero_grad()
         out.loss.backward()
@@ -152,8 +162,7 @@ def trained(mimo, tmp_path_factory):
     model.eval()
     head = tmp_path_factory.mktemp("head") / "head"
     method.save(model, str(head), target)
-    metrics = method.evaluate(model, batch, target)
-    return losses, head, metrics, model
+    return losses, head, model, batch
 
 
 def test_training_lowers_the_loss_and_leaves_the_target_alone(mimo, trained):

@@ -19,6 +19,7 @@ from torch.testing import assert_close
 from specheads.methods import build_method
 from specheads.models.mtp_checkpoint import LAYOUTS, MTPCheckpointError, check_mtp_tensors, read_mtp_tensors
 from specheads.targets import Target
+from tests.methods.test_mtp import greedy_rows  # the same vocabulary (V): the target's own greedy continuations
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "decoding"))  # decoding_helpers
 
@@ -135,37 +136,13 @@ def test_layer_is_the_families_formula_with_transformers_own_decoder_layer(qwen)
     assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
-def greedy_rows(target, n=24, prompt=4, new=20, seed=3):
-    from decoding_helpers import reference_greedy
-
-    g = torch.Generator().manual_seed(seed)
-    rows = [torch.randint(3, V, (prompt,), generator=g).tolist() for _ in range(n)]
-    ids = torch.tensor([r + reference_greedy(target.model, r, new) for r in rows])
-    lm = torch.zeros_like(ids)
-    lm[:, prompt:] = 1
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": lm}
-
-
 @pytest.fixture(scope="module")
 def trained(qwen, tmp_path_factory):
-    from specheads.data.features import add_features
+    from tests.methods.test_mtp import train_briefly
 
     folder, target = qwen
-    method = build_method("mtp", num_steps=3, labels="target")
-    model = method.bind(target).build(target)
-    batch = add_features(greedy_rows(target), target, method.feature_spec)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    model.train()
-    for _ in range(30):
-        out = method.loss(model, batch, target)
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-        losses.append(float(out.loss.detach()))
-    model.eval()
-    head = tmp_path_factory.mktemp("head") / "head"
-    method.save(model, str(head), target)
+    losses, head, model, _ = train_briefly(build_method("mtp", num_steps=3, labels="target"), target,
+                                           greedy_rows(target), tmp_path_factory)
     return losses, head, model
 
 
