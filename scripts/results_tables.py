@@ -65,10 +65,21 @@ def unrecorded(data: dict) -> dict:
     return data.get("unrecorded") or {"runs": [], "test_runs": []}
 
 
+def _compared(data: dict) -> set[str]:
+    """The feature stores that heads of more than one kind were trained on (a head-to-head, docs/methods.md)."""
+    heads: dict[str, set] = {}
+    for r in data["runs"]:
+        if r.get("store"):
+            heads.setdefault(r["store"], set()).add(r.get("head"))
+    return {store for store, h in heads.items() if len(h) > 1}
+
+
 def latest_main_job(data: dict) -> dict:
-    """The newest fresh-clone run of the main job with a recorded commit and per-method figures."""
+    """The newest fresh-clone run of the main job (EAGLE-3, its own store: not one head of a head-to-head) with a
+    recorded commit and per-method figures."""
+    compared = _compared(data)
     return next(r for r in data["runs"] if r["kind"] == "main_job" and r.get("fresh_clone") and r.get("commit")
-                and r.get("methods"))
+                and r.get("methods") and r.get("head", "eagle3") == "eagle3" and r.get("store") not in compared)
 
 
 def _family(method: str) -> str:
