@@ -110,8 +110,8 @@ def _load_target(name: str, device: str = "auto", dtype: str = "auto"):
     from specheads.hardware import DTYPES, resolve_device
 
     if name == "tiny":
-        sys.path.insert(0, str(REPO / "tests"))
-        from conftest import make_tiny_target
+        sys.path.insert(0, str(REPO))
+        from tests.conftest import make_tiny_target
 
         return make_tiny_target("llama", vocab=1000, hidden=64, layers=4)
     from specheads.targets import load_target
