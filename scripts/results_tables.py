@@ -95,6 +95,8 @@ def results_table(data: dict) -> str:
     seen = {m["method"] for m in main["methods"]}
     families = {_family(m) for m in seen}  # a comparison run's EAGLE-3 rows are another head: left out
     for run in data["runs"]:
+        if _variant(run):  # a head trained with other settings than its defaults (docs/methods.md shows those)
+            continue
         new = [m for m in run.get("methods", []) if m["method"] not in seen and m["method"] in METHOD_NAMES
                and _family(m["method"]) not in families]
         rows += [(m, run) for m in new]

@@ -193,3 +193,23 @@ def test_heads_recorded_on_one_store_render_head_to_head(tmp_path):
     assert rows == ["eagle3-chain4", "dspark-chain7", "dspark-sched0.5", "dspark-chain7 (method.loss=dpace)",
                     "ngram-chain4 (no training)"], rows
     assert "| code | 2.10 | 2.20 | 2.20 | 2.40 |" in text
+
+
+def test_the_readme_results_take_a_heads_default_settings_only(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("results_tables", repo / "scripts" / "results_tables.py")
+    rt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rt)
+    results = tmp_path / "benchmarks.json"
+    results.write_text((repo / "docs" / "benchmarks.json").read_text(encoding="utf-8"), encoding="utf-8")
+    row = {"name": "dflash-chain7", "shape": "chain7", "alpha": 0.3, "speedup": 0.9}
+    default = {**SUMMARY, "head": "dflash", "date": "2099-01-01", "methods": [{**row, "tau": 8.88}]}
+    variant = {**default, "date": "2099-01-02", "settings": {"train": ["method.loss=dpace"]},
+               "methods": [{**row, "tau": 9.99}]}
+    record(_write(tmp_path, "run_summary.json", default), results, CHECKOUT, date="2099-01-01")
+    record(_write(tmp_path, "run_summary.json", variant), results, CHECKOUT, date="2099-01-02")
+    table = rt.results_table(rt.load(results))
+    assert "| 8.88 |" in table and "9.99" not in table
