@@ -326,7 +326,9 @@ def head_to_head(data: dict) -> str:
     if not runs:
         return "(no two heads recorded on one feature store yet)"
     r0 = runs[0]
-    lines = [f"{len(runs)} heads on one feature store (`{r0['store']}`: {r0.get('collect_tokens_per_s', '–')} "
+    heads = len({r["head"] for r in runs})
+    variants = f" ({len(runs) - heads} of them also trained with another loss)" if len(runs) > heads else ""
+    lines = [f"{heads} heads{variants} on one feature store (`{r0['store']}`: {r0.get('collect_tokens_per_s', '–')} "
              f"tokens/s collected), each trained for the main job's budget and evaluated on the same prompts "
              f"({r0.get('eval_set', '–')}); {r0['machine']}. τ, α and speed-up at T=0 over every prompt; GPU speed-up "
              "predicted from τ and the draft's size (docs/evaluate.md); training throughput and peak resident memory "
