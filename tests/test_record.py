@@ -118,7 +118,8 @@ def test_method_keys_follow_the_evaluation_row_names():
         ["eagle3", "eagle3+lookup+table", "eagle3+lookup", "eagle3-vllm", "ngram", "dflash", "dspark", "dspark-sched"]
 
 
-def test_a_recorded_run_is_what_the_docs_render(tmp_path):
+def _results_tables():
+    """scripts/results_tables.py as a module, and the repository's root."""
     import importlib.util
     from pathlib import Path
 
@@ -126,6 +127,11 @@ def test_a_recorded_run_is_what_the_docs_render(tmp_path):
     spec = importlib.util.spec_from_file_location("results_tables", repo / "scripts" / "results_tables.py")
     rt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rt)
+    return rt, repo
+
+
+def test_a_recorded_run_is_what_the_docs_render(tmp_path):
+    rt, repo = _results_tables()
     results = tmp_path / "benchmarks.json"
     results.write_text((repo / "docs" / "benchmarks.json").read_text(encoding="utf-8"), encoding="utf-8")
     record(_write(tmp_path, "run_summary.json", {**SUMMARY, "date": "2099-01-01"}), results, CHECKOUT,
@@ -146,13 +152,7 @@ def test_a_ci_log_opening_with_a_bracketed_line_is_read_as_a_test_log(tmp_path, 
 def test_heads_recorded_on_one_store_render_head_to_head(tmp_path):
     """docs/methods.md: the newest record of each head on the newest store two heads share; each head's own rows
     (not its lookup or vLLM-profile rows), the n-gram baseline once, and τ per domain by drafter."""
-    import importlib.util
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("results_tables", repo / "scripts" / "results_tables.py")
-    rt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rt)
+    rt, repo = _results_tables()
     results = tmp_path / "benchmarks.json"
     results.write_text(json.dumps({"about": "x", "runs": [], "test_runs": []}))
     assert rt.head_to_head(rt.load(results)).startswith("(no two heads")
@@ -196,13 +196,7 @@ def test_heads_recorded_on_one_store_render_head_to_head(tmp_path):
 
 
 def test_the_readme_results_take_a_heads_default_settings_only(tmp_path):
-    import importlib.util
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("results_tables", repo / "scripts" / "results_tables.py")
-    rt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rt)
+    rt, repo = _results_tables()
     results = tmp_path / "benchmarks.json"
     results.write_text((repo / "docs" / "benchmarks.json").read_text(encoding="utf-8"), encoding="utf-8")
     row = {"name": "dflash-chain7", "shape": "chain7", "alpha": 0.3, "speedup": 0.9}
