@@ -75,11 +75,12 @@ def _compared(data: dict) -> set[str]:
 
 
 def latest_main_job(data: dict) -> dict:
-    """The newest fresh-clone run of the main job (EAGLE-3, its own store: not one head of a head-to-head) with a
-    recorded commit and per-method figures."""
+    """The newest fresh-clone run of the main job (EAGLE-3, its own store: not one head of a head-to-head, no stage
+    override) with a recorded commit and per-method figures."""
     compared = _compared(data)
     return next(r for r in data["runs"] if r["kind"] == "main_job" and r.get("fresh_clone") and r.get("commit")
-                and r.get("methods") and r.get("head", "eagle3") == "eagle3" and r.get("store") not in compared)
+                and r.get("methods") and r.get("head", "eagle3") == "eagle3" and r.get("store") not in compared
+                and not r.get("settings"))  # `specheads run` as the README gives it: no stage override added
 
 
 def _family(method: str) -> str:
@@ -95,7 +96,7 @@ def results_table(data: dict) -> str:
     seen = {m["method"] for m in main["methods"]}
     families = {_family(m) for m in seen}  # a comparison run's EAGLE-3 rows are another head: left out
     for run in data["runs"]:
-        if _variant(run):  # a head trained with other settings than its defaults (docs/methods.md shows those)
+        if run.get("settings"):  # a run given stage overrides (docs/methods.md shows training variants)
             continue
         new = [m for m in run.get("methods", []) if m["method"] not in seen and m["method"] in METHOD_NAMES
                and _family(m["method"]) not in families]

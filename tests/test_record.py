@@ -207,3 +207,6 @@ def test_the_readme_results_take_a_heads_default_settings_only(tmp_path):
     record(_write(tmp_path, "run_summary.json", variant), results, CHECKOUT, date="2099-01-02")
     table = rt.results_table(rt.load(results))
     assert "| 8.88 |" in table and "9.99" not in table
+    engine = {**SUMMARY, "date": "2099-01-03", "settings": {"collect": ["engine=vllm"]}}  # eagle3, another stage's
+    record(_write(tmp_path, "run_summary.json", engine), results, CHECKOUT, date="2099-01-03", fresh_clone=True)
+    assert rt.latest_main_job(rt.load(results))["date"] != "2099-01-03"  # the README's main job has no override
