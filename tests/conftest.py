@@ -63,6 +63,17 @@ def pytest_xdist_make_scheduler(config, log):
 from specheads.targets import Target
 
 
+def load_script(relpath: str, name: str | None = None):
+    """A script of the repository (``scripts/bench/bench_train.py``, ...) as a module, for its functions."""
+    import importlib.util
+
+    path = _Path(__file__).resolve().parents[1] / relpath
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def make_tiny_model(family: str = "llama", vocab: int = 256, hidden: int = 64, layers: int = 4,
                     heads: int = 4, kv_heads: int = 2, seed: int = 0, dtype=torch.float32):
     """A randomly initialised causal LM of the given family, small enough for unit tests."""

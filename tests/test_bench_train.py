@@ -3,21 +3,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from specheads.methods import build_method
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import load_script
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "scripts" / "bench" / "bench_train.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/bench/bench_train.py")
 
 
 def test_defaults_are_the_clis():

@@ -3,7 +3,6 @@ dataset class as the same rows, tokens and hidden states (skipped where speculat
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -13,19 +12,13 @@ import torch
 from specheads.data.features import CollectOptions, FeatureDataset, collect_hidden_states
 from specheads.data.prepare import load_prepared
 from specheads.methods.base import FeatureSpec
+from tests.conftest import load_script
 from tests.data.test_features import SMALL, make_prepared
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("compare_speculators", REPO / "scripts" / "bench" / "compare_speculators.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_script()
+bench = load_script("scripts/bench/compare_speculators.py")
 MISSING = bench.speculators_missing()
 
 

@@ -120,14 +120,11 @@ def test_method_keys_follow_the_evaluation_row_names():
 
 def _results_tables():
     """scripts/results_tables.py as a module, and the repository's root."""
-    import importlib.util
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("results_tables", repo / "scripts" / "results_tables.py")
-    rt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rt)
-    return rt, repo
+    from tests.conftest import load_script
+
+    return load_script("scripts/results_tables.py"), Path(__file__).resolve().parents[1]
 
 
 def test_a_recorded_run_is_what_the_docs_render(tmp_path):

@@ -126,8 +126,8 @@ def _load_target(name: str, device: str = "auto", dtype: str = "auto"):
 
 
 def flops_per_token(target, method, trainable: int) -> float:
-    """Training FLOPs per token: the target's forward (matrices) and the head's forward and backward over its
-    unrolled steps (``ttt_steps``; P-EAGLE's depths; DFlash's block)."""
+    """Training FLOPs per token: the target's forward (matrices) and the head's forward and backward, once per
+    unrolled step (EAGLE's ``ttt_steps``, P-EAGLE's depths; one for every other head)."""
     from specheads.targets.shapes import forward_flops_per_token
 
     steps = getattr(method, "ttt_steps", None) or getattr(method, "num_depths", None) or 1

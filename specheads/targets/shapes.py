@@ -17,20 +17,23 @@ import torch
 from specheads.errors import ConfigError
 
 PREFIX = "shape:"
-# architectures[0], then LlamaConfig-style fields; the numbers of each model's published config.json
+
+def _llama31_rope(factor: float) -> dict:
+    """Llama 3.1's RoPE scaling (its configs differ in ``factor`` only)."""
+    return {"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+# model_type, then LlamaConfig-style fields; the numbers of each model's published config.json
 SHAPES: dict[str, dict] = {
     "llama-3.2-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                          rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072,
-                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                          "original_max_position_embeddings": 8192}),
+                         rope_parameters=_llama31_rope(32.0)),
     "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                          rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072,
-                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                          "original_max_position_embeddings": 8192}),
+                         rope_parameters=_llama31_rope(8.0)),
     "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=40960,
