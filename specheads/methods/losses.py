@@ -5,6 +5,8 @@
   columns and renormalised there), plus the target's full-vocabulary argmax.
 * ``soft_cross_entropy``: -sum p log softmax(head(h)) over rows, chunked; with ``checkpoint`` the
   draft logits of a chunk are recomputed in the backward pass instead of being kept.
+* ``linear_cross_entropy``: the summed hard-label cross-entropy of a linear output layer, its gradients
+  computed chunk by chunk in the forward pass, so no (N, V) logits (or their gradient) ever exist.
 * ``feature_loss``: EAGLE-1's smooth-L1 regression of the next feature.
 * ``dpace_weights``: D-PACE's detached per-slot weights of a drafted block's cross-entropy.
 
@@ -22,6 +24,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from specheads.targets import logit_softcap
 
 ROW_MULTIPLE = 64
 """Selected rows are padded up to a multiple of this (see the module docstring)."""
@@ -65,7 +69,7 @@ def column_logits(target, columns: torch.Tensor) -> Callable[[torch.Tensor], tor
     weight = head.weight.index_select(0, columns.to(head.weight.device))
     bias = None if getattr(head, "bias", None) is None else head.bias.index_select(0, columns.to(head.bias.device))
 
-    cap = getattr(target.config, "final_logit_softcapping", None)
+    cap = logit_softcap(target.config)
 
     def fn(hidden: torch.Tensor) -> torch.Tensor:
         # in the hidden state's dtype: a bfloat16 target's rows against a float32 head's states (training without
@@ -177,6 +181,123 @@ def hard_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
         losses.append(loss)
         preds.append(pred)
     return torch.cat(losses), torch.cat(preds)
+
+
+LOGIT_CHUNK_BYTES = 1 << 28
+"""Float32 logits one chunk of ``linear_cross_entropy`` may hold: 256 MiB (512 rows at a 128k vocabulary)."""
+
+
+def logit_chunk_rows(vocab: int, budget: int | None = None) -> int:
+    """Rows of (rows, vocab) float32 logits that fit in ``budget`` bytes (``LOGIT_CHUNK_BYTES``), a multiple of
+    ``ROW_MULTIPLE``."""
+    return max(ROW_MULTIPLE, (budget or LOGIT_CHUNK_BYTES) // (4 * vocab) // ROW_MULTIPLE * ROW_MULTIPLE)
+
+
+def _ce_chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+              softcap: float | None, ignore_index: int, grad: bool):
+    """One chunk's (summed CE, argmax (n,), d sum / d logits (n, V) in the layer's compute dtype or None).
+
+    The logits are made in the dtype the plain layer would give (autocast's, else the weights'), then taken to
+    float32, as ``F.cross_entropy(layer(h).float(), ...)`` takes them; they and their gradient live only here."""
+    z = F.linear(h, weight, bias)
+    compute = z.dtype
+    logits = z.float()
+    del z
+    tanh = None
+    if softcap:  # cap * tanh(z / cap), as output_logits
+        tanh = logits.div_(softcap).tanh_()
+        logits = tanh * softcap
+    top, pred = logits.max(-1)  # max's indices are the first maximal index on ties, as argmax's
+    valid = labels != ignore_index
+    y = labels.where(valid, 0)[:, None]
+    picked = logits.gather(1, y).squeeze(1)
+    probs = logits.sub_(top[:, None]).exp_()  # in place: the logits are not needed past here
+    total = probs.sum(-1)
+    loss = torch.where(valid, top + total.log() - picked, 0.0).sum()
+    if not grad:
+        return loss, pred, None
+    probs.div_(total[:, None]).scatter_add_(1, y, -valid.to(probs.dtype)[:, None])  # softmax - one_hot(y)
+    probs.mul_(valid[:, None])
+    if tanh is not None:
+        probs.mul_(tanh.square_().neg_().add_(1))  # d(cap * tanh(z / cap)) / dz
+    return loss, pred, probs.to(compute)
+
+
+def _chunked_linear_ce(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs):
+    """(summed CE, argmax (N,), [d sum / d hidden, weight, bias] with None where not needed)."""
+    N, grad = hidden.shape[0], any(needs)
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    pred = torch.empty(N, dtype=torch.long, device=hidden.device)
+    grad_h = torch.empty_like(hidden) if needs[0] else None
+    # float32 sums across chunks, whatever the weights' dtype (as one matmul over all rows would accumulate)
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
+    grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs[2] else None
+    for s in range(0, N, chunk):
+        h, y = hidden[s:s + chunk], labels[s:s + chunk]
+        n = h.shape[0]
+        rows = min(chunk, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE)  # recurring shapes (module docstring)
+        if rows > n:
+            h, y = pad_rows(h, rows), torch.cat([y, y.new_full((rows - n,), ignore_index)])
+        part, top, g = _ce_chunk(h, weight, bias, y, softcap, ignore_index, grad)
+        loss += part
+        pred[s:s + n] = top[:n]
+        if g is None:
+            continue
+        if grad_h is not None:
+            grad_h[s:s + n] = (g @ weight)[:n]
+        if grad_w is not None:
+            if g.dtype == grad_w.dtype:
+                grad_w.addmm_(g.T, h)
+            else:  # a bfloat16 product (autocast or bfloat16 weights), summed in float32
+                grad_w += g.T @ h
+        if grad_b is not None:
+            grad_b += g.sum(0, dtype=torch.float32)
+    grads = [grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+             None if grad_b is None else grad_b.to(bias.dtype)]
+    return loss, pred, grads
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The gradients of the sum are made in the forward pass (no logits kept); backward scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, softcap, chunk, ignore_index, needs):
+        loss, pred, grads = _chunked_linear_ce(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs)
+        ctx.mark_non_differentiable(pred)
+        ctx.save_for_backward(*grads)
+        return loss, pred
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_pred):
+        # scaled in place: each is used once (a second backward through the graph fails on its version counter)
+        grads = [None if g is None else g.mul_(grad_loss) for g in ctx.saved_tensors]
+        return (*grads, None, None, None, None, None)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         bias: torch.Tensor | None = None, softcap: float | None = None, chunk: int | None = None,
+                         ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of the logits ``hidden @ weight.T + bias`` (soft-capped to ``softcap * tanh(z /
+    softcap)`` when set) against ``labels``, and their argmax, without ever holding all the logits.
+
+    hidden: (N, H); weight: (V, H); bias: (V,) or None; labels: (N,) long, ``ignore_index`` rows count for nothing.
+    Returns (loss scalar float32, argmax (N,) long): ``F.cross_entropy(F.linear(hidden, weight, bias).float(),
+    labels, reduction="sum")`` and that tensor's ``argmax(-1)``. Rows go ``chunk`` at a time (default: 256 MiB of
+    float32 logits, ``logit_chunk_rows``), and each chunk's gradients with respect to hidden, weight and bias are
+    made at once, so the extra memory is a few (chunk, V) tensors plus the gradients themselves, instead of
+    several (N, V) float32 tensors kept for the backward pass (gigabytes per head at a 128k vocabulary). The
+    weight's gradient is summed over chunks in float32.
+    The weight is read in the forward pass only, where DeepSpeed ZeRO-3 gathers a parameter that is used outside
+    its own module's ``forward``.
+    """
+    chunk = chunk or logit_chunk_rows(weight.shape[0])
+    on = torch.is_grad_enabled()
+    needs = tuple(bool(on and t is not None and t.requires_grad) for t in (hidden, weight, bias))
+    if not any(needs):
+        with torch.no_grad():
+            loss, pred, _ = _chunked_linear_ce(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs)
+        return loss, pred
+    return _LinearCrossEntropy.apply(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs)
 
 
 DPACE_ALPHA = 0.5

@@ -38,11 +38,13 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from specheads.decoding.drafters import TreeShape
 from specheads.models.medusa import MedusaHeads, medusa_for_target
-from specheads.targets import Target, output_logits
-from specheads.methods.losses import soft_cross_entropy, target_argmax, target_probs
+from specheads.targets import Target, logit_softcap, output_logits
+from specheads.methods.losses import (linear_cross_entropy, logit_chunk_rows, soft_cross_entropy, target_argmax,
+                                      target_probs)
 from specheads.methods.base import FeatureSpec, StepOutput
 
 ADAPTED_TARGET_DIR = "target"
@@ -104,10 +106,9 @@ def head_losses(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tenso
             break
         ok = labels_ok[:, s:]
         h, y = hidden[:, : T - s][ok], input_ids[:, s:][ok]
-        if teacher is None:
-            logits = heads.head_logits(h, k).float()
-            loss_sum = F.cross_entropy(logits, y, reduction="sum")
-            pred = logits.detach().argmax(-1)
+        if teacher is None:  # the head's (N, V) logits are never held whole
+            out = heads.lm_heads[k]
+            loss_sum, pred = linear_cross_entropy(heads.head_hidden(h, k), out.weight, y, out.bias)
         else:
             rows = teacher.row_of[:, s - 1: T - 1][ok]
             loss_sum, pred = soft_cross_entropy(functools.partial(heads.head_logits, k=k), h, teacher.probs[rows])
@@ -409,14 +410,38 @@ class Medusa2Model(nn.Module):
         return output_logits(base.config, base.lm_head, h).float()
 
     def _target_term(self, h, input_ids, attention_mask, ok) -> torch.Tensor:
-        logits, y, pos = self._next_token_logits(h, input_ids, ok)
+        """The target-keeping loss, a mean over next-token labels: the CE (``lm``) or t^2 KL(original || adapted) at
+        temperature t (``kl``), rows in chunks so that no (N, V) logits are held."""
+        pos, y = _next_token_positions(ok), input_ids[:, 1:][ok[:, 1:]]
         n = max(1, y.numel())
-        if self.cfg.target_loss == "lm":
-            return F.cross_entropy(logits, y, reduction="sum") / n
-        ref = self._logits(self.reference_hidden(input_ids, attention_mask)[pos])
+        if self.cfg.target_loss == "kl":
+            t = self.cfg.kl_temperature
+            return self._kl_sum(h[pos], self.reference_hidden(input_ids, attention_mask)[pos]) * t * t / n
+        base = self.base()
+        if not isinstance(base.lm_head, nn.Linear):  # peft wraps an LM head that lora_target_modules names
+            return F.cross_entropy(self._logits(h[pos]), y, reduction="sum") / n
+        head = base.lm_head
+        loss_sum, _ = linear_cross_entropy(h[pos], head.weight, y, head.bias, softcap=logit_softcap(base.config))
+        return loss_sum / n
+
+    def _kl_sum(self, h: torch.Tensor, ref_h: torch.Tensor) -> torch.Tensor:
+        """Sum over rows of KL(original || adapted) at the KL temperature, from (N, H) adapted and original
+        post-norm states, ``logit_chunk_rows`` rows at a time; past one chunk, a chunk's logits are recomputed in
+        the backward pass instead of being kept."""
+        chunk = logit_chunk_rows(self.heads.config.vocab_size)
+        if h.shape[0] <= chunk:
+            return self._kl_chunk(h, ref_h)
+        total, grad = h.new_zeros((), dtype=torch.float32), torch.is_grad_enabled()
+        for s in range(0, h.shape[0], chunk):
+            rows = (h[s:s + chunk], ref_h[s:s + chunk])
+            total = total + (checkpoint(self._kl_chunk, *rows, use_reentrant=False) if grad else self._kl_chunk(*rows))
+        return total
+
+    def _kl_chunk(self, h: torch.Tensor, ref_h: torch.Tensor) -> torch.Tensor:
         t = self.cfg.kl_temperature
-        kl = F.kl_div(F.log_softmax(logits / t, -1), F.log_softmax(ref / t, -1), log_target=True, reduction="sum")
-        return kl * t * t / n
+        with torch.no_grad():
+            ref = F.log_softmax(self._logits(ref_h) / t, -1)
+        return F.kl_div(F.log_softmax(self._logits(h) / t, -1), ref, log_target=True, reduction="sum")
 
     @torch.no_grad()
     def _drift_sums(self, h, input_ids, attention_mask, ok, next_logits=None) -> dict[str, float]:

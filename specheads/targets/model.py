@@ -43,13 +43,18 @@ def recurrent_layer_types(config) -> list[str]:
     return sorted({t for t in get("layer_types") or () if t in RECURRENT_LAYERS})
 
 
+def logit_softcap(config) -> float | None:
+    """The cap of the target's final logits (``final_logit_softcapping``, Gemma-2's), None when uncapped."""
+    return getattr(config, "final_logit_softcapping", None) or None
+
+
 def output_logits(config, lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
     """The target's logits from post-norm hidden states: ``lm_head(hidden)``, soft-capped as the model's own
     forward does when its config sets ``final_logit_softcapping`` (Gemma-2: ``cap * tanh(logits / cap)``).
     The cap is monotonic, so the argmax is ``lm_head``'s either way; distributions (soft labels, sampling,
     verification at a temperature) need it."""
     logits = lm_head(hidden)
-    cap = getattr(config, "final_logit_softcapping", None)
+    cap = logit_softcap(config)
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits

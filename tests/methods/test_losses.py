@@ -90,3 +90,140 @@ def test_soft_cross_entropy_with_the_lk_term_is_the_same_chunked_and_whole():
     assert torch.equal(pred, pred2)
     plain, _ = soft_cross_entropy(head, h, p, chunk=64)
     assert not torch.allclose(plain, whole)
+
+
+# --------------------------------------------------------------------------- linear_cross_entropy
+
+
+def _plain_ce(hidden, weight, labels, bias=None, softcap=None):
+    """The reference: the whole (N, V) float32 logits, as the methods computed them before."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return torch.nn.functional.cross_entropy(logits, labels, reduction="sum"), logits.argmax(-1)
+
+
+def _leaves(dtype, n=150, h=16, v=300, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(dtype).requires_grad_(True)
+    weight = (torch.randn(v, h, generator=g) * 0.3).to(dtype).requires_grad_(True)
+    b = torch.randn(v, generator=g).to(dtype).requires_grad_(True) if bias else None
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::7] = -100  # ignored rows
+    return hidden, weight, b, labels
+
+
+def _grads(fn, leaves, scale=0.25):
+    """fn's loss, argmax and the gradients of ``scale * loss`` (a scaled sum, as a weighted head's is)."""
+    for t in leaves:
+        if t is not None:
+            t.grad = None
+    loss, pred = fn()
+    (scale * loss).backward()
+    return loss.detach(), pred, [None if t is None else t.grad.clone() for t in leaves]
+
+
+# float32: float32 tolerance; bfloat16: the reference itself rounds its bf16 matmuls differently (once over all rows)
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("chunk", [7, 64, 100, 150, 1000])  # 7 and 64 do not divide 150
+def test_linear_cross_entropy_equals_the_plain_loss_and_gradients(dtype, softcap, chunk):
+    from specheads.methods.losses import linear_cross_entropy
+
+    hidden, weight, bias, labels = _leaves(dtype)
+    leaves = (hidden, weight, bias)
+    got = _grads(lambda: linear_cross_entropy(hidden, weight, labels, bias, softcap=softcap, chunk=chunk), leaves)
+    want = _grads(lambda: _plain_ce(hidden, weight, labels, bias, softcap), leaves)
+    assert got[0].dtype == torch.float32
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-3)  # a sum of ~130 rows of ~6 nats
+    assert torch.equal(got[1], want[1])
+    for name, a, b in zip(("hidden", "weight", "bias"), got[2], want[2]):
+        assert a.dtype == b.dtype == dtype, name
+        torch.testing.assert_close(a, b, **TOL[dtype], msg=name)
+
+
+def test_linear_cross_entropy_without_bias_frozen_weight_and_no_grad():
+    from specheads.methods.losses import linear_cross_entropy
+
+    hidden, weight, _, labels = _leaves(torch.float32, bias=False)
+    weight.requires_grad_(False)  # a frozen output layer (Medusa's train_lm_heads=false, the target's LM head)
+    got = _grads(lambda: linear_cross_entropy(hidden, weight, labels, chunk=64), (hidden,))
+    want = _grads(lambda: _plain_ce(hidden, weight, labels), (hidden,))
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[2][0], want[2][0])
+    assert weight.grad is None
+    with torch.no_grad():
+        loss, pred = linear_cross_entropy(hidden, weight, labels, chunk=64)
+    assert not loss.requires_grad and torch.equal(pred, want[1])
+    empty, none = linear_cross_entropy(hidden[:0], weight, labels[:0])
+    assert float(empty.detach()) == 0.0 and none.shape == (0,)
+
+
+def test_linear_cross_entropy_under_bfloat16_autocast_matches_the_plain_layer():
+    from specheads.methods.losses import linear_cross_entropy
+
+    hidden, weight, bias, labels = _leaves(torch.float32)
+    leaves = (hidden, weight, bias)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _grads(lambda: linear_cross_entropy(hidden, weight, labels, bias, chunk=64), leaves)
+        want = _grads(lambda: _plain_ce(hidden, weight, labels, bias), leaves)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-3)
+    assert torch.equal(got[1], want[1])
+    for a, b in zip(got[2], want[2]):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, **TOL[torch.bfloat16])
+
+
+def test_linear_cross_entropy_refuses_a_second_backward_through_its_graph():
+    from specheads.methods.losses import linear_cross_entropy
+
+    hidden, weight, bias, labels = _leaves(torch.float32)
+    loss, _ = linear_cross_entropy(hidden, weight, labels, bias)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):  # its gradients were scaled in place: never twice
+        loss.backward()
+
+
+class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the most elements of any tensor an operator returns (forward and backward alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_linear_cross_entropy_never_makes_a_tensor_of_all_rows_logits(softcap):
+    from specheads.methods.losses import linear_cross_entropy
+
+    n, v, chunk = 512, 300, 64
+    hidden, weight, bias, labels = _leaves(torch.float32, n=n, v=v)
+    for fn, bound in ((lambda: _plain_ce(hidden, weight, labels, bias, softcap), None),
+                      (lambda: linear_cross_entropy(hidden, weight, labels, bias, softcap, chunk=chunk), chunk * v)):
+        with LargestTensor() as seen:
+            loss, _ = fn()
+            loss.backward()
+        if bound is None:  # the test sees the plain loss's (N, V) logits
+            assert seen.numel >= n * v
+        else:
+            assert seen.numel <= bound < n * v, seen.numel
+
+
+def test_logit_chunk_rows():
+    from specheads.methods.losses import LOGIT_CHUNK_BYTES, logit_chunk_rows
+
+    assert logit_chunk_rows(128256) == 512  # 256 MiB of float32 logits at Llama 3's vocabulary
+    assert logit_chunk_rows(10**9) == ROW_MULTIPLE  # never fewer rows than one padding multiple
+    for v in (1000, 49152, 151936):
+        rows = logit_chunk_rows(v)
+        assert rows % ROW_MULTIPLE == 0 and rows * v * 4 <= max(LOGIT_CHUNK_BYTES, ROW_MULTIPLE * v * 4)

@@ -31,6 +31,78 @@ def test_head_k_is_scored_on_token_t_plus_k_plus_2_where_the_mask_allows():
     torch.testing.assert_close(loss, ce0 + 0.5 * ce1)
 
 
+
+def _plain_head_losses(heads, hidden, ids, ok, decay):
+    """The Medusa loss over each head's whole (N, V) logits, as head_losses computed it before chunking."""
+    T, total = ids.shape[1], 0.0
+    for k in range(heads.num_heads):
+        s = k + 2
+        rows = ok[:, s:]
+        logits = heads.head_logits(hidden[:, : T - s][rows], k).float()
+        ce = F.cross_entropy(logits, ids[:, s:][rows], reduction="sum") / max(1, int(rows.sum()))
+        total = total + decay ** k * ce
+    return total
+
+
+@pytest.mark.parametrize("train_lm_heads", [True, False])
+def test_head_losses_in_chunks_equal_the_whole_logits_loss_and_gradients(monkeypatch, train_lm_heads):
+    import specheads.methods.losses as losses
+
+    monkeypatch.setattr(losses, "LOGIT_CHUNK_BYTES", 64 * 256 * 4)  # 64 rows of the 256-token vocabulary a chunk
+    target = _tiny()
+    heads = medusa_for_target(target, num_heads=3)
+    heads.lm_heads.requires_grad_(train_lm_heads)
+    with torch.no_grad():  # blocks that are not the identity
+        for p in heads.blocks.parameters():
+            p.normal_(0, 0.05)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (3, 50), generator=g)
+    ok = torch.rand(3, 50, generator=g) > 0.2  # ~115 labels a head: two chunks, the second padded
+    hidden = torch.randn(3, 50, 32, generator=g)
+    params = [p for p in heads.parameters() if p.requires_grad]
+    loss, _ = head_losses(heads, hidden, ids, ok, 0.8)
+    want = _plain_head_losses(heads, hidden, ids, ok, 0.8)
+    got, ref = torch.autograd.grad(loss, params), torch.autograd.grad(want, params)
+    torch.testing.assert_close(loss, want)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _, stats = head_losses(heads, hidden, ids, ok, 0.8)
+    h0 = hidden[:, :48][ok[:, 2:]]
+    want_acc = (heads.head_logits(h0, 0).argmax(-1) == ids[:, 2:][ok[:, 2:]]).float().mean()
+    torch.testing.assert_close(stats["head0_acc"], want_acc)
+
+
+@pytest.mark.parametrize("target_loss", ["lm", "kl"])
+def test_medusa2_target_term_in_chunks_is_the_whole_logits_term(monkeypatch, target_loss):
+    import specheads.methods.losses as losses
+
+    monkeypatch.setattr(losses, "LOGIT_CHUNK_BYTES", 64 * 256 * 4)  # 64 rows a chunk
+    target = _tiny()
+    target.model.config.final_logit_softcapping = 2.0  # Gemma-2's cap, read from the adapted target's config
+    model = Medusa2Method(num_heads=2, lora_r=2, target_loss=target_loss, kl_temperature=1.5).build(target)
+    assert isinstance(model.base().lm_head, torch.nn.Linear)  # LoRA on all-linear leaves it: the chunked path
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 256, (4, 40), generator=g)
+    att = torch.ones_like(ids)
+    ok = torch.rand(4, 40, generator=g) > 0.3  # ~110 next-token labels: two chunks
+    h = torch.randn(4, 40, 32, generator=g, requires_grad=True)
+    term = model._target_term(h, ids, att, ok)
+    (got,) = torch.autograd.grad(term, h)
+    pos = torch.zeros_like(ok)
+    pos[:, :-1] = ok[:, 1:]
+    logits = model._logits(h[pos])  # float32 and capped: output_logits
+    assert float(logits.detach().abs().max()) <= 2.0 and logits.shape[0] > 64
+    y = ids[:, 1:][ok[:, 1:]]
+    if target_loss == "lm":
+        want = F.cross_entropy(logits, y, reduction="sum") / y.numel()
+    else:
+        ref = model._logits(model.reference_hidden(ids, att)[pos])
+        lp, lq = F.log_softmax(logits / 1.5, -1), F.log_softmax(ref / 1.5, -1)
+        want = F.kl_div(lp, lq, log_target=True, reduction="sum") * 1.5 ** 2 / y.numel()
+    (ref_grad,) = torch.autograd.grad(want, h)
+    torch.testing.assert_close(term, want)
+    torch.testing.assert_close(got, ref_grad)
+
 def test_held_out_counts_and_chain_are_joint():
     target = _tiny()
     heads = medusa_for_target(target, num_heads=2)
