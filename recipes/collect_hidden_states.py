@@ -67,23 +67,60 @@ def collect(cfg: DictConfig) -> None:
     if engine not in ("hf", "vllm"):
         raise ConfigError(f"engine={engine}: use hf (a transformers forward here) or vllm (the engine venv's vLLM)")
     dataset, meta = load_prepared(cfg.prepared_dir)
-    if engine == "vllm":
-        target, spec = _engine_target(cfg, meta, output_dir, dataset)
+    captured = _captured_target(cfg, meta, output_dir, dataset, engine, rank) if cfg.get("captured", True) else None
+    if captured is not None:
+        target, spec = captured
     else:
-        log.info("loading the target %s (%s) for %d prepared rows", cfg.target.name_or_path, cfg.target.dtype,
-                 len(dataset))
-        target = load_target(cfg.target.name_or_path, cfg.target.dtype,
-                             process_device(cfg.target.get("device", "cpu"), rank),
-                             parallel=cfg.target.get("parallel", "none"), tp_size=cfg.target.get("tp_size") or None,
-                             max_memory=cfg.target.get("max_memory") or None,
-                             chat_template=cfg.target.get("chat_template"))
-        check_prepared_matches(meta, target)
-        spec = feature_spec(cfg.method, target)
+        target, spec = _forward_target(cfg, meta, output_dir, dataset, engine, rank)
     try:
         _collect(cfg, target, spec, dataset, meta, output_dir, engine)
     finally:
-        if engine == "vllm":
+        if hasattr(target, "close"):
             target.close()
+
+
+def _forward_target(cfg: DictConfig, meta: dict, output_dir: str, dataset, engine: str, rank: int):
+    """The target that runs collection's forward passes: the engine's, or the Hugging Face model loaded here."""
+    if engine == "vllm":
+        return _engine_target(cfg, meta, output_dir, dataset)
+    log.info("loading the target %s (%s) for %d prepared rows", cfg.target.name_or_path, cfg.target.dtype,
+             len(dataset))
+    target = load_target(cfg.target.name_or_path, cfg.target.dtype,
+                         process_device(cfg.target.get("device", "cpu"), rank),
+                         parallel=cfg.target.get("parallel", "none"), tp_size=cfg.target.get("tp_size") or None,
+                         max_memory=cfg.target.get("max_memory") or None,
+                         chat_template=cfg.target.get("chat_template"))
+    check_prepared_matches(meta, target)
+    return target, feature_spec(cfg.method, target)
+
+
+def _captured_target(cfg: DictConfig, meta: dict, output_dir: str, dataset, engine: str, rank: int):
+    """States captured while vLLM regenerated the answers (``specheads.data.capture_cache``), when the prepared
+    data has them for the method's layers: (a target serving them, spec), a forward set up only for rows they
+    lack; else None."""
+    from specheads.data.capture_cache import CaptureCache, CapturedTarget, capture_dir
+    from specheads.data.engine_features import meta_target
+
+    folder = capture_dir(cfg.prepared_dir)
+    if not meta.get("captured") or not (folder / "meta.json").is_file():
+        return None
+    if cfg.target.get("parallel", "none") != "none":
+        log.info("target.parallel=%s: the states captured in %s are not read (collected with a forward)",
+                 cfg.target.parallel, folder)
+        return None
+    cache = CaptureCache(folder)
+    described = meta_target(cfg.target.name_or_path, cfg.target.get("chat_template"))
+    check_prepared_matches(meta, described)
+    spec = feature_spec(cfg.method, described)
+    if not cache.covers(spec.aux_layers, spec.need_last):
+        log.info("%s holds layers %s; method %s needs %s: collected with a forward instead", folder, cache.layers,
+                 cfg.method.name, list(spec.aux_layers))
+        return None
+    found = cache.count(dataset["input_ids"])
+    log.info("%d of %d prepared rows have their states captured while vLLM answered (%s, %s)%s", found, len(dataset),
+             folder, cache.meta.get("dtype"), "" if found == len(dataset) else
+             f"; the other {len(dataset) - found} are collected with engine={engine}")
+    return CapturedTarget(described, cache, lambda: _forward_target(cfg, meta, output_dir, dataset, engine, rank)[0]), spec
 
 
 def _engine_target(cfg: DictConfig, meta: dict, output_dir: str, dataset):
@@ -114,7 +151,8 @@ def _collect(cfg: DictConfig, target, spec, dataset, meta: dict, output_dir: str
     rank, world = layout.rank, layout.world
     opts = CollectOptions(**OmegaConf.to_object(cfg.collect), rank=layout.dp_rank, world_size=layout.dp_size,
                           write=layout.writes)
-    source = {"prepared_dir": str(Path(cfg.prepared_dir).resolve()), "method": cfg.method.name, "engine": engine,
+    source = {"prepared_dir": str(Path(cfg.prepared_dir).resolve()), "method": cfg.method.name,
+              "engine": "captured" if hasattr(target, "cache") else engine,
               **{k: meta.get(k) for k in ("num_samples", "num_tokens", "chat_template_sha", "max_length")},
               "target_dtype": target.dtype_choice.record() if target.dtype_choice else str(target.dtype),
               "machine": machine_description(target.device)}

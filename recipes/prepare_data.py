@@ -34,7 +34,11 @@ def run(cfg: DictConfig) -> None:
     pcfg = PrepareConfig(**OmegaConf.to_object(cfg.data),
                          regenerate=RegenerateConfig(**OmegaConf.to_container(regen, resolve=True)) if regen else None,
                          chat_template_kwargs=template_kwargs(cfg.target))
-    if regen and not regen.get("endpoint"):
+    if regen and regen.get("engine"):  # vLLM answers: the config and tokenizer only, no weights read here
+        from specheads.data.engine_features import meta_target
+
+        target = meta_target(cfg.target.name_or_path, cfg.target.get("chat_template"))
+    elif regen and not regen.get("endpoint"):
         target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.device,
                              chat_template=cfg.target.get("chat_template"))
     else:  # only the tokenizer is needed (a serving endpoint answers, or nothing is regenerated)

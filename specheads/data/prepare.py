@@ -27,6 +27,8 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from specheads.data.dedup import DEDUP_VERSION, DedupReport, benchmark_keys, unique_conversations
+from specheads.data.capture_cache import CaptureCache, capture_dir
+from specheads.data.engine_answers import capture_layers
 from specheads.data.regenerate import RegenerateConfig, count_retokenized, count_truncated, regenerate
 from specheads.data.render import (ChatRenderer, TemplateError, ToolTurnError, chat_id, chat_template_sha,
                                    render_samples)
@@ -204,6 +206,12 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
     """
     t0 = time.time()
     out_dir = Path(out_dir)
+    engine = cfg.regenerate.engine if cfg.regenerate is not None else None
+    if engine is not None and engine.capture:  # before any work: the engine captures whole rows
+        if cfg.max_length > engine.max_model_len:
+            raise PrepareError(f"data.max_length={cfg.max_length} is longer than regenerate.engine.max_model_len="
+                               f"{engine.max_model_len}: the engine could not capture the longest rows; raise it")
+        capture_layers(engine, target)
     tok = target.tokenizer
     report, part_reports = SkipReport(), {}
     dedup = DedupReport()
@@ -217,7 +225,8 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
             _no_usable_conversation(cfg, report)
         asked = len(convs)
         convs = regenerate(target, convs, out_dir.with_name(out_dir.name + ".regen.jsonl"), cfg.regenerate,
-                           template_kwargs=cfg.chat_template_kwargs)
+                           template_kwargs=cfg.chat_template_kwargs, capture=capture_dir(out_dir),
+                           rows_of=lambda conv: _sample_ids(conv, renderer, cfg.max_length))
         if asked > len(convs):
             stats.later[NO_REGENERATED_ANSWER] += asked - len(convs)
         if cfg.regenerate.endpoint:
@@ -253,6 +262,8 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
         # regenerated chats ending with an answer cut at max_new_tokens (kept open: no end-of-turn token)
         "regenerated_truncated": stats.cut_answers if cfg.regenerate else None,
         "regenerated_retokenized": retokenized,
+        # states captured while vLLM answered (<prepared>.capture/, specheads.data.capture_cache): collection reads them
+        "captured": _captured(out_dir) if cfg.regenerate is not None and cfg.regenerate.engine is not None else None,
         # duplicate conversations dropped before rendering (specheads.data.dedup)
         "dedup": dedup.to_dict(),
         # a mixture: each part's source, what its reader kept and skipped, and what it gave the prepared set
@@ -282,6 +293,21 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
 
 def _no_usable_conversation(cfg: PrepareConfig, report: SkipReport) -> None:
     raise PrepareError(f"no usable conversation in source '{cfg.source}' {cfg.path or ''}: {report.summary()}")
+
+
+def _captured(out_dir: Path) -> dict | None:
+    folder = capture_dir(out_dir)
+    if not (folder / "meta.json").is_file():
+        return None
+    cache = CaptureCache(folder)
+    return {"folder": folder.name, "layers": cache.layers, "dtype": cache.meta.get("dtype"),
+            "engine": f"vllm {cache.meta.get('version')}", "rows": len(cache.index())}
+
+
+def _sample_ids(conv, renderer, max_length: int) -> list[list[int]]:
+    """The token ids of the rows a chat renders to (what ``_render_chunk`` writes), none if it does not render."""
+    out = _render(conv, renderer, max_length, Counter(), {})
+    return [list(r.input_ids) for r in out.samples if any(r.loss_mask)] if out is not None else []
 
 
 def _render(conv, renderer, max_length: int, later: Counter, first_error: dict[str, str]):

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from specheads.data.batch_generate import generate_static
 from specheads.data.endpoint import EndpointClient, EndpointConfig
+from specheads.data.engine_answers import EngineAnswers, EngineRegenConfig
 from specheads.data.render import REASONING, ChatRenderer, TemplateError, prompt_ids, split_reasoning
 from specheads.data.sources import Conversation
 from specheads.errors import UserError
@@ -57,12 +58,18 @@ class RegenerateConfig:
     seed: int = 0
     loop: str = "static"
     endpoint: EndpointConfig | dict | None = None  # a serving engine answers instead of the local target
+    engine: EngineRegenConfig | dict | None = None  # vLLM answers here, capturing the states (data.engine_answers)
 
     def __post_init__(self):
         if self.loop not in ("static", "hf"):
             raise UserError(f"regenerate.loop must be 'static' or 'hf', got {self.loop!r}")
         if isinstance(self.endpoint, dict):
             self.endpoint = EndpointConfig(**self.endpoint)
+        if isinstance(self.engine, dict):
+            self.engine = EngineRegenConfig(**self.engine)
+        if self.endpoint is not None and self.engine is not None:
+            raise UserError("regenerate: set regenerate.endpoint (a server answers) or regenerate.engine (vLLM runs "
+                            "here), not both")
 
 
 class JournalError(UserError, ValueError):
@@ -72,7 +79,7 @@ class JournalError(UserError, ValueError):
 def settings_key(target: Target, cfg: RegenerateConfig, template_kwargs: dict | None = None) -> str:
     """What a journaled answer depends on: the generation settings, the template's switches and the target
     (batch size aside)."""
-    settings = {k: v for k, v in asdict(cfg).items() if k not in ("batch_size", "loop", "endpoint")}
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("batch_size", "loop", "endpoint", "engine")}
     if template_kwargs:
         settings["chat_template_kwargs"] = dict(template_kwargs)
     ident = {"settings": settings, "target": target.name, "tokenizer": target.tokenizer_fingerprint(),
@@ -80,6 +87,10 @@ def settings_key(target: Target, cfg: RegenerateConfig, template_kwargs: dict | 
     if cfg.endpoint is not None:  # the engine's answers: who served them, and how they were asked
         e = cfg.endpoint
         ident["endpoint"] = {"url": e.url, "model": e.model, "prompt_format": e.prompt_format, "extra_body": e.extra_body}
+    if cfg.engine is not None:  # vLLM's answers, in its dtype
+        from specheads.data.engine_features import engine_dtype
+
+        ident["engine"] = {"engine": "vllm", "dtype": engine_dtype(cfg.engine.dtype)}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -165,7 +176,8 @@ def turn_stop_ids(renderer: ChatRenderer) -> list[int]:
 
 
 def _regenerate_batch(target: Target, batch: list[Conversation], cfg: RegenerateConfig, seed: int,
-                      renderer: ChatRenderer, client: EndpointClient | None = None) -> list[Conversation]:
+                      renderer: ChatRenderer, client: EndpointClient | None = None,
+                      engine: EngineAnswers | None = None, salts: list[str] | None = None) -> list[Conversation]:
     """Regenerate up to cfg.max_turns assistant turns of each conversation, turn by turn.
 
     A chat keeps its messages up to its last regenerated answer; a prompt over ``max_prompt_tokens``,
@@ -197,7 +209,10 @@ def _regenerate_batch(target: Target, batch: list[Conversation], cfg: Regenerate
         if not todo:
             break
         flags = [{}] * len(prompts)
-        if client is None:
+        if engine is not None:
+            answers = engine.answer(prompts, [salts[j] for j, _ in todo], cfg.max_new_tokens, cfg.temperature,
+                                    cfg.top_p, seed * 1000 + turn, stops)
+        elif client is None:
             answers = _generate(target, prompts, cfg, seed * 1000 + turn, stops)
         else:
             got = client.complete_all(prompts, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
@@ -222,8 +237,13 @@ def _regenerate_batch(target: Target, batch: list[Conversation], cfg: Regenerate
 
 
 def regenerate(target: Target, conversations: Iterable[Conversation], journal: str | Path,
-               cfg: RegenerateConfig, total: int | None = None, template_kwargs: dict | None = None) -> list[Conversation]:
+               cfg: RegenerateConfig, total: int | None = None, template_kwargs: dict | None = None,
+               capture: Path | None = None, rows_of=None) -> list[Conversation]:
     """Regenerate answers for every conversation, resuming from ``journal``.
+
+    With ``cfg.engine`` vLLM answers; with its capture on, ``rows_of(conversation)`` gives the token ids of the rows
+    the prepared data will hold for a chat, whose states go to the ``CaptureCache`` at ``capture`` before the chat
+    is journaled (``specheads.data.engine_answers``).
 
     Returns the conversations in input order; ones whose regenerated chat holds no assistant
     answer (prompt too long, empty answer) are left out and counted in the log. A chat whose last
@@ -245,6 +265,27 @@ def regenerate(target: Target, conversations: Iterable[Conversation], journal: s
         log.info("answers from %s (model %s), %d requests at a time", cfg.endpoint.url, client.model,
                  cfg.endpoint.concurrency)
     key = settings_key(target, cfg, template_kwargs)
+    engine = cache = None
+    if cfg.engine is not None:
+        engine = EngineAnswers(target, cfg.engine, journal.parent)
+        if cfg.engine.capture and capture is not None and rows_of is not None:
+            from specheads.data.capture_cache import CaptureCache
+
+            cache = CaptureCache.open_for_writing(capture, {
+                "target": target.name, "tokenizer": target.tokenizer_fingerprint(), "config": target.config_hash(),
+                **engine.identity(), "layers": engine.layers, "last": True, "argmax": True})
+    try:
+        return _regenerate_all(target, conversations, journal, cfg, key, renderer, client, engine, cache, rows_of)
+    finally:
+        if engine is not None:
+            if engine.positions:
+                log.info("captured the states of %d tokens while answering; %d of them (%.0f%%) from the answers' "
+                         "own forward passes, the rest (rows' template closers, cache-block remainders) computed "
+                         "after", engine.positions, engine.reused, 100 * engine.reused / engine.positions)
+            engine.close()
+
+
+def _regenerate_all(target, conversations, journal, cfg, key, renderer, client, engine, cache, rows_of):
     done = read_journal(journal, key)
     convs = list(conversations)
     # chats of similar first-prompt length share a batch (less left padding); the journal keeps input order moot
@@ -258,7 +299,20 @@ def regenerate(target: Target, conversations: Iterable[Conversation], journal: s
                                                         desc="regenerate", unit="chat") as bar:
         for b in range(0, len(todo), cfg.batch_size):
             batch = todo[b: b + cfg.batch_size]
-            for conv in _regenerate_batch(target, batch, cfg, cfg.seed + b, renderer, client):
+            salts = [f"{b}:{j}:{c.id}" for j, c in enumerate(batch)]  # one chat's requests share its cache blocks
+            out = _regenerate_batch(target, batch, cfg, cfg.seed + b, renderer, client, engine, salts)
+            if engine is not None and engine.capturing:
+                rows, row_salts = [], []
+                if cache is not None:
+                    for conv, salt in zip(out, salts):
+                        if any(m["role"] == "assistant" for m in conv.messages):
+                            for ids in rows_of(conv):
+                                rows.append(list(ids))
+                                row_salts.append(salt)
+                states = engine.capture(rows, row_salts, release=salts)
+                if cache is not None:
+                    cache.add(rows, states)  # before the journal: a journaled chat's rows are in the cache
+            for conv in out:
                 done[conv.id] = conv
                 _append(f, conv, key)
             bar.update(len(batch))

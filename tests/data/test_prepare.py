@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,9 +45,10 @@ def test_chat_longer_than_max_length_without_answer_is_skipped(smollm2_tokenizer
     assert meta["num_samples"] == 1 and meta["skipped"] == {"no assistant token within max_length": 1}
 
 
-def run_recipe(*overrides):
+def run_recipe(*overrides, env_extra=None):
+    env = {**os.environ, **env_extra} if env_extra else None
     return subprocess.run([sys.executable, str(ROOT / "recipes" / "prepare_data.py"), *overrides],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
 
 
 @pytest.mark.slow
@@ -90,3 +92,26 @@ def test_tool_turns_are_kept_or_skipped_and_counted_by_what_the_template_renders
     tok.chat_template = DROPS_TOOLS
     meta = prepare(Target.tokenizer_only(tok, "drops-tools"), cfg, tmp_path / "drops")
     assert meta["num_samples"] == 1 and meta["skipped"] == {TOOL_TURN_NOT_RENDERED: 1}
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["regenerate.engine.capture_layers=[1,99]"], ["regenerate.engine.capture_layers", "99", "out of range"]),
+    (["data.max_length=8192"], ["data.max_length=8192", "regenerate.engine.max_model_len=4096"]),
+    (["regenerate.engine.max_model_len=0"], ["max_model_len", "positive"]),
+])
+def test_a_bad_engine_regeneration_setting_is_one_line_before_any_engine_starts(tmp_path, overrides, words):
+    """Refused before the engine is looked for (no engine python here: these fail the same without one)."""
+    res = run_recipe("regenerate=engine", *overrides, f"output_dir={tmp_path / 'o'}",
+                     env_extra={"SPECHEADS_ENGINE_PYTHON": "/nonexistent"})
+    err = (res.stderr.strip().splitlines() or [""])[-1]
+    assert res.returncode == 2 and err.startswith("specheads prepare: error:"), res.stderr[-2000:]
+    assert all(w in err for w in words), err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.capture").exists()
+
+
+def test_answers_come_from_a_server_or_from_the_engine_here_not_both():
+    from specheads.data.regenerate import RegenerateConfig
+    from specheads.errors import UserError
+
+    with pytest.raises(UserError, match="not both"):
+        RegenerateConfig(endpoint={"url": "http://127.0.0.1:1/v1"}, engine={})
