@@ -27,6 +27,7 @@ BENCHMARKS = REPO / "docs" / "benchmarks.md"
 EXPORT = REPO / "docs" / "export.md"
 SERVING = REPO / "docs" / "serving.md"
 METHODS = REPO / "docs" / "methods.md"
+COLLECT = REPO / "docs" / "collect.md"
 # method key -> what a reader calls it (the order of the README's results table)
 METHOD_NAMES = {
     "eagle3+lookup+table": "EAGLE-3 + prompt-lookup branch + n-gram table (main job's default)",
@@ -370,6 +371,31 @@ def head_to_head(data: dict) -> str:
     return "\n".join(lines)
 
 
+def backends(data: dict) -> str:
+    """docs/collect.md: the newest ``bench_backends.py`` record, both backends on the same rows."""
+    runs = data.get("backend_runs") or []
+    if not runs:
+        return "_No record yet: `python scripts/bench/bench_backends.py --json b.json`, then `specheads record b.json`._"
+    r = runs[0]
+    c, g = r["collect"], r["regenerate"]
+    rows = ["| stage, backend | wall s (start-up included) | tokens | tokens/s of the stage | peak memory GB |",
+            "|---|---|---|---|---|"]
+    for name, key in (("collection, transformers forward (`engine=hf`)", "hf"), ("collection, vLLM (`engine=vllm`)", "vllm")):
+        x = c[key]
+        rows.append(f"| {name} | {_f(x['wall_s'], 1)} | {x['tokens']} | {x['tokens_per_s']} | {_f(x['peak_rss_gb'])} |")
+    for name, key in (("regeneration, transformers loop (`regenerate=greedy`)", "hf_static"),
+                      ("regeneration + capture, vLLM (`regenerate=engine`)", "vllm_captured")):
+        x = g[key]
+        rows.append(f"| {name} | {_f(x['wall_s'], 1)} | {x['answer_tokens']} answer | "
+                    f"{_f(x['answer_tokens_per_wall_s'], 1)} (per wall s) | {_f(x['peak_rss_gb'])} |")
+    x = g["collect_from_capture"]
+    rows.append(f"| collection read from the capture | {_f(x['wall_s'], 1)} | {x['tokens']} | {x['tokens_per_s']} | "
+                f"{_f(x['peak_rss_gb'])} |")
+    return "\n".join(rows + ["", f"{r['samples']} chats cut at {r['max_length']} tokens for collection, the target "
+                              f"{r['target']} at dtype auto; `{r.get('run', 'scripts/bench/bench_backends.py')}` at "
+                              f"commit {_commit(r)} on {r['date']}, {r['machine']}."])
+
+
 def blocks(data: dict) -> dict[Path, dict[str, str]]:
     """{file: {marker name: the text between its markers}}."""
     return {README: {"results": results_table(data), "quickstart-times": quickstart_times(data),
@@ -378,7 +404,8 @@ def blocks(data: dict) -> dict[Path, dict[str, str]]:
                          "test-runs": tests_table(data), "unrecorded-history": unrecorded_history(data)},
             EXPORT: {"export-check": export_check(data)},
             SERVING: {"served": served_line(data)},
-            METHODS: {"head-to-head": head_to_head(data)}}
+            METHODS: {"head-to-head": head_to_head(data)},
+            COLLECT: {"backends": backends(data)}}
 
 
 def render(text: str, name: str, content: str, path: Path | str = "") -> str:

@@ -7,7 +7,9 @@
 * a log of the test suite (``.ci/run`` or ``pytest``), its closing line ``N passed, M skipped ... in X s`` ->
   an entry of ``test_runs``;
 * the output of the engines' loader check (``scripts/check_engine_loaders.py``: one ``ok|skip|FAIL`` line per
-  check and ``N ok/skipped, M failed``; or the same rows as JSON) -> an entry of ``export_checks``.
+  check and ``N ok/skipped, M failed``; or the same rows as JSON) -> an entry of ``export_checks``;
+* the report of ``scripts/bench/bench_backends.py`` (collection and regeneration by the Hugging Face forward and by
+  vLLM on the same rows) -> an entry of ``backend_runs``.
 
 Every entry carries ``commit`` (``git rev-parse HEAD`` of the checkout it was measured in), ``dirty`` (whether
 that tree had uncommitted changes to tracked files), ``date`` and ``machine`` (``hardware.cpu_description``
@@ -35,9 +37,11 @@ class RecordError(UserError):
     """A file given to ``specheads record`` is unreadable, corrupt or not one of the outputs it records."""
 
 
-KINDS = {"main_job": "runs", "serve": "serve_runs", "test_suite": "test_runs", "export_check": "export_checks"}
+KINDS = {"main_job": "runs", "serve": "serve_runs", "test_suite": "test_runs", "export_check": "export_checks",
+         "collect_backends": "backend_runs"}
 WHAT_IT_READS = ("a run_summary.json (specheads run), a serve_report.json (specheads serve-eval), a pytest log "
-                 "(its closing 'N passed ... in X s' line) or the output of scripts/check_engine_loaders.py")
+                 "(its closing 'N passed ... in X s' line), the output of scripts/check_engine_loaders.py or the "
+                 "report of scripts/bench/bench_backends.py")
 PYTEST_LINE = re.compile(r"^=*\s*((?:\d+ (?:passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)"
                          r"(?:, )?)+) in ([\d.]+)s\b", re.M)
 CHECK_LINE = re.compile(r"^(ok|skip|FAIL)\s{1,4}(.{18}) (.{8}) (.{14}) (.+?): (.*)$")
@@ -98,6 +102,8 @@ def _json_kind(data) -> str | None:
         return "main_job"
     if isinstance(data, dict) and "engine" in data and ("domains" in data or "refused" in data):
         return "serve"
+    if isinstance(data, dict) and data.get("kind") == "collect_backends" and {"collect", "regenerate"} <= set(data):
+        return "collect_backends"
     rows = data.get("checks") if isinstance(data, dict) else data
     if isinstance(rows, list) and rows and all(isinstance(r, dict) and {"check", "ok"} <= set(r) for r in rows):
         return "export_check"
@@ -208,7 +214,8 @@ def make_entry(path: str | Path, checkout: Checkout, *, wall_s: float | None = N
                fresh_clone: bool | None = None) -> tuple[str, dict]:
     """(the list it belongs in, the entry) for ``path``, stamped with ``checkout``, the date and the machine."""
     kind, contents = read_input(path)
-    build = {"main_job": main_job_entry, "serve": serve_entry, "export_check": export_check_entry}
+    build = {"main_job": main_job_entry, "serve": serve_entry, "export_check": export_check_entry,
+             "collect_backends": dict}
     entry = test_suite_entry(contents, wall_s) if kind == "test_suite" else build[kind](contents)
     if machine or not entry.get("machine"):
         from specheads.hardware import cpu_description

@@ -63,7 +63,7 @@ class EngineAnswers:
 
     def __init__(self, target: Target, cfg: EngineRegenConfig, log_dir: str | Path):
         from specheads.data.engine_features import engine_dtype
-        from specheads.serving.engine import EngineProcess, engine_settings, find_engine
+        from specheads.serving.engine import EngineProcess, engine_settings, find_engine, worker_cores
 
         path = getattr(target, "path", None)
         if path is None or not Path(path).is_dir():
@@ -83,7 +83,8 @@ class EngineAnswers:
         log_path = Path(log_dir) / "engine_regenerate.log"
         log.info("starting vLLM %s on %s (%s) to answer%s; log %s", engine.version, path, self.dtype,
                  f" and capture layers {self.layers} and the last state" if cfg.capture else "", log_path)
-        self.process = EngineProcess(engine, run, log_path, engine_settings(engine, kv_cache_gib=cfg.kv_cache_gib))
+        self.process = EngineProcess(engine, run, log_path, engine_settings(
+            engine, threads_bind=worker_cores(cfg.tensor_parallel_size), kv_cache_gib=cfg.kv_cache_gib))
         self.capturing = cfg.capture
         self.max_model_len = int(cfg.max_model_len)
         self._tmp = tempfile.TemporaryDirectory(prefix="specheads-answers-")

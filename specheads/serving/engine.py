@@ -192,6 +192,21 @@ def engine_settings(engine: Engine, threads_bind: str | None = None, kv_cache_gi
     return env
 
 
+def worker_cores(tensor_parallel_size: int = 1) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for an engine that does all of a process's work (collection, regeneration):
+    every core this process may use, split between the engines of a launch's local ranks (``LOCAL_RANK`` of
+    ``LOCAL_WORLD_SIZE``). vLLM's CPU build otherwise keeps a core for its front end, which here only waits: on 2
+    cores the engine then computes on one. None (vLLM's own choice) on a GPU or with tensor parallelism."""
+    import torch
+
+    if torch.cuda.is_available() or tensor_parallel_size != 1 or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    rank, ranks = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    mine = cores[rank::ranks] if len(cores) >= ranks > 0 else cores
+    return ",".join(str(c) for c in mine)
+
+
 class EngineProcess:
     """vLLM's offline ``LLM`` in a child process (``engine_worker.py`` run by the engine's python): its log goes
     to ``log_path``; ``generate`` decodes one prompt greedily and returns the worker's answer."""

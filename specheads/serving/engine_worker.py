@@ -95,7 +95,7 @@ def _install_capture(worker, layers: list[int], last: bool) -> int:
             h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
             r = kwargs["residual"] if "residual" in kwargs else (args[2] if len(args) > 2 else None)
             n = step_tokens()
-            kept.setdefault(f"aux_{i}", []).append((h[:n] if r is None else h[:n] + r[:n]).detach().float().cpu())
+            kept.setdefault(f"aux_{i}", []).append((h[:n] if r is None else h[:n] + r[:n]).detach().cpu())
         return hook
 
     for i in layers:
@@ -121,7 +121,7 @@ def _take_capture(worker, argmax: bool) -> dict:
             with torch.no_grad():
                 out["argmax"] = torch.cat([worker.model_runner.model.compute_logits(last[i:i + 1024]).argmax(-1).cpu()
                                            for i in range(0, len(last), 1024)] or [torch.zeros(0, dtype=torch.long)])
-        out["last"] = last.float().cpu()
+        out["last"] = last.cpu()
     kept.clear()
     kept["steps"] = []
     return out
