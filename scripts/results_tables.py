@@ -392,7 +392,7 @@ def backends(data: dict) -> str:
     rows.append(f"| collection read from the capture | {_f(x['wall_s'], 1)} | {x['tokens']} | {x['tokens_per_s']} | "
                 f"{_f(x['peak_rss_gb'])} |")
     return "\n".join(rows + ["", f"{r['samples']} chats cut at {r['max_length']} tokens for collection, the target "
-                              f"{r['target']} at dtype auto; `{r.get('run', 'scripts/bench/bench_backends.py')}` at "
+                              f"{r['target']} at dtype {r.get('dtype', 'auto')}; `{r.get('run', 'scripts/bench/bench_backends.py')}` at "
                               f"commit {_commit(r)} on {r['date']}, {r['machine']}."])
 
 

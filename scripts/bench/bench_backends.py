@@ -5,7 +5,8 @@
     specheads record backends.json --checkout . --into docs/benchmarks.json
 
 Each measurement is a ``specheads`` command as a user runs it, in its own process (the engine's processes
-included), with the target's dtype left to ``auto`` (both backends take bfloat16 on a CPU with bfloat16 kernels):
+included), with the target's dtype ``--dtype`` (``auto``: vLLM takes bfloat16 on a CPU with bfloat16 kernels, the
+transformers forward what a timed probe finds faster, which a noisy machine can tip either way):
 
 1. collection of one prepared set (``--samples`` chats cut at ``--max-length``) into an EAGLE-3 store, with
    ``engine=hf`` and with ``engine=vllm`` (no time budget, ``captured=false``);
@@ -42,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--regen-samples", type=int, default=64, help="chats whose answers are regenerated")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--target", default="smollm2")
+    p.add_argument("--dtype", default="auto", help="target.dtype of every stage (auto: each backend's own choice; "
+                   "a timed probe picks the transformers forward's)")
     p.add_argument("--json", help="also write the report here")
     return p.parse_args(argv)
 
@@ -99,11 +102,11 @@ def main(argv=None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     cli = [sys.executable, "-m", "specheads.cli"]
-    common = [f"target.name_or_path={args.target}"]
+    common = [f"target.name_or_path={args.target}", f"target.dtype={args.dtype}"]
     prepared = work / "prepared"
     measured([*cli, "prepare", *common, f"data.num_samples={args.samples}", f"data.max_length={args.max_length}",
               f"output_dir={prepared}"], work / "prepare.log")
-    report = {"kind": "collect_backends", "target": args.target, "samples": args.samples,
+    report = {"kind": "collect_backends", "target": args.target, "dtype": args.dtype, "samples": args.samples,
               "max_length": args.max_length, "collect": {}, "regenerate": {}}
     for engine in ("hf", "vllm"):
         run = measured([*cli, "collect", *common, "method=eagle3", f"prepared_dir={prepared}",
