@@ -167,3 +167,74 @@ def test_pipeline_runs_a_stage_from_the_installed_copy_into_the_cwd(installed):
     assert (cwd / "runs" / "t" / "prepared" / "specheads_meta.json").exists()
     assert (cwd / "runs" / "t" / ".done" / "prepare.json").exists()
     assert not [p for p in installed["site"].joinpath("specheads").rglob("*") if p.name in ("runs", "outputs")]
+
+
+def _module_imports(package_dir):
+    """{module: the specheads modules its module-level code imports by name} for the .py files under
+    ``package_dir`` (imports inside functions and under ``if TYPE_CHECKING`` run later or never: not counted)."""
+    import ast
+    from pathlib import Path
+
+    package_dir = Path(package_dir)
+    names = {}
+    for f in package_dir.rglob("*.py"):
+        parts = f.relative_to(package_dir.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph = {}
+    for name, f in names.items():
+        deps = set()
+        for node in ast.parse(f.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            for sub in ast.walk(node) if isinstance(node, (ast.Try, ast.If)) else [node]:
+                if isinstance(sub, ast.Import):
+                    deps.update(a.name for a in sub.names)
+                elif isinstance(sub, ast.ImportFrom) and sub.module and not sub.level:
+                    deps.add(sub.module)
+                    deps.update(f"{sub.module}.{a.name}" for a in sub.names)
+        graph[name] = {d for d in deps if d in names and d != name}
+    return graph
+
+
+def _cycles(graph):
+    """The import circles of ``graph``: each strongly connected set of more than one module, sorted."""
+    order, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        order[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return out
+
+
+def test_no_module_imports_itself_back_through_another(tmp_path):
+    from pathlib import Path
+
+    assert _cycles(_module_imports(Path(__file__).resolve().parents[1] / "specheads")) == []
+    pkg = tmp_path / "pkg"  # the check finds a circle through a package's __init__
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from pkg.a import x\n")
+    (pkg / "a.py").write_text("import os\nfrom pkg import b\nx = 1\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg import a\n")
+    assert _cycles(_module_imports(pkg)) == [["pkg", "pkg.a"]]

@@ -207,3 +207,30 @@ def test_the_readme_results_take_a_heads_default_settings_only(tmp_path):
     engine = {**SUMMARY, "date": "2099-01-03", "settings": {"collect": ["engine=vllm"]}}  # eagle3, another stage's
     record(_write(tmp_path, "run_summary.json", engine), results, CHECKOUT, date="2099-01-03", fresh_clone=True)
     assert rt.latest_main_job(rt.load(results))["date"] != "2099-01-03"  # the README's main job has no override
+
+
+BACKENDS = {"kind": "collect_backends", "target": "smollm2", "dtype": "bfloat16", "samples": 200, "max_length": 512,
+            "collect": {"hf": {"wall_s": 80.2, "peak_rss_gb": 1.9, "tokens": 77242, "collect_s": 68.6,
+                               "tokens_per_s": 1126, "tokens_per_wall_s": 963},
+                        "vllm": {"wall_s": 70.1, "peak_rss_gb": 4.8, "tokens": 77242, "collect_s": 40.0,
+                                 "tokens_per_s": 1931, "tokens_per_wall_s": 1101}, "vllm_over_hf": 1.71},
+            "regenerate": {"hf_static": {"wall_s": 131.6, "peak_rss_gb": 1.1, "answer_tokens": 9958,
+                                         "answer_tokens_per_wall_s": 75.7},
+                           "vllm_captured": {"wall_s": 60.3, "peak_rss_gb": 5.4, "answer_tokens": 10010,
+                                             "answer_tokens_per_wall_s": 166.0},
+                           "collect_from_capture": {"wall_s": 9.1, "peak_rss_gb": 0.7, "tokens": 14743,
+                                                    "collect_s": 0.5, "tokens_per_s": 29486, "tokens_per_wall_s": 1620},
+                           "vllm_over_hf": 2.19}}
+
+
+def test_a_backends_benchmark_is_recorded_and_rendered_in_the_collect_guide(tmp_path, results):
+    rt, _ = _results_tables()
+    entry = record(_write(tmp_path, "backends.json", BACKENDS), results, CHECKOUT, machine="box", date="2099-01-01")
+    assert entry["kind"] == "collect_backends" and entry["commit"] == CHECKOUT.commit
+    data = rt.load(results)
+    assert data["backend_runs"][0]["collect"]["vllm"]["tokens_per_s"] == 1931
+    table = rt.backends(data)
+    assert "| collection, vLLM (`engine=vllm`) | 70.1 | 77242 | 1931 | 4.80 |" in table
+    assert "| regeneration + capture, vLLM (`regenerate=engine`) | 60.3 | 10010 answer | 166.0 (per wall s) | 5.40 |" in table
+    assert "commit `0123456` on 2099-01-01, box" in table and "dtype bfloat16" in table
+    assert "No record yet" in rt.backends({"runs": []})

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from specheads.targets import chat_templates
+from specheads.targets.chat_templates import apply as apply_chat_template
 from specheads.targets.files import EMBEDDED_TARGET, TARGET_HINT, TargetLoadError, resolve_target_path
 from specheads.targets.model import Target
 from specheads.targets.parallel import (PARALLEL_MODES, ParallelLayout, finish_tensor_parallel, launch_rank_world,
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 def load_tokenizer(name_or_path: str = EMBEDDED_TARGET, chat_template: str | None = None):
     """The target's tokenizer; ``chat_template`` (``specheads.targets.chat_templates``) replaces or adds its template."""
-    return chat_templates.apply(own_tokenizer(name_or_path), chat_template)
+    return apply_chat_template(own_tokenizer(name_or_path), chat_template)
 
 
 def load_target(
@@ -67,7 +67,7 @@ def load_target(
     path = resolve_target_path(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
-        tokenizer = chat_templates.apply(AutoTokenizer.from_pretrained(path), chat_template)
+        tokenizer = apply_chat_template(AutoTokenizer.from_pretrained(path), chat_template)
     except OSError as e:
         raise TargetLoadError(f"cannot load target '{name_or_path}': {e}; {TARGET_HINT}") from e
     if not kwargs:  # whole: none, or tp with groups of one
