@@ -19,6 +19,7 @@ from specheads.data.features import CollectOptions, collect_hidden_states
 from specheads.data.prepare import check_prepared_matches, load_prepared
 from specheads.errors import ConfigError, renamed_setting, user_errors
 from specheads.hardware import machine_description, resolve_device
+from specheads.serving.engine import EngineRefusedError
 from specheads.targets import end_process_group, load_target
 from specheads.targets.parallel import leave_unless_first_rank
 from specheads.methods import build_method
@@ -64,19 +65,53 @@ def collect(cfg: DictConfig) -> None:
     rank = int(os.environ.get("RANK", 0))
     output_dir = renamed_setting("collect", "out_dir", "output_dir", cfg.out_dir) or cfg.output_dir
     engine = cfg.get("engine", "hf")
-    if engine not in ("hf", "vllm"):
-        raise ConfigError(f"engine={engine}: use hf (a transformers forward here) or vllm (the engine venv's vLLM)")
+    if engine not in ("hf", "vllm", "auto"):
+        raise ConfigError(f"engine={engine}: use hf (a transformers forward here), vllm (the engine venv's vLLM) or "
+                          "auto (vllm where its venv exists)")
+    auto = engine == "auto"
+    if auto:
+        engine = auto_engine(cfg)
     dataset, meta = load_prepared(cfg.prepared_dir)
     captured = _captured_target(cfg, meta, output_dir, dataset, engine, rank) if cfg.get("captured", True) else None
     if captured is not None:
         target, spec = captured
     else:
-        target, spec = _forward_target(cfg, meta, output_dir, dataset, engine, rank)
+        try:
+            target, spec = _forward_target(cfg, meta, output_dir, dataset, engine, rank)
+        except EngineRefusedError as e:
+            if not auto:
+                raise
+            log.warning("engine=auto: vLLM refused the target (%s); the transformers forward runs the forward passes",
+                        e)
+            engine = "hf"
+            target, spec = _forward_target(cfg, meta, output_dir, dataset, engine, rank)
     try:
         _collect(cfg, target, spec, dataset, meta, output_dir, engine)
     finally:
         if hasattr(target, "close"):
             target.close()
+
+
+def auto_engine(cfg: DictConfig) -> str:
+    """``engine=auto``: vLLM where the engine venv is found and can take the target (a model folder, no
+    ``target.parallel``), else the transformers forward; the choice and its reason are logged."""
+    from specheads.serving.engine import EngineNotFoundError, find_engine
+    from specheads.targets import resolve_target_path
+
+    if cfg.target.get("parallel", "none") != "none":
+        why = f"target.parallel={cfg.target.parallel}"
+    elif not Path(resolve_target_path(cfg.target.name_or_path)).is_dir():
+        why = "the target is not a model folder vLLM reads"
+    else:
+        try:
+            found = find_engine(cfg.vllm.python)
+        except EngineNotFoundError:
+            why = "no vLLM engine here (bash scripts/setup_engine.sh makes one)"
+        else:
+            log.info("engine=auto: vLLM %s (%s) runs the forward passes", found.version, found.python)
+            return "vllm"
+    log.info("engine=auto: the transformers forward runs the forward passes (%s)", why)
+    return "hf"
 
 
 def _forward_target(cfg: DictConfig, meta: dict, output_dir: str, dataset, engine: str, rank: int):

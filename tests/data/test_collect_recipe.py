@@ -125,7 +125,7 @@ def test_a_users_own_target_starts_on_a_cpu_without_device_or_dtype_overrides(ti
 
 
 @pytest.mark.parametrize("override, words", [
-    (["engine=sglang"], ["engine=sglang", "hf", "vllm"]),
+    (["engine=sglang"], ["engine=sglang", "hf", "vllm", "auto"]),
     (["engine=vllm", "vllm.max_model_len=8"], ["vllm.max_model_len=8", "longest prepared row"]),
     (["engine=vllm", "method.aux_layers=[1,2,99]"], ["99", "out of range"]),
     (["engine=vllm", "target.parallel=tp"], ["vllm.tensor_parallel_size"]),
@@ -140,3 +140,15 @@ def test_a_bad_engine_setting_is_one_line_before_any_engine_starts(tiny_setup, t
     err = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
     assert proc.returncode == 2 and err.startswith("specheads collect: error:"), proc.stderr[-2000:]
     assert all(w in err for w in words), err
+
+
+def test_engine_auto_takes_the_transformers_forward_where_no_engine_is_found(tiny_setup, tmp_path):
+    model_dir, prepared = tiny_setup
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "SPECHEADS_ENGINE_VENV": "/nonexistent",
+           "PATH": "/usr/bin:/bin"}  # no engine venv, no vllm on PATH
+    proc = subprocess.run([sys.executable, "-m", "specheads.cli", "collect",
+                           *overrides(model_dir, prepared, tmp_path / "out"), "engine=auto"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "engine=auto: the transformers forward runs the forward passes (no vLLM engine here" in proc.stdout + proc.stderr
+    assert verify_store(tmp_path / "out")["source"]["engine"] == "hf"
