@@ -77,11 +77,12 @@ def _compared(data: dict) -> set[str]:
 
 def latest_main_job(data: dict) -> dict:
     """The newest fresh-clone run of the main job (EAGLE-3, its own store: not one head of a head-to-head, no stage
-    override) with a recorded commit and per-method figures."""
+    override, collected by the transformers forward: set up as the README gives it, without the engine's venv)
+    with a recorded commit and per-method figures."""
     compared = _compared(data)
     return next(r for r in data["runs"] if r["kind"] == "main_job" and r.get("fresh_clone") and r.get("commit")
                 and r.get("methods") and r.get("head", "eagle3") == "eagle3" and r.get("store") not in compared
-                and not r.get("settings"))  # `specheads run` as the README gives it: no stage override added
+                and not r.get("settings") and r.get("collect_engine", "hf") == "hf")
 
 
 def _family(method: str) -> str:

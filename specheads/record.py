@@ -144,6 +144,8 @@ def main_job_entry(summary: dict) -> dict:
                                if train.get(k) is not None}}
     if collect.get("store_id"):
         out["store"] = collect["store_id"]
+    if collect.get("engine"):  # who ran collection's forwards: hf, vllm, or captured (read from regeneration's capture)
+        out["collect_engine"] = collect["engine"]
     if summary.get("settings"):
         out["settings"] = summary["settings"]
     ev = summary.get("evaluate") or {}

@@ -55,7 +55,7 @@ def summarize(run_dir: str | Path, head: str, offline: bool, settings: dict | No
             budget = {**budget, "cut": {k: v for k, v in budget["cut"].items() if k != "kept_rows"}}
         out["collect"] = {"samples": manifest.get("num_samples"), "tokens": manifest.get("num_tokens"),
                           "target_dtype": source.get("target_dtype"), "budget": budget,
-                          "prepared_samples": source.get("num_samples")}
+                          "prepared_samples": source.get("num_samples"), "engine": source.get("engine")}
         # the store's identity: heads trained on one store (one run_dir, several heads) compare head to head
         out["collect"]["store_id"] = hashlib.sha256((run / "features" / "manifest.json").read_bytes()).hexdigest()[:12]
         if seconds.get("collect") and manifest.get("num_tokens"):

@@ -207,6 +207,15 @@ def test_the_readme_results_take_a_heads_default_settings_only(tmp_path):
     engine = {**SUMMARY, "date": "2099-01-03", "settings": {"collect": ["engine=vllm"]}}  # eagle3, another stage's
     record(_write(tmp_path, "run_summary.json", engine), results, CHECKOUT, date="2099-01-03", fresh_clone=True)
     assert rt.latest_main_job(rt.load(results))["date"] != "2099-01-03"  # the README's main job has no override
+    # engine=auto took vLLM (its venv was set up): not the README's two commands either
+    auto = {**SUMMARY, "date": "2099-01-04",
+            "collect": {**SUMMARY["collect"], "engine": "vllm", "store_id": "abcdef012345"}}
+    entry = record(_write(tmp_path, "run_summary.json", auto), results, CHECKOUT, date="2099-01-04", fresh_clone=True)
+    assert entry["collect_engine"] == "vllm" and rt.latest_main_job(rt.load(results))["date"] != "2099-01-04"
+    plain = {**SUMMARY, "date": "2099-01-05",
+             "collect": {**SUMMARY["collect"], "engine": "hf", "store_id": "fedcba987654"}}
+    record(_write(tmp_path, "run_summary.json", plain), results, CHECKOUT, date="2099-01-05", fresh_clone=True)
+    assert rt.latest_main_job(rt.load(results))["date"] == "2099-01-05"
 
 
 BACKENDS = {"kind": "collect_backends", "target": "smollm2", "dtype": "bfloat16", "samples": 200, "max_length": 512,
