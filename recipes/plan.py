@@ -47,7 +47,8 @@ def run(cfg: DictConfig):
                      epochs=float(cfg.plan.epochs), batch_tokens=int(cfg.collect.batch_tokens), device=device,
                      processes=int(cfg.plan.processes), device_gib=float(cfg.plan.device_gib),
                      probe_tokens=int(cfg.plan.probe_tokens), disk_dir=cfg.plan.disk_dir,
-                     train_tokens=int(cfg.plan.train_tokens))
+                     train_tokens=int(cfg.plan.train_tokens), engine=cfg.plan.get("engine"),
+                     engine_python=cfg.plan.get("engine_python"))
     print(format_plan(plan))
     if cfg.plan.json:
         Path(cfg.plan.json).write_text(json.dumps(plan.to_dict(), indent=1))

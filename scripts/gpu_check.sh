@@ -12,6 +12,8 @@
 #    tokens, same α), and the freed target layers' GPU memory; prints the figures table, writes $OUT/gpu_check.{json,md} when OUT is set.
 # 2. the repo's GPU tests: pytest -m gpu over tests/kernels, tests/decoding/test_gpu.py, tests/methods/test_ttt.py and test_dflash.py (skipped
 #    without CUDA, so the smoke run only proves they are collected and reachable).
+# 3. scripts/engine_collect_check.py: collection's states captured in vLLM against the transformers forward on the
+#    device (the CPU in the smoke run), and both backends' tokens/s; where no python with vLLM is found, not run.
 #
 # Exit status: 0 everything ran and matched; 1 a mismatch, a failing GPU test or a crash; 3 nothing
 # failed but something could not run (a missing package, no CUDA without --cpu-smoke).
@@ -62,9 +64,23 @@ else
   trc=3
 fi
 
+echo
+echo "== collection through vLLM against the transformers forward (scripts/engine_collect_check.py)"
+# runs where a python with vLLM is found (this one, or the engine venv scripts/setup_engine.sh makes); a machine
+# without vLLM says so and the rest of the check stands
+timeout "${ENGINE_CHECK_TIMEOUT:-300}" "$PY" scripts/engine_collect_check.py $( ((SMOKE)) && echo --device cpu ) \
+  2>&1 | tee "$OUT_DIR/engine_collect_check.log"
+erc=${PIPESTATUS[0]}
+case $erc in
+  0) ;;
+  3) echo "engine collection check: no vLLM on this machine, not run"; erc=0 ;;
+  124) echo "engine collection check: TIMED OUT"; erc=1 ;;
+  *) erc=1 ;;
+esac
+
 status=0
-if (( rc == 1 || trc == 1 )); then status=1
+if (( rc == 1 || trc == 1 || erc == 1 )); then status=1
 elif (( rc != 0 || trc != 0 )); then status=3; fi
 echo
-echo "gpu_check.sh: checks exit $rc, GPU tests exit $trc -> $( ((status == 0)) && echo "ALL MATCH" || ( ((status == 1)) && echo "FAILED" || echo "INCOMPLETE" ))"
+echo "gpu_check.sh: checks exit $rc, GPU tests exit $trc, engine collection exit $erc -> $( ((status == 0)) && echo "ALL MATCH" || ( ((status == 1)) && echo "FAILED" || echo "INCOMPLETE" ))"
 exit $status

@@ -106,6 +106,7 @@ class Plan:
     train_offline_s: float
     train_online_s: float
     lm_head: LMHeadCost | None = None
+    engine: dict | None = None  # collection by vLLM (plan.engine=vllm): its measured rate, start-up and time
     advice: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -306,10 +307,12 @@ def stage_dtype(requested: str, target, device: str):
 def make_plan(*, target_name: str, config, method_name: str, method_settings: dict, dtype: str, store_dtype: str,
               num_samples: int, tokens_per_sample: float, epochs: float, batch_tokens: int, device: str,
               processes: int = 1, device_gib: float = 80.0, probe_tokens: int = 256, disk_dir: str | Path | None = None,
-              train_tokens: int = 4096) -> Plan:
+              train_tokens: int = 4096, engine: str | None = None, engine_python: str | None = None) -> Plan:
     if num_samples <= 0 or tokens_per_sample <= 0 or epochs <= 0 or processes <= 0:
         raise ConfigError(f"plan needs positive sizes: num_samples={num_samples}, tokens_per_sample="
                           f"{tokens_per_sample}, epochs={epochs}, processes={processes}")
+    if engine not in (None, "hf", "vllm"):
+        raise ConfigError(f"plan.engine={engine}: use vllm (time vLLM's collection too) or leave it null")
     store_dtype = canonical_dtype(store_dtype)
     target = meta_target(config, target_name)
     size = target_size(target)
@@ -350,6 +353,12 @@ def make_plan(*, target_name: str, config, method_name: str, method_settings: di
                 probe_flops=rate / processes, probe_device=str(device), processes=processes, device_gib=device_gib,
                 collect_s=decoder_s + lm_head_s, train_offline_s=head_step / rate + offline_cols * labels_s,
                 train_online_s=head_step / rate + epochs * decoder_s + online_cols * labels_s, lm_head=lm_head)
+    if engine == "vllm" and not spec.online_only:
+        from specheads.data.engine_features import engine_collect_rate
+
+        probe = engine_collect_rate(config, type(target.model).__name__, spec.aux_layers or (), spec.need_last,
+                                    python=engine_python)
+        plan.engine = {**probe, "collect_s": probe["load_s"] + tokens / (probe["tokens_per_s"] * processes)}
     plan.advice = advise(plan)
     return plan
 
@@ -437,6 +446,9 @@ def format_plan(plan: Plan) -> str:
         f"  time with {plan.processes} data-parallel process(es), each at the probe's {_rate(plan.probe_flops)} "
         f"on {plan.probe_device} (matrix products only; attention adds with context length):",
         f"    collect          {_human_time(plan.collect_s)}",
+        *([f"    collect by vLLM  {_human_time(plan.engine['collect_s'])} (vLLM {plan.engine['version']} measured here "
+           f"on random weights of this shape, {plan.engine['dtype']}: {plan.engine['tokens_per_s']:.0f} tokens/s "
+           f"after a {plan.engine['load_s']:.0f} s start; collect engine=vllm)"] if plan.engine else []),
         f"    train offline    {_human_time(plan.train_offline_s)}",
         f"    train online     {_human_time(plan.train_online_s)}",
     ]

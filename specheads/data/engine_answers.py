@@ -99,7 +99,7 @@ class EngineAnswers:
                top_p: float, seed: int, stops: list[int]) -> list[tuple[list[int], bool]]:
         """(generated ids up to, not including, the end-of-turn token; finished) per prompt."""
         max_new = [min(max_new_tokens, self.max_model_len - len(p)) for p in prompts]
-        got = self.process.request({"op": "answer", "prompts": prompts, "salts": salts, "max_tokens": max(max_new),
+        got = self.process.request({"op": "answer", "prompts": prompts, "salts": salts, "max_tokens": max_new,
                                     "temperature": temperature, "top_p": top_p, "seed": seed,
                                     "stop_token_ids": stops}, "answers", "answer")
         out = []

@@ -141,3 +141,39 @@ def engine_target(meta: Target, aux_layers, need_last: bool, dtype: str = "auto"
     target.layout = meta.layout
     target.dtype_choice = Choice(dtype, f"vLLM {engine.version}'s forward")
     return target
+
+
+def engine_collect_rate(config, architecture: str, aux_layers, need_last: bool, dtype: str = "auto",
+                        python: str | None = None, rows: int = 4, row_tokens: int = 512,
+                        kv_cache_gib: int | None = 1) -> dict:
+    """vLLM's collection rate on this machine for a target of ``config``'s shape (``specheads plan``): the engine
+    started on random weights (``load_format=dummy``, no tokenizer, nothing downloaded) with collection's capture,
+    one row to warm up, then ``rows`` rows of ``row_tokens`` random ids captured as collection does;
+    ``architecture``: the model class vLLM builds (``LlamaForCausalLM``) where the config does not name one.
+    Returns ``{"tokens_per_s", "load_s"`` (the engine's start, process included), ``"dtype", "version"}``."""
+    import json
+    import random
+
+    from specheads.serving.engine import EngineProcess, engine_settings, find_engine, worker_cores
+
+    engine = find_engine(python)
+    dtype = engine_dtype(dtype)
+    with tempfile.TemporaryDirectory(prefix="specheads-engine-probe-") as folder:
+        described = config.to_dict()
+        described["architectures"] = described.get("architectures") or [architecture]
+        (Path(folder) / "config.json").write_text(json.dumps(described))
+        run = {"model": folder, "tokenizer": folder, "dtype": dtype, "max_model_len": int(row_tokens) + 8, "seed": 0,
+               "engine_kwargs": {"enforce_eager": True, "load_format": "dummy", "skip_tokenizer_init": True},
+               "capture": {"layers": [int(i) for i in aux_layers], "last": bool(need_last), "argmax": bool(need_last)}}
+        with EngineProcess(engine, run, Path(folder) / "engine.log",
+                           engine_settings(engine, threads_bind=worker_cores(), kv_cache_gib=kv_cache_gib)) as process:
+            vocab = int(config.vocab_size)
+            rng = random.Random(0)
+            ids = [[rng.randrange(vocab) for _ in range(int(row_tokens))] for _ in range(int(rows) + 1)]
+            process.request({"op": "capture", "rows": ids[:1], "path": str(Path(folder) / "w.safetensors")},
+                            "captured", "warm up")
+            got = process.request({"op": "capture", "rows": ids[1:], "path": str(Path(folder) / "p.safetensors")},
+                                  "captured", "time a collection batch")
+            load_s = process.wall_load_s
+    return {"tokens_per_s": int(rows) * int(row_tokens) / got["seconds"], "load_s": load_s, "dtype": dtype,
+            "version": engine.version}

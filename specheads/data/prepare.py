@@ -212,6 +212,9 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
             raise PrepareError(f"data.max_length={cfg.max_length} is longer than regenerate.engine.max_model_len="
                                f"{engine.max_model_len}: the engine could not capture the longest rows; raise it")
         capture_layers(engine, target)
+    if engine is not None and cfg.regenerate.max_prompt_tokens >= engine.max_model_len:
+        raise PrepareError(f"regenerate.max_prompt_tokens={cfg.regenerate.max_prompt_tokens} leaves no room for an "
+                           f"answer within regenerate.engine.max_model_len={engine.max_model_len}: raise it")
     tok = target.tokenizer
     report, part_reports = SkipReport(), {}
     dedup = DedupReport()

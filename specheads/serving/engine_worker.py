@@ -28,7 +28,7 @@ request and position each token is (so rows share steps, and a row split over st
 Each row is a request with ``max_tokens=1``, so its prefill is the row. With ``"prefix_caching": true`` the engine
 also answers and keeps what answering computed (``specheads.data.engine_answers``, ``regenerate=engine``):
 
-    <- {"op": "answer", "prompts": [[ids...]], "salts": ["chat", ...], "max_tokens": 256, "temperature": 0.0,
+    <- {"op": "answer", "prompts": [[ids...]], "salts": ["chat", ...], "max_tokens": 256 | [...], "temperature": 0.0,
         "top_p": 1.0, "seed": 0, "stop_token_ids": [...]}
     -> {"event": "answers", "answers": [{"token_ids": [...], "finish_reason": "stop"}], "seconds": 3.1}
 
@@ -245,10 +245,12 @@ def answer(llm, config: dict, request: dict) -> dict:
 
     t = time.perf_counter()
     temperature, seed = float(request.get("temperature", 0.0)), int(request.get("seed", 0))
-    params = [SamplingParams(temperature=temperature, top_p=float(request.get("top_p", 1.0)),
-                             max_tokens=int(request["max_tokens"]), stop_token_ids=list(request.get("stop_token_ids") or []),
+    caps = request["max_tokens"]  # one for all prompts, or one per prompt
+    caps = caps if isinstance(caps, list) else [caps] * len(request["prompts"])
+    params = [SamplingParams(temperature=temperature, top_p=float(request.get("top_p", 1.0)), max_tokens=int(cap),
+                             stop_token_ids=list(request.get("stop_token_ids") or []),
                              seed=(seed + i) if temperature > 0 else None, detokenize=False)
-              for i in range(len(request["prompts"]))]
+              for i, cap in enumerate(caps)]
     salts = request.get("salts") or [None] * len(request["prompts"])
     outs = llm.generate([_prompt(p, s) for p, s in zip(request["prompts"], salts)], params, use_tqdm=False)
     if config.get("capture"):
