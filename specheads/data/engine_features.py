@@ -121,7 +121,7 @@ def engine_target(meta: Target, aux_layers, need_last: bool, dtype: str = "auto"
     """Start vLLM (the engine venv's python: ``python`` or the one ``find_engine`` finds) on the target ``meta``
     describes, capturing ``aux_layers`` and the last state; refuses, before the engine starts, a layer it lacks."""
     from specheads.hardware import DTYPES, Choice
-    from specheads.serving.engine import EngineProcess, engine_settings, find_engine, worker_cores
+    from specheads.serving.engine import EngineProcess, engine_settings, find_engine, rank_gpus, worker_cores
 
     bad = [i for i in aux_layers if not 0 <= int(i) < meta.num_layers]
     if bad:
@@ -135,8 +135,9 @@ def engine_target(meta: Target, aux_layers, need_last: bool, dtype: str = "auto"
     log_path = Path(log_dir) / f"engine_collect_rank{meta.layout.rank}.log"
     log.info("starting vLLM %s on %s (%s) to capture layers %s%s; log %s", engine.version, meta.path, dtype,
              list(aux_layers), " and the last state" if need_last else "", log_path)
-    process = EngineProcess(engine, run, log_path, engine_settings(
-        engine, threads_bind=worker_cores(tensor_parallel_size), kv_cache_gib=kv_cache_gib))
+    gpus = rank_gpus(tensor_parallel_size)  # before the engine starts: a node short of GPUs is one line
+    process = EngineProcess(engine, run, log_path, {**engine_settings(
+        engine, threads_bind=worker_cores(tensor_parallel_size), kv_cache_gib=kv_cache_gib), **gpus})
     target = EngineTarget(meta.model, meta.tokenizer, meta.name, process, aux_layers, need_last, DTYPES[dtype])
     target.layout = meta.layout
     target.dtype_choice = Choice(dtype, f"vLLM {engine.version}'s forward")

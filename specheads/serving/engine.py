@@ -207,6 +207,30 @@ def worker_cores(tensor_parallel_size: int = 1) -> str | None:
     return ",".join(str(c) for c in mine)
 
 
+def rank_gpus(tensor_parallel_size: int = 1) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` for the engine of one of a launch's local ranks (``LOCAL_RANK`` of
+    ``LOCAL_WORLD_SIZE``): its own ``tensor_parallel_size`` GPUs, in the order the node lists them (the given
+    ``CUDA_VISIBLE_DEVICES``, else 0..n-1), so the ranks' engines do not share a GPU. Empty without a launch or a GPU.
+    A ``ConfigError`` when the node has fewer GPUs than the ranks' engines need."""
+    import torch
+
+    from specheads.errors import ConfigError
+
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if ranks <= 1 or not torch.cuda.is_available():
+        return {}
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = ([g.strip() for g in listed.split(",") if g.strip()] if listed
+            else [str(i) for i in range(torch.cuda.device_count())])
+    need = ranks * int(tensor_parallel_size)
+    if len(gpus) < need:
+        raise ConfigError(f"{ranks} ranks on this node, each an engine over vllm.tensor_parallel_size="
+                          f"{tensor_parallel_size} GPUs, need {need} GPUs; the node has {len(gpus)}: launch fewer ranks")
+    mine = gpus[rank * int(tensor_parallel_size):(rank + 1) * int(tensor_parallel_size)]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
+
+
 class EngineProcess:
     """vLLM's offline ``LLM`` in a child process (``engine_worker.py`` run by the engine's python): its log goes
     to ``log_path``; ``generate`` decodes one prompt greedily and returns the worker's answer."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from specheads.serving.engine import worker_cores
@@ -24,3 +25,21 @@ def test_the_engine_takes_every_core_and_ranks_share_them(monkeypatch):
     assert worker_cores(tensor_parallel_size=2) is None  # vLLM binds each of its ranks itself
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert worker_cores() is None  # on a GPU: vLLM's own choice
+
+
+def test_each_ranks_engine_gets_its_own_gpus(monkeypatch):
+    from specheads.errors import ConfigError
+    from specheads.serving.engine import rank_gpus
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert rank_gpus(2) == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,6,5,4")  # the node's own listing is kept
+    assert rank_gpus(1) == {"CUDA_VISIBLE_DEVICES": "5"}
+    with pytest.raises(ConfigError, match="need 8 GPUs; the node has 4"):
+        rank_gpus(2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert rank_gpus(4) == {}  # one engine: vLLM takes the GPUs it is given
