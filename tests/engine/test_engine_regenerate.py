@@ -51,3 +51,19 @@ def test_regenerated_with_vllm_and_captured_in_the_same_pass(tmp_path):
         assert bool(((got - ref).abs() <= step + 1e-4 * scale).all()), key
     agree = (x["target_argmax"] == y["target_argmax"]).float().mean()
     assert float(agree) > 0.99, float(agree)
+
+
+def test_sampled_answers_are_the_engines_and_a_seed_gives_them_again(tmp_path):
+    def answers(name: str) -> dict[str, list[int]]:
+        specheads("prepare", "data.num_samples=6", "data.max_length=256", "regenerate=engine",
+                  "regenerate.max_new_tokens=24", "regenerate.temperature=1.0", "regenerate.seed=3",
+                  "regenerate.engine.capture=false", f"output_dir={tmp_path / name}", cwd=tmp_path)
+        journal = (tmp_path / f"{name}.regen.jsonl").read_text().splitlines()
+        return {r["id"]: [t for m in r["messages"] if m["role"] == "assistant" for t in m["token_ids"]]
+                for r in map(json.loads, journal)}
+
+    first, again = answers("a"), answers("b")
+    assert first == again and sum(map(len, first.values())) > 0  # per-chat seeds: the same tokens on a new engine
+    assert not (tmp_path / "a.capture").exists()  # capture off: answers only
+    meta = json.loads((tmp_path / "a" / "specheads_meta.json").read_text())
+    assert meta["captured"] is None and meta["regenerate"]["temperature"] == 1.0
