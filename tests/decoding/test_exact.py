@@ -130,12 +130,15 @@ def test_exact_forwards_are_bitwise_sequential_at_real_widths(dtype):
 def test_the_row_floor_pads_small_calls_splits_large_ones_and_keeps_every_row():
     torch.manual_seed(0)
     lin = torch.nn.Linear(8, 5, dtype=torch.float64)
+    with torch.no_grad():  # small integers everywhere: every product and sum exact in float64, in any order
+        lin.weight.copy_(torch.randint(-3, 4, (5, 8)).double())
+        lin.bias.copy_(torch.randint(-3, 4, (5,)).double())
     seen = []
     inner = lin.forward
     lin.forward = lambda x: (seen.append(x.shape[0]), inner(x))[1]
     model = torch.nn.Sequential(lin)
     apply_row_floor(model, floor=4, chunk=6)
-    x = torch.randint(-3, 4, (2, 7, 8)).double()  # small integers: every product and sum exact in float64
+    x = torch.randint(-3, 4, (2, 7, 8)).double()
     want = x @ lin.weight.T + lin.bias
     assert torch.equal(lin(x[:1, :1]), want[:1, :1]) and seen == [4]  # one row, padded to the floor
     seen.clear()
