@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from specheads.errors import UserError
+from specheads.hardware import DTYPES, Choice
 from specheads.targets import Target, TargetFeatures
 
 log = logging.getLogger(__name__)
@@ -162,9 +163,7 @@ class CapturedTarget(Target):
         self._fallback: Target | None = None
         self.rows_from_cache = self.rows_computed = 0
         dtype = str(cache.meta.get("dtype", "float32"))
-        self._dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype, torch.float32)
-        from specheads.hardware import Choice
-
+        self._dtype = DTYPES[dtype]
         self.dtype_choice = Choice(dtype, f"captured by vLLM {cache.meta.get('version')} while answering")
 
     @property
