@@ -65,6 +65,7 @@ class LoopSchema:
     eval_every: int = 200
     save_every: int = 200
     keep_checkpoints: int = 2
+    async_checkpoint: str = "auto"
     resume: str = "auto"
     progress: bool = True
     measure_prompts: int = 4

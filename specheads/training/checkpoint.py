@@ -1,11 +1,23 @@
-"""Training checkpoints: atomic on disk, checked on load.
+"""Training checkpoints: atomic on disk, checked on load, written in the background where that is safe.
 
-A checkpoint is a folder ``<root>/step_0000120/`` written by ``accelerator.save_state`` (model,
+A checkpoint is a folder ``<root>/step_0000120/`` holding what ``accelerator.save_state`` writes (model,
 optimizer, registered scheduler, each process's RNG state; ZeRO shards under DeepSpeed) plus
 ``trainer_state.json`` (step, data position, counters) and ``manifest.json`` (size and SHA-256 of
-every file). It is written under a temporary name and renamed only when complete, so a run killed
-mid-save leaves the previous checkpoint as the latest one; a file changed afterwards fails the
-manifest check with an error naming it. The root must be on a file system all processes share.
+every file). It is written under a temporary name, flushed to disk (fsync) and renamed only when
+complete, so a run killed mid-save leaves the previous checkpoint as the latest one; a file changed
+afterwards fails the manifest check with an error naming it. The root must be on a file system all
+processes share.
+
+``Checkpointer`` is the engine's writer. Synchronous, ``save`` returns once the checkpoint is on disk.
+Asynchronous (``train.async_checkpoint``), training waits only while the model's and optimizer's
+tensors are copied to CPU memory (pinned buffers, reused from save to save, on a GPU) and the small
+files (RNG states, scheduler, scaler) are written by every rank; a background thread on the main
+process then serialises the copies under accelerate's file names, fsyncs, hashes, renames and prunes.
+The next save, the end of training and an exception wait for a write in flight; a failed write raises
+at the next step. Only the main process writes model and optimizer under DDP or one process, so once
+every rank's small files are written (a barrier) the main process alone finishes the checkpoint.
+DeepSpeed's and FSDP's saves are collective (every rank gathers or writes its shards), so those runs
+stay synchronous, and say so once.
 """
 
 from __future__ import annotations
@@ -16,8 +28,15 @@ import logging
 import os
 import re
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from specheads.errors import ConfigError
+from specheads.training.config import ASYNC_CHECKPOINT
 
 log = logging.getLogger(__name__)
 
@@ -25,10 +44,14 @@ FORMAT = "specheads.checkpoint/1"
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# accelerate's save_state on these launchers is collective: every rank gathers or writes its part.
+_COLLECTIVE = {"DEEPSPEED": "DeepSpeed's save is collective (every rank writes its ZeRO shards)",
+               "FSDP": "FSDP's save is collective (every rank gathers or writes its shards)",
+               "MEGATRON_LM": "Megatron-LM's save is collective", "XLA": "an XLA save syncs the device graph"}
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt."""
+    """A checkpoint is missing, incomplete or corrupt, or its background write failed."""
 
 
 def checkpoint_path(root: str | Path, step: int) -> Path:
@@ -67,7 +90,17 @@ def write_manifest(folder: Path) -> None:
                for p in _files(folder)}
     tmp = folder / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps({"format": FORMAT, "files": entries}, indent=1))
+    _fsync(tmp)
     os.replace(tmp, folder / MANIFEST)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a folder's entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def verify_checkpoint(folder: str | Path) -> None:
@@ -93,30 +126,45 @@ def verify_checkpoint(folder: str | Path) -> None:
 
 
 def save_checkpoint(accelerator, root: str | Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
-    """Save everything needed to resume at optimizer step ``step``; all processes must call this.
+    """Save everything needed to resume at optimizer step ``step`` and return once it is on disk; all
+    processes must call this.
 
     ``state`` holds the engine's counters (JSON-serialisable). Keeps the newest ``keep`` checkpoints
     (``keep <= 0`` keeps all).
     """
-    root = Path(root)
+    tmp, final = _begin(accelerator, root, step)
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _publish(tmp, final, step, state, keep)
+        log.info("saved checkpoint %s", final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _begin(accelerator, root: str | Path, step: int) -> tuple[Path, Path]:
+    """(empty temporary folder, final folder) of the checkpoint of ``step``, made by the main process."""
     final = checkpoint_path(root, step)
-    tmp = root / f".tmp_{final.name}"
+    tmp = final.parent / f".tmp_{final.name}"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / STATE).write_text(json.dumps({"format": FORMAT, "step": step, **state}, indent=1))
-        write_manifest(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _prune(root, keep)
-        log.info("saved checkpoint %s", final)
-    accelerator.wait_for_everyone()
-    return final
+    return tmp, final
+
+
+def _publish(tmp: Path, final: Path, step: int, state: dict[str, Any], keep: int) -> None:
+    """Main process, once every file is in ``tmp``: trainer state, fsync, manifest, rename, prune."""
+    (tmp / STATE).write_text(json.dumps({"format": FORMAT, "step": step, **state}, indent=1))
+    files = _files(tmp)
+    for f in files + sorted({f.parent for f in files}):
+        _fsync(f)
+    write_manifest(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync(final.parent)  # the rename itself
+    _prune(final.parent, keep)
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -143,3 +191,206 @@ def load_checkpoint(accelerator, folder: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{folder / STATE} has format {state.get('format')!r}, expected {FORMAT!r}")
     accelerator.load_state(str(folder))
     return state
+
+
+# --------------------------------------------------------------------------- written in the background
+
+
+def async_blocker(accelerator) -> str | None:
+    """Why this run's checkpoints must be written synchronously (a launcher whose save is collective, a
+    save-state hook, one copy per node), or None when a background write is safe."""
+    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    if kind in _COLLECTIVE:
+        return _COLLECTIVE[kind]
+    if accelerator._save_model_state_pre_hook:
+        return "a save_state pre-hook is registered (it may change what is written)"
+    if accelerator.project_configuration.save_on_each_node:
+        return "save_on_each_node: every node's main process writes its own copy"
+    return None
+
+
+class Checkpointer:
+    """The engine's checkpoint writer (see the module's docstring); every process makes one and calls
+    ``save`` at the same steps.
+
+    mode: ``auto`` writes in the background where ``async_blocker`` finds nothing against it (and a save
+    whose CPU copy would take more than half of the available memory is written in the training thread);
+    ``always`` insists (a ``ConfigError`` where it is not safe); ``never`` writes synchronously.
+    """
+
+    def __init__(self, accelerator, root: str | Path, keep: int = 2, mode: str = "auto"):
+        if mode not in ASYNC_CHECKPOINT:
+            raise ConfigError(f"train.async_checkpoint={mode}: use one of {', '.join(ASYNC_CHECKPOINT)}")
+        blocker = async_blocker(accelerator)
+        if mode == "always" and blocker:
+            raise ConfigError(f"train.async_checkpoint=always: {blocker}, so checkpoints must be written "
+                              "synchronously; use auto or never")
+        self.acc, self.root, self.keep, self.mode = accelerator, Path(root), keep, mode
+        self.asynchronous = mode != "never" and blocker is None
+        if blocker and mode == "auto" and accelerator.is_main_process:
+            log.info("checkpoints are written synchronously (training waits for each): %s", blocker)
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._writing: Path | None = None
+        self._pinned: dict[str, torch.Tensor] = {}  # reused host buffers of a GPU's tensors
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Checkpoint optimizer step ``step`` (``state``: the engine's counters, JSON-serialisable); returns
+        the final folder, which exists once ``wait`` returns."""
+        self.wait()
+        if not self.asynchronous:
+            return save_checkpoint(self.acc, self.root, step, state, self.keep)
+        acc = self.acc
+        tmp, final = _begin(acc, self.root, step)
+        start = time.perf_counter()
+        copies, ready, copied = self._snapshot() if acc.is_main_process else ([], None, True)
+        _save_small_files(acc, tmp)
+        acc.wait_for_everyone()  # every rank's part is in tmp: the main process finishes alone
+        if acc.is_main_process:
+            job = (tmp, final, step, dict(state), self.keep, copies, ready)
+            if not copied:
+                _write(*job)
+                log.info("saved checkpoint %s (in the training thread: no memory for a copy)", final)
+                return final
+            self._writing = final
+            self._thread = threading.Thread(target=self._run, args=job, name=f"checkpoint-{step}")
+            self._thread.start()
+            log.info("checkpoint %s: state copied in %.2f s; writing in the background", final.name,
+                     time.perf_counter() - start)
+        return final
+
+    def check(self) -> None:
+        """Raise ``CheckpointError`` if a background write failed (cheap; the engine calls it every step)."""
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise CheckpointError(f"writing checkpoint {self._writing} failed in the background: "
+                                  f"{type(failure).__name__}: {failure}") from failure
+
+    def wait(self) -> None:
+        """Block until a write in flight is on disk; raise ``CheckpointError`` if it failed."""
+        if self._thread is not None:
+            if self._thread.is_alive():
+                log.info("waiting for checkpoint %s to finish writing", self._writing.name)
+            self._thread.join()
+            self._thread = None
+        self.check()
+
+    def close(self) -> None:
+        """``wait`` for use while another error propagates: a failed write is logged, not raised."""
+        try:
+            self.wait()
+        except CheckpointError as e:
+            log.error("%s", e)
+
+    def _run(self, *job) -> None:
+        start = time.perf_counter()
+        try:
+            _write(*job)
+        except BaseException as e:  # re-raised in the training thread by check()/wait()
+            shutil.rmtree(job[0], ignore_errors=True)
+            self._failure = e
+            return
+        log.info("saved checkpoint %s (written in %.1f s in the background)", job[1], time.perf_counter() - start)
+
+    def _snapshot(self):
+        """(files, ready, copied): ``[(file name, CPU copy, safetensors?)]`` of the model weights and optimizer
+        states as ``save_state`` writes them, copied out of the live tensors; the CUDA event the copies wait
+        on, or None; False when no copy was made (too little memory: the files hold the live state)."""
+        acc, files = self.acc, []
+        for i, model in enumerate(acc._models):  # accelerate keeps what save_state writes in these lists
+            files.append((_indexed("model.safetensors", i), _without_aliases(acc.get_state_dict(model, unwrap=False)),
+                          True))
+        for i, opt in enumerate(acc._optimizers):
+            files.append((_indexed("optimizer.bin", i), opt.state_dict(), False))
+        need = sum(_nbytes(obj) for _, obj, _ in files) - sum(_nbytes(b) for b in self._pinned.values())
+        if self.mode == "auto" and not _fits(need):
+            log.info("a checkpoint copy of %.1f GiB would take over half of the available memory: writing it in "
+                     "the training thread", need / 2**30)
+            return files, None, False
+        copies = [(name, _copy(obj, self._pinned, name), safe) for name, obj, safe in files]
+        ready = None
+        if self._pinned:
+            ready = torch.cuda.Event()
+            ready.record()  # the writer waits for the device-to-host copies, training does not
+        return copies, ready, True
+
+
+def _save_small_files(acc, folder: Path) -> None:
+    """Every rank: what ``save_state`` writes besides model and optimizer (schedulers, samplers, scaler, this
+    rank's RNG state, registered objects), through accelerate's own functions, in the training thread."""
+    from accelerate.checkpointing import save_accelerator_state, save_custom_state
+
+    save_accelerator_state(str(folder), [], [], acc._schedulers, acc._dataloaders, acc.state.process_index,
+                           acc.step, acc.scaler)
+    for i, obj in enumerate(acc._custom_objects):
+        save_custom_state(obj, str(folder), i)
+
+
+def _write(tmp: Path, final: Path, step: int, state: dict, keep: int, copies, ready) -> None:
+    if ready is not None:
+        ready.synchronize()
+    for name, obj, safe in copies:
+        _write_file(tmp / name, obj, safe)
+    _publish(tmp, final, step, state, keep)
+
+
+def _write_file(path: Path, obj, safetensors: bool) -> None:
+    """One file as ``save_state`` writes it (safetensors for weights, ``torch.save`` otherwise)."""
+    from accelerate.utils import save
+
+    save(obj, path, safe_serialization=safetensors)
+
+
+def _indexed(name: str, i: int) -> str:
+    """accelerate's name of the i-th model's or optimizer's file (``model_1.safetensors``)."""
+    return name if i == 0 else name.replace(".", f"_{i}.", 1)
+
+
+def _without_aliases(state: dict) -> dict:
+    """A state dict with each shared storage once (as ``save`` writes safetensors), tensors contiguous."""
+    from accelerate.utils.other import clean_state_dict_for_safetensors
+
+    return clean_state_dict_for_safetensors(state)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _nbytes(obj) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(obj))
+
+
+def _copy(obj, pinned: dict[str, torch.Tensor], key: str):
+    """``obj`` (nested dicts, lists, tuples) with every tensor copied to CPU memory: into a reused pinned buffer
+    (asynchronously) for a GPU's tensor, a fresh clone for a CPU one; other values kept (immutable ones)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if not t.is_cuda:
+            return t.clone(memory_format=torch.contiguous_format)
+        buf = pinned.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return buf.copy_(t, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: _copy(v, pinned, f"{key}/{k}") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copy(v, pinned, f"{key}/{i}") for i, v in enumerate(obj))
+    return obj
+
+
+def _fits(nbytes: int) -> bool:
+    """Whether ``nbytes`` is at most half of the memory the kernel reports available (True where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return True
+    return nbytes <= kib * 1024 // 2

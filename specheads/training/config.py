@@ -45,6 +45,7 @@ class TrainConfig:
     eval_every: int = 0  # 0: only after the last step
     save_every: int = 100  # 0: only after the last step
     keep_checkpoints: int = 2
+    async_checkpoint: str = "auto"  # auto | always | never: write checkpoints in a background thread (checkpoint.py)
     resume: str = "auto"  # auto (latest checkpoint if any) | never | a checkpoint folder
     wandb_mode: str = "offline"  # offline | online | disabled; WANDB_MODE in the environment wins
     wandb_project: str = "specheads"
@@ -77,6 +78,7 @@ class TrainConfig:
 SCHEDULES = ("cosine", "constant")
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 WANDB_MODES = ("offline", "online", "disabled")
+ASYNC_CHECKPOINT = ("auto", "always", "never")
 _RULES = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, ">= 2": lambda v: v >= 2,
           "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 1)": lambda v: 0 <= v < 1}
 
@@ -129,6 +131,7 @@ def check_settings(train: TrainConfig, optim: OptimConfig, method: Mapping[str, 
         check_value("train.measure_fans", width, ">= 1")
     check_choice("train.mixed_precision", train.mixed_precision, MIXED_PRECISION)
     check_choice("wandb.mode", train.wandb_mode, WANDB_MODES)
+    check_choice("train.async_checkpoint", train.async_checkpoint, ASYNC_CHECKPOINT)
     if train.resume not in ("auto", "never") and not Path(train.resume).is_dir():
         raise InputNotFoundError(f"train.resume={train.resume}: no such checkpoint folder; use auto (the latest "
                                  f"under output_dir/checkpoints), never, or a step_* folder there")

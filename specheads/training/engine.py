@@ -6,7 +6,8 @@ or ``accelerate launch`` on several processes, GPUs or nodes (DDP, DeepSpeed ZeR
 a launcher config in ``conf/launcher/``). The module handed to Accelerate is a ``TrainingModule``:
 its ``forward`` runs the method's whole loss, so the wrapper's gradient sync and parameter
 gathering apply to all of it. The loop does gradient accumulation, clipping, the LR schedule,
-mixed precision, atomic resumable checkpoints (``checkpoint.py``), logs (``run_log.py``), a stop on
+mixed precision, atomic resumable checkpoints (``checkpoint.py``; written in the background where that is
+safe, ``train.async_checkpoint``), logs (``run_log.py``), a stop on
 a non-finite loss, periodic held-out evaluation (``heldout.py``) and a time budget.
 
 Optional ``Method`` hooks the loop uses when present:
@@ -31,7 +32,7 @@ from specheads.methods.base import Method, TrainingModule
 from specheads.targets import Target
 from specheads.training.accelerator import peak_rss_mb, resume_path, rss_anon_mb, trim_heap, gathered, make_accelerator, make_optimizer
 from specheads.training.batches import BatchSource, micro_batches, prepare_batch
-from specheads.training.checkpoint import load_checkpoint, remove_partial, save_checkpoint
+from specheads.training.checkpoint import Checkpointer, load_checkpoint, remove_partial
 from specheads.training.config import NonFiniteLossError, OptimConfig, TrainConfig
 from specheads.training.heldout import evaluate
 from specheads.training.run_log import SUMMARY_FILE, RunLogger, read_losses
@@ -88,18 +89,20 @@ def train(method: Method, target: Target, train_data: BatchSource, cfg: TrainCon
         st = _State(saved["step"], saved["epoch"], saved["pos"], saved["tokens"], saved["train_s"])
         log.info("resumed from %s at step %d", resumed, st.step)
     logger = RunLogger(cfg, out, acc, method.name, st.step)
+    saver = Checkpointer(acc, ckpt_root, cfg.keep_checkpoints, cfg.async_checkpoint)
     try:
-        last_eval = _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, scheduler, st, logger, ckpt_root)
+        last_eval = _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, scheduler, st, logger, saver)
         logger.end_progress()
-        summary = _finish(method, model, target, eval_data, cfg, acc, st, last_eval, resumed, out)
+        summary = _finish(method, model, target, eval_data, cfg, acc, st, last_eval, resumed, out, saver)
     except BaseException:
+        saver.close()  # a checkpoint being written is finished (its state was complete), then the error goes on
         logger.close()
         raise
     logger.close(summary)
     return summary
 
 
-def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, scheduler, st, logger, ckpt_root):
+def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, scheduler, st, logger, saver):
     stream = micro_batches(train_data, st.epoch, st.pos, acc.num_processes, acc.process_index)
     params = [p for p in model.parameters() if p.requires_grad]
     last_eval: dict[str, float] | None = None
@@ -108,13 +111,14 @@ def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, sch
         if cfg.max_minutes is not None and st.train_s >= 60 * cfg.max_minutes:
             log.info("time budget of %.1f min reached at step %d of %d; stopping there", cfg.max_minutes,
                      st.step, cfg.max_steps)
-            save_checkpoint(acc, ckpt_root, st.step, _ckpt_state(st), cfg.keep_checkpoints)
+            saver.save(st.step, _ckpt_state(st))
             break
         if hasattr(method, "on_step_start"):
             method.on_step_start(st.step)
         t0 = time.perf_counter()
         loss, metrics, tokens = _optimizer_step(method, model, target, stream, cfg, acc, optimizer, params, st)
         st.step += 1
+        saver.check()  # a checkpoint that failed in the background stops the run here
         if cfg.malloc_trim_every and st.step % cfg.malloc_trim_every == 0 and acc.device.type == "cpu":
             trim_heap()
         st.tokens += tokens
@@ -135,7 +139,7 @@ def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, sch
             last_eval = evaluate(method, model, target, eval_data, acc, _measure_opts(cfg))
             logger.log(st.step, {f"eval/{k}": v for k, v in last_eval.items()})
         if (cfg.save_every and st.step % cfg.save_every == 0) or st.step == cfg.max_steps:
-            save_checkpoint(acc, ckpt_root, st.step, _ckpt_state(st), cfg.keep_checkpoints)
+            saver.save(st.step, _ckpt_state(st))
     return last_eval
 
 
@@ -190,7 +194,7 @@ def _optimizer_step(method, model, target, stream, cfg, acc, optimizer, params, 
     return sum(losses) / len(losses), metrics, tokens
 
 
-def _finish(method, model, target, eval_data, cfg, acc, st, last_eval, resumed, out: Path) -> dict[str, Any]:
+def _finish(method, model, target, eval_data, cfg, acc, st, last_eval, resumed, out: Path, saver) -> dict[str, Any]:
     if eval_data is not None:
         if acc.is_main_process:  # minutes with no bar: say what runs
             log.info("training stopped at step %d; held-out evaluation%s", st.step,
@@ -218,6 +222,7 @@ def _finish(method, model, target, eval_data, cfg, acc, st, last_eval, resumed, 
         "tau_estimate": ev.get("tau_estimate"), "tau_basis": ev.get("_tau_basis"),
         "head_dir": str(head_dir), "resumed_from": str(resumed) if resumed else None,
     }
+    saver.wait()  # the last checkpoint, written while the held-out evaluation and the head's save ran
     if acc.is_main_process:
         tmp = out / (SUMMARY_FILE + ".tmp")
         tmp.write_text(json.dumps(summary, indent=1))
