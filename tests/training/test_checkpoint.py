@@ -1,9 +1,22 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
+import specheads.training.checkpoint as ckpt
+from specheads.errors import ConfigError
 from specheads.training.config import TrainConfig
-from specheads.training.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint,
-                                           remove_partial, save_checkpoint, verify_checkpoint)
+from specheads.training.checkpoint import (CheckpointError, Checkpointer, async_blocker, latest_checkpoint,
+                                           list_checkpoints, load_checkpoint, remove_partial, save_checkpoint,
+                                           verify_checkpoint)
 
 
 def _setup(seed=0):
@@ -76,3 +89,203 @@ def test_a_second_training_in_the_same_process_may_take_another_mixed_precision(
     assert acc.mixed_precision == "bf16"
     acc = make_accelerator(TrainConfig(output_dir="unused", mixed_precision="no"))
     assert acc.mixed_precision == "no"
+
+
+# --------------------------------------------------------------------------- written in the background
+
+
+def _files_equal(a, b, clock=()):
+    """Every file of checkpoint ``a`` holds what the same file of ``b`` holds, tensors bit for bit (JSON keys in
+    ``clock``, wall-clock readings, aside)."""
+    from safetensors.torch import load_file
+
+    names = sorted(p.name for p in a.iterdir() if p.name != "manifest.json")
+    assert names == sorted(p.name for p in b.iterdir() if p.name != "manifest.json")
+    for name in names:
+        if name.endswith(".safetensors"):
+            x, y = load_file(a / name), load_file(b / name)
+        elif name.endswith(".json"):
+            x, y = ({k: v for k, v in json.loads((d / name).read_text()).items() if k not in clock} for d in (a, b))
+        else:
+            x, y = torch.load(a / name, weights_only=False), torch.load(b / name, weights_only=False)
+        _assert_same(x, y, name)
+
+
+def _assert_same(x, y, where):
+    if isinstance(x, torch.Tensor):
+        assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), where
+    elif isinstance(x, dict):
+        assert x.keys() == y.keys(), where
+        for k in x:
+            _assert_same(x[k], y[k], f"{where}/{k}")
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y), where
+        for i, (u, v) in enumerate(zip(x, y)):
+            _assert_same(u, v, f"{where}/{i}")
+    elif isinstance(x, np.ndarray):
+        assert np.array_equal(x, y), where
+    else:
+        assert x == y, where
+
+
+def _blocked_writer(monkeypatch):
+    """Make the background writer stop before its first file until ``release`` is set; ``started`` says it got there."""
+    started, release = threading.Event(), threading.Event()
+    write = ckpt._write_file
+
+    def held(path, obj, safetensors):
+        started.set()
+        assert release.wait(60), "the test never released the writer"
+        write(path, obj, safetensors)
+
+    monkeypatch.setattr(ckpt, "_write_file", held)
+    return started, release
+
+
+def _step(model, opt):
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_training_goes_on_while_the_checkpoint_is_written_and_the_copy_is_of_the_save_point(tmp_path, monkeypatch):
+    acc, model, opt = _setup()
+    saver = Checkpointer(acc, tmp_path, mode="always")
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    want_adam = opt.state_dict()["state"][0]["exp_avg"].clone()
+    started, release = _blocked_writer(monkeypatch)
+    path = saver.save(1, {"pos": 1})
+    assert started.wait(30)  # the writer is inside its first file ...
+    _step(model, opt)  # ... and training goes on: the next optimizer step changes the live tensors
+    assert not path.exists() and latest_checkpoint(tmp_path) is None  # nothing published before the write ends
+    release.set()
+    saver.wait()
+    assert latest_checkpoint(tmp_path) == path
+    live = {k: v.clone() for k, v in model.state_dict().items()}
+    load_checkpoint(acc, path)
+    for k, v in want.items():  # the save point's tensors, not the step's after it
+        assert torch.equal(model.state_dict()[k], v) and not torch.equal(live[k], v)
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], want_adam)
+
+
+def test_a_background_checkpoint_holds_what_a_synchronous_one_holds(tmp_path):
+    acc, model, opt = _setup()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    acc.register_for_checkpointing(sched)
+    _step(model, opt)
+    sched.step()
+    sync = save_checkpoint(acc, tmp_path / "sync", 3, {"pos": 5})
+    saver = Checkpointer(acc, tmp_path / "async", mode="always")
+    assert saver.asynchronous
+    background = saver.save(3, {"pos": 5})
+    saver.wait()
+    verify_checkpoint(background)
+    _files_equal(sync, background)
+    # and it resumes: a fresh model, optimizer and scheduler get the save point's state bit for bit
+    want_w, want_adam = model.weight.detach().clone(), opt.state_dict()["state"][0]["exp_avg_sq"].clone()
+    want_rand, want_lr = torch.rand(5), sched.get_last_lr()
+    _step(model, opt)
+    sched.step()
+    assert load_checkpoint(acc, background)["pos"] == 5
+    assert torch.equal(model.weight, want_w)
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg_sq"], want_adam)
+    assert sched.get_last_lr() == want_lr
+    assert torch.equal(torch.rand(5), want_rand)
+
+
+def test_a_failed_background_write_raises_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    acc, _, _ = _setup()
+    saver = Checkpointer(acc, tmp_path, mode="always")
+    first = saver.save(1, {})
+    saver.wait()
+
+    def full_disk(path, obj, safetensors):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "_write_file", full_disk)
+    saver.save(2, {})
+    with pytest.raises(CheckpointError, match="step_0000002 failed in the background: OSError.*No space left"):
+        saver.wait()
+    saver.check()  # raised once, not again
+    assert latest_checkpoint(tmp_path) == first
+    assert not (tmp_path / ".tmp_step_0000002").exists()
+
+
+def test_the_next_save_waits_for_the_write_in_flight(tmp_path, monkeypatch):
+    acc, model, opt = _setup()
+    saver = Checkpointer(acc, tmp_path, mode="always")
+    started, release = _blocked_writer(monkeypatch)
+    saver.save(1, {})
+    assert started.wait(30)
+    second = threading.Thread(target=saver.save, args=(2, {}))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive()  # blocked on the first write
+    release.set()
+    second.join(30)
+    saver.wait()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000001", "step_0000002"]
+
+
+_KILLED_CHILD = """
+import sys, time, torch
+sys.path.insert(0, {tests!r})
+from test_checkpoint import _setup, _step
+import specheads.training.checkpoint as ckpt
+
+acc, model, opt = _setup()
+saver = ckpt.Checkpointer(acc, {root!r}, mode="always")
+saver.save(1, {{}})
+saver.wait()
+write = ckpt._write_file
+def write_then_hang(path, obj, safetensors):
+    write(path, obj, safetensors)
+    open({marker!r}, "w").close()  # one file written, the rest never will be
+    time.sleep(600)
+ckpt._write_file = write_then_hang
+_step(model, opt)
+saver.save(2, {{}})
+while True:
+    _step(model, opt)  # training goes on until the kill
+"""
+
+
+def test_sigkill_while_the_background_writer_writes_leaves_the_previous_checkpoint(tmp_path):
+    marker, root = tmp_path / "written_one_file", tmp_path / "ckpt"
+    code = _KILLED_CHILD.format(tests=str(Path(__file__).parent), root=str(root), marker=str(marker))
+    child = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not marker.exists():
+        assert child.poll() is None and time.time() < deadline, child.stderr.read().decode()[-3000:]
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    assert child.wait(30) == -signal.SIGKILL
+    partial = root / ".tmp_step_0000002"
+    assert (partial / "model.safetensors").is_file()  # killed mid-write
+    with pytest.raises(CheckpointError, match="incomplete"):
+        verify_checkpoint(partial)
+    assert latest_checkpoint(root).name == "step_0000001"
+    remove_partial(root)
+    assert not partial.exists()
+    acc, _, _ = _setup(seed=1)
+    load_checkpoint(acc, latest_checkpoint(root))  # resumes from the previous one
+
+
+def test_sharded_launchers_keep_synchronous_checkpoints():
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    def fake(kind):
+        return SimpleNamespace(distributed_type=kind, _save_model_state_pre_hook={}, is_main_process=True,
+                               project_configuration=SimpleNamespace(save_on_each_node=False))
+
+    assert async_blocker(fake(DistributedType.MULTI_GPU)) is None
+    for kind in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        assert "collective" in async_blocker(fake(kind))
+        assert not Checkpointer(fake(kind), "unused").asynchronous  # auto: synchronous, said in a log line
+        with pytest.raises(ConfigError, match="train.async_checkpoint=always: .*collective.*use auto or never"):
+            Checkpointer(fake(kind), "unused", mode="always")
+    with pytest.raises(ConfigError, match="train.async_checkpoint=on: use one of auto, always, never"):
+        Checkpointer(fake(DistributedType.NO), "unused", mode="on")

@@ -63,6 +63,37 @@ def test_same_seed_gives_bitwise_equal_losses(tmp_path):
     assert runs[0] == runs[1]
 
 
+def test_background_checkpoints_hold_what_synchronous_ones_hold_and_resume_alike(tmp_path):
+    from test_checkpoint import _files_equal
+
+    for mode in ("always", "never"):
+        for steps in (6, 9):  # 6 steps, then the same run resumed from its step 6 to step 9
+            train_src, _ = sources()
+            train(Medusa1Method(num_heads=2), _tiny(), train_src,
+                  _cfg(tmp_path / mode, max_steps=steps, save_every=2, keep_checkpoints=0, async_checkpoint=mode))
+    ckpts = [p.name for p in (tmp_path / "always" / "checkpoints").iterdir()]
+    assert sorted(ckpts) == ["step_0000002", "step_0000004", "step_0000006", "step_0000008", "step_0000009"]
+    for name in ckpts:
+        _files_equal(tmp_path / "always" / "checkpoints" / name, tmp_path / "never" / "checkpoints" / name,
+                     clock=("train_s",))
+    assert read_losses(tmp_path / "always") == read_losses(tmp_path / "never")
+
+
+def test_a_failed_background_checkpoint_stops_training_with_its_error(tmp_path, monkeypatch):
+    import specheads.training.checkpoint as ckpt
+    from specheads.training.checkpoint import CheckpointError
+
+    def broken(path, obj, safetensors):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(ckpt, "_write_file", broken)
+    train_src, _ = sources()
+    with pytest.raises(CheckpointError, match="step_0000002 failed in the background: OSError"):
+        train(Medusa1Method(num_heads=2), _tiny(), train_src, _cfg(tmp_path, save_every=2, async_checkpoint="always"))
+    assert max(read_losses(tmp_path)) <= 4  # raised at the step after the write failed, or at the next save
+    assert not (tmp_path / "head").exists()
+
+
 class _PoisonAt:
     """Yields the inner batches but puts NaN features in batch ``at`` (0-based)."""
 
