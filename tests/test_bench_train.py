@@ -37,5 +37,5 @@ def test_a_run_trains_in_the_precision_the_clis_rule_picks_and_counts_its_flops(
     assert asked == [("auto", True, True)]  # on a CPU: a probe of the head's layer shapes, as `specheads train`
     assert result["mixed_precision"] == "bf16" and result["device"] == "cpu" and result["share_of_peak"] is None
     assert result["trainable_params"] > 0
-    per_token = bench.flops_per_token(bench._load_target("tiny"), build_method("medusa1"), result["trainable_params"])
+    per_token = bench.flops_per_token(bench.load_bench_target("tiny"), build_method("medusa1"), result["trainable_params"])
     assert result["tflops"] == pytest.approx(per_token * result["tokens_per_s"] / 1e12)

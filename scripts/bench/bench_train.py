@@ -106,7 +106,7 @@ def method_kwargs(method: str, pairs: list[str], prepared: str) -> dict:
     return out
 
 
-def _load_target(name: str, device: str = "auto", dtype: str = "auto"):
+def load_bench_target(name: str, device: str = "auto", dtype: str = "auto"):
     from specheads.hardware import DTYPES, resolve_device
 
     if name == "tiny":
@@ -147,7 +147,7 @@ def run_one(args) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = _load_target(args.target, args.device, args.dtype)
+    target = load_bench_target(args.target, args.device, args.dtype)
     source = _data(args)
     kwargs = method_kwargs(args.one, args.arg, args.prepared)
     cuda = target.device.type == "cuda"

@@ -91,13 +91,20 @@ def pack_trees(trees: list[DraftTree], n: int | None = None) -> tuple[torch.Tens
 
 def to_verdicts(accept_len: torch.Tensor, path: torch.Tensor, bonus: torch.Tensor,
                 parents: torch.Tensor) -> list[Verdict]:
-    """Per-tree ``Verdict``s (with verify.py's tested/accepted counts per depth) from batched outputs."""
+    """Per-tree ``Verdict``s (with verify.py's tested/accepted counts per depth) from batched outputs.
+
+    Everything is decided where the outputs are and comes to the host in one copy (a row at a time would wait for
+    a GPU once per row)."""
+    B, n = path.shape
+    last = path.gather(1, (accept_len - 1).clamp(min=0)[:, None]) if n else accept_len.new_zeros(B, 1)
+    last = torch.where(accept_len[:, None] > 0, last, -1)  # the last accepted node, -1 = the root
+    tested_next = (parents == last).any(1)  # the walk tested a child of it (and rejected every one)
+    host = torch.cat([accept_len[:, None].long(), bonus[:, None].long(), tested_next[:, None].long(), path.long()],
+                     1).cpu().tolist()
     out = []
-    for b, (k, row, bon) in enumerate(zip(accept_len.tolist(), path.tolist(), bonus.tolist())):
-        last = row[k - 1] if k else -1
-        tested_next = bool((parents[b] == last).any())
-        depth = k + int(tested_next)
-        out.append(Verdict(row[:k], int(bon), [1] * depth, [1] * k + [0] * (depth - k)))
+    for k, bon, nxt, *row in host:
+        depth = k + nxt
+        out.append(Verdict(row[:k], bon, [1] * depth, [1] * k + [0] * (depth - k)))
     return out
 
 

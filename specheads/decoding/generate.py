@@ -66,7 +66,13 @@ class RowStats:
 
 @dataclass
 class GenerationResult:
-    """tokens: new tokens per row; stats per row; timings in seconds; forward counts for the batch."""
+    """tokens: new tokens per row; stats per row; timings in seconds; forward counts for the batch.
+
+    A step's time splits into ``draft_time`` (the drafter's proposals), ``target_time`` (the verification forward),
+    ``verify_time`` (the accept/reject decisions) and the rest of ``wall_time - prefill_time`` (committing the kept
+    cache entries, feeding the drafter, the counts). On a GPU these are host times unless the call asked for
+    ``sync``: work a phase queued is otherwise paid by whichever phase next waits for the device.
+    """
 
     tokens: list[list[int]]
     stats: list[RowStats]
@@ -76,38 +82,46 @@ class GenerationResult:
     draft_time: float
     wall_time: float
     batch_forward_sizes: list[int] = field(default_factory=list)
+    verify_time: float = 0.0
 
 
 def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts: Sequence[Sequence[int]],
                          max_new_tokens: int, temperature: float = 0.0, method: str = "auto",
                          eos_ids: Sequence[int] = (), generator: torch.Generator | None = None,
-                         verify_fn: VerifyFn = verify, verify_backend: str | None = None) -> GenerationResult:
+                         verify_fn: VerifyFn = verify, verify_backend: str | None = None,
+                         sync: bool = False) -> GenerationResult:
     """Decode a batch of prompts with ``drafter`` (None = plain decoding). Returns new tokens and stats.
 
     verify_backend: None verifies row by row with ``verify_fn`` (the exact references); ``auto``,
     ``torch`` or ``triton`` verifies greedy steps (T = 0) of the whole batch in one call of
     ``verify_greedy_batched`` (``auto`` = the fused Triton kernel on CUDA, else the batched
     reference). Sampling steps always go row by row through ``verify_fn``.
+    sync: wait for the device at each phase's end (CUDA), so that the timings split a step by where its device
+    time went (a benchmark's setting: each wait costs a little).
     """
     drafter = drafter or NoDrafter()
     runner.aux_layers = tuple(drafter.aux_layers)
+    wait = _device_wait(runner.device) if sync else (lambda: None)
     t_start = time.perf_counter()
     feats = runner.prefill([list(p) for p in prompts])
     drafter.start([list(p) for p in prompts], feats)
+    wait()
     prefill_time = time.perf_counter() - t_start
     seqs = [list(p) for p in prompts]
     new: list[list[int]] = [[] for _ in prompts]
     stats = [RowStats() for _ in prompts]
     active = [max_new_tokens > 0 for _ in prompts]
     eos = set(eos_ids)
-    target_time = draft_time = 0.0
+    target_time = draft_time = verify_time = 0.0
     forwards0 = runner.forward_calls
     sizes = []
     while any(active):
         t0 = time.perf_counter()
         trees = drafter.propose(seqs, active, temperature, generator)
+        wait()
         t1 = time.perf_counter()
         out = _verify_forward(runner, seqs, trees, active)
+        wait()
         t2 = time.perf_counter()
         draft_time += t1 - t0
         target_time += t2 - t1
@@ -115,6 +129,7 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts:
         for b, tree in enumerate(trees):
             if active[b] and tree.fed > tree.size:
                 drafter.observe_forward(b, out.logits[b, : tree.fed + 1], tree)
+        t3 = time.perf_counter()
         keeps, news, verdicts = [], [], []
         batched = _verify_batch(out.logits, trees, active, verify_backend) \
             if verify_backend and (temperature <= 0 or method == "greedy") else None
@@ -127,6 +142,7 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts:
             verdicts.append(v)
             keeps.append([0] + [i + 1 for i in v.path])
             news.append([int(tree.tokens[i]) for i in v.path] + [v.bonus])
+        verify_time += time.perf_counter() - t3
         runner.commit(keeps)
         for b in range(len(seqs)):
             if active[b]:
@@ -136,8 +152,16 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts:
                                     _rows(out.hidden_aux, b, keeps[b]))
                 else:
                     drafter.observe(b, news[b], None, None)
+        wait()
     return GenerationResult(new, stats, runner.forward_calls - forwards0, prefill_time, target_time,
-                            draft_time, time.perf_counter() - t_start, sizes)
+                            draft_time, time.perf_counter() - t_start, sizes, verify_time)
+
+
+def _device_wait(device: torch.device) -> Callable[[], None]:
+    """A call that returns once ``device`` has done the work queued on it (nothing to wait for off CUDA)."""
+    if torch.device(device).type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 def plain_generate(runner: TargetRunner, prompts: Sequence[Sequence[int]], max_new_tokens: int,

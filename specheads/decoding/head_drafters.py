@@ -63,16 +63,21 @@ class MedusaDrafter(Drafter):
         dtype = next(self.heads.parameters()).dtype
         h = torch.stack(self.last).to(dtype)[:, None]  # (B, 1, H)
         logits = self.heads(h)[:, :, 0].double()  # (K, B, V)
+        # what the trees read comes to the host once for the batch (a read per row or node waits for a GPU each)
+        if self.shape.kind == "static":
+            top = logits.topk(1 + max(c[-1] for c in self.shape.choices), dim=-1).indices.cpu()  # (K, B, ranks)
+        elif temperature <= 0:
+            greedy = logits[: self.shape.k].argmax(-1).cpu()  # (k, B)
         out = []
         for b in range(len(seqs)):
             if not active[b]:
                 out.append(DraftTree.empty())
+            elif self.shape.kind == "chain" and temperature <= 0:  # greedy verification reads the tokens only
+                out.append(DraftTree.chain(greedy[:, b].tolist(), draft_forwards=1))
             elif self.shape.kind == "chain":
                 out.append(self._chain(logits[: self.shape.k, b], temperature, generator))
             else:
-                ranks = 1 + max(c[-1] for c in self.shape.choices)
-                top = logits[:, b].topk(ranks, dim=-1).indices
-                tree = static_tree(top, self.shape.choices)
+                tree = static_tree(top[:, b], self.shape.choices)
                 tree.draft_forwards = 1
                 out.append(tree)
         return out
@@ -133,14 +138,21 @@ class EagleDrafter(Drafter):
         lens = torch.tensor([len(self.pending_ids[b]) if active[b] else 0 for b in range(B)])
         q = int(lens.max())
         H = self.pending_h[0].shape[-1]
-        hid = torch.zeros(B, q, H, dtype=self.dtype, device=self.device)
-        ids = torch.zeros(B, q, dtype=torch.long, device=self.device)
+        # every row's pending pairs gathered on the host side and written in one copy each (not a copy per row)
+        hid = torch.zeros(B * q, H, dtype=self.dtype, device=self.device)
+        ids = [[0] * q for _ in range(B)]
+        pieces, where = [], []
         for b in range(B):
             n = int(lens[b])
             if n:
-                hid[b, :n] = self.pending_h[b][-n:]
-                ids[b, :n] = torch.tensor(self.pending_ids[b][-n:], dtype=torch.long)
+                pieces.append(self.pending_h[b][-n:])
+                where.extend(range(b * q, b * q + n))
+                ids[b][:n] = self.pending_ids[b][-n:]
                 self.pending_h[b], self.pending_ids[b] = self.pending_h[b][:0], []
+        if pieces:
+            hid[torch.tensor(where, dtype=torch.long).to(self.device)] = torch.cat(pieces).to(self.dtype)
+        hid = hid.view(B, q, H)
+        ids = torch.tensor(ids, dtype=torch.long).to(self.device)
         par, live = self.slots.chain_parents(lens, q)
         h_out, logits = self._step(hid, ids, par, live)
         self._commit_chain(lens.tolist())
@@ -166,23 +178,30 @@ class EagleDrafter(Drafter):
             self._slot = [dict() for _ in seqs]
             trees = dynamic_trees(torch.log_softmax(root_logits.double(), -1), self._expand,
                                   self.shape.depth, self.shape.topk, self.shape.total_tokens)
-            for t in trees:
-                t.tokens = self.model.to_target_ids(t.tokens.to(self.device)).cpu()
+            mapped = self.model.to_target_ids(torch.cat([t.tokens for t in trees]).to(self.device)).cpu()
+            for t, ids in zip(trees, mapped.split([t.size for t in trees])):  # one copy back for the batch
+                t.tokens = ids
         self.cache.crop(len(self.cache) - self.slots.discard())
         return [t if a else DraftTree.empty() for t, a in zip(trees, active)]
 
     def _expand(self, nodes, tokens, parents) -> torch.Tensor:
         B, m = len(nodes), max(len(n) for n in nodes)
         s = self.slots.scratch
-        hid = torch.zeros(B, m, self._h[(0, -1)].shape[-1], dtype=self.dtype, device=self.device)
-        par = torch.full((B, m), -1, dtype=torch.long, device=self.device)
-        ids = torch.zeros(B, m, dtype=torch.long, device=self.device)
+        root = self._h[(0, -1)]
+        pad = root.new_zeros(root.shape)
+        # the inputs built on the host and sent in one copy each (an element-wise write per node would launch a
+        # copy per node on a GPU)
+        hs, par, ids = [], [[-1] * m for _ in range(B)], [[0] * m for _ in range(B)]
         for b in range(B):
             for j, (n, t, p) in enumerate(zip(nodes[b], tokens[b], parents[b])):
-                hid[b, j] = self._h[(b, p)]
-                par[b, j] = self._slot[b][p] if p >= 0 else -1
-                ids[b, j] = t
+                hs.append(self._h[(b, p)])
+                par[b][j] = self._slot[b][p] if p >= 0 else -1
+                ids[b][j] = t
                 self._slot[b][n] = s + j
+            hs.extend([pad] * (m - len(nodes[b])))
+        hid = torch.stack(hs).view(B, m, -1)
+        par = torch.tensor(par, dtype=torch.long).to(self.device)
+        ids = torch.tensor(ids, dtype=torch.long).to(self.device)
         h_out, logits = self._step(hid, self.model.to_target_ids(ids), par, torch.ones_like(par, dtype=torch.bool))
         for b in range(B):
             for j, n in enumerate(nodes[b]):
@@ -319,11 +338,12 @@ class DFlashDrafter(Drafter):
         """(B, block, H) pre-norm states of every row's block, anchored at its last token (the context fed first)."""
         self._feed(active)
         B = len(seqs)
-        p = torch.tensor([len(s) - 1 for s in seqs], device=self.device)
+        anchor_at = [len(s) - 1 for s in seqs]
         for b in range(B):
-            if active[b] and self.fed[b] != int(p[b]):
+            if active[b] and self.fed[b] != anchor_at[b]:
                 raise RuntimeError(f"DFlash row {b}: the context holds {self.fed[b]} positions but the anchor sits "
-                                   f"at {int(p[b])} (observe() missed committed positions)")
+                                   f"at {anchor_at[b]} (observe() missed committed positions)")
+        p = torch.tensor(anchor_at, device=self.device)
         anchors = torch.tensor([s[-1] for s in seqs], device=self.device)
         block = self.model.block_inputs(anchors)
         pos = p[:, None] + torch.arange(self.block, device=self.device)

@@ -198,9 +198,9 @@ def dynamic_trees(root_logp: torch.Tensor, expand: Expand, depth: int, topk: int
     pars = [[] for _ in range(B)]
     score = [[] for _ in range(B)]
     frontier = [[] for _ in range(B)]
-    lp, ti = root_logp.float().topk(topk, dim=-1)
+    lp, ti = _host_topk(root_logp, topk)
     for b in range(B):
-        for v, t in zip(lp[b].tolist(), ti[b].tolist()):
+        for v, t in zip(lp[b], ti[b]):
             frontier[b].append(len(toks[b]))
             toks[b].append(t); pars[b].append(-1); score[b].append(v)
     forwards = 1
@@ -208,11 +208,11 @@ def dynamic_trees(root_logp: torch.Tensor, expand: Expand, depth: int, topk: int
         logp = expand(frontier, [[toks[b][i] for i in frontier[b]] for b in range(B)],
                       [[pars[b][i] for i in frontier[b]] for b in range(B)])
         forwards += 1
-        lp, ti = logp.float().topk(topk, dim=-1)
+        lp, ti = _host_topk(logp, topk)
         for b in range(B):
             cand = []
             for row, node in enumerate(frontier[b]):
-                for v, t in zip(lp[b, row].tolist(), ti[b, row].tolist()):
+                for v, t in zip(lp[b][row], ti[b][row]):
                     cand.append((score[b][node] + v, node, t))
             cand.sort(key=lambda x: -x[0])
             new_nodes = []
@@ -225,6 +225,15 @@ def dynamic_trees(root_logp: torch.Tensor, expand: Expand, depth: int, topk: int
         keep = sorted(range(len(toks[b])), key=lambda i: (-score[b][i], i))[:total_tokens]
         trees.append(_subtree(toks[b], pars[b], keep, forwards))
     return trees
+
+
+def _host_topk(logp: torch.Tensor, k: int) -> tuple[list, list]:
+    """The ``k`` best log-probs and their ids along the last dim, as nested lists: one copy to the host for the
+    whole batch (a copy per row would wait for the device once per row and level)."""
+    lp, ti = logp.float().topk(k, dim=-1)
+    both = torch.cat([lp.double(), ti.double()], -1).cpu()  # float32 values and ids < 2**53: exact in float64
+    lp_h, ti_h = both[..., :k], both[..., k:]
+    return lp_h.float().tolist(), ti_h.long().tolist()
 
 
 def _subtree(toks: list[int], pars: list[int], keep: list[int], forwards: int) -> DraftTree:

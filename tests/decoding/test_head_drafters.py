@@ -113,3 +113,33 @@ def test_eagle_chain_matches_cache_free_unroll(target, kind):
     for t in sampled:
         assert t.q.shape == (3, target.vocab_size)
         assert torch.allclose(t.q.sum(-1), torch.ones(3, dtype=t.q.dtype))
+
+
+def _tree_log(drafter):
+    """Wrap ``drafter.propose`` to record, per step, each active row's (tokens, parents)."""
+    log, real = [], drafter.propose
+
+    def propose(seqs, active, *a):
+        trees = real(seqs, active, *a)
+        log.append({b: (t.tokens.tolist(), t.parents.tolist()) for b, t in enumerate(trees) if active[b]})
+        return trees
+    drafter.propose = propose
+    return log
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_eagle_trees_drafted_in_a_batch_are_each_rows_own(target, kind):
+    """A batch of rows at different lengths (and so with different numbers of pending features each step) gets,
+    row for row, the dynamic trees each row drafts alone: the batch's inputs are gathered without mixing rows."""
+    m = _eagle(target, kind)
+    shape = TreeShape("dynamic", depth=3, topk=2, total_tokens=6)
+    prompts = PROMPTS + [[4, 4, 8, 1, 9, 9, 3, 2, 2, 6, 1], [7, 3]]
+    batched = EagleDrafter(m, shape, kind)
+    log = _tree_log(batched)
+    speculative_generate(TargetRunner(target.model), batched, prompts, 10, verify_backend="torch")
+    for b, p in enumerate(prompts):
+        alone = EagleDrafter(m, shape, kind)
+        own = _tree_log(alone)
+        speculative_generate(TargetRunner(target.model), alone, [p], 10)
+        mine = [step[b] for step in log if b in step]
+        assert mine == [step[0] for step in own] and len(mine) >= 2
