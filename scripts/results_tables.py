@@ -397,12 +397,59 @@ def backends(data: dict) -> str:
                               f"commit {_commit(r)} on {r['date']}, {r['machine']}."])
 
 
+def train_benches(data: dict) -> str:
+    """docs/benchmarks.md: the newest ``bench_train.py --json`` record per device and target."""
+    runs = _newest_per(data.get("train_benches") or [])
+    if not runs:
+        return ("_No record yet: `python scripts/bench/bench_train.py --target shape:llama-3.2-1b --methods eagle3 "
+                "--json t.json`, then `specheads record t.json`._")
+    lines = ["| device | target | method | procs | tokens/s | TFLOP/s | of peak | peak GPU MiB | commit, date |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        for x in r["rows"]:
+            share = f"{100 * x['share_of_peak']:.0f} %" if x.get("share_of_peak") else "-"
+            lines.append(f"| {r['machine']} | {r['target']} | {x['method']} ({x.get('mixed_precision', '-')}) | "
+                         f"{x.get('num_processes', 1)} | {x['tokens_per_s']:.0f} | {_f(x.get('tflops'), 1)} | {share} | "
+                         f"{_f(x.get('peak_gpu_mib'), 0)} | {_commit(r)}, {r['date']} |")
+    return "\n".join(lines)
+
+
+def eval_benches(data: dict) -> str:
+    """docs/benchmarks.md: the newest ``bench_evaluate.py --json`` record per device and target."""
+    runs = _newest_per(data.get("eval_benches") or [])
+    if not runs:
+        return ("_No record yet: `python scripts/bench/bench_evaluate.py --json e.json`, then "
+                "`specheads record e.json`._")
+    lines = []
+    for r in runs:
+        lines += [f"{r['target']} ({r['target_dtype']}) on {r['machine']}, {r['prompt_len']} tokens of context and "
+                  f"{r['new_tokens']} new per row; commit {_commit(r)}, {r['date']}:", "",
+                  "| B | tree nodes | verification | tokens/s | ms/step | draft | target forward | verify | rest | "
+                  "forward TFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {x['batch']} | {x['nodes'] or '- (plain)'} | {x['backend']} | {x['tokens_per_s']:.0f} | "
+                  f"{x['ms_per_step']:.2f} | {x['draft_ms']:.2f} | {x['forward_ms']:.2f} | {x['verify_ms']:.2f} | "
+                  f"{x['rest_ms']:.2f} | {_f(x.get('forward_tflops'), 1)} |" for x in r["rows"]]
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def _newest_per(runs: list[dict]) -> list[dict]:
+    """The newest entry of each (machine, target) pair, newest first (entries are stored newest first)."""
+    seen, out = set(), []
+    for r in runs:
+        if (r.get("machine"), r.get("target")) not in seen:
+            seen.add((r.get("machine"), r.get("target")))
+            out.append(r)
+    return out
+
+
 def blocks(data: dict) -> dict[Path, dict[str, str]]:
     """{file: {marker name: the text between its markers}}."""
     return {README: {"results": results_table(data), "quickstart-times": quickstart_times(data),
                      "run-summary": run_summary(data), "run-domains": run_domains(data), "served": served_line(data)},
             BENCHMARKS: {"history": history_table(data), "history-notes": followups_list(data),
-                         "test-runs": tests_table(data), "unrecorded-history": unrecorded_history(data)},
+                         "test-runs": tests_table(data), "unrecorded-history": unrecorded_history(data),
+                         "train-benches": train_benches(data), "eval-benches": eval_benches(data)},
             EXPORT: {"export-check": export_check(data)},
             SERVING: {"served": served_line(data)},
             METHODS: {"head-to-head": head_to_head(data)},

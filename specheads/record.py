@@ -9,7 +9,10 @@
 * the output of the engines' loader check (``scripts/check_engine_loaders.py``: one ``ok|skip|FAIL`` line per
   check and ``N ok/skipped, M failed``; or the same rows as JSON) -> an entry of ``export_checks``;
 * the report of ``scripts/bench/bench_backends.py`` (collection and regeneration by the Hugging Face forward and by
-  vLLM on the same rows) -> an entry of ``backend_runs``.
+  vLLM on the same rows) -> an entry of ``backend_runs``;
+* the ``--json`` report of ``scripts/bench/bench_train.py`` (training tokens/s, memory and share of the device's
+  peak per method) -> an entry of ``train_benches``, of ``scripts/bench/bench_evaluate.py`` (a decoding step's
+  time split by phase per batch size, tree size and verification backend) -> an entry of ``eval_benches``.
 
 Every entry carries ``commit`` (``git rev-parse HEAD`` of the checkout it was measured in), ``dirty`` (whether
 that tree had uncommitted changes to tracked files), ``date`` and ``machine`` (``hardware.cpu_description``
@@ -38,10 +41,10 @@ class RecordError(UserError):
 
 
 KINDS = {"main_job": "runs", "serve": "serve_runs", "test_suite": "test_runs", "export_check": "export_checks",
-         "collect_backends": "backend_runs"}
+         "collect_backends": "backend_runs", "train_bench": "train_benches", "eval_bench": "eval_benches"}
 WHAT_IT_READS = ("a run_summary.json (specheads run), a serve_report.json (specheads serve-eval), a pytest log "
                  "(its closing 'N passed ... in X s' line), the output of scripts/check_engine_loaders.py or the "
-                 "report of scripts/bench/bench_backends.py")
+                 "report of scripts/bench/bench_backends.py, bench_train.py or bench_evaluate.py")
 PYTEST_LINE = re.compile(r"^=*\s*((?:\d+ (?:passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)"
                          r"(?:, )?)+) in ([\d.]+)s\b", re.M)
 CHECK_LINE = re.compile(r"^(ok|skip|FAIL)\s{1,4}(.{18}) (.{8}) (.{14}) (.+?): (.*)$")
@@ -104,6 +107,8 @@ def _json_kind(data) -> str | None:
         return "serve"
     if isinstance(data, dict) and data.get("kind") == "collect_backends" and {"collect", "regenerate"} <= set(data):
         return "collect_backends"
+    if isinstance(data, dict) and data.get("kind") in ("train_bench", "eval_bench") and isinstance(data.get("rows"), list):
+        return data["kind"]
     rows = data.get("checks") if isinstance(data, dict) else data
     if isinstance(rows, list) and rows and all(isinstance(r, dict) and {"check", "ok"} <= set(r) for r in rows):
         return "export_check"
@@ -217,7 +222,7 @@ def make_entry(path: str | Path, checkout: Checkout, *, wall_s: float | None = N
     """(the list it belongs in, the entry) for ``path``, stamped with ``checkout``, the date and the machine."""
     kind, contents = read_input(path)
     build = {"main_job": main_job_entry, "serve": serve_entry, "export_check": export_check_entry,
-             "collect_backends": dict}
+             "collect_backends": dict, "train_bench": dict, "eval_bench": dict}
     entry = test_suite_entry(contents, wall_s) if kind == "test_suite" else build[kind](contents)
     if machine or not entry.get("machine"):
         from specheads.hardware import cpu_description

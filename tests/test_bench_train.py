@@ -39,3 +39,20 @@ def test_a_run_trains_in_the_precision_the_clis_rule_picks_and_counts_its_flops(
     assert result["trainable_params"] > 0
     per_token = bench.flops_per_token(bench.load_bench_target("tiny"), build_method("medusa1"), result["trainable_params"])
     assert result["tflops"] == pytest.approx(per_token * result["tokens_per_s"] / 1e12)
+
+
+def test_the_json_report_is_a_train_bench_record(tmp_path):
+    import json
+
+    from specheads.record import Checkout, record
+
+    bench = _bench()
+    args = bench.parse_args(["--methods", "eagle3", "dflash", "--target", "shape:llama-3.2-1b"])
+    row = {"method": "eagle3", "device": "NVIDIA H200", "tokens_per_s": 1.0, "share_of_peak": 0.5}
+    bench.write_report(str(tmp_path / "t.json"), args, [row])
+    results = tmp_path / "benchmarks.json"
+    results.write_text(json.dumps({"runs": []}))
+    entry = record(tmp_path / "t.json", results, Checkout("1" * 40, True))
+    assert json.loads(results.read_text())["train_benches"] == [entry]
+    assert entry["machine"] == "NVIDIA H200" and entry["rows"] == [row] and entry["failed"] == ["dflash"]
+    assert entry["commit"] == "1" * 40 and entry["dirty"] is True

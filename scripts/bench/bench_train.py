@@ -61,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="time budget of the timed part (then --steps is only a cap)")
     p.add_argument("--launcher-config", default=None,
                    help="accelerate config for N > 1 (default: conf/launcher/cpu_ddp.yaml, or accelerate.yaml with CUDA)")
+    p.add_argument("--json", default=None, help="write the results here (for specheads record: a train_bench entry)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one method here
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)  # internal: run folder shared by the processes
     return p.parse_args(argv)
@@ -195,6 +196,8 @@ def main(argv=None) -> None:
             vocab = 1000 if args.target == "tiny" else _vocab_size(args.target)  # shape:NAME: its config's
             args.prepared = str(write_synthetic(Path(tmp) / "prepared", vocab))
         results = [r for m in args.methods for n in args.num_processes if (r := _bench(m, n, args, Path(tmp)))]
+    if args.json:
+        write_report(args.json, args, results)
     base = {r["method"]: r["tokens_per_s"] for r in results if r["num_processes"] == 1}
     print(f"\n{'method':<10} {'procs':>5} {'tokens/s':>10} {'scaling':>8} {'TFLOP/s':>8} {'of peak':>8} "
           f"{'GPU MiB':>8} {'peak RSS MiB per process':>26}")
@@ -205,6 +208,21 @@ def main(argv=None) -> None:
         gpu = f"{r['peak_gpu_mib']:.0f}" if r.get("peak_gpu_mib") else "-"
         print(f"{r['method']:<10} {r['num_processes']:>5} {r['tokens_per_s']:>10.0f} {scale:>8} {r['tflops']:>8.2f} "
               f"{share:>8} {gpu:>8} {rss:>26}")
+
+
+def write_report(path: str, args, results: list[dict]) -> None:
+    """The run's results as ``specheads record`` reads them (a ``train_bench`` entry of docs/benchmarks.json)."""
+    import time
+
+    from specheads.hardware import cpu_description
+
+    device = results[0]["device"] if results else args.device
+    report = {"kind": "train_bench", "target": args.target, "machine": cpu_description() if device == "cpu" else device,
+              "max_tokens": args.max_tokens, "steps": args.steps, "methods": args.methods,
+              "failed": [m for m in args.methods if not any(r["method"] == m for r in results)],
+              "rows": results, "date": time.strftime("%Y-%m-%d")}
+    Path(path).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"report in {path}")
 
 
 def _vocab_size(target: str) -> int:
