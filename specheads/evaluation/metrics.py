@@ -31,6 +31,7 @@ class Run:
     decode_time: float
     target_time: float
     draft_time: float
+    verify_time: float = 0.0  # the accept/reject decisions (``GenerationResult.verify_time``)
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Summary:
     decode_time: float = 0.0
     target_time: float = 0.0
     draft_time: float = 0.0
+    verify_time: float = 0.0
     draft_forwards: int = 0
     nodes_by_depth: list[int] = field(default_factory=list)
 
@@ -87,7 +89,7 @@ class Summary:
                 "alpha": self.alpha, "alpha_by_position": self.alpha_by_position, "tau": self.tau,
                 "tested": self.tested, "accepted": self.accepted, "tokens_per_s": self.tokens_per_s,
                 "decode_time_s": self.decode_time, "target_time_s": self.target_time,
-                "draft_time_s": self.draft_time, "cost_ratio_c": self.cost_ratio,
+                "draft_time_s": self.draft_time, "verify_time_s": self.verify_time, "cost_ratio_c": self.cost_ratio,
                 "cost_ratio_step": self.cost_ratio_step, "draft_forwards_per_step": self.draft_forwards_per_step,
                 "nodes_by_depth": self.nodes_by_depth}
 
@@ -102,6 +104,7 @@ def summarize(runs: list[Run]) -> Summary:
         s.decode_time += r.decode_time
         s.target_time += r.target_time
         s.draft_time += r.draft_time
+        s.verify_time += r.verify_time
         s.draft_forwards += r.stats.draft_forwards
         _add_lists(s.nodes_by_depth, r.stats.nodes_by_depth)
         for d, (t, a) in enumerate(zip(r.stats.tested, r.stats.accepted)):

@@ -265,12 +265,14 @@ def _step_cost_md(row: dict, temp: str, choice: dict | None, branch: bool = Fals
     unit = 1.0 / plain_tps
     verify = row["target_time_s"] / steps / unit
     draft = row["draft_time_s"] / steps / unit
-    rest = max(row["decode_time_s"] - row["target_time_s"] - row["draft_time_s"], 0.0) / steps / unit
-    cost = verify + draft + rest
+    decide = row.get("verify_time_s", 0.0) / steps / unit
+    rest = max(row["decode_time_s"] - row["target_time_s"] - row["draft_time_s"] - row.get("verify_time_s", 0.0),
+               0.0) / steps / unit
+    cost = verify + draft + decide + rest
     line = (f"Cost of a step (T={temp}, all prompts, first pass), in plain decoding steps of "
-            f"{1000 * unit:.1f} ms: verify forward {verify:.2f}, drafting {draft:.2f}, the rest of the loop "
-            f"(trees, verification, cache pruning) {rest:.2f}; τ {row['tau']:.2f} ÷ {cost:.2f} = "
-            f"{row['tau'] / cost:.2f}.")
+            f"{1000 * unit:.1f} ms: verify forward {verify:.2f}, drafting {draft:.2f}, accept/reject decisions "
+            f"{decide:.2f}, the rest of the loop (cache pruning, feeding the drafter) {rest:.2f}; "
+            f"τ {row['tau']:.2f} ÷ {cost:.2f} = {row['tau'] / cost:.2f}.")
     pred = next((p for p in (choice or {}).get("predictions", []) if p["label"] == choice.get("label")), None)
     if pred:
         alone = f" for {pred['label']} alone (no lookup branch)" if branch else ""

@@ -360,7 +360,7 @@ def _timed_rows(passes: list[dict]) -> dict:
 
 def _run(p: EvalPrompt, res: GenerationResult, b: int = 0) -> Run:
     return Run(p.id, p.domain, res.stats[b], len(res.tokens[b]), res.wall_time - res.prefill_time,
-               res.target_time, res.draft_time)
+               res.target_time, res.draft_time, res.verify_time)
 
 
 def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_tokens, cfg, eos, progress,
