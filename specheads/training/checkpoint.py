@@ -213,9 +213,13 @@ class Checkpointer:
     """The engine's checkpoint writer (see the module's docstring); every process makes one and calls
     ``save`` at the same steps.
 
-    mode: ``auto`` writes in the background where ``async_blocker`` finds nothing against it (and a save
-    whose CPU copy would take more than half of the available memory is written in the training thread);
-    ``always`` insists (a ``ConfigError`` where it is not safe); ``never`` writes synchronously.
+    mode: ``auto`` writes in the background when the model trains on an accelerator (a GPU) and
+    ``async_blocker`` finds nothing against it; a save whose CPU copy would take more than half of the
+    available memory is then written in the training thread. On a CPU ``auto`` writes synchronously: the
+    writer (serialisation, SHA-256) needs the cores and memory bandwidth the training steps use, and
+    ``scripts/bench/bench_checkpoint.py`` measured the steps taken meanwhile slowed by about as much time as
+    the stall saved. ``always`` writes in the background wherever it is safe (a ``ConfigError`` where it is
+    not); ``never`` writes synchronously.
     """
 
     def __init__(self, accelerator, root: str | Path, keep: int = 2, mode: str = "auto"):
@@ -226,7 +230,8 @@ class Checkpointer:
             raise ConfigError(f"train.async_checkpoint=always: {blocker}, so checkpoints must be written "
                               "synchronously; use auto or never")
         self.acc, self.root, self.keep, self.mode = accelerator, Path(root), keep, mode
-        self.asynchronous = mode != "never" and blocker is None
+        self.asynchronous = mode == "always" or (mode == "auto" and blocker is None
+                                                 and accelerator.device.type != "cpu")
         if blocker and mode == "auto" and accelerator.is_main_process:
             log.info("checkpoints are written synchronously (training waits for each): %s", blocker)
         self._thread: threading.Thread | None = None

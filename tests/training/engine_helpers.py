@@ -1,8 +1,8 @@
 """Synthetic prepared data and a tiny Llama for engine tests; also run as a script by the resume test.
 
-    python tests/training/engine_helpers.py OUT_DIR MAX_STEPS SLEEP_PER_BATCH
+    python tests/training/engine_helpers.py OUT_DIR MAX_STEPS SLEEP_PER_BATCH [ASYNC_CHECKPOINT]
 trains Medusa-1 on the tiny target with checkpoints every 2 steps (sleeping per batch so a test can
-kill it mid-run) and writes OUT_DIR/metrics.jsonl.
+kill it mid-run; ``train.async_checkpoint`` auto unless given) and writes OUT_DIR/metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class SlowSource:
             yield b
 
 
-def main(out_dir: str, max_steps: int, sleep: float) -> None:
+def main(out_dir: str, max_steps: int, sleep: float, async_checkpoint: str = "auto") -> None:
     from tests.conftest import make_tiny_target
     from specheads.training.config import OptimConfig, TrainConfig
     from specheads.training.engine import train
@@ -75,11 +75,11 @@ def main(out_dir: str, max_steps: int, sleep: float) -> None:
     target = make_tiny_target("llama", hidden=32, layers=2, vocab=256)
     train_src, held = sources()
     cfg = TrainConfig(output_dir=out_dir, max_steps=max_steps, grad_accum=2, save_every=2, eval_every=0,
-                      wandb_mode="disabled", progress=False)
+                      wandb_mode="disabled", progress=False, async_checkpoint=async_checkpoint)
     train(Medusa1Method(num_heads=3), target, SlowSource(train_src, sleep), cfg,
           OptimConfig(lr=3e-3, warmup_steps=3), held)
     end_process_group()  # as the train recipe does
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), *sys.argv[4:5])

@@ -272,16 +272,20 @@ def test_sigkill_while_the_background_writer_writes_leaves_the_previous_checkpoi
     load_checkpoint(acc, latest_checkpoint(root))  # resumes from the previous one
 
 
-def test_sharded_launchers_keep_synchronous_checkpoints():
+def test_auto_writes_in_the_background_on_a_gpu_but_not_on_a_cpu_nor_under_sharded_launchers():
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
 
-    def fake(kind):
+    def fake(kind, device="cuda"):
         return SimpleNamespace(distributed_type=kind, _save_model_state_pre_hook={}, is_main_process=True,
-                               project_configuration=SimpleNamespace(save_on_each_node=False))
+                               device=torch.device(device), project_configuration=SimpleNamespace(save_on_each_node=False))
 
     assert async_blocker(fake(DistributedType.MULTI_GPU)) is None
+    assert Checkpointer(fake(DistributedType.MULTI_GPU), "unused").asynchronous
+    assert not Checkpointer(fake(DistributedType.NO, "cpu"), "unused").asynchronous  # the writer would share the cores
+    assert Checkpointer(fake(DistributedType.MULTI_CPU, "cpu"), "unused", mode="always").asynchronous
+    assert not Checkpointer(fake(DistributedType.MULTI_GPU), "unused", mode="never").asynchronous
     for kind in (DistributedType.DEEPSPEED, DistributedType.FSDP):
         assert "collective" in async_blocker(fake(kind))
         assert not Checkpointer(fake(kind), "unused").asynchronous  # auto: synchronous, said in a log line
