@@ -112,8 +112,8 @@ def _files_equal(a, b, clock=()):
 
 
 def _assert_same(x, y, where):
-    if isinstance(x, torch.Tensor):
-        assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), where
+    if isinstance(x, torch.Tensor):  # a GPU's tensors are written from their host copies: loading maps them back
+        assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu()), where
     elif isinstance(x, dict):
         assert x.keys() == y.keys(), where
         for k in x:
@@ -143,7 +143,8 @@ def _blocked_writer(monkeypatch):
 
 
 def _step(model, opt):
-    model(torch.randn(2, 4)).sum().backward()
+    w = next(model.parameters())
+    model(torch.randn(2, w.shape[1], device=w.device)).sum().backward()
     opt.step()
     opt.zero_grad()
 
@@ -225,6 +226,36 @@ def test_the_next_save_waits_for_the_write_in_flight(tmp_path, monkeypatch):
     second.join(30)
     saver.wait()
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000001", "step_0000002"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_copy_goes_to_reused_pinned_buffers_and_holds_the_save_point(tmp_path, monkeypatch):
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    acc = Accelerator()
+    model = torch.nn.Linear(256, 512)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    _step(model, opt)
+    saver = Checkpointer(acc, tmp_path / "background")
+    assert saver.asynchronous  # auto, on a GPU
+    want = model.weight.detach().cpu().clone()
+    started, release = _blocked_writer(monkeypatch)
+    first = saver.save(1, {})
+    assert started.wait(30)
+    _step(model, opt)  # queued behind the device-to-host copies on the same stream
+    release.set()
+    saver.wait()
+    assert saver._pinned and all(b.is_pinned() for b in saver._pinned.values())
+    where = {k: b.data_ptr() for k, b in saver._pinned.items()}
+    second = saver.save(2, {})
+    saver.wait()
+    assert {k: b.data_ptr() for k, b in saver._pinned.items()} == where  # reused, not pinned again
+    _files_equal(save_checkpoint(acc, tmp_path / "sync", 2, {}), second)
+    load_checkpoint(acc, first)
+    assert torch.equal(model.weight.detach().cpu(), want)
 
 
 _KILLED_CHILD = """
