@@ -1,7 +1,7 @@
 """How long a checkpoint of large Medusa-1 heads stalls training: written synchronously vs in the background.
 
     python scripts/bench/bench_checkpoint.py                          # one head at Llama 3's shape: ~3 GiB of state
-    python scripts/bench/bench_checkpoint.py --heads 5 --device cuda  # five heads, Medusa-1's default, ~16 GiB of state
+    python scripts/bench/bench_checkpoint.py --heads 5 --device cuda  # five heads, Medusa-1's default, ~15 GiB of state
 
 Medusa-1 heads (``MedusaHeads``, float32, output layers trained, as ``method=medusa1``; hidden ``--hidden``, vocabulary
 ``--vocab``, random weights, nothing downloaded) train under Accelerate with AdamW and a registered scheduler, on
@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=2048, help="hidden size H (Llama-3.2-1B's)")
     p.add_argument("--vocab", type=int, default=128256, help="vocabulary size V (Llama 3's)")
     p.add_argument("--heads", type=int, default=1, help="Medusa heads K, each with its own H x V output layer "
-                                                        "(5: the issue's shape, ~16 GiB of state)")
+                                                        "(5: Medusa-1's default, ~15 GiB of state)")
     p.add_argument("--tokens", type=int, default=64, help="random features per training step")
     p.add_argument("--steps", type=int, default=3, help="timed training steps before the first save")
     p.add_argument("--saves", type=int, default=2, help="checkpoints per mode (a GPU's first also pins its buffers)")

@@ -324,3 +324,11 @@ def test_auto_writes_in_the_background_on_a_gpu_but_not_on_a_cpu_nor_under_shard
             Checkpointer(fake(kind), "unused", mode="always")
     with pytest.raises(ConfigError, match="train.async_checkpoint=on: use one of auto, always, never"):
         Checkpointer(fake(DistributedType.NO), "unused", mode="on")
+
+
+def test_the_setting_is_checked_before_any_work():
+    from specheads.training.config import OptimConfig, check_settings
+
+    check_settings(TrainConfig(output_dir="unused", async_checkpoint="always"), OptimConfig(), {}, {})
+    with pytest.raises(ConfigError, match=r"^train.async_checkpoint=True: use one of auto, always, never$"):
+        check_settings(TrainConfig(output_dir="unused", async_checkpoint="True"), OptimConfig(), {}, {})
