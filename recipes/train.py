@@ -320,11 +320,23 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         summary["heldout_split"] = split_record(cfg, train_src, eval_src)
         summary["precision"] = {"mixed_precision": tcfg.mixed_precision, "target_dtype": str(target.dtype),
                                 "choice": precision.record() if precision else None}
+        summary["device"] = device_record(acc, target)
         if eval_src is not None:
             add_bigram_baselines(summary, train_src, eval_src, cfg)  # rewrites train_summary.json
         else:
             atomic_write_json(Path(cfg.output_dir) / "train_summary.json", summary)
     return summary
+
+
+def device_record(acc, target) -> dict[str, str]:
+    """Where the run computed, for ``train_summary.json``: the Accelerator's device (the trained module's), the
+    target's, the distributed type and the machine (the GPU's name, else the CPU's), so a run that fell back to
+    the CPU on a GPU machine says so (scripts/gpu_pipeline.py checks it)."""
+    from specheads.hardware import machine_description
+
+    return {"accelerator": str(acc.device), "target": str(target.device),
+            "distributed_type": str(getattr(acc.distributed_type, "value", acc.distributed_type)),
+            "machine": machine_description(acc.device)}
 
 
 def training_precision(tcfg, target_name: str):
