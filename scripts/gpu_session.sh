@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# What a lent GPU session measures, in one command that fits the device's time (a command may run 10 minutes; a
+# session has 15 in all, start-up included). Run from the repository root of the working tree the device gets:
+#
+#   bash scripts/gpu_session.sh                     # every part below, in this order
+#   bash scripts/gpu_session.sh evaluate train      # only these parts
+#   bash scripts/gpu_session.sh --cpu-smoke         # here, without a GPU: every part on tiny shapes (CI runs it)
+#
+# Parts, each under its own time cap (a part the rest of the budget cannot hold is skipped, and said so):
+#   check       scripts/gpu_check.sh: the kernels against their references, the GPU tests, the engine check
+#   evaluate    bench_evaluate.py at shape:llama-3.2-1b: a step's draft / forward / verify / rest for batches of
+#               1, 8, 64 and trees of 8, 24, 64 nodes, kernels on and off, batched vs row by row vs one row at a time
+#   train       bench_train.py at shape:llama-3.2-1b: EAGLE-3, DFlash and Medusa-1 as `specheads train` runs them
+#               (bfloat16 autocast on a GPU): tokens/s, peak GPU memory, TFLOP/s and share of the GPU's peak
+#   linear_ce   bench_linear_ce.py: Medusa-1's five heads at a 128k vocabulary, whole logits vs the chunked loss
+#   checkpoint  bench_checkpoint.py: how long a checkpoint of five 128k-vocabulary heads stalls training
+#   pipeline    scripts/gpu_pipeline.py: every stage through the CLI on CUDA (when it is in the tree)
+#
+# Each part's output goes to $OUT/<part>.log (OUT: the device tool's folder; default a temporary one); the JSON
+# reports ($OUT/eval_1b.json, $OUT/train_1b.json) are what `specheads record FILE --checkout .` takes back here.
+# SESSION_BUDGET (seconds; default 540) bounds the whole run. Exit status: 0 every part ran and passed; 1 a part
+# failed; 3 nothing failed but a part was skipped or could not run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+if [[ -n "${PYTHON:-}" ]]; then
+  PY=$PYTHON
+elif [[ -x .venv/bin/python ]] && .venv/bin/python -c "import torch" 2>/dev/null; then
+  PY=.venv/bin/python
+else
+  PY=python3
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+OUT_DIR=${OUT:-$(mktemp -d -t gpu_session.XXXXXX)}
+mkdir -p "$OUT_DIR"
+BUDGET=${SESSION_BUDGET:-540}
+SMOKE=0
+PARTS=()
+for a in "$@"; do
+  case $a in
+    --cpu-smoke) SMOKE=1 ;;
+    check|evaluate|train|linear_ce|checkpoint|pipeline) PARTS+=("$a") ;;
+    *) echo "gpu_session.sh: unknown part '$a' (parts: check evaluate train linear_ce checkpoint pipeline; or --cpu-smoke)"; exit 2 ;;
+  esac
+done
+((${#PARTS[@]})) || PARTS=(check evaluate train linear_ce checkpoint pipeline)
+if ((SMOKE)); then
+  DEV=(--device cpu)
+  TARGET=tiny
+else
+  if ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    echo "gpu_session.sh: no CUDA GPU here ($PY); run it on the GPU machine, or with --cpu-smoke"
+    exit 3
+  fi
+  DEV=(--device cuda)
+  TARGET=shape:llama-3.2-1b
+fi
+echo "gpu_session.sh: $("$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)') ($PY); budget ${BUDGET} s; parts: ${PARTS[*]}; output in $OUT_DIR"
+git -C "$ROOT" rev-parse HEAD 2>/dev/null | sed 's/^/commit /'
+if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; fi
+
+start=$SECONDS
+declare -A RESULT
+run_part() {  # run_part NAME CAP_SECONDS MIN_SECONDS COMMAND...: the command under timeout min(cap, budget left)
+  local name=$1 cap=$2 least=$3
+  shift 3
+  local left=$((BUDGET - (SECONDS - start)))
+  local t=$((cap < left ? cap : left))
+  if ((t < least)); then
+    echo "== $name: SKIPPED, ${left} s of the session budget left (needs ${least})"
+    RESULT[$name]=skipped
+    return
+  fi
+  echo "== $name (at most ${t} s): $*"
+  local t0=$SECONDS
+  timeout "$t" "$@" > "$OUT_DIR/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT_DIR/$name.log"
+  case $rc in
+    0) RESULT[$name]=ok ;;
+    3) RESULT[$name]=incomplete ;;
+    124) RESULT[$name]=timed-out ;;
+    *) RESULT[$name]="failed (exit $rc)" ;;
+  esac
+  echo "== $name: ${RESULT[$name]} in $((SECONDS - t0)) s"
+}
+
+for part in "${PARTS[@]}"; do
+  case $part in
+    check)
+      if ((SMOKE)); then
+        run_part check 300 60 env OUT="$OUT_DIR/gpu_check" PYTHON="$PY" bash scripts/gpu_check.sh --cpu-smoke
+      else
+        run_part check 300 120 env OUT="$OUT_DIR/gpu_check" PYTHON="$PY" GPU_CHECK_TIMEOUT=200 GPU_TESTS_TIMEOUT=90 \
+          ENGINE_CHECK_TIMEOUT=60 bash scripts/gpu_check.sh
+      fi ;;
+    evaluate)
+      if ((SMOKE)); then
+        run_part evaluate 120 20 "$PY" scripts/bench/bench_evaluate.py --target tiny "${DEV[@]}" --batch 1 4 --nodes 8 \
+          --new-tokens 8 --prompt-len 32 --draft-vocab 500 --json "$OUT_DIR/eval_1b.json"
+      else
+        run_part evaluate 150 60 "$PY" scripts/bench/bench_evaluate.py --target "$TARGET" "${DEV[@]}" \
+          --json "$OUT_DIR/eval_1b.json"
+      fi ;;
+    train)
+      if ((SMOKE)); then
+        run_part train 180 30 "$PY" scripts/bench/bench_train.py --target tiny "${DEV[@]}" --methods eagle3 dflash medusa1 \
+          --steps 2 --warmup 1 --max-tokens 512 --arg "eagle3:vocab_data={prepared}" --json "$OUT_DIR/train_1b.json"
+      else
+        run_part train 240 90 "$PY" scripts/bench/bench_train.py --target "$TARGET" "${DEV[@]}" \
+          --methods eagle3 dflash medusa1 --steps 6 --warmup 2 --max-tokens 8192 --arg "eagle3:vocab_data={prepared}" \
+          --json "$OUT_DIR/train_1b.json"
+      fi ;;
+    linear_ce)
+      if ((SMOKE)); then
+        run_part linear_ce 60 10 "$PY" scripts/bench/bench_linear_ce.py --hidden 64 --vocab 1000 --tokens 256 --heads 2
+      else
+        run_part linear_ce 90 30 "$PY" scripts/bench/bench_linear_ce.py "${DEV[@]}" --heads 5 --mixed-precision bf16
+      fi ;;
+    checkpoint)
+      if ((SMOKE)); then
+        run_part checkpoint 60 10 "$PY" scripts/bench/bench_checkpoint.py --hidden 64 --vocab 1000 --saves 1
+      else
+        run_part checkpoint 120 40 "$PY" scripts/bench/bench_checkpoint.py "${DEV[@]}" --heads 5
+      fi ;;
+    pipeline)
+      if [[ ! -f scripts/gpu_pipeline.py ]]; then
+        echo "== pipeline: not in this tree"
+        RESULT[pipeline]=skipped
+      elif ((SMOKE)); then
+        run_part pipeline 300 60 "$PY" scripts/gpu_pipeline.py --cpu-smoke --out "$OUT_DIR/pipeline"
+      else
+        run_part pipeline 300 120 "$PY" scripts/gpu_pipeline.py --out "$OUT_DIR/pipeline"
+      fi ;;
+  esac
+done
+
+status=0
+echo
+echo "gpu_session.sh: $((SECONDS - start)) s"
+for part in "${PARTS[@]}"; do
+  r=${RESULT[$part]:-skipped}
+  echo "  $part: $r"
+  case $r in
+    ok) ;;
+    skipped|incomplete) ((status == 0)) && status=3 ;;
+    *) status=1 ;;
+  esac
+done
+exit $status
