@@ -217,8 +217,8 @@ class Checkpointer:
     ``async_blocker`` finds nothing against it; a save whose CPU copy would take more than half of the
     available memory is then written in the training thread. On a CPU ``auto`` writes synchronously: the
     writer (serialisation, SHA-256) needs the cores and memory bandwidth the training steps use, and
-    ``scripts/bench/bench_checkpoint.py`` measured the steps taken meanwhile slowed by about as much time as
-    the stall saved. ``always`` writes in the background wherever it is safe (a ``ConfigError`` where it is
+    ``scripts/bench/bench_checkpoint.py`` measured the steps taken meanwhile slowed by as much time as the
+    stall saved, or more. ``always`` writes in the background wherever it is safe (a ``ConfigError`` where it is
     not); ``never`` writes synchronously.
     """
 
