@@ -121,7 +121,7 @@ for part in "${PARTS[@]}"; do
       if ((SMOKE)); then
         run_part checkpoint 60 10 "$PY" scripts/bench/bench_checkpoint.py --hidden 64 --vocab 1000 --saves 1
       else
-        run_part checkpoint 120 40 "$PY" scripts/bench/bench_checkpoint.py "${DEV[@]}" --heads 5
+        run_part checkpoint 120 40 "$PY" scripts/bench/bench_checkpoint.py "${DEV[@]}" --heads 5 --saves 1
       fi ;;
     pipeline)
       if [[ ! -f scripts/gpu_pipeline.py ]]; then
