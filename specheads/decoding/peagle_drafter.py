@@ -42,19 +42,24 @@ class PEagleDrafter(EagleDrafter):
         lens = torch.tensor([len(self.pending_ids[b]) if active[b] else 0 for b in range(B)])
         q = int(lens.max()) + k - 1
         H = self.pending_h[0].shape[-1]
-        hid = torch.zeros(B, q, H, dtype=self.dtype, device=self.device)
-        ids = torch.zeros(B, q, dtype=torch.long, device=self.device)
         mask_state = self.model.mask_state()[0].to(self.dtype)
         mask_id = int(self.model.config.mask_token_id)
+        # every row's inputs gathered on the host side and written in one copy each (a copy per row waits for a GPU)
+        hid = torch.zeros(B * q, H, dtype=self.dtype, device=self.device)
+        ids = [[0] * q for _ in range(B)]
+        pieces, where = [], []
         for b in range(B):
             n = int(lens[b])
             if not active[b]:
                 continue
-            hid[b, :n] = self.pending_h[b][-n:]
-            ids[b, :n] = torch.tensor(self.pending_ids[b][-n:], dtype=torch.long)
-            hid[b, n: n + k - 1] = mask_state
-            ids[b, n: n + k - 1] = mask_id
+            pieces += [self.pending_h[b][-n:].to(self.dtype), mask_state.expand(k - 1, -1)]
+            where.extend(range(b * q, b * q + n + k - 1))
+            ids[b][:n + k - 1] = self.pending_ids[b][-n:] + [mask_id] * (k - 1)
             self.pending_h[b], self.pending_ids[b] = self.pending_h[b][:0], []
+        if pieces:
+            hid[torch.tensor(where, dtype=torch.long).to(self.device)] = torch.cat(pieces)
+        hid = hid.view(B, q, H)
+        ids = torch.tensor(ids, dtype=torch.long).to(self.device)
         live_len = lens + torch.tensor([k - 1 if a else 0 for a in active])
         par, live = self.slots.chain_parents(live_len, q)
         _, logits = self._step(hid, ids, par, live)
