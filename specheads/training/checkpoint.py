@@ -18,6 +18,17 @@ at the next step. Only the main process writes model and optimizer under DDP or 
 every rank's small files are written (a barrier) the main process alone finishes the checkpoint.
 DeepSpeed's and FSDP's saves are collective (every rank gathers or writes its shards), so those runs
 stay synchronous, and say so once.
+
+What the model file holds: only what training changes (``saved_state``): parameters with ``requires_grad``,
+every buffer (small; EAGLE-3's ``d2t``/``t2d`` are set at build time and kept rather than proved rebuilt) and any
+extra state. Frozen parameters (Medusa's LM-head copies under ``train_lm_heads=false``, Medusa-2's whole target
+under LoRA) are not written: the engine rebuilds the module from the target before it loads a checkpoint, and
+``frozen.json`` holds a fingerprint of each frozen weight, so a resume whose build made different ones (another
+target, seed or method setting) is refused by name instead of training on. Loading refuses a model file that
+lacks a trained weight or holds a name the module does not have; a checkpoint written before this (the whole
+state dict, frozen copies included) still loads. The optimizer's state covers the trained parameters only
+(``make_optimizer``). Under DeepSpeed and FSDP the launcher writes the model itself (ZeRO or FSDP shards), so
+those checkpoints still hold the whole module, frozen weights included (a log line says so).
 """
 
 from __future__ import annotations
@@ -43,11 +54,14 @@ log = logging.getLogger(__name__)
 FORMAT = "specheads.checkpoint/1"
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
+FROZEN = "frozen.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # accelerate's save_state on these launchers is collective: every rank gathers or writes its part.
 _COLLECTIVE = {"DEEPSPEED": "DeepSpeed's save is collective (every rank writes its ZeRO shards)",
                "FSDP": "FSDP's save is collective (every rank gathers or writes its shards)",
                "MEGATRON_LM": "Megatron-LM's save is collective", "XLA": "an XLA save syncs the device graph"}
+# launchers that write the model themselves (not through a state dict this module can filter)
+_OWN_MODEL_FILES = {"DEEPSPEED", "FSDP", "MEGATRON_LM"}
 
 
 class CheckpointError(RuntimeError):
@@ -125,21 +139,122 @@ def verify_checkpoint(folder: str | Path) -> None:
             raise CheckpointError(f"corrupt checkpoint {folder}: {rel} fails its SHA-256 check")
 
 
-def save_checkpoint(accelerator, root: str | Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
+def save_checkpoint(accelerator, root: str | Path, step: int, state: dict[str, Any], keep: int = 2,
+                    fingerprints: dict | None = None) -> Path:
     """Save everything needed to resume at optimizer step ``step`` and return once it is on disk; all
     processes must call this.
 
     ``state`` holds the engine's counters (JSON-serialisable). Keeps the newest ``keep`` checkpoints
-    (``keep <= 0`` keeps all).
+    (``keep <= 0`` keeps all). ``fingerprints``: ``frozen_fingerprints(accelerator)`` taken earlier (frozen
+    weights do not change), or None to take them now.
     """
     tmp, final = _begin(accelerator, root, step)
-    accelerator.save_state(str(tmp))
+    hook = accelerator.register_save_state_pre_hook(_keep_saved_state)  # removed after this save
+    try:
+        accelerator.save_state(str(tmp))
+    finally:
+        hook.remove()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        _publish(tmp, final, step, state, keep)
+        _publish(tmp, final, step, state, keep, fingerprints or frozen_fingerprints(accelerator))
         log.info("saved checkpoint %s", final)
     accelerator.wait_for_everyone()
     return final
+
+
+# --------------------------------------------------------------------------- what the model file holds
+
+
+def _launcher(accelerator) -> str:
+    return str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+
+
+def frozen_keys(model: torch.nn.Module) -> set[str]:
+    """Names of ``model.state_dict()``'s frozen parameters (``requires_grad`` False): rebuilt, not saved."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def saved_state(model: torch.nn.Module, state: dict) -> dict:
+    """``state`` (``model``'s state dict) without its frozen parameters: what a checkpoint writes."""
+    frozen = frozen_keys(model)
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
+def _keep_saved_state(models, weights, output_dir) -> None:
+    """``save_state`` pre-hook: each model's state dict (empty under DeepSpeed/FSDP) trimmed to ``saved_state``."""
+    for i, (model, state) in enumerate(zip(models, weights)):
+        weights[i] = saved_state(model, state)
+
+
+def _fingerprint(t: torch.Tensor) -> list[float]:
+    """[sum, sum of magnitudes] in float64, over chunks (no full-size float64 copy of a large weight)."""
+    acc = torch.zeros(2, dtype=torch.float64, device=t.device)
+    for chunk in t.detach().reshape(-1).split(1 << 24):
+        chunk = chunk.double()
+        acc[0] += chunk.sum()
+        acc[1] += chunk.abs().sum()
+    return acc.tolist()
+
+
+def frozen_fingerprints(accelerator) -> dict[str, dict] | None:
+    """``{model file: {key: {shape, dtype, sum}}}`` of every frozen weight the checkpoint leaves out; None where
+    the launcher writes the model itself (the file then holds the frozen weights)."""
+    if _launcher(accelerator) in _OWN_MODEL_FILES:
+        return None
+    out = {}
+    for i, model in enumerate(accelerator._models):
+        named = dict(model.named_parameters(remove_duplicate=False))
+        out[_indexed("model.safetensors", i)] = {
+            k: {"shape": list(named[k].shape), "dtype": str(named[k].dtype).removeprefix("torch."),
+                "sum": _fingerprint(named[k])} for k in sorted(frozen_keys(model))}
+    return out
+
+
+def _check_frozen(accelerator, folder: Path) -> None:
+    """Raise ``CheckpointError`` when a frozen weight this run built is not the one the checkpoint trained with."""
+    if not (folder / FROZEN).is_file() or _launcher(accelerator) in _OWN_MODEL_FILES:
+        return  # written before frozen weights were left out: the model file holds them
+    saved = json.loads((folder / FROZEN).read_text())
+    built = frozen_fingerprints(accelerator)
+    for name, keys in saved.items():
+        for k, want in keys.items():
+            got = built.get(name, {}).get(k)
+            if got is None:
+                continue  # trained now, frozen then: the model-file check names it if the file lacks it
+            (s0, a0), (s1, a1) = want["sum"], got["sum"]
+            same = (got["shape"], got["dtype"]) == (want["shape"], want["dtype"]) and abs(s0 - s1) <= 1e-6 * max(a0, a1)
+            if not same or abs(a0 - a1) > 1e-6 * max(a0, a1):
+                raise CheckpointError(f"{folder}: frozen weight {k!r} is not the one this checkpoint was trained "
+                                      "with (frozen weights are rebuilt from the target, not saved: resume with the "
+                                      "same target, seed and method settings)")
+
+
+def _check_model_keys(accelerator, folder: Path) -> None:
+    """Raise ``CheckpointError`` naming a trained weight a model file lacks or a name no module has."""
+    from accelerate.utils.modeling import id_tensor_storage
+    from safetensors import safe_open
+
+    if _launcher(accelerator) in _OWN_MODEL_FILES:
+        return
+    for i, model in enumerate(accelerator._models):
+        path = folder / _indexed("model.safetensors", i)
+        if path.is_file():
+            with safe_open(str(path), framework="pt") as f:
+                names = set(f.keys())
+        else:
+            path = folder / _indexed("pytorch_model.bin", i)
+            names = set(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+        state = model.state_dict()
+        unknown = sorted(names - state.keys())
+        if unknown:
+            raise CheckpointError(f"{path} holds {unknown[0]!r}, which the module this run built does not have "
+                                  "(another method or method settings?)")
+        stored = {id_tensor_storage(state[k]) for k in names if isinstance(state[k], torch.Tensor)}
+        frozen = frozen_keys(model)
+        for k, v in state.items():  # a tied name is written once, under one of its names
+            if k not in frozen and k not in names and not (isinstance(v, torch.Tensor) and id_tensor_storage(v) in stored):
+                raise CheckpointError(f"{path} lacks the trained weight {k!r} (a checkpoint of another method or "
+                                      "method settings?)")
 
 
 def _begin(accelerator, root: str | Path, step: int) -> tuple[Path, Path]:
@@ -153,9 +268,12 @@ def _begin(accelerator, root: str | Path, step: int) -> tuple[Path, Path]:
     return tmp, final
 
 
-def _publish(tmp: Path, final: Path, step: int, state: dict[str, Any], keep: int) -> None:
-    """Main process, once every file is in ``tmp``: trainer state, fsync, manifest, rename, prune."""
+def _publish(tmp: Path, final: Path, step: int, state: dict[str, Any], keep: int, frozen: dict | None = None) -> None:
+    """Main process, once every file is in ``tmp``: trainer state, frozen weights' fingerprints, fsync, manifest,
+    rename, prune."""
     (tmp / STATE).write_text(json.dumps({"format": FORMAT, "step": step, **state}, indent=1))
+    if frozen is not None:
+        (tmp / FROZEN).write_text(json.dumps(frozen, indent=1))
     files = _files(tmp)
     for f in files + sorted({f.parent for f in files}):
         _fsync(f)
@@ -189,7 +307,12 @@ def load_checkpoint(accelerator, folder: str | Path) -> dict[str, Any]:
     state = json.loads((folder / STATE).read_text())
     if state.get("format") != FORMAT:
         raise CheckpointError(f"{folder / STATE} has format {state.get('format')!r}, expected {FORMAT!r}")
-    accelerator.load_state(str(folder))
+    _check_model_keys(accelerator, folder)
+    _check_frozen(accelerator, folder)
+    if _launcher(accelerator) in _OWN_MODEL_FILES:
+        accelerator.load_state(str(folder))
+    else:  # frozen weights are absent from the file: they stay as the build made them (checked above)
+        accelerator.load_state(str(folder), strict=False)
     return state
 
 
@@ -234,6 +357,10 @@ class Checkpointer:
                                                  and accelerator.device.type != "cpu")
         if blocker and mode == "auto" and accelerator.is_main_process:
             log.info("checkpoints are written synchronously (training waits for each): %s", blocker)
+        if _launcher(accelerator) in _OWN_MODEL_FILES and accelerator.is_main_process:
+            log.info("checkpoints hold the whole module, frozen weights included: %s writes the model itself",
+                     _launcher(accelerator))
+        self._frozen: dict | None = None  # the frozen weights' fingerprints (main process), taken at the first save
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._writing: Path | None = None
@@ -243,8 +370,10 @@ class Checkpointer:
         """Checkpoint optimizer step ``step`` (``state``: the engine's counters, JSON-serialisable); returns
         the final folder, which exists once ``wait`` returns."""
         self.wait()
+        if self.acc.is_main_process and self._frozen is None:
+            self._frozen = frozen_fingerprints(self.acc)  # frozen weights do not change
         if not self.asynchronous:
-            return save_checkpoint(self.acc, self.root, step, state, self.keep)
+            return save_checkpoint(self.acc, self.root, step, state, self.keep, self._frozen)
         acc = self.acc
         tmp, final = _begin(acc, self.root, step)
         start = time.perf_counter()
@@ -252,7 +381,7 @@ class Checkpointer:
         _save_small_files(acc, tmp)
         acc.wait_for_everyone()  # every rank's part is in tmp: the main process finishes alone
         if acc.is_main_process:
-            job = (tmp, final, step, dict(state), self.keep, copies, ready)
+            job = (tmp, final, step, dict(state), self.keep, copies, ready, self._frozen)
             if not copied:
                 _write(*job)
                 log.info("saved checkpoint %s (in the training thread: no memory for a copy)", final)
@@ -303,8 +432,8 @@ class Checkpointer:
         on, or None; False when no copy was made (too little memory: the files hold the live state)."""
         acc, files = self.acc, []
         for i, model in enumerate(acc._models):  # accelerate keeps what save_state writes in these lists
-            files.append((_indexed("model.safetensors", i), _without_aliases(acc.get_state_dict(model, unwrap=False)),
-                          True))
+            state = saved_state(model, acc.get_state_dict(model, unwrap=False))  # what save_state's hook keeps
+            files.append((_indexed("model.safetensors", i), _without_aliases(state), True))
         for i, opt in enumerate(acc._optimizers):
             files.append((_indexed("optimizer.bin", i), opt.state_dict(), False))
         need = sum(_nbytes(obj) for _, obj, _ in files) - sum(_nbytes(b) for b in self._pinned.values())
@@ -331,12 +460,12 @@ def _save_small_files(acc, folder: Path) -> None:
         save_custom_state(obj, str(folder), i)
 
 
-def _write(tmp: Path, final: Path, step: int, state: dict, keep: int, copies, ready) -> None:
+def _write(tmp: Path, final: Path, step: int, state: dict, keep: int, copies, ready, frozen) -> None:
     if ready is not None:
         ready.synchronize()
     for name, obj, safe in copies:
         _write_file(tmp / name, obj, safe)
-    _publish(tmp, final, step, state, keep)
+    _publish(tmp, final, step, state, keep, frozen)
 
 
 def _write_file(path: Path, obj, safetensors: bool) -> None:

@@ -91,6 +91,110 @@ def test_a_second_training_in_the_same_process_may_take_another_mixed_precision(
     assert acc.mixed_precision == "no"
 
 
+# --------------------------------------------------------------------------- what the model file holds
+
+
+class _PartlyFrozen(torch.nn.Module):
+    """A frozen layer (as a Medusa head's LM-head copy), a trained one and a buffer set at build (as EAGLE-3's d2t)."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+        self.head = torch.nn.Linear(4, 3)
+        self.register_buffer("table", torch.arange(3))
+
+    def forward(self, x):
+        return self.head(self.frozen(x))
+
+
+def _frozen_setup(seed=0):
+    from accelerate import Accelerator
+
+    torch.manual_seed(seed)
+    acc = Accelerator(cpu=True)
+    model = _PartlyFrozen()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    _step(model, opt)
+    return acc, model, opt
+
+
+def _edit_model_file(folder, edit):
+    """Change ``model.safetensors`` with ``edit(tensors)`` and re-hash the folder (a well-formed checkpoint)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    ckpt.write_manifest(folder)
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_a_checkpoint_holds_the_trained_weights_and_buffers_not_the_frozen_ones(tmp_path, mode):
+    from safetensors import safe_open
+
+    acc, model, opt = _frozen_setup()
+    saver = Checkpointer(acc, tmp_path, mode=mode)
+    path = saver.save(1, {})
+    saver.wait()
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == {"head.weight", "head.bias", "table"}
+    assert set(json.loads((path / "frozen.json").read_text())["model.safetensors"]) == {"frozen.weight", "frozen.bias"}
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    _step(model, opt)
+    with torch.no_grad():
+        model.table.zero_()
+    load_checkpoint(acc, path)
+    for k, v in want.items():  # trained weights and the buffer from the file, frozen ones as built
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("edit,error", [
+    (lambda t: t.pop("head.bias"), r"model.safetensors lacks the trained weight 'head.bias' \(a checkpoint of another"),
+    (lambda t: t.pop("table"), r"lacks the trained weight 'table'"),
+    (lambda t: t.update(extra=torch.ones(2)), r"model.safetensors holds 'extra', which the module this run built does "
+                                              r"not have"),
+], ids=["trained-weight-missing", "buffer-missing", "unknown-name"])
+def test_a_model_file_short_of_a_trained_weight_or_with_an_unknown_name_is_refused(tmp_path, edit, error):
+    acc, model, _ = _frozen_setup()
+    path = save_checkpoint(acc, tmp_path, 1, {})
+    _edit_model_file(path, edit)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.head.weight.add_(1.0)
+    want["head.weight"] += 1.0
+    with pytest.raises(CheckpointError, match=error) as e:
+        load_checkpoint(acc, path)
+    assert "\n" not in str(e.value)
+    for k, v in want.items():  # refused before anything was loaded
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_a_resume_whose_build_made_other_frozen_weights_is_refused(tmp_path):
+    acc, model, _ = _frozen_setup()
+    path = save_checkpoint(acc, tmp_path, 1, {})
+    with torch.no_grad():
+        model.frozen.weight[0, 0] += 0.01  # as another target's (or seed's) LM head would be
+    with pytest.raises(CheckpointError, match=r"frozen weight 'frozen.weight' is not the one this checkpoint was "
+                                              r"trained with .*same target, seed and method settings"):
+        load_checkpoint(acc, path)
+
+
+def test_a_checkpoint_written_with_the_frozen_weights_still_loads(tmp_path):
+    """Checkpoints written before frozen weights were left out: the whole state dict, no frozen.json."""
+    acc, model, _ = _frozen_setup()
+    tmp, final = ckpt._begin(acc, tmp_path, 1)
+    acc.save_state(str(tmp))  # what save_checkpoint wrote then
+    ckpt._publish(tmp, final, 1, {"pos": 2}, keep=2)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert load_checkpoint(acc, final)["pos"] == 2
+    for k, v in want.items():  # the frozen weights too, from the file
+        assert torch.equal(model.state_dict()[k], v), k
+
+
 # --------------------------------------------------------------------------- written in the background
 
 

@@ -79,6 +79,86 @@ def test_background_checkpoints_hold_what_synchronous_ones_hold_and_resume_alike
     assert read_losses(tmp_path / "always") == read_losses(tmp_path / "never")
 
 
+def _frozen_method(name):
+    """Medusa-1 with frozen LM-head copies, or Medusa-2 (LoRA on the frozen target): most weights are frozen."""
+    kw = {"medusa1": dict(num_heads=2, train_lm_heads=False), "medusa2": dict(num_heads=2, lora_r=4)}[name]
+    return build_method(name, **kw)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _StopAfter:
+    """Yields the inner source's first ``n`` batches, then stops the run (as a kill would, minus the process)."""
+
+    def __init__(self, inner, n):
+        self.inner, self.left = inner, n
+
+    def batches(self, epoch, start=0):
+        for b in self.inner.batches(epoch, start):
+            if self.left == 0:
+                raise _Interrupted
+            self.left -= 1
+            yield b
+
+
+def _run(out, name, stop_after=None):
+    """Six steps with a checkpoint every two; ``stop_after`` steps, the run stops there (after its checkpoint)."""
+    train_src, _ = sources()
+    cfg = _cfg(out, max_steps=6, save_every=2, eval_every=0, keep_checkpoints=0)
+    if stop_after is None:
+        return train(_frozen_method(name), _tiny(), train_src, cfg)
+    with pytest.raises(_Interrupted):
+        train(_frozen_method(name), _tiny(), _StopAfter(train_src, stop_after * cfg.grad_accum), cfg)
+
+
+def _module_bytes_and_keys(name):
+    """(bytes of the whole module's state dict, names of its trained parameters) as the engine builds it."""
+    from specheads.methods.base import TrainingModule
+
+    method = _frozen_method(name)
+    module = TrainingModule(method, method.build(_tiny()), _tiny())
+    state = module.state_dict()
+    trained = {n for n, p in module.named_parameters() if p.requires_grad}
+    return sum(v.numel() * v.element_size() for v in state.values()), trained, set(state) - trained
+
+
+@pytest.mark.parametrize("written", ["now", "before"])  # before: the whole state dict, as checkpoints were written
+@pytest.mark.parametrize("name", ["medusa1", "medusa2"])
+def test_checkpoints_hold_only_trained_weights_and_resume_bit_for_bit(tmp_path, monkeypatch, name, written):
+    """A checkpoint leaves the frozen weights out (the build makes them again); resuming from it, or from one
+    written the old way with every frozen copy, reaches the uninterrupted run's losses, weights and Adam state."""
+    import specheads.training.checkpoint as ckpt
+    from safetensors import safe_open
+    from test_checkpoint import _files_equal
+
+    _run(tmp_path / "ref", name)
+    with monkeypatch.context() as m:
+        if written == "before":
+            m.setattr(ckpt, "saved_state", lambda model, state: state)
+            m.setattr(ckpt, "frozen_fingerprints", lambda acc: None)
+        _run(tmp_path / "run", name, stop_after=4)
+    _run(tmp_path / "run", name)  # resumes from step 4
+    assert json.loads((tmp_path / "run" / "train_summary.json").read_text())["resumed_from"].endswith("step_0000004")
+    assert read_losses(tmp_path / "run") == read_losses(tmp_path / "ref")  # floats compared exactly
+    ref, run = tmp_path / "ref" / "checkpoints", tmp_path / "run" / "checkpoints"
+    _files_equal(ref / "step_0000006", run / "step_0000006", clock=("train_s",))  # weights and optimizer, bit for bit
+
+    full, trained, frozen = _module_bytes_and_keys(name)
+    model_file = run / "step_0000004" / "model.safetensors"
+    with safe_open(str(model_file), framework="pt") as f:
+        held = set(f.keys())
+    if written == "before":
+        assert frozen <= held  # the old checkpoint held the frozen copies ...
+        return
+    assert held == trained and not held & frozen  # ... the new one the trained weights only
+    share = model_file.stat().st_size / full
+    assert share < {"medusa1": 0.15, "medusa2": 0.5}[name], share
+    fingerprints = json.loads((run / "step_0000004" / "frozen.json").read_text())["model.safetensors"]
+    assert set(fingerprints) == frozen
+
+
 def test_a_failed_background_checkpoint_stops_training_with_its_error(tmp_path, monkeypatch):
     import specheads.training.checkpoint as ckpt
     from specheads.training.checkpoint import CheckpointError
