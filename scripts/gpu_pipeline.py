@@ -77,12 +77,13 @@ NOT_CARRIED = {
     "ijson": "streams ShareGPT JSON; the pipeline's chats are JSON lines",
     "wandb": "the pipeline trains with wandb.mode=disabled",
 }
-# Left out of the carried wheels: test suites, headers, and pyarrow's Flight, S3 and Substrait libraries (only
-# their own modules load them; pyarrow.fs imports S3 support in a try block).
+# Left out of the carried wheels: test suites, headers, and pyarrow's Flight and S3 libraries (only their own
+# modules link them, ldd says; pyarrow.fs imports S3 support in a try block). Substrait stays: every pyarrow module
+# links it.
 TRIM = {
     "pyarrow": ("pyarrow/include/", "pyarrow/tests/", "pyarrow/src/", "pyarrow/libarrow_flight",
                 "pyarrow/libarrow_python_flight", "pyarrow/_flight.", "pyarrow/libarrow_s3", "pyarrow/_s3fs.",
-                "pyarrow/libarrow_substrait", "pyarrow/_substrait.", "pyarrow/_pyarrow_cpp_tests."),
+                "pyarrow/_pyarrow_cpp_tests."),
     "pandas": ("pandas/tests/",),
     "matplotlib": ("matplotlib/tests/",),
 }
@@ -183,6 +184,18 @@ def carried_versions(python: str) -> list[str]:
 
 def cmd_pins(args) -> int:
     print("\n".join(carried_versions(args.python)))
+    return 0
+
+
+DEEPSPEED_PART = ("deepspeed", "einops", "hjson", "msgpack", "ninja", "py-cpuinfo", "pydantic", "pydantic-core",
+                  "annotated-types", "typing-inspection")
+
+
+def cmd_names(args) -> int:
+    """The distributions gpu_pipeline.sh installs, one part per call: core, deepspeed or assets."""
+    part = {"core": [n for n in CARRY if n not in DEEPSPEED_PART], "deepspeed": list(DEEPSPEED_PART),
+            "assets": list(ASSETS)}[args.part]
+    print(" ".join(part))
     return 0
 
 
@@ -498,8 +511,12 @@ class Pipeline:
         if not has_module("pytest"):
             self.table.add("gpu tests", "skipped", why="pytest is not installed")
             return
-        env = dict(self.env, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", SPECHEADS_GPU_PIPELINE_WORK=str(self.work))
-        cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-m", "gpu", "-q", "-rs",
+        # as gpu_check.sh runs its tests: no plugin auto-loading (so pyproject's xdist addopts cleared), and gpu_check
+        # as a plugin, which maps specheads.kernels to kernels/ where the working tree's specheads is imported
+        env = dict(self.env, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", SPECHEADS_GPU_PIPELINE_WORK=str(self.work),
+                   PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
+        cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "gpu_check", "-p", "no:cacheprovider", "-m",
+               "gpu", "-q", "-rs",
                str(ROOT / "tests" / "test_gpu_pipeline.py")]
         t0 = time.time()
         res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -571,13 +588,15 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("check-carry", help="which carried distributions this Python lacks")
     p = sub.add_parser("pins", help="name==version of each carried distribution, as PYTHON has it")
     p.add_argument("--python", default=sys.executable)
+    n = sub.add_parser("names", help="the distributions gpu_pipeline.sh installs, by part")
+    n.add_argument("part", choices=["core", "deepspeed", "assets"])
     return ap
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     return {"run": cmd_run, "bundle": cmd_bundle, "assets": cmd_assets, "check-carry": cmd_check_carry,
-            "pins": cmd_pins}[args.cmd](args)
+            "pins": cmd_pins, "names": cmd_names}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Every stage of specheads on one CUDA GPU as a user calls it, failing on a silent CPU fallback
+# (scripts/gpu_pipeline.py run: prepare, collect, train EAGLE-3 / DFlash / Medusa-2, evaluate, export, and
+# accelerate launch with one process under FSDP, DeepSpeed ZeRO-2 and ZeRO-3; the gpu tests of
+# tests/test_gpu_pipeline.py). Under 8 minutes; nothing reached over the network.
+#
+#   bash scripts/gpu_wheels.sh                  # first, here: .gpu-wheels/bundle.tar.xz (~51 MiB, carried there)
+#   bash scripts/gpu_pipeline.sh                # on the GPU machine (its Python has torch, triton, transformers)
+#   bash scripts/gpu_pipeline.sh --cpu-smoke    # the same on the CPU: a tiny target, FSDP left out (needs CUDA)
+#   bash scripts/gpu_pipeline.sh --cpu-smoke --in-venv   # no install: PYTHON as it is (CI: the project's .venv)
+#
+# Install (unless --in-venv): a venv (.gpu-venv) over the machine's Python with --system-site-packages (its torch,
+# triton and transformers), the bundle's wheels installed with pip --no-index (only what that Python lacks), then
+# specheads from the working tree without dependencies. A part that cannot install is said in one line and only
+# the stages needing it are skipped.
+# Exit status: 0 every stage ran on the device and matched; 1 a stage failed or ran on the wrong device; 3 nothing
+# failed but something could not run (no CUDA without --cpu-smoke, no bundle, a missing package).
+# Environment: PYTHON (default python3, or .venv/bin/python with --in-venv), OUT (gpu_pipeline.{json,md} and logs;
+# default a temporary folder), GPU_PIPELINE_BUDGET (seconds for the stages, default 360), GPU_PIPELINE_STAGE_TIMEOUT
+# (seconds per stage, default 150), GPU_WHEELS_DIR (default .gpu-wheels).
+set -uo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,22p' "$0"; exit 0; fi
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+SMOKE=0 IN_VENV=0
+for a in "$@"; do
+  case $a in
+    --cpu-smoke) SMOKE=1 ;;
+    --in-venv) IN_VENV=1 ;;
+    *) echo "gpu_pipeline.sh: unknown option $a (see --help)"; exit 2 ;;
+  esac
+done
+OUT_DIR=${OUT:-$(mktemp -d -t gpu_pipeline.XXXXXX)}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+WHEELS=${GPU_WHEELS_DIR:-.gpu-wheels}
+t0=$(date +%s)
+if (( IN_VENV )); then PY=${PYTHON:-.venv/bin/python}; else PY=${PYTHON:-python3}; fi
+echo "gpu_pipeline.sh: python $("$PY" -c 'import sys; print(sys.version.split()[0])') ($PY), results in $OUT_DIR"
+if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; fi
+
+incomplete=0
+note() { echo "gpu_pipeline.sh: $*" | tee -a "$OUT_DIR/install.log"; }
+TMP=$(mktemp -d -t gpu_pipeline_w.XXXXXX)
+trap 'rm -rf "$TMP"' EXIT
+TOKENIZER=$TMP/assets/smollm2-tokenizer
+if (( IN_VENV )); then
+  RUN_PY=$PY
+  "$RUN_PY" scripts/gpu_pipeline.py assets --out "$TOKENIZER" > /dev/null || { note "no SmolLM2 tokenizer"; exit 3; }
+else
+  VENV=${GPU_PIPELINE_VENV:-.gpu-venv}
+  rm -rf "$VENV"
+  "$PY" -m venv --system-site-packages "$VENV" || { note "cannot make a venv with $PY"; exit 3; }
+  RUN_PY=$VENV/bin/python
+  if [[ $("$PY" -c 'import sys; print(sys.prefix != sys.base_prefix)') == True ]]; then
+    # PYTHON is itself a venv, whose packages --system-site-packages does not reach: a .pth file adds them
+    # (after the new venv's own, so what the bundle installs comes first)
+    "$PY" -c 'import site; print("\n".join(site.getsitepackages()))' \
+      > "$("$RUN_PY" -c 'import site; print(site.getsitepackages()[0])')/gpu_pipeline_base.pth"
+  fi
+  if [[ ! -f $WHEELS/bundle.tar.xz ]]; then
+    note "no $WHEELS/bundle.tar.xz: run 'bash scripts/gpu_wheels.sh' where the network is and carry $WHEELS here"
+    exit 3
+  fi
+  "$RUN_PY" -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$WHEELS/bundle.tar.xz" "$TMP"
+  have=$("$RUN_PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+  built=$(cat "$WHEELS/python-version" 2>/dev/null || echo unknown)
+  if [[ $have != "$built" ]]; then
+    note "the carried wheels are for CPython $built, this machine runs $have: run 'bash scripts/gpu_wheels.sh --python $have' and carry $WHEELS again"
+    exit 3
+  fi
+  pipi() { "$RUN_PY" -m pip install -q --no-index --find-links "$TMP/wheels" "$@" >> "$OUT_DIR/install.log" 2>&1; }
+  # one part at a time: a part that cannot install leaves the others (and the stages that need only them) running
+  pipi $("$RUN_PY" scripts/gpu_pipeline.py names core) || { note "the core wheels did not install (log: $OUT_DIR/install.log; its end below)"; tail -5 "$OUT_DIR/install.log"; exit 3; }
+  pipi $("$RUN_PY" scripts/gpu_pipeline.py names deepspeed) || { note "DeepSpeed did not install: its launches are skipped"; incomplete=1; }
+  pipi --no-deps $("$RUN_PY" scripts/gpu_pipeline.py names assets) || { note "the MT-bench/HumanEval files did not install"; exit 3; }
+  pipi --no-deps --no-build-isolation "$ROOT" || { note "specheads did not install from $ROOT"; exit 3; }
+  rm -rf "$ROOT/build"
+  note "installed in $(( $(date +%s) - t0 )) s: $("$RUN_PY" -c 'import torch, transformers, datasets, hydra; print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, datasets {datasets.__version__}")')"
+fi
+
+[[ $RUN_PY == */* ]] && RUN_PY=$(cd "$(dirname "$RUN_PY")" && pwd)/$(basename "$RUN_PY") || RUN_PY=$(command -v "$RUN_PY")
+ARGS=(run --tokenizer "$TOKENIZER" --out "$OUT_DIR" --work "$TMP/run" --budget-s "${GPU_PIPELINE_BUDGET:-360}"
+      --stage-timeout "${GPU_PIPELINE_STAGE_TIMEOUT:-150}")
+(( SMOKE )) && ARGS+=(--cpu-smoke)
+# the stages run from a folder outside the checkout, so the installed specheads (not the working tree) is imported
+(cd "$TMP" && timeout $(( ${GPU_PIPELINE_BUDGET:-360} + 60 )) "$RUN_PY" "$ROOT/scripts/gpu_pipeline.py" "${ARGS[@]}") 2>&1 \
+  | tee "$OUT_DIR/gpu_pipeline.log"
+rc=${PIPESTATUS[0]}
+case $rc in
+  0|1|3) ;;
+  124) echo "gpu_pipeline.py: TIMED OUT"; rc=1 ;;
+  *) rc=1 ;;
+esac
+(( rc == 0 && incomplete )) && rc=3
+ok="ALL ON THE GPU"; (( SMOKE )) && ok="ALL MATCH (CPU smoke)"
+echo "gpu_pipeline.sh: $(( $(date +%s) - t0 )) s in all -> $( ((rc == 0)) && echo "$ok" || ( ((rc == 1)) && echo "FAILED" || echo "INCOMPLETE" ))"
+exit $rc
