@@ -2,9 +2,9 @@
 # Every stage of specheads on one CUDA GPU as a user calls it, failing on a silent CPU fallback
 # (scripts/gpu_pipeline.py run: prepare, collect, train EAGLE-3 / DFlash / Medusa-2, evaluate, export, and
 # accelerate launch with one process under FSDP, DeepSpeed ZeRO-2 and ZeRO-3; the gpu tests of
-# tests/test_gpu_pipeline.py). Under 8 minutes; nothing reached over the network.
+# tests/test_gpu_pipeline.py). Timeouts hold it under 8 minutes (7.5 at most); nothing is reached over the network.
 #
-#   bash scripts/gpu_wheels.sh                  # first, here: .gpu-wheels/bundle.tar.xz (~51 MiB, carried there)
+#   bash scripts/gpu_wheels.sh                  # first, here: .gpu-wheels/bundle.tar.xz (about 52 MiB: carry it)
 #   bash scripts/gpu_pipeline.sh                # on the GPU machine (its Python has torch, triton, transformers)
 #   bash scripts/gpu_pipeline.sh --cpu-smoke    # the same on the CPU: a tiny target, FSDP left out (needs CUDA)
 #   bash scripts/gpu_pipeline.sh --cpu-smoke --in-venv   # no install: PYTHON as it is (CI: the project's .venv)
@@ -16,10 +16,11 @@
 # Exit status: 0 every stage ran on the device and matched; 1 a stage failed or ran on the wrong device; 3 nothing
 # failed but something could not run (no CUDA without --cpu-smoke, no bundle, a missing package).
 # Environment: PYTHON (default python3, or .venv/bin/python with --in-venv), OUT (gpu_pipeline.{json,md} and logs;
-# default a temporary folder), GPU_PIPELINE_BUDGET (seconds for the stages, default 360), GPU_PIPELINE_STAGE_TIMEOUT
+# default a temporary folder), GPU_PIPELINE_BUDGET (seconds for the stages at most, default 360; less what the install
+# took of 450), GPU_PIPELINE_STAGE_TIMEOUT
 # (seconds per stage, default 150), GPU_WHEELS_DIR (default .gpu-wheels).
 set -uo pipefail
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,22p' "$0"; exit 0; fi
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0; fi
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 SMOKE=0 IN_VENV=0
@@ -50,7 +51,13 @@ if (( IN_VENV )); then
 else
   VENV=${GPU_PIPELINE_VENV:-.gpu-venv}
   rm -rf "$VENV"
-  "$PY" -m venv --system-site-packages "$VENV" || { note "cannot make a venv with $PY"; exit 3; }
+  PIP=("$VENV/bin/python" -m pip)
+  if ! "$PY" -m venv --system-site-packages "$VENV" >> "$OUT_DIR/install.log" 2>&1; then
+    # a Python without ensurepip (Debian's without python3-venv): the venv without pip, filled by this Python's pip
+    rm -rf "$VENV"
+    "$PY" -m venv --system-site-packages --without-pip "$VENV" || { note "cannot make a venv with $PY"; exit 3; }
+    PIP=("$PY" -m pip --python "$VENV/bin/python")
+  fi
   RUN_PY=$VENV/bin/python
   if [[ $("$PY" -c 'import sys; print(sys.prefix != sys.base_prefix)') == True ]]; then
     # PYTHON is itself a venv, whose packages --system-site-packages does not reach: a .pth file adds them
@@ -69,7 +76,7 @@ else
     note "the carried wheels are for CPython $built, this machine runs $have: run 'bash scripts/gpu_wheels.sh --python $have' and carry $WHEELS again"
     exit 3
   fi
-  pipi() { "$RUN_PY" -m pip install -q --no-index --find-links "$TMP/wheels" "$@" >> "$OUT_DIR/install.log" 2>&1; }
+  pipi() { timeout 100 "${PIP[@]}" install -q --no-index --find-links "$TMP/wheels" "$@" >> "$OUT_DIR/install.log" 2>&1; }
   # one part at a time: a part that cannot install leaves the others (and the stages that need only them) running
   pipi $("$RUN_PY" scripts/gpu_pipeline.py names core) || { note "the core wheels did not install (log: $OUT_DIR/install.log; its end below)"; tail -5 "$OUT_DIR/install.log"; exit 3; }
   pipi $("$RUN_PY" scripts/gpu_pipeline.py names deepspeed) || { note "DeepSpeed did not install: its launches are skipped"; incomplete=1; }
@@ -80,11 +87,14 @@ else
 fi
 
 [[ $RUN_PY == */* ]] && RUN_PY=$(cd "$(dirname "$RUN_PY")" && pwd)/$(basename "$RUN_PY") || RUN_PY=$(command -v "$RUN_PY")
-ARGS=(run --tokenizer "$TOKENIZER" --out "$OUT_DIR" --work "$TMP/run" --budget-s "${GPU_PIPELINE_BUDGET:-360}"
+# the stages get what is left of 450 s after the install (at most GPU_PIPELINE_BUDGET), and 30 s more to write up
+BUDGET=$(( 450 - 30 - ($(date +%s) - t0) ))
+(( BUDGET > ${GPU_PIPELINE_BUDGET:-360} )) && BUDGET=${GPU_PIPELINE_BUDGET:-360}
+ARGS=(run --tokenizer "$TOKENIZER" --out "$OUT_DIR" --work "$TMP/run" --budget-s "$BUDGET"
       --stage-timeout "${GPU_PIPELINE_STAGE_TIMEOUT:-150}")
 (( SMOKE )) && ARGS+=(--cpu-smoke)
 # the stages run from a folder outside the checkout, so the installed specheads (not the working tree) is imported
-(cd "$TMP" && timeout $(( ${GPU_PIPELINE_BUDGET:-360} + 60 )) "$RUN_PY" "$ROOT/scripts/gpu_pipeline.py" "${ARGS[@]}") 2>&1 \
+(cd "$TMP" && timeout $(( BUDGET + 30 )) "$RUN_PY" "$ROOT/scripts/gpu_pipeline.py" "${ARGS[@]}") 2>&1 \
   | tee "$OUT_DIR/gpu_pipeline.log"
 rc=${PIPESTATUS[0]}
 case $rc in

@@ -14,7 +14,7 @@
 # Exit status: 0 written and under the limit; 1 a download or build failed; 3 written but over the limit.
 # Environment: GPU_WHEELS_DIR (default .gpu-wheels), PYTHON (default .venv/bin/python: needs specheads set up).
 set -euo pipefail
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,16p' "$0"; exit 0; fi
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0; fi
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 PYVER=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')

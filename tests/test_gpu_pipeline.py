@@ -140,3 +140,20 @@ def test_the_trained_module_is_on_the_gpu_after_the_accelerator_prepares_it(targ
     model = TrainingModule(method, method.build(target), target)
     model, _ = acc.prepare(model, make_optimizer(model, OptimConfig()))
     assert not off_cuda(model)
+
+
+def test_a_stage_that_ran_on_the_cpu_of_a_gpu_machine_is_caught(tmp_path):
+    """The records of a run that fell back to the CPU (the summary's devices, the machine, fp32) fail the check when
+    the GPU was asked for, and pass it when the CPU was (the smoke run)."""
+    import json
+
+    summary = {"steps": 3, "num_processes": 1, "final_loss": 1.0, "precision": {"mixed_precision": "no"},
+               "device": {"accelerator": "cpu", "target": "cpu", "distributed_type": "NO", "machine": "Some CPU"}}
+    (tmp_path / "train_summary.json").write_text(json.dumps(summary))
+    pipe = object.__new__(gp.Pipeline)
+    pipe.device, pipe.machine, pipe.bf16 = "cuda", "NVIDIA H200", True
+    wrong, _ = pipe.train_evidence(tmp_path)
+    assert len(wrong) == 4 and any("accelerator device is 'cpu'" in w for w in wrong), wrong
+    pipe.device, pipe.machine, pipe.bf16 = "cpu", "Some CPU", False
+    assert pipe.train_evidence(tmp_path)[0] == []
+    assert pipe.train_evidence(tmp_path, distributed="DEEPSPEED")[0] == ["distributed_type is 'NO', expected 'DEEPSPEED'"]
