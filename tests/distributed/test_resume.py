@@ -88,3 +88,23 @@ def test_same_command_resumes_every_rank_to_the_uninterrupted_losses(killed_then
     assert ref_head.keys() == got_head.keys()
     for k in ref_head:
         assert bool((ref_head[k] == got_head[k]).all()), k
+
+
+def test_a_ddp_checkpoint_without_the_frozen_target_resumes_to_the_uninterrupted_losses(assets, tmp_path):
+    """Medusa-2 under LoRA, 2 processes: the checkpoint holds the adapters and heads, not the frozen target, and a
+    run resumed from it (every rank rebuilds the target, then loads) takes the uninterrupted run's steps 3-6."""
+    from safetensors import safe_open
+
+    from dist_launch import launch
+
+    ref = launch("cpu_ddp.yaml", tmp_path / "ref", train_args(assets, tmp_path / "ref", "medusa2", *EQUIV_ARGS)).check()
+    ckpt = tmp_path / "ref" / "checkpoints" / "step_0000002"
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        held = list(f.keys())
+    assert held and all("lora_" in k or ".heads." in k for k in held), held
+    assert (ckpt / "frozen.json").is_file()
+    out = tmp_path / "resumed"
+    resumed = launch("cpu_ddp.yaml", out, train_args(assets, out, "medusa2", *EQUIV_ARGS, f"train.resume={ckpt}")).check()
+    assert resumed.log.count("resumed from") == 2, resumed.log[-3000:]
+    want = {s: v for s, v in ref.losses().items() if s > 2}
+    assert resumed.losses() == want  # floats compared exactly

@@ -180,6 +180,36 @@ def test_a_resume_whose_build_made_other_frozen_weights_is_refused(tmp_path):
         load_checkpoint(acc, path)
 
 
+@pytest.mark.parametrize("name", ["medusa1", "medusa2", "eagle1", "eagle3", "peagle", "dspark"])
+def test_each_familys_checkpoint_holds_its_trained_weights_and_buffers(tmp_path, name):
+    """EAGLE-3's and P-EAGLE's d2t/t2d (buffers set at build) are kept; only Medusa-2's (LoRA: the target) frozen
+    weights live in these modules at their defaults, the other families lend the target's outside the state dict."""
+    from accelerate import Accelerator
+    from safetensors import safe_open
+
+    from specheads.methods import TrainingModule
+    from tests.conftest import make_tiny_target
+    from tests.methods.test_training_module import _method
+
+    torch.manual_seed(0)
+    method = _method(name)
+    module = TrainingModule(method, method.build(make_tiny_target("llama", hidden=32, layers=4, vocab=256)), None)
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad])
+    acc = Accelerator(cpu=True)
+    module, opt = acc.prepare(module, opt)
+    path = save_checkpoint(acc, tmp_path, 1, {})
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        held = set(f.keys())
+    trained = {n for n, p in module.named_parameters() if p.requires_grad}
+    buffers = {n for n, _ in module.named_buffers()} & set(module.state_dict())
+    assert held == trained | buffers
+    frozen = set(json.loads((path / "frozen.json").read_text())["model.safetensors"])
+    assert frozen == set(module.state_dict()) - held
+    assert bool(frozen) == (name == "medusa2")
+    assert ({"model.d2t", "model.t2d"} <= held) == (name in ("eagle3", "peagle"))
+    load_checkpoint(acc, path)
+
+
 def test_a_checkpoint_written_with_the_frozen_weights_still_loads(tmp_path):
     """Checkpoints written before frozen weights were left out: the whole state dict, no frozen.json."""
     acc, model, _ = _frozen_setup()
