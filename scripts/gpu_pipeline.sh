@@ -8,6 +8,8 @@
 #   bash scripts/gpu_pipeline.sh                # on the GPU machine (its Python has torch, triton, transformers)
 #   bash scripts/gpu_pipeline.sh --cpu-smoke    # the same on the CPU: a tiny target, FSDP left out (needs CUDA)
 #   bash scripts/gpu_pipeline.sh --cpu-smoke --in-venv   # no install: PYTHON as it is (CI: the project's .venv)
+#   bash scripts/gpu_pipeline.sh --install-only # the install below, then stop (scripts/gpu_suite.sh runs its parts
+#                                               # in .gpu-venv, the tokenizer kept at .gpu-venv/smollm2-tokenizer)
 #
 # Install (unless --in-venv): a venv (.gpu-venv) over the machine's Python with --system-site-packages (its torch,
 # triton and transformers), the bundle's wheels installed with pip --no-index (only what that Python lacks), then
@@ -18,16 +20,18 @@
 # Environment: PYTHON (default python3, or .venv/bin/python with --in-venv), OUT (gpu_pipeline.{json,md} and logs;
 # default a temporary folder), GPU_PIPELINE_BUDGET (seconds for the stages at most, default 360; less what the install
 # took of 450), GPU_PIPELINE_STAGE_TIMEOUT
-# (seconds per stage, default 150), GPU_WHEELS_DIR (default .gpu-wheels).
+# (seconds per stage, default 150), GPU_WHEELS_DIR (default .gpu-wheels), GPU_PIPELINE_TOKENIZER (with --in-venv: a
+# folder of SmolLM2's tokenizer files, instead of the installed asset package's).
 set -uo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0; fi
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-SMOKE=0 IN_VENV=0
+SMOKE=0 IN_VENV=0 INSTALL_ONLY=0
 for a in "$@"; do
   case $a in
     --cpu-smoke) SMOKE=1 ;;
     --in-venv) IN_VENV=1 ;;
+    --install-only) INSTALL_ONLY=1 ;;
     *) echo "gpu_pipeline.sh: unknown option $a (see --help)"; exit 2 ;;
   esac
 done
@@ -47,7 +51,11 @@ trap 'rm -rf "$TMP"' EXIT
 TOKENIZER=$TMP/assets/smollm2-tokenizer
 if (( IN_VENV )); then
   RUN_PY=$PY
-  "$RUN_PY" scripts/gpu_pipeline.py assets --out "$TOKENIZER" > /dev/null || { note "no SmolLM2 tokenizer"; exit 3; }
+  if [[ -n ${GPU_PIPELINE_TOKENIZER:-} ]]; then
+    TOKENIZER=$(cd "$GPU_PIPELINE_TOKENIZER" && pwd)
+  else
+    "$RUN_PY" scripts/gpu_pipeline.py assets --out "$TOKENIZER" > /dev/null || { note "no SmolLM2 tokenizer"; exit 3; }
+  fi
 else
   VENV=${GPU_PIPELINE_VENV:-.gpu-venv}
   rm -rf "$VENV"
@@ -84,6 +92,11 @@ else
   pipi --no-deps --no-build-isolation "$ROOT" || { note "specheads did not install from $ROOT"; exit 3; }
   rm -rf "$ROOT/build"
   note "installed in $(( $(date +%s) - t0 )) s: $("$RUN_PY" -c 'import torch, transformers, datasets, hydra; print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, datasets {datasets.__version__}")')"
+  if (( INSTALL_ONLY )); then
+    cp -r "$TOKENIZER" "$VENV/smollm2-tokenizer"
+    note "install only: $RUN_PY, the tokenizer in $VENV/smollm2-tokenizer"
+    exit $(( incomplete ? 3 : 0 ))
+  fi
 fi
 
 [[ $RUN_PY == */* ]] && RUN_PY=$(cd "$(dirname "$RUN_PY")" && pwd)/$(basename "$RUN_PY") || RUN_PY=$(command -v "$RUN_PY")

@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
-# What a lent GPU session measures, in one command that fits the device's time (a command may run 10 minutes; a
-# session has 15 in all, start-up included). Run from the repository root of the working tree the device gets:
+# The GPU checks and benchmarks in one command that fits a borrowed GPU's time (on the machines this project
+# borrows, a command may run 10 minutes and 15 in all, start-up included). Run from the repository root:
 #
-#   bash scripts/gpu_session.sh                     # every part below, in this order
-#   bash scripts/gpu_session.sh evaluate train      # only these parts
-#   bash scripts/gpu_session.sh --cpu-smoke         # here, without a GPU: every part on tiny shapes (CI runs it)
+#   bash scripts/gpu_wheels.sh                      # first, here: .gpu-wheels/ (carry it to the GPU machine)
+#   bash scripts/gpu_suite.sh                       # there: every part below, in this order
+#   bash scripts/gpu_suite.sh pipeline linear_ce checkpoint   # only these parts (a second command, if time is left)
+#   bash scripts/gpu_suite.sh --cpu-smoke           # here, without a GPU: every part on tiny shapes (CI runs it)
+#
+# Its Python: PYTHON if set; else .venv/bin/python where it has torch, else python3. On the GPU machine, when that
+# Python lacks what the benchmarks import (datasets, accelerate, Hydra, specheads itself), the carried wheels are installed first into
+# .gpu-venv over it (scripts/gpu_pipeline.sh --install-only) and every part runs there. Fifteen minutes hold the first
+# three parts in one command (check, train, evaluate); the rest fit a second.
 #
 # Parts, each under its own time cap (a part the rest of the budget cannot hold is skipped, and said so):
 #   check       scripts/gpu_check.sh: the kernels against their references, the GPU tests, the engine check
-#   evaluate    bench_evaluate.py at shape:llama-3.2-1b: a step's draft / forward / verify / rest for batches of
-#               1, 8, 64 and trees of 8, 24, 64 nodes, kernels on and off, batched vs row by row vs one row at a time
 #   train       bench_train.py at shape:llama-3.2-1b: EAGLE-3, DFlash and Medusa-1 as `specheads train` runs them
 #               (bfloat16 autocast on a GPU): tokens/s, peak GPU memory, TFLOP/s and share of the GPU's peak
+#   evaluate    bench_evaluate.py at shape:llama-3.2-1b: a step's draft / forward / verify / rest for batches of
+#               1, 8, 64 and trees of 8, 24, 64 nodes, kernels on and off, batched vs row by row vs one row at a time
+#   pipeline    scripts/gpu_pipeline.sh: every stage through the specheads command on CUDA, a CPU fallback failing
 #   linear_ce   bench_linear_ce.py: Medusa-1's five heads at a 128k vocabulary, whole logits vs the chunked loss
 #   checkpoint  bench_checkpoint.py: how long a checkpoint of five 128k-vocabulary heads stalls training
-#   pipeline    scripts/gpu_pipeline.py: every stage through the CLI on CUDA (when it is in the tree)
 #
 # Each part's output goes to $OUT/<part>.log (OUT: the device tool's folder; default a temporary one); the JSON
 # reports ($OUT/eval_1b.json, $OUT/train_1b.json) are what `specheads record FILE --checkout .` takes back here.
-# SESSION_BUDGET (seconds; default 540) bounds the whole run. Exit status: 0 every part ran and passed; 1 a part
-# failed; 3 nothing failed but a part was skipped or could not run.
+# GPU_SUITE_BUDGET (seconds; default 540 on a GPU, 1500 for the smoke, which must run every part) bounds the whole
+# run. Exit status: 0 every part ran and passed; 1 a part failed; 3 nothing failed but a part was skipped or could
+# not run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -30,36 +37,47 @@ elif [[ -x .venv/bin/python ]] && .venv/bin/python -c "import torch" 2>/dev/null
 else
   PY=python3
 fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-OUT_DIR=${OUT:-$(mktemp -d -t gpu_session.XXXXXX)}
+OUT_DIR=${OUT:-$(mktemp -d -t gpu_suite.XXXXXX)}
 mkdir -p "$OUT_DIR"
-BUDGET=${SESSION_BUDGET:-540}
 SMOKE=0
 PARTS=()
 for a in "$@"; do
   case $a in
     --cpu-smoke) SMOKE=1 ;;
     check|evaluate|train|linear_ce|checkpoint|pipeline) PARTS+=("$a") ;;
-    *) echo "gpu_session.sh: unknown part '$a' (parts: check evaluate train linear_ce checkpoint pipeline; or --cpu-smoke)"; exit 2 ;;
+    *) echo "gpu_suite.sh: unknown part '$a' (parts: check evaluate train linear_ce checkpoint pipeline; or --cpu-smoke)"; exit 2 ;;
   esac
 done
-((${#PARTS[@]})) || PARTS=(check evaluate train linear_ce checkpoint pipeline)
+((${#PARTS[@]})) || PARTS=(check train evaluate pipeline linear_ce checkpoint)
+PIPELINE_ENV=()
+start=$SECONDS
 if ((SMOKE)); then
+  BUDGET=${GPU_SUITE_BUDGET:-1500}
   DEV=(--device cpu)
   TARGET=tiny
 else
+  BUDGET=${GPU_SUITE_BUDGET:-540}
   if ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-    echo "gpu_session.sh: no CUDA GPU here ($PY); run it on the GPU machine, or with --cpu-smoke"
+    echo "gpu_suite.sh: no CUDA GPU here ($PY); run it on the GPU machine, or with --cpu-smoke"
     exit 3
   fi
   DEV=(--device cuda)
   TARGET=shape:llama-3.2-1b
+  # specheads installed (its kernels are shipped as specheads.kernels: the working tree alone lacks them)
+  if [[ -z ${PYTHON:-} ]] && ! "$PY" -c "import datasets, accelerate, hydra, specheads.kernels" 2>/dev/null; then
+    echo "== install: the carried wheels into .gpu-venv over $PY (scripts/gpu_pipeline.sh --install-only)"
+    if ! PYTHON=$PY OUT="$OUT_DIR/install" bash scripts/gpu_pipeline.sh --install-only; then
+      echo "gpu_suite.sh: the install failed (above; $OUT_DIR/install): nothing else can run"
+      exit 3
+    fi
+    PY=$ROOT/.gpu-venv/bin/python
+    PIPELINE_ENV=(GPU_PIPELINE_TOKENIZER="$ROOT/.gpu-venv/smollm2-tokenizer")
+  fi
 fi
-echo "gpu_session.sh: $("$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)') ($PY); budget ${BUDGET} s; parts: ${PARTS[*]}; output in $OUT_DIR"
+echo "gpu_suite.sh: $("$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)') ($PY); budget ${BUDGET} s; parts: ${PARTS[*]}; output in $OUT_DIR"
 git -C "$ROOT" rev-parse HEAD 2>/dev/null | sed 's/^/commit /'
 if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; fi
 
-start=$SECONDS
 declare -A RESULT
 run_part() {  # run_part NAME CAP_SECONDS MIN_SECONDS COMMAND...: the command under timeout min(cap, budget left)
   local name=$1 cap=$2 least=$3
@@ -67,7 +85,7 @@ run_part() {  # run_part NAME CAP_SECONDS MIN_SECONDS COMMAND...: the command un
   local left=$((BUDGET - (SECONDS - start)))
   local t=$((cap < left ? cap : left))
   if ((t < least)); then
-    echo "== $name: SKIPPED, ${left} s of the session budget left (needs ${least})"
+    echo "== $name: SKIPPED, ${left} s of the budget left (needs ${least})"
     RESULT[$name]=skipped
     return
   fi
@@ -123,21 +141,19 @@ for part in "${PARTS[@]}"; do
       else
         run_part checkpoint 120 40 "$PY" scripts/bench/bench_checkpoint.py "${DEV[@]}" --heads 5 --saves 1
       fi ;;
-    pipeline)
-      if [[ ! -f scripts/gpu_pipeline.py ]]; then
-        echo "== pipeline: not in this tree"
-        RESULT[pipeline]=skipped
-      elif ((SMOKE)); then
-        run_part pipeline 300 60 "$PY" scripts/gpu_pipeline.py --cpu-smoke --out "$OUT_DIR/pipeline"
+    pipeline)  # in this run's Python (installed above where needed): gpu_pipeline.sh installs nothing more
+      if ((SMOKE)); then
+        run_part pipeline 400 120 env PYTHON="$PY" OUT="$OUT_DIR/pipeline" bash scripts/gpu_pipeline.sh --cpu-smoke --in-venv
       else
-        run_part pipeline 300 120 "$PY" scripts/gpu_pipeline.py --out "$OUT_DIR/pipeline"
+        run_part pipeline 460 240 env PYTHON="$PY" OUT="$OUT_DIR/pipeline" ${PIPELINE_ENV[@]+"${PIPELINE_ENV[@]}"} \
+          bash scripts/gpu_pipeline.sh --in-venv
       fi ;;
   esac
 done
 
 status=0
 echo
-echo "gpu_session.sh: $((SECONDS - start)) s"
+echo "gpu_suite.sh: $((SECONDS - start)) s"
 for part in "${PARTS[@]}"; do
   r=${RESULT[$part]:-skipped}
   echo "  $part: $r"
