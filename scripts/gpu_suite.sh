@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_wheels.sh                      # first, here: .gpu-wheels/ (carry it to the GPU machine)
 #   bash scripts/gpu_suite.sh                       # there: every part below, in this order
-#   bash scripts/gpu_suite.sh pipeline linear_ce checkpoint   # only these parts (a second command, if time is left)
+#   bash scripts/gpu_suite.sh pipeline linear_ce checkpoint train_8b   # only these parts (a second command, if time is left)
 #   bash scripts/gpu_suite.sh --cpu-smoke           # here, without a GPU: every part on tiny shapes (CI runs it)
 #
 # Its Python: PYTHON if set; else .venv/bin/python where it has torch, else python3. On the GPU machine, when that
@@ -14,16 +14,17 @@
 #
 # Parts, each under its own time cap (a part the rest of the budget cannot hold is skipped, and said so):
 #   check       scripts/gpu_check.sh: the kernels against their references, the GPU tests, the engine check
-#   train       bench_train.py at shape:llama-3.2-1b: EAGLE-3, DFlash and Medusa-1 as `specheads train` runs them
-#               (bfloat16 autocast on a GPU): tokens/s, peak GPU memory, TFLOP/s and share of the GPU's peak
+#   train       bench_train.py at shape:llama-3.2-1b: EAGLE-3, DFlash, Medusa-1 and Medusa-2 as `specheads train`
+#               runs them (bfloat16 autocast on a GPU): tokens/s, peak GPU memory, TFLOP/s and share of the GPU's peak
 #   evaluate    bench_evaluate.py at shape:llama-3.2-1b: a step's draft / forward / verify / rest for batches of
 #               1, 8, 64 and trees of 8, 24, 64 nodes, kernels on and off, batched vs row by row vs one row at a time
 #   pipeline    scripts/gpu_pipeline.sh: every stage through the specheads command on CUDA, a CPU fallback failing
 #   linear_ce   bench_linear_ce.py: Medusa-1's five heads at a 128k vocabulary, whole logits vs the chunked loss
 #   checkpoint  bench_checkpoint.py: how long a checkpoint of five 128k-vocabulary heads stalls training
+#   train_8b    bench_train.py at shape:llama-3.1-8b: EAGLE-3 and DFlash
 #
 # Each part's output goes to $OUT/<part>.log (OUT: the device tool's folder; default a temporary one); the JSON
-# reports ($OUT/eval_1b.json, $OUT/train_1b.json) are what `specheads record FILE --checkout .` takes back here.
+# reports ($OUT/eval_1b.json, $OUT/train_1b.json, $OUT/train_8b.json) are what `specheads record FILE --checkout .` takes back here.
 # GPU_SUITE_BUDGET (seconds; default 540 on a GPU, 1500 for the smoke, which must run every part) bounds the whole
 # run. Exit status: 0 every part ran and passed; 1 a part failed; 3 nothing failed but a part was skipped or could
 # not run.
@@ -44,11 +45,11 @@ PARTS=()
 for a in "$@"; do
   case $a in
     --cpu-smoke) SMOKE=1 ;;
-    check|evaluate|train|linear_ce|checkpoint|pipeline) PARTS+=("$a") ;;
-    *) echo "gpu_suite.sh: unknown part '$a' (parts: check evaluate train linear_ce checkpoint pipeline; or --cpu-smoke)"; exit 2 ;;
+    check|evaluate|train|linear_ce|checkpoint|pipeline|train_8b) PARTS+=("$a") ;;
+    *) echo "gpu_suite.sh: unknown part '$a' (parts: check train evaluate pipeline linear_ce checkpoint train_8b; or --cpu-smoke)"; exit 2 ;;
   esac
 done
-((${#PARTS[@]})) || PARTS=(check train evaluate pipeline linear_ce checkpoint)
+((${#PARTS[@]})) || PARTS=(check train evaluate pipeline linear_ce checkpoint train_8b)
 PIPELINE_ENV=()
 start=$SECONDS
 if ((SMOKE)); then
@@ -122,12 +123,21 @@ for part in "${PARTS[@]}"; do
       fi ;;
     train)
       if ((SMOKE)); then
-        run_part train 180 30 "$PY" scripts/bench/bench_train.py --target tiny "${DEV[@]}" --methods eagle3 dflash medusa1 \
+        run_part train 180 30 "$PY" scripts/bench/bench_train.py --target tiny "${DEV[@]}" --methods eagle3 dflash medusa1 medusa2 \
           --steps 2 --warmup 1 --max-tokens 512 --arg "eagle3:vocab_data={prepared}" --json "$OUT_DIR/train_1b.json"
       else
         run_part train 240 90 "$PY" scripts/bench/bench_train.py --target "$TARGET" "${DEV[@]}" \
-          --methods eagle3 dflash medusa1 --steps 6 --warmup 2 --max-tokens 8192 --arg "eagle3:vocab_data={prepared}" \
+          --methods eagle3 dflash medusa1 medusa2 --steps 6 --warmup 2 --max-tokens 8192 --arg "eagle3:vocab_data={prepared}" \
           --json "$OUT_DIR/train_1b.json"
+      fi ;;
+    train_8b)
+      if ((SMOKE)); then
+        run_part train_8b 120 20 "$PY" scripts/bench/bench_train.py --target tiny "${DEV[@]}" --methods eagle3 dflash \
+          --steps 1 --warmup 1 --max-tokens 256 --arg "eagle3:vocab_data={prepared}" --json "$OUT_DIR/train_8b.json"
+      else
+        run_part train_8b 240 120 "$PY" scripts/bench/bench_train.py --target shape:llama-3.1-8b "${DEV[@]}" \
+          --methods eagle3 dflash --steps 4 --warmup 2 --max-tokens 8192 --arg "eagle3:vocab_data={prepared}" \
+          --json "$OUT_DIR/train_8b.json"
       fi ;;
     linear_ce)
       if ((SMOKE)); then

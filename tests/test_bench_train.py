@@ -56,3 +56,14 @@ def test_the_json_report_is_a_train_bench_record(tmp_path):
     assert json.loads(results.read_text())["train_benches"] == [entry]
     assert entry["machine"] == "NVIDIA H200" and entry["rows"] == [row] and entry["failed"] == ["dflash"]
     assert entry["commit"] == "1" * 40 and entry["dirty"] is True
+
+
+def test_a_method_that_trains_the_target_counts_its_backward_and_reference_forward():
+    from specheads.targets.shapes import forward_flops_per_token
+
+    bench = _bench()
+    target = bench.load_bench_target("tiny")
+    fwd = forward_flops_per_token(target.config)
+    assert bench.flops_per_token(target, build_method("medusa1"), 100) == fwd + 600
+    assert bench.flops_per_token(target, build_method("medusa2"), 100) == 4 * fwd + 600  # KL: the original's too
+    assert bench.flops_per_token(target, build_method("medusa2", target_loss="lm"), 100) == 3 * fwd + 600

@@ -128,11 +128,17 @@ def load_bench_target(name: str, device: str = "auto", dtype: str = "auto"):
 
 def flops_per_token(target, method, trainable: int) -> float:
     """Training FLOPs per token: the target's forward (matrices) and the head's forward and backward, once per
-    unrolled step (EAGLE's ``ttt_steps``, P-EAGLE's depths; one for every other head)."""
+    unrolled step (EAGLE's ``ttt_steps``, P-EAGLE's depths; one for every other head). A method that trains the
+    target itself (Medusa-2, ``online_only``) also runs the target's backward (its activations' gradients: two
+    forwards' worth; the adapters' weight gradients are among ``trainable``) and, with its KL term, the original
+    target's forward: 3 or 4 target forwards a token."""
     from specheads.targets.shapes import forward_flops_per_token
 
     steps = getattr(method, "ttt_steps", None) or getattr(method, "num_depths", None) or 1
-    return forward_flops_per_token(target.config) + 6.0 * trainable * steps
+    forwards = 1
+    if method.feature_spec.online_only:
+        forwards = 3 + (getattr(method, "target_loss", None) == "kl")
+    return forwards * forward_flops_per_token(target.config) + 6.0 * trainable * steps
 
 
 def run_one(args) -> dict:
