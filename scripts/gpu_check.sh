@@ -22,13 +22,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-if [[ -n "${PYTHON:-}" ]]; then
-  PY=$PYTHON
-elif [[ -x .venv/bin/python ]] && .venv/bin/python -c "import torch" 2>/dev/null; then
-  PY=.venv/bin/python
-else
-  PY=python3
-fi
+source scripts/gpu_python.sh  # PY
 OUT_DIR=${OUT:-$(mktemp -d -t gpu_check.XXXXXX)}
 mkdir -p "$OUT_DIR"
 # scripts/ for gpu_check (also the pytest plugin that maps kernels/ to specheads.kernels when specheads
