@@ -188,8 +188,8 @@ def _verify_forward(runner: TargetRunner, seqs, trees: list[DraftTree], active: 
         tok[b, 1: n + 1] = tokens
         par[b, 1: n + 1] = parents + 1
         live[b, : n + 1] = True
-    dev = runner.device
-    return runner.forward(tok.to(dev), par.to(dev), live.to(dev))
+    tok, par, live = torch.stack([tok, par, live.long()]).to(runner.device)  # one copy to the device (a wait on a GPU)
+    return runner.forward(tok, par, live.bool())
 
 
 def _verify_batch(logits: torch.Tensor, trees: list[DraftTree], active: list[bool], backend: str):
@@ -199,7 +199,7 @@ def _verify_batch(logits: torch.Tensor, trees: list[DraftTree], active: list[boo
     n = max((t.size for b, t in enumerate(trees) if active[b]), default=0)
     logits = logits[:, : n + 1]  # extra (never verified) nodes come after the draft nodes
     tokens, parents = pack_trees([t if active[b] else DraftTree.empty() for b, t in enumerate(trees)], n)
-    tokens, parents = tokens.to(logits.device), parents.to(logits.device)
+    tokens, parents = torch.stack([tokens, parents]).to(logits.device)  # one copy to the device
     out = verify_greedy_batched(logits, tokens, parents, backend, check=False)
     return to_verdicts(*out, parents)
 
