@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_wheels.sh                      # first, here: .gpu-wheels/ (carry it to the GPU machine)
 #   bash scripts/gpu_suite.sh                       # there: every part below, in this order
-#   bash scripts/gpu_suite.sh pipeline linear_ce checkpoint train_8b   # only these parts (a second command, if time is left)
+#   bash scripts/gpu_suite.sh evaluate_t1 pipeline linear_ce checkpoint train_8b   # only these (a second command, if time is left)
 #   bash scripts/gpu_suite.sh --cpu-smoke           # here, without a GPU: every part on tiny shapes (CI runs it)
 #
 # Its Python: PYTHON if set; else .venv/bin/python where it has torch, else python3. On the GPU machine, when that
@@ -18,13 +18,14 @@
 #               runs them (bfloat16 autocast on a GPU): tokens/s, peak GPU memory, TFLOP/s and share of the GPU's peak
 #   evaluate    bench_evaluate.py at shape:llama-3.2-1b: a step's draft / forward / verify / rest for batches of
 #               1, 8, 64 and trees of 8, 24, 64 nodes, kernels on and off, batched vs row by row vs one row at a time
+#   evaluate_t1 the same sampled at T = 1 (batches of 1 and 8): each row verified by the exact walk or the fused call
 #   pipeline    scripts/gpu_pipeline.sh: every stage through the specheads command on CUDA, a CPU fallback failing
 #   linear_ce   bench_linear_ce.py: Medusa-1's five heads at a 128k vocabulary, whole logits vs the chunked loss
 #   checkpoint  bench_checkpoint.py: how long a checkpoint of five 128k-vocabulary heads stalls training
 #   train_8b    bench_train.py at shape:llama-3.1-8b: EAGLE-3 and DFlash
 #
 # Each part's output goes to $OUT/<part>.log (OUT: the device tool's folder; default a temporary one); the JSON
-# reports ($OUT/eval_1b.json, $OUT/train_1b.json, $OUT/train_8b.json) are what `specheads record FILE --checkout .` takes back here.
+# reports ($OUT/eval_1b.json, eval_1b_t1.json, train_1b.json, train_8b.json) are what `specheads record FILE --checkout .` takes back here.
 # GPU_SUITE_BUDGET (seconds; default 540 on a GPU, 1500 for the smoke, which must run every part) bounds the whole
 # run. Exit status: 0 every part ran and passed; 1 a part failed; 3 nothing failed but a part was skipped or could
 # not run.
@@ -39,11 +40,12 @@ PARTS=()
 for a in "$@"; do
   case $a in
     --cpu-smoke) SMOKE=1 ;;
-    check|evaluate|train|linear_ce|checkpoint|pipeline|train_8b) PARTS+=("$a") ;;
-    *) echo "gpu_suite.sh: unknown part '$a' (parts: check train evaluate pipeline linear_ce checkpoint train_8b; or --cpu-smoke)"; exit 2 ;;
+    check|evaluate|evaluate_t1|train|linear_ce|checkpoint|pipeline|train_8b) PARTS+=("$a") ;;
+    *) echo "gpu_suite.sh: unknown part '$a' (parts: check train evaluate evaluate_t1 pipeline linear_ce checkpoint"\
+         "train_8b; or --cpu-smoke)"; exit 2 ;;
   esac
 done
-((${#PARTS[@]})) || PARTS=(check train evaluate pipeline linear_ce checkpoint train_8b)
+((${#PARTS[@]})) || PARTS=(check train evaluate evaluate_t1 pipeline linear_ce checkpoint train_8b)
 PIPELINE_ENV=()
 start=$SECONDS
 if ((SMOKE)); then
@@ -114,6 +116,14 @@ for part in "${PARTS[@]}"; do
       else
         run_part evaluate 150 60 "$PY" scripts/bench/bench_evaluate.py --target "$TARGET" "${DEV[@]}" \
           --json "$OUT_DIR/eval_1b.json"
+      fi ;;
+    evaluate_t1)
+      if ((SMOKE)); then
+        run_part evaluate_t1 120 20 "$PY" scripts/bench/bench_evaluate.py --target tiny "${DEV[@]}" --batch 1 4 --nodes 8 \
+          --new-tokens 8 --prompt-len 32 --draft-vocab 500 --temperature 1 --json "$OUT_DIR/eval_1b_t1.json"
+      else
+        run_part evaluate_t1 120 45 "$PY" scripts/bench/bench_evaluate.py --target "$TARGET" "${DEV[@]}" --batch 1 8 \
+          --nodes 8 24 --temperature 1 --json "$OUT_DIR/eval_1b_t1.json"
       fi ;;
     train)
       if ((SMOKE)); then

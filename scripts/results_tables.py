@@ -422,8 +422,9 @@ def eval_benches(data: dict) -> str:
                 "`specheads record e.json`._")
     lines = []
     for r in runs:
+        temp = f"sampled at T = {r['temperature']}" if r.get("temperature") else "greedy"
         lines += [f"{r['target']} ({r['target_dtype']}) on {r['machine']}, {r['prompt_len']} tokens of context and "
-                  f"{r['new_tokens']} new per row; commit {_commit(r)}, {r['date']}:", "",
+                  f"{r['new_tokens']} new per row, {temp}; commit {_commit(r)}, {r['date']}:", "",
                   "| B | tree nodes | verification | tokens/s | ms/step | draft | target forward | verify | rest | "
                   "forward TFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {x['batch']} | {x['nodes'] or '- (plain)'} | {x['backend']} | {x['tokens_per_s']:.0f} | "
@@ -434,11 +435,12 @@ def eval_benches(data: dict) -> str:
 
 
 def _newest_per(runs: list[dict]) -> list[dict]:
-    """The newest entry of each (machine, target) pair, newest first (entries are stored newest first)."""
+    """The newest entry of each (machine, target, temperature), newest first (entries are stored newest first)."""
     seen, out = set(), []
     for r in runs:
-        if (r.get("machine"), r.get("target")) not in seen:
-            seen.add((r.get("machine"), r.get("target")))
+        key = (r.get("machine"), r.get("target"), r.get("temperature"))
+        if key not in seen:
+            seen.add(key)
             out.append(r)
     return out
 

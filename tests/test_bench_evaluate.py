@@ -57,3 +57,23 @@ def test_a_backend_that_decides_otherwise_fails_the_run(monkeypatch, capsys):
     monkeypatch.setattr(bv, "to_verdicts", off_by_one)
     assert _bench().main(ARGS) == 1
     assert "MISMATCH B=1 nodes=6: rows decoded other tokens than torch" in capsys.readouterr().out
+
+
+def test_sampled_steps_are_verified_row_by_row_by_each_backend(monkeypatch, tmp_path):
+    import specheads.decoding.batched_verify as bv
+
+    def no_batched_greedy(*a, **k):
+        raise AssertionError("a sampled run verified a batch greedily")
+
+    monkeypatch.setattr(bv, "verify_greedy_batched", no_batched_greedy)
+    fused = []
+    real = bv.verify_tree_sampling_batched
+    monkeypatch.setattr(bv, "verify_tree_sampling_batched", lambda *a, **k: fused.append(k["backend"]) or real(*a, **k))
+    out = tmp_path / "eval.json"
+    args = ["--target", "tiny", "--batch", "2", "--nodes", "4", "--new-tokens", "4", "--prompt-len", "8",
+            "--sequential-rows", "1", "--draft-vocab", "200", "--temperature", "1.0", "--json", str(out)]
+    assert _bench().main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["temperature"] == 1.0 and report["mismatches"] == []
+    assert [r["backend"] for r in report["rows"]] == ["plain", "torch", "rows", "sequential"]
+    assert fused and set(fused) == {"torch"}  # the torch backend's rows went through the fused per-row call

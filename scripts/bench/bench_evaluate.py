@@ -19,7 +19,11 @@ the evaluator and its batch figures run) once per verification backend:
 * ``sequential`` (B > 1): the first ``--sequential-rows`` rows decoded one at a time at batch 1: whether batching
   pays.
 
-and plain decoding (no drafter) once, as the baseline. Every run waits for the device at each phase's end
+and plain decoding (no drafter) once, as the baseline. With ``--temperature T > 0`` every step samples: each row is
+verified on its own (the loop verifies sampling steps row by row), by the exact reference walk (``rows``,
+``verify_tree_sampling``: a draw per visited node) or by the fused per-row call (``triton`` / ``torch``:
+``verify_tree_sampling_fused``, one call a row); the fused backends share their uniforms, so they must decode the
+same tokens; the reference draws otherwise (same law, other samples), so its tokens are not compared. Every run waits for the device at each phase's end
 (``sync``), so the split charges each phase its own device time. Per run it prints tokens/s, ms per step for draft,
 target forward, verify and the rest (committing the cache, feeding the drafter), the target forward's achieved
 TFLOP/s and share of the device's peak (``hardware.peak_tflops``; FLOPs from the configuration), and the peak GPU
@@ -57,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sequential-rows", type=int, default=4,
                    help="rows decoded one at a time for the 'sequential' figure of B > 1 (0: none)")
     p.add_argument("--draft-vocab", type=int, default=32000, help="the EAGLE-3 head's draft vocabulary")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled, verified row by row")
     p.add_argument("--json", default=None, help="write the report here (for specheads record)")
     return p.parse_args(argv)
 
@@ -87,13 +92,33 @@ def prompts_for(batch: int, length: int, vocab: int, seed: int = 0) -> list[list
     return torch.randint(0, vocab, (batch, length), generator=g).tolist()
 
 
-def timed_run(runner, drafter, prompts, new_tokens: int, backend: str | None) -> dict:
-    """One greedy decode of ``prompts`` (after an untimed short one), split by phase."""
+def sampling_verifier(backend: str):
+    """A ``verify_fn`` for sampled steps: the exact reference walk (``rows``) or the fused per-row call."""
+    from specheads.decoding.batched_verify import verify_tree_sampling_fused
+    from specheads.decoding.verify import verify
+
+    if backend == "rows":
+        return verify
+    return lambda method, logits, tree, T, gen: verify_tree_sampling_fused(logits, tree, T, gen, backend=backend)
+
+
+def timed_run(runner, drafter, prompts, new_tokens: int, backend: str | None, temperature: float = 0.0) -> dict:
+    """One decode of ``prompts`` (after an untimed short one), split by phase: greedy with ``backend`` verifying the
+    batch at once (None: row by row), or sampled at ``temperature`` with each row verified by ``backend``'s
+    ``sampling_verifier`` (seeded alike for every backend)."""
     from specheads.decoding.generate import speculative_generate
 
-    speculative_generate(runner, drafter, prompts, min(4, new_tokens), 0.0, "greedy", verify_backend=backend)
-    res = speculative_generate(runner, drafter, prompts, new_tokens, 0.0, "greedy", verify_backend=backend,
-                               sync=True)
+    if temperature > 0:
+        fn = sampling_verifier(backend or "rows")
+        kw = dict(verify_fn=fn)
+        gen = lambda: torch.Generator(runner.device).manual_seed(0)  # noqa: E731
+        speculative_generate(runner, drafter, prompts, min(4, new_tokens), temperature, "tree", generator=gen(), **kw)
+        res = speculative_generate(runner, drafter, prompts, new_tokens, temperature, "tree", generator=gen(),
+                                   sync=True, **kw)
+    else:
+        speculative_generate(runner, drafter, prompts, min(4, new_tokens), 0.0, "greedy", verify_backend=backend)
+        res = speculative_generate(runner, drafter, prompts, new_tokens, 0.0, "greedy", verify_backend=backend,
+                                   sync=True)
     decode = res.wall_time - res.prefill_time
     steps = len(res.batch_forward_sizes)
     return {"tokens": res.tokens, "steps": steps, "decode_s": decode, "target_s": res.target_time,
@@ -101,9 +126,9 @@ def timed_run(runner, drafter, prompts, new_tokens: int, backend: str | None) ->
             "emitted": sum(map(len, res.tokens))}
 
 
-def sequential_run(runner, drafter, prompts, new_tokens: int) -> dict:
+def sequential_run(runner, drafter, prompts, new_tokens: int, temperature: float = 0.0) -> dict:
     """Each row alone at batch 1 (row-by-row verification, as batch-1 evaluation runs); the rows' sums."""
-    runs = [timed_run(runner, drafter, [p], new_tokens, None) for p in prompts]
+    runs = [timed_run(runner, drafter, [p], new_tokens, None, temperature) for p in prompts]
     out = {k: sum(r[k] for r in runs) for k in ("steps", "decode_s", "target_s", "draft_s", "verify_s",
                                                "fed_tokens", "emitted")}
     out["tokens"] = [r["tokens"][0] for r in runs]
@@ -144,8 +169,9 @@ def main(argv=None) -> int:
     head = eagle3_head(target, args.draft_vocab)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    T = args.temperature
     print(f"# {args.target} ({dtype}) on {device}; EAGLE-3 head with random weights; {args.prompt_len} tokens of "
-          f"context, {args.new_tokens} new per row; phases timed with a device wait at each end", flush=True)
+          f"context, {args.new_tokens} new per row; T = {T}; phases timed with a device wait at each end", flush=True)
     print(f"{'B':>3} {'nodes':>5} {'verify':>10} {'tok/s':>9} {'ms/step':>8} {'draft':>7} {'forward':>8} "
           f"{'verify':>7} {'rest':>7} {'verify%':>7} {'TFLOP/s':>8} {'of peak':>7}", flush=True)
     rows, mismatches = [], []
@@ -161,27 +187,30 @@ def main(argv=None) -> int:
 
     for B in args.batch:
         prompts = prompts_for(B, args.prompt_len, config.vocab_size, seed=B)
-        show(B, 0, "plain", timed_run(runner, None, prompts, args.new_tokens, "auto"))
+        show(B, 0, "plain", timed_run(runner, None, prompts, args.new_tokens, "rows" if T > 0 else "auto", T))
         for nodes in args.nodes:
             drafter = EagleDrafter(head, tree_shape(nodes), "eagle3")
             tokens = {}
             for backend in backends:
-                run = timed_run(runner, drafter, prompts, args.new_tokens, None if backend == "rows" else backend)
+                run = timed_run(runner, drafter, prompts, args.new_tokens, None if backend == "rows" else backend, T)
                 tokens[backend] = run["tokens"]
                 show(B, nodes, backend, run)
             if B > 1 and args.sequential_rows > 0:
                 k = min(B, args.sequential_rows)
-                run = sequential_run(runner, drafter, prompts[:k], args.new_tokens)
-                tokens["sequential"] = run["tokens"] + tokens[backends[0]][k:]
+                run = sequential_run(runner, drafter, prompts[:k], args.new_tokens, T)
+                if T <= 0:  # sampled rows draw from another stream alone than in a batch: not compared
+                    tokens["sequential"] = run["tokens"] + tokens[backends[0]][k:]
                 show(B, nodes, "sequential", run)
-            first = next(iter(tokens.values()))
+            if T > 0:  # the reference walk draws otherwise (same law): only the fused backends must agree
+                tokens.pop("rows", None)
+            first = next(iter(tokens.values()), None)
             for name, toks in tokens.items():
                 if toks != first:
                     mismatches.append(f"B={B} nodes={nodes}: {name} decoded other tokens than {next(iter(tokens))}")
     peak_mib = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
     for m in mismatches:
         print("MISMATCH " + m)
-    report = {"kind": "eval_bench", "target": args.target, "target_dtype": dtype, "machine": device,
+    report = {"kind": "eval_bench", "target": args.target, "target_dtype": dtype, "machine": device, "temperature": T,
               "device": "cuda" if cuda else "cpu", "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "drafter": f"eagle3 (random weights, draft vocabulary {args.draft_vocab})",
               "peak_tflops": peak, "peak_gpu_mib": peak_mib, "rows": rows, "mismatches": mismatches,
