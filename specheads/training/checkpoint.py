@@ -324,7 +324,7 @@ def load_checkpoint(accelerator, folder: str | Path) -> dict[str, Any]:
 def async_blocker(accelerator) -> str | None:
     """Why this run's checkpoints must be written synchronously (a launcher whose save is collective, a
     save-state hook, one copy per node), or None when a background write is safe."""
-    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    kind = _launcher(accelerator)
     if kind in _COLLECTIVE:
         return _COLLECTIVE[kind]
     if accelerator._save_model_state_pre_hook:
