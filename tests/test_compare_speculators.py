@@ -3,6 +3,7 @@ dataset class as the same rows, tokens and hidden states (skipped where speculat
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -57,3 +58,86 @@ def test_converted_store_reads_back_through_speculators(tiny_target, tmp_path):
     assert t2d.shape == (256,) and t2d.sum() == 64 and (np.arange(64) + d2t == np.flatnonzero(t2d)).all()
     # a second call with the same settings reuses the folder
     assert bench.convert_store(store, prepared, tmp_path / "spec", 256, 64, eval_samples=3) == info
+
+
+def test_an_equal_token_budget_sets_epochs_on_both_trainers_and_no_clock():
+    args = bench.parse_args(["--features", "f", "--prepared", "p", "--epochs", "2", "--their-arg=--log-freq=5"])
+    ours = bench.ours_command(args, "bfloat16", 1, Path("out"))
+    assert "data.epochs=2" in ours and not any(a.startswith("train.max_minutes") for a in ours)
+    data = {"data_path": "d", "hidden_states_path": "h", "aux_layers": [2, 15, 27], "train_data_ratio": 0.97}
+    theirs = bench.theirs_flags(args, "bfloat16", 1, data, Path("out"))
+    assert theirs[theirs.index("--epochs") + 1] == "2" and theirs[-1] == "--log-freq=5"
+    # the time budget stays the default
+    timed = bench.parse_args(["--features", "f", "--prepared", "p", "--minutes", "1.5"])
+    assert "train.max_minutes=1.5" in bench.ours_command(timed, "float32", 3, Path("out"))
+    assert bench.theirs_flags(timed, "float32", 3, data, Path("out"))[theirs.index("--epochs") + 1] == "1000"
+
+
+def test_both_heads_are_evaluated_on_the_main_jobs_prompts_in_the_same_shapes():
+    from omegaconf import OmegaConf
+
+    args = bench.parse_args(["--features", "f", "--prepared", "prep", "--eval-arg", "threads=1"])
+    ours = bench.eval_command(args, "/runs/ours", Path("e1"))
+    theirs = bench.eval_command(args, "/runs/theirs/checkpoints/0", Path("e2"))
+    assert [a for a in ours if not a.startswith(("head_dir=", "output_dir="))] == \
+        [a for a in theirs if not a.startswith(("head_dir=", "output_dir="))]
+    stage = [str(o) for o in OmegaConf.load(REPO / "conf" / "pipeline.yaml").stages.evaluate]
+    prompts = [o for o in stage if o.startswith("eval.") and not o.startswith("eval.max_minutes")]
+    assert prompts and all(o in ours for o in prompts)  # the main job's prompt set ...
+    assert "eval.max_minutes=null" in ours and "temperatures=[0.0]" in ours  # ... all of it, greedy
+    assert "head_shape=tree" in ours and "serving.engines=[vllm]" in ours and ours[-1] == "threads=1"
+    assert f"eval.chat_dir={Path('prep').resolve()}" in ours
+
+    report = {"num_prompts": 12, "max_new_tokens": 32, "target_dtype": "torch.float32", "methods": [
+        {"name": "eagle3-tree", "shape": "tree(d5,k4,n24)", "lossless": {"exact": True},
+         "by_temperature": {"0.0": {"code": {"alpha": 0.6, "tau": 2.2, "prompts": 2, "tokens_per_s": 9.0},
+                                    "all": {"alpha": 0.5, "tau": 1.9, "prompts": 12}}}}]}
+    got = bench.acceptance(report)
+    assert got == {"prompts": 12, "max_new_tokens": 32, "target_dtype": "float32", "methods": [
+        {"name": "eagle3-tree", "shape": "tree(d5,k4,n24)", "lossless": True,
+         "domains": {"code": {"alpha": 0.6, "tau": 2.2, "prompts": 2}, "all": {"alpha": 0.5, "tau": 1.9, "prompts": 12}}}]}
+
+
+@pytest.mark.slow
+def test_our_trainer_alone_trains_one_epoch_of_the_training_rows_and_reports_for_the_record(tmp_path):
+    """``--only ours --epochs 1`` (speculators not needed): every training token once, the JSON a record."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from specheads.data.prepare import write_prepared
+    from specheads.record import Checkout, record
+    from specheads.targets import load_target, tokenizer_fingerprint
+    from specheads.targets.model import default_eagle3_layers
+    from tests.conftest import make_tiny_model
+    from tests.training.engine_helpers import progression_rows
+
+    model_dir = tmp_path / "tiny-llama"
+    make_tiny_model("llama", hidden=32, layers=4, vocab=256).save_pretrained(model_dir)
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)},
+                                                                              unk_token="w0")),
+                                  unk_token="w0", eos_token="w1")
+    tok.save_pretrained(model_dir)
+    prepared = tmp_path / "prepared"
+    write_prepared(progression_rows(40), {"target": str(model_dir), "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+                                          "max_length": 32}, prepared)
+    store = tmp_path / "features"
+    collect_hidden_states(load_target(str(model_dir)), load_prepared(prepared)[0],
+                          FeatureSpec(default_eagle3_layers(4), True), store,
+                          CollectOptions(dtype="float32", estimate_time=False, check_disk=False))
+    out = tmp_path / "report.json"
+    bench.main(["--features", str(store), "--prepared", str(prepared), "--target", str(model_dir), "--only", "ours",
+                "--epochs", "1", "--settings", "float32:1", "--draft-vocab-size", "64", "--max-tokens", "256",
+                "--eval-samples", "4", "--warmup-steps", "1", "--threads", "1", "--workdir", str(tmp_path / "work"),
+                "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["kind"] == "speculators_compare" and report["budget"] == {"epochs": 1}
+    [run] = report["runs"]
+    assert run["rc"] == 0 and run["trainer"] == "ours" and "data.epochs=1" in run["command"]
+    ours = FeatureDataset(store)
+    train_idx, _ = bench.heldout_split(ours, 4, 0)
+    assert run["tokens"] == sum(ours[i]["input_ids"].numel() for i in train_idx)  # each training token once
+    assert run["heldout"]["top1_step0"] is not None and Path(run["head_dir"], "head", "config.json").exists()
+    results = tmp_path / "benchmarks.json"
+    results.write_text(json.dumps({"runs": []}))
+    entry = record(out, results, Checkout(commit="0" * 40, dirty=False))
+    assert entry["kind"] == "speculators_compare" and entry["runs"][0]["tokens"] == run["tokens"]

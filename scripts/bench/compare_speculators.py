@@ -4,9 +4,16 @@
         --features runs/quickstart/features --prepared runs/quickstart/prepared --minutes 2.5
     ... --settings float32:3 bfloat16:3 float32:1 bfloat16:1 --draft-vocab-size 4096 --json report.json
     ... --only ours                        # our trainer alone (speculators need not be installed)
+    ... --settings bfloat16:1 --epochs 1 --evaluate --json h2h.json   # equal tokens, then acceptance of both
 
 speculators (pip install speculators, v0.9) is not a dependency of this project: without it the script
-says so and skips its runs. Our feature store is converted once into speculators' offline layout
+says so and skips its runs. To keep this project's torch and transformers, install it and the modules it
+imports that the project's venv lacks into a folder of their own and put that on ``PYTHONPATH``:
+
+    .venv/bin/python -m pip install --no-deps --target /tmp/spec-site speculators==0.9.0 hs-connectors==0.9.0 \
+        loguru==0.7.3 pydantic-settings python-dotenv
+
+Our feature store is converted once into speculators' offline layout
 (``<workdir>/speculators-data``: a ``datasets`` folder with ``input_ids``, ``loss_mask``, ``seq_len``;
 ``hidden_states/hs_<i>.safetensors`` with ``hidden_states (T, 3+1, H)`` = the store's three fused target
 layers and its last state, and ``token_ids (T,)``; ``d2t-<V>.npy``/``t2d-<V>.npy``, our draft vocabulary).
@@ -17,7 +24,12 @@ samples, hidden states (same bytes) and draft vocabulary.
 Each setting ``DTYPE:TTT`` (float32 or bfloat16 autocast; unrolled TTT steps) trains both, one at a
 time, each in a fresh process with ``OMP_NUM_THREADS=--threads``, for ``--minutes`` of training time
 (the sum of step times, data loading included: our ``train.max_minutes``; for speculators a step
-callback stops the run). Same AdamW learning rate and warm-up, 2048 tokens per batch (our
+callback stops the run), or with ``--epochs N`` for N passes over the training rows each (our
+``data.epochs``, their ``--epochs``; no clock ends either run): the same training tokens, so that the
+machine's speed decides the tokens/s but not what either head learnt. Both learning rates follow the
+steps then (ours decays to 0.1 x the peak, theirs to 0); their step count differs from ours because
+they pack rows into one ``--max-tokens`` row while we pad length-grouped rows up to it. Same AdamW
+learning rate and warm-up, 2048 tokens per batch (our
 ``data.max_tokens``; their ``--total-seq-len``, one packed row), one draft layer, frozen lm_head
 initialised from the target (their only choice; ``method.freeze_lm_head=true`` here), step-loss
 decay 0.8. Reported per run:
@@ -26,8 +38,18 @@ decay 0.8. Reported per run:
 - peak RSS: the process's high-water mark (``ru_maxrss`` from ``wait4``, whole process life, start-up
   and final evaluation included); peak anon: the highest ``RssAnon`` sampled every 0.2 s, which leaves
   out file pages (our trainer memory-maps the feature store; theirs reads one file per sample);
-- steps; and per setting the ratios ours/theirs.
-Prints the exact command of every run, one JSON line per run and a table.
+- steps; held-out figures as each trainer reports them at its end, on the same held-out rows (ours: step-0
+  top-1 agreement with the target's argmax over the whole vocabulary, every assistant token; theirs: loss
+  and ``full_acc_0``, the argmax taken within the draft vocabulary: the two accuracies differ in definition);
+- and per setting the ratios ours/theirs.
+With ``--evaluate``, every trained head (ours: the training folder; theirs: its last checkpoint, in
+speculators' own format) is then decoded by ``specheads evaluate`` on the main job's prompt set
+(``conf/pipeline.yaml``'s ``eval.*`` settings without its time budget, so both heads see every prompt,
+``eval.chat_dir=--prepared``), greedy (T=0) with the lossless check, in the same shapes for every head:
+the evaluator's dynamic tree (``head_shape=tree``, ``tree`` of conf/evaluate.yaml) and vLLM's chain of 3
+(``serving.engines=[vllm]``); α and τ per domain and overall go in the report.
+Prints the exact command of every run, one JSON line per run and tables. ``--json`` writes a report that
+``specheads record`` files under ``speculators_comparisons`` in docs/benchmarks.json.
 
 speculators 0.9 assumes an accelerator; its run here (``--theirs-child``, in this file) patches, at run
 time and only in that process: the device the trainer moves the model and batches to (``cpu`` instead of
@@ -36,12 +58,15 @@ time and only in that process: the device the trainer moves the model and batche
 draft's ``verifier_norm`` (identity: our store holds the target's post-norm last state, vLLM's
 pre-norm one). Documented flags pick CPU-capable paths: ``--draft-attn-impl sdpa`` (flex attention
 is compiled only on CUDA), ``--loss-implementation eager`` (the fused loss is a Triton kernel),
-``--num-workers 0`` (one process, like ours; the sampled memory is then the whole run's).
+``--num-workers 0`` (one process, like ours; the sampled memory is then the whole run's). When the time
+budget ends their run, the child saves its checkpoint and runs their validation pass first, as their
+trainer does at an epoch's end.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -66,6 +91,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--settings", nargs="+", default=["float32:3", "bfloat16:3"], metavar="DTYPE:TTT",
                    help="float32|bfloat16 and TTT steps, each trained by both (default: float32:3 bfloat16:3)")
     p.add_argument("--minutes", type=float, default=2.5, help="training time per run (sum of step times)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="train N passes over the same training rows instead (equal tokens; --minutes unused)")
+    p.add_argument("--evaluate", action="store_true",
+                   help="then decode every trained head with specheads evaluate (main job's prompts, T=0)")
+    p.add_argument("--eval-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra override for every specheads evaluate run")
     p.add_argument("--skip-steps", type=int, default=5, help="first steps left out of the steady tokens/s")
     p.add_argument("--draft-vocab-size", type=int, default=4096)
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per batch (ours: padded; theirs: packed)")
@@ -232,7 +263,7 @@ def ours_command(args, dtype: str, ttt: int, out: Path) -> list[str]:
         f"output_dir={out}", f"prepared_dir={Path(args.prepared).resolve()}",
         f"features_dir={Path(args.features).resolve()}", f"seed={args.seed}",
         f"optim.lr={args.lr}", f"optim.warmup_steps={args.warmup_steps}", "train.max_steps=1000000",
-        f"train.max_minutes={args.minutes}", f"train.mixed_precision={'bf16' if dtype == 'bfloat16' else 'no'}",
+        f"data.epochs={args.epochs}" if args.epochs else f"train.max_minutes={args.minutes}", f"train.mixed_precision={'bf16' if dtype == 'bfloat16' else 'no'}",
         "train.eval_every=0", "train.save_every=0", "train.measure_prompts=0", "train.progress=false",
         "train.resume=never", "wandb.mode=disabled", f"data.max_tokens={args.max_tokens}",
         f"data.eval_samples={args.eval_samples}", f"method.draft_vocab_size={args.draft_vocab_size}",
@@ -254,8 +285,11 @@ def run_ours(args, dtype: str, ttt: int, root: Path) -> dict:
             if "train_s" in rec and "tokens" in rec:
                 steps.append({"tokens": rec["tokens"], "train_s": rec["train_s"], "loss": rec.get("loss")})
     summary = json.loads((out / "train_summary.json").read_text()) if (out / "train_summary.json").exists() else {}
+    ev = summary.get("eval") or {}
     return {**result, **rates(steps, args.skip_steps), "command": cmd, "log": str(out.parent / f"{out.name}.log"),
             "first_loss": steps[0]["loss"] if steps else None, "last_loss": steps[-1]["loss"] if steps else None,
+            "heldout": {"top1_step0": ev.get("step0_acc")} if ev.get("step0_acc") is not None else None,
+            "head_dir": str(out) if (out / "head").is_dir() else None,
             "self_reported": {k: summary.get(k) for k in ("steps", "tokens_per_s", "peak_rss_mb", "peak_anon_mb")}}
 
 
@@ -271,7 +305,7 @@ def theirs_flags(args, dtype: str, ttt: int, data: dict, out: Path) -> list[str]
         "--train-data-ratio", repr(data["train_data_ratio"]), "--num-workers", "0", "--on-missing", "raise",
         "--optimizer", "adamw", "--lr", str(args.lr), "--weight-decay", "0", "--scheduler-type", "cosine",
         "--scheduler-warmup-steps", str(args.warmup_steps), "--ttt-steps", str(ttt), "--ttt-step-loss-decay", "0.8",
-        "--epochs", "1000", "--seed", str(args.seed), "--save-path", str(out / "checkpoints"),
+        "--epochs", str(args.epochs or 1000), "--seed", str(args.seed), "--save-path", str(out / "checkpoints"),
         "--log-dir", str(out / "logs"), *args.their_arg]
 
 
@@ -280,14 +314,24 @@ def run_theirs(args, dtype: str, ttt: int, root: Path, data: dict) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     steps_path = out / "steps.jsonl"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--theirs-child", str(steps_path), str(args.minutes),
+    budget = 0 if args.epochs else args.minutes  # 0: no clock (their --epochs ends the run)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--theirs-child", str(steps_path), str(budget),
            "--", *theirs_flags(args, dtype, ttt, data, out)]
     print(f"\n$ PYTHONPATH={os.environ.get('PYTHONPATH', '')} OMP_NUM_THREADS={args.threads} {shlex.join(cmd)}",
           flush=True)
     result = measure(cmd, env_for(args), out.parent / f"{out.name}.log")
     steps = [json.loads(line) for line in steps_path.read_text().splitlines()] if steps_path.exists() else []
+    val = json.loads((out / "val.json").read_text()) if (out / "val.json").exists() else None
     return {**result, **rates(steps, args.skip_steps), "command": cmd, "log": str(out.parent / f"{out.name}.log"),
-            "first_loss": steps[0]["loss"] if steps else None, "last_loss": steps[-1]["loss"] if steps else None}
+            "first_loss": steps[0]["loss"] if steps else None, "last_loss": steps[-1]["loss"] if steps else None,
+            "heldout": {"loss": val.get("loss_epoch"), "full_acc_step0": val.get("full_acc_0_epoch")} if val else None,
+            "head_dir": last_checkpoint(out / "checkpoints")}
+
+
+def last_checkpoint(folder: Path) -> str | None:
+    """speculators' newest epoch folder (``<save-path>/<epoch>``, config.json + model.safetensors), if any."""
+    epochs = [d for d in folder.glob("*") if d.name.isdigit() and (d / "config.json").exists()] if folder.is_dir() else []
+    return str(max(epochs, key=lambda d: int(d.name))) if epochs else None
 
 
 class BudgetReached(Exception):
@@ -296,7 +340,8 @@ class BudgetReached(Exception):
 
 def theirs_child(steps_path: str, minutes: float, flags: list[str]) -> None:
     """Train with speculators' own CLI entry point (``speculators.train.cli.main``) in this process, with
-    the CPU patches of the module doc; one JSON line per optimizer step to ``steps_path``."""
+    the CPU patches of the module doc; one JSON line per optimizer step to ``steps_path``, their validation
+    metrics to ``val.json`` beside it. ``minutes`` 0: no time budget."""
     import torch
     import speculators.train.cli as cli
     import speculators.train.trainer as trainer_mod
@@ -307,7 +352,8 @@ def theirs_child(steps_path: str, minutes: float, flags: list[str]) -> None:
     # Patch 2: their step timer synchronizes the accelerator; without one that raises.
     if not torch.accelerator.is_available():
         torch.accelerator.synchronize = lambda *a, **k: None
-    budget, log = 60 * minutes, open(steps_path, "w")
+    budget, log = 60 * minutes if minutes > 0 else float("inf"), open(steps_path, "w")
+    val_path = Path(steps_path).with_name("val.json")
 
     class BenchTrainer(trainer_mod.Trainer):
         def __init__(self, model, config, train_loader, val_loader=None):
@@ -329,8 +375,14 @@ def theirs_child(steps_path: str, minutes: float, flags: list[str]) -> None:
             self.device_type = "cpu"  # Patch 4: autocast on the CPU (speculators falls back to "cuda")
 
         def train_epoch(self, epoch, *, step_callback=None):
-            self._last = time.perf_counter()
+            self._last, self._epoch = time.perf_counter(), epoch
             return super().train_epoch(epoch, step_callback=self._on_step)
+
+        def val_epoch(self, epoch):
+            metrics = super().val_epoch(epoch)
+            if metrics is not None:
+                val_path.write_text(json.dumps({**metrics, "epoch": epoch, "step": self._steps}))
+            return metrics
 
         def _on_step(self):
             now = time.perf_counter()
@@ -341,7 +393,9 @@ def theirs_child(steps_path: str, minutes: float, flags: list[str]) -> None:
             log.write(json.dumps({"step": self._steps, "tokens": self._total_tokens, "train_s": self._total_s,
                                   "loss": self._loss}) + "\n")
             log.flush()
-            if self._total_s >= budget:
+            if self._total_s >= budget:  # end as their epoch end does: a checkpoint, then validation
+                self.maybe_save_checkpoint(self._epoch)
+                self.val_epoch(self._epoch)
                 raise BudgetReached
 
     cli.Trainer = BenchTrainer
@@ -351,6 +405,65 @@ def theirs_child(steps_path: str, minutes: float, flags: list[str]) -> None:
         print(f"time budget of {minutes} min reached", flush=True)
     finally:
         log.close()
+
+
+# --------------------------------------------------------------------------- acceptance: our evaluator on both heads
+
+# the same shapes for every head: the evaluator's dynamic tree and vLLM's chain of 3; greedy, batch 1, no baselines
+EVAL_FIXED = ["baselines=[]", "head_shape=tree", "head_ngram=0", "temperatures=[0.0]", "batch_sizes=[1]",
+              "serving.engines=[vllm]", "eval.max_minutes=null"]
+
+
+def main_job_prompts() -> list[str]:
+    """The main job's evaluation prompt set: the ``eval.*`` items of ``conf/pipeline.yaml``'s evaluate stage,
+    less its time budget (a budget could leave out different prompts for each head)."""
+    from omegaconf import OmegaConf
+
+    stage = OmegaConf.load(REPO / "conf" / "pipeline.yaml").stages.evaluate
+    return [str(o) for o in stage if str(o).startswith("eval.") and not str(o).startswith("eval.max_minutes")]
+
+
+def eval_command(args, head_dir: str, out: Path) -> list[str]:
+    exe = Path(sys.executable).with_name("specheads")
+    head = [str(exe)] if exe.exists() else [sys.executable, "-m", "specheads.cli"]
+    return head + ["evaluate", f"target.name_or_path={args.target}", f"head_dir={head_dir}",
+                   f"eval.chat_dir={Path(args.prepared).resolve()}", f"output_dir={out}", f"seed={args.seed}",
+                   *main_job_prompts(), *EVAL_FIXED, *args.eval_arg]
+
+
+def acceptance(report: dict) -> dict:
+    """From an evaluator report.json: prompts, lossless verdict and, per method row, shape, α and τ overall
+    (``all``) and per domain at the first temperature."""
+    rows = []
+    for m in report.get("methods", []):
+        by = m.get("by_temperature") or {}
+        if not by:
+            continue
+        doms = next(iter(by.values()))
+        rows.append({"name": m["name"], "shape": m.get("shape"),
+                     "lossless": (m.get("lossless") or {}).get("exact"),
+                     "domains": {d: {"alpha": r.get("alpha"), "tau": r.get("tau"), "prompts": r.get("prompts")}
+                                 for d, r in doms.items()}})
+    return {"prompts": report.get("num_prompts"), "max_new_tokens": report.get("max_new_tokens"),
+            "target_dtype": str(report.get("target_dtype", "")).removeprefix("torch.") or None, "methods": rows}
+
+
+def run_eval(args, run: dict, root: Path) -> dict | None:
+    """``specheads evaluate`` on one trained head; its ``acceptance`` figures, or None (the log says why)."""
+    if not run.get("head_dir"):
+        print(f"{run['trainer']} {run['setting']}: no trained head to evaluate", file=sys.stderr)
+        return None
+    out = root / f"eval-{run['trainer']}-{run['setting'].replace(':', '-')}"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = eval_command(args, run["head_dir"], out)
+    print(f"\n$ OMP_NUM_THREADS={args.threads} {shlex.join(cmd)}", flush=True)
+    result = measure(cmd, env_for(args), root / f"{out.name}.log")
+    report = out / "report.json"
+    if result["rc"] != 0 or not report.exists():
+        print(f"evaluate {run['trainer']} {run['setting']}: failed (exit {result['rc']}); log {out.name}.log:\n"
+              + "".join((root / f"{out.name}.log").read_text().splitlines(keepends=True)[-20:]), file=sys.stderr)
+        return None
+    return {**acceptance(json.loads(report.read_text())), "wall_s": result["wall_s"], "command": cmd}
 
 
 # --------------------------------------------------------------------------- report
@@ -391,6 +504,53 @@ def print_table(results: list[dict]) -> None:
             print(f"{s:<13} {ratio(o['steady_tokens_per_s'], t['steady_tokens_per_s']):>12} "
                   f"{ratio(o['tokens_per_s'], t['tokens_per_s']):>10} {ratio(o['peak_rss_mib'], t['peak_rss_mib']):>9} "
                   f"{ratio(o['peak_anon_mib'], t['peak_anon_mib']):>10}")
+    if any(r.get("heldout") for r in results):
+        print(f"\n{'setting':<13} {'trainer':<8} {'held-out loss':>13} {'step-0 top-1':>12}  (theirs: within the draft vocabulary)")
+        for r in results:
+            h = r.get("heldout") or {}
+            print(f"{r['setting']:<13} {r['trainer']:<8} {fmt(h.get('loss'), '13.4f')} "
+                  f"{fmt(h.get('top1_step0', h.get('full_acc_step0')), '12.4f')}")
+    print_acceptance(results)
+
+
+def print_acceptance(results: list[dict]) -> None:
+    """α and τ per domain of every evaluated head, one column pair per (setting, trainer), per shape."""
+    evaluated = [r for r in results if r.get("eval")]
+    if not evaluated:
+        return
+    shapes = list(dict.fromkeys(m["shape"] for r in evaluated for m in r["eval"]["methods"]))
+    for shape in shapes:
+        cols = [(r, next((m for m in r["eval"]["methods"] if m["shape"] == shape), None)) for r in evaluated]
+        cols = [(r, m) for r, m in cols if m]
+        domains = list(dict.fromkeys(d for _, m in cols for d in m["domains"]))
+        print(f"\nacceptance at T=0, {shape}: α / τ" + "".join(
+            f"; {r['trainer']} {r['setting']} lossless {m['lossless']}" for r, m in cols))
+        print(f"{'domain':<12}" + "".join(f" {r['trainer'] + ' ' + r['setting']:>24}" for r, _ in cols))
+        for d in domains:
+            cells = [m["domains"].get(d) or {} for _, m in cols]
+            print(f"{d:<12}" + "".join(f" {fmt(c.get('alpha'), '11.2f')} {fmt(c.get('tau'), '12.2f')}" for c in cells))
+
+
+def report(args, root: Path, data: dict | None, results: list[dict]) -> dict:
+    """What ``--json`` writes (``specheads record`` reads it: ``kind`` speculators_compare)."""
+    from specheads.hardware import cpu_description
+
+    versions = {}
+    for name in ("torch", "transformers", "speculators"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    store = {k: data[k] for k in ("num_train", "num_heldout", "train_tokens", "hidden_dtype", "plan_hash")} if data else None
+    return {"kind": "speculators_compare", "machine": cpu_description(), "target": args.target, "versions": versions,
+            "budget": {"epochs": args.epochs} if args.epochs else {"minutes": args.minutes},
+            "settings": {"draft_vocab_size": args.draft_vocab_size, "max_tokens": args.max_tokens, "lr": args.lr,
+                         "warmup_steps": args.warmup_steps, "eval_samples": args.eval_samples, "seed": args.seed,
+                         "threads": args.threads, "skip_steps": args.skip_steps, "our_args": args.our_arg,
+                         "their_args": args.their_arg},
+            "evaluation": {"prompts": main_job_prompts(), "fixed": EVAL_FIXED, "extra": args.eval_arg}
+            if args.evaluate else None,
+            "store": store, "args": vars(args), "workdir": str(root), "runs": results}
 
 
 def main(argv=None) -> None:
@@ -434,10 +594,16 @@ def main(argv=None) -> None:
                 print(f"{trainer} {r['setting']}: failed (exit {r['rc']}); log {r['log']}:\n"
                       + "".join(Path(r["log"]).read_text().splitlines(keepends=True)[-30:]), file=sys.stderr)
             print(json.dumps({k: v for k, v in r.items() if k != "command"}), flush=True)
+            if args.epochs and data:  # equal tokens: each run saw every training token once per epoch
+                print(f"{trainer} {r['setting']}: {r['tokens']} tokens trained, {args.epochs} x "
+                      f"{data['train_tokens']} in the training rows", flush=True)
             results.append(r)
+    if args.evaluate:
+        for r in results:
+            r["eval"] = run_eval(args, r, root)
     print_table(results)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "workdir": str(root), "runs": results}, indent=1))
+        Path(args.json).write_text(json.dumps(report(args, root, data, results), indent=1))
 
 
 if __name__ == "__main__":
