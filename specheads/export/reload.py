@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from specheads.export.checks import ExportError
-from specheads.export.layouts import TargetInfo, build_layout, method_of
+from specheads.export.layouts import Layout, TargetInfo, build_layout, method_of
 
 
 def _model_class(head_cfg: dict):
@@ -59,14 +59,24 @@ def exported_head_state(folder: str | Path) -> tuple[dict, dict[str, torch.Tenso
     info = TargetInfo(prov.get("target") or "target", head_cfg["hidden_size"], head_cfg["vocab_size"],
                       hub_id=prov.get("target_id"))
     layout = build_layout(prov["method"], prov["engine"], head_cfg, info)
+    return head_cfg, head_state(layout, head_cfg, exported, str(folder))
+
+
+def head_state(layout: Layout, head_cfg: dict, exported: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """The head's state dict from the tensors of a folder in ``layout``: the inverse of its rules.
+
+    Tensors the layout copies from the target are dropped (they need not be in ``exported``); zeros it adds
+    must be zeros; the draft-vocabulary maps a layout leaves out are rebuilt (identity for a full draft
+    vocabulary, ``t2d`` from ``d2t``). ``where`` names the folder in errors.
+    """
     state: dict[str, torch.Tensor] = {}
     for name, rule in layout.rules.items():
+        if rule.from_target:
+            continue
         t = exported[name]
         if rule.source is None:
             if t.any():
-                raise ExportError(f"{folder}: {name} should be all zeros (added by the {prov['engine']} layout)")
-            continue
-        if rule.from_target:
+                raise ExportError(f"{where}: {name} should be all zeros (added by the {layout.engine} layout)")
             continue
         if rule.chunk_order is not None:
             chunks = t.chunk(len(rule.chunk_order), dim=1)
@@ -75,20 +85,19 @@ def exported_head_state(folder: str | Path) -> tuple[dict, dict[str, torch.Tenso
                 back[j] = chunks[pos]
             t = torch.cat(back, dim=1)
         state[rule.source] = t
-    if prov["method"] in ("eagle3", "peagle") and "d2t" not in state:  # a full draft vocabulary: identity maps
+    if layout.method in ("eagle3", "peagle") and "d2t" not in state:  # a full draft vocabulary: identity maps
         state["d2t"] = torch.zeros(head_cfg["draft_vocab_size"], dtype=torch.long)
         state["t2d"] = torch.ones(head_cfg["vocab_size"], dtype=torch.bool)
-    elif prov["method"] in ("eagle3", "peagle") and "t2d" not in state:
+    elif layout.method in ("eagle3", "peagle") and "t2d" not in state:
         t2d = torch.zeros(head_cfg["vocab_size"], dtype=torch.bool)
         t2d[torch.arange(state["d2t"].numel()) + state["d2t"]] = True
         state["t2d"] = t2d
-    return head_cfg, state
+    return state
 
 
-def load_exported(folder: str | Path):
-    """The specheads model (Medusa heads, ``Eagle1Model``, ``Eagle3Model`` or ``DFlashModel``) an exported folder
-    holds (EAGLE and DFlash models unattached: ``model.attach(target)`` lends them the target's embedding)."""
-    head_cfg, state = exported_head_state(folder)
+def build_head(head_cfg: dict, state: dict[str, torch.Tensor]):
+    """The specheads model of ``head_cfg``'s method holding ``state`` (strict: a name the model lacks, or one it
+    has that ``state`` lacks, is an error), in the dtype of ``state``'s float tensors."""
     config_cls, model_cls = _model_class(head_cfg)
     fields = {k: v for k, v in head_cfg.items() if k not in ("model_type", "transformers_version", "architectures")}
     model = model_cls(config_cls(**fields))
@@ -96,3 +105,9 @@ def load_exported(folder: str | Path):
     model.to(dtype)
     model.load_state_dict(state, strict=True)
     return model.eval()
+
+
+def load_exported(folder: str | Path):
+    """The specheads model (Medusa heads, ``Eagle1Model``, ``Eagle3Model`` or ``DFlashModel``) an exported folder
+    holds (EAGLE and DFlash models unattached: ``model.attach(target)`` lends them the target's embedding)."""
+    return build_head(*exported_head_state(folder))

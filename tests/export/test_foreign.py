@@ -1,0 +1,273 @@
+"""EAGLE-3 heads trained elsewhere (specheads/export/foreign.py): our own speculators/vllm/sglang exports read back
+without specheads_export.json, folders written the way speculators 0.9 and SpecForge write them, and every refusal."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specheads.export import export_head
+from specheads.export.foreign import ForeignHeadError, foreign_format, load_foreign_head, read_foreign_head
+from specheads.export.layouts import TargetInfo
+from specheads.models.eagle3 import Eagle3Config, Eagle3Model
+from tests.conftest import make_tiny_target
+from tests.export.test_export import H, V, make_head, save_head
+
+LAYERS, DV = 8, 100
+INFO = TargetInfo("tiny", H, V, LAYERS)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_target("llama", vocab=V, hidden=H, layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def target_dir(target, tmp_path_factory):
+    d = tmp_path_factory.mktemp("target") / "tiny-llama"
+    target.model.save_pretrained(d)
+    return d
+
+
+def foreign_export(head, engine: str, root: Path, target_dir: Path) -> Path:
+    """``head`` exported for ``engine``, its specheads_export.json removed: what a user downloads from the Hub."""
+    out = export_head(save_head(head, root), root / "out", engine, str(target_dir))
+    (out / "specheads_export.json").unlink()
+    (out / "README.md").unlink()
+    return out
+
+
+@pytest.mark.parametrize("engine,fmt", [("speculators", "speculators"), ("vllm", "eagle3"), ("sglang", "eagle3")])
+def test_our_exports_read_back_as_foreign_heads(engine, fmt, target, target_dir, tmp_path):
+    """No provenance file: the format is detected from config.json, the aux ids from each engine's key (SGLang's
+    count layer outputs), and every tensor equals the original head's."""
+    head = make_head("eagle3", target, aux=(0, 2, 5)).eval()
+    out = foreign_export(head, engine, tmp_path, target_dir)
+    assert foreign_format(out) == fmt and foreign_format(save_head(head, tmp_path / "again")) is None
+    read = read_foreign_head(out, INFO)
+    assert read.format == fmt and read.config["aux_layers"] == [0, 2, 5]
+    original = head.state_dict()
+    assert set(read.state) == set(original)
+    for name, t in original.items():
+        assert torch.equal(read.state[name], t), name
+    model = load_foreign_head(out, target)  # speculators' folder carries the target's embedding: checked equal
+    assert type(model) is Eagle3Model and model.config.draft_vocab_size == DV
+
+
+def test_unsorted_aux_layers_give_the_same_logits(target, target_dir, tmp_path):
+    """A head trained on aux layers (5, 0, 2): the exported fc columns follow ascending layers, so the foreign head
+    (aux [0, 2, 5]) fed its own layer order computes what the original computes on its own."""
+    head = make_head("eagle3", target, aux=(5, 0, 2)).eval().attach(target)
+    model = load_foreign_head(foreign_export(head, "vllm", tmp_path, target_dir), target).attach(target)
+    assert model.config.aux_layers == [0, 2, 5]
+    g = torch.Generator().manual_seed(3)
+    T = 5
+    states = {i: torch.randn(2, T, H, generator=g) for i in (0, 2, 5)}
+    ids, pos = torch.randint(0, V, (2, T), generator=g), torch.arange(T).expand(2, T)
+    with torch.no_grad():
+        a = head.step(head.fuse(torch.cat([states[i] for i in (5, 0, 2)], -1)), ids, pos)
+        b = model.step(model.fuse(torch.cat([states[i] for i in (0, 2, 5)], -1)), ids, pos)
+    torch.testing.assert_close(a, b)  # fc sums its column blocks in another order: float32 rounding only
+
+
+# --------------------------------------------------------------------------- folders as the other toolkits write them
+
+
+def _weights(head: Eagle3Model, dtype) -> dict[str, torch.Tensor]:
+    return {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in head.state_dict().items()}
+
+
+def _llama_layer() -> dict:
+    """The draft layer's config as speculators writes it (``LlamaConfig.to_diff_dict()``)."""
+    return {"model_type": "llama", "hidden_size": H, "intermediate_size": 2 * H, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": V, "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-06, "head_dim": H // 4, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "torch_dtype": "bfloat16"}
+
+
+def speculators_folder(root: Path, head: Eagle3Model, target, aux=None, **config) -> Path:
+    """speculators 0.9's ``Eagle3DraftModel.save_pretrained``: bfloat16 weights named ``layers.0.*``, the target's
+    embedding included, no ``verifier_lm_head`` (ignored on save), aux ids null when trained on the default."""
+    root.mkdir(parents=True)
+    cfg = {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
+           "transformer_layer_config": _llama_layer(), "draft_vocab_size": DV, "norm_before_residual": False,
+           "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": aux, "norm_before_fc": False,
+           "fc_norm": False, "norm_output": False, "embed_requires_grad": False, "torch_dtype": "bfloat16",
+           "transformers_version": "4.57.1",
+           "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
+                                                        "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                                  "verifier": {"name_or_path": "org/tiny-llama", "architectures": ["LlamaForCausalLM"]}},
+           **config}
+    (root / "config.json").write_text(json.dumps(cfg))
+    w = {n.replace("midlayer.", "layers.0."): t for n, t in _weights(head, torch.bfloat16).items()}
+    w["embed_tokens.weight"] = target.model.get_input_embeddings().weight.detach().to(torch.bfloat16)
+    save_file(w, str(root / "model.safetensors"))
+    return root
+
+
+def specforge_folder(root: Path, head: Eagle3Model, eagle_config: dict | None = None) -> Path:
+    """SpecForge's ``save_pretrained`` of ``LlamaForCausalLMEagle3`` (the embedding left out), written as the original
+    EAGLE-3 release ships it: ``pytorch_model.bin`` in float16, names ``midlayer.*``, a Llama config with
+    ``rope_theta`` and ``draft_vocab_size``."""
+    root.mkdir(parents=True)
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+           "intermediate_size": 2 * H, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+           "vocab_size": V, "draft_vocab_size": DV, "max_position_embeddings": 512, "rms_norm_eps": 1e-06,
+           "head_dim": H // 4, "hidden_act": "silu", "rope_theta": 10000.0, "rope_scaling": None,
+           "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "tie_word_embeddings": False,
+           "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2}
+    if eagle_config is not None:
+        cfg["eagle_config"] = eagle_config
+    (root / "config.json").write_text(json.dumps(cfg))
+    torch.save(_weights(head, torch.float16), root / "pytorch_model.bin")
+    return root
+
+
+def _same_logits(ours: Eagle3Model, theirs: Eagle3Model, target) -> None:
+    ours, theirs = ours.eval().attach(target), theirs.attach(target)
+    g = torch.Generator().manual_seed(4)
+    feats = torch.randn(1, 4, 3 * H, generator=g)
+    ids, pos = torch.randint(0, V, (1, 4), generator=g), torch.arange(4)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.step(theirs.fuse(feats), ids, pos), ours.step(ours.fuse(feats), ids, pos))
+
+
+def test_a_speculators_folder_without_aux_ids_uses_the_default_layers(target, tmp_path):
+    """speculators 0.9 writes eagle_aux_hidden_state_layer_ids null for a head trained on the default: the verifier's
+    (2, N//2, N-3), which vLLM captures too; bfloat16 weights stay bfloat16, as a specheads head's dtype stays."""
+    head = make_head("eagle3", target, aux=(2, 4, 5)).to(torch.bfloat16).eval()
+    folder = speculators_folder(tmp_path / "spec", head, target)
+    model = load_foreign_head(folder, target)
+    assert model.config.aux_layers == [2, 4, 5] and model.fc.weight.dtype == torch.bfloat16
+    assert model.config.rope_parameters["rope_theta"] == 10000.0 and model.config.num_key_value_heads == 2
+    for name, t in head.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
+    _same_logits(head, model, target)
+
+
+@pytest.mark.parametrize("eagle_config,aux", [({"eagle_aux_hidden_state_layer_ids": [1, 3, 6],
+                                                "use_aux_hidden_state": True}, [2, 4, 7]),
+                                               (None, [2, 4, 5])])
+def test_a_specforge_folder_reads_midlayer_names_and_its_layer_outputs(eagle_config, aux, target, tmp_path):
+    """SpecForge's ids count decoder-layer outputs (SGLang's convention): ours are one more; none written: the
+    default every engine captures. float16 weights from pytorch_model.bin."""
+    head = make_head("eagle3", target, aux=aux).to(torch.float16).eval()
+    model = load_foreign_head(specforge_folder(tmp_path / "sf", head, eagle_config), target)
+    assert model.config.aux_layers == aux and model.fc.weight.dtype == torch.float16
+    for name, t in head.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
+    _same_logits(head, model, target)
+
+
+def test_the_original_format_with_layers_0_names_and_no_t2d(target, tmp_path):
+    """vLLM reads ``layers.0.*`` like ``midlayer.*`` and skips t2d: a folder of that shape reads the same."""
+    head = make_head("eagle3", target, aux=(2, 4, 5)).eval()
+    folder = specforge_folder(tmp_path / "sf", head)
+    w = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    del w["t2d"]
+    save_file({n.replace("midlayer.", "layers.0."): t for n, t in w.items()}, str(folder / "model.safetensors"))
+    (folder / "pytorch_model.bin").unlink()
+    model = load_foreign_head(folder, target)
+    assert torch.equal(model.t2d, head.t2d) and torch.equal(model.midlayer.hidden_norm.weight,
+                                                            head.midlayer.hidden_norm.weight.half())
+
+
+# --------------------------------------------------------------------------- refusals: one line, naming the folder
+
+
+def _edit_weights(folder: Path, edit) -> None:
+    w = load_file(str(folder / "model.safetensors"))
+    edit(w)
+    save_file(w, str(folder / "model.safetensors"))
+
+
+def _edit_config(folder: Path, replace: dict | None = None, **changes) -> None:
+    """``changes`` merged into config.json (a dict into the dict it names); ``replace``: keys set as given."""
+    cfg = json.loads((folder / "config.json").read_text())
+    for k, v in changes.items():
+        if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+            cfg[k].update(v)
+        else:
+            cfg[k] = v
+    cfg.update(replace or {})
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture
+def spec_dir(target, tmp_path):
+    return speculators_folder(tmp_path / "spec", make_head("eagle3", target, aux=(2, 4, 5)).eval(), target,
+                              aux=[2, 4, 5])
+
+
+REFUSALS = {
+    "unknown format": (lambda f: (f / "config.json").write_text(json.dumps({"model_type": "bert"})),
+                       r"no head of a known format: looked for a specheads head .*speculators_model_type: eagle3.*"
+                       r"LlamaForCausalLMEagle3"),
+    "other algorithm": (lambda f: _edit_config(f, speculators_model_type="dflash"),
+                        r"speculators_model_type 'dflash': only speculators' eagle3"),
+    "missing tensor": (lambda f: _edit_weights(f, lambda w: w.pop("lm_head.weight")),
+                       r"missing key\(s\) \['lm_head.weight'\]"),
+    "unknown tensor": (lambda f: _edit_weights(f, lambda w: w.update({"layers.0.self_attn.q_norm.weight":
+                                                                      torch.ones(16, dtype=torch.bfloat16)})),
+                       r"unknown key\(s\) \['layers.0.self_attn.q_norm.weight'\]"),
+    "wrong shape": (lambda f: _edit_weights(f, lambda w: w.update({"norm.weight": torch.ones(H + 1,
+                                                                                             dtype=torch.bfloat16)})),
+                    r"'norm.weight' has shape \[65\], expected \[64\]"),
+    "float d2t": (lambda f: _edit_weights(f, lambda w: w.update({"d2t": w["d2t"].to(torch.bfloat16)})),
+                  r"'d2t' has dtype BF16, expected I64"),
+    "hidden size": (lambda f: _edit_config(f, transformer_layer_config={"hidden_size": 32, "head_dim": 8}),
+                    r"head hidden_size 32 != target tiny hidden_size 64"),
+    "vocabulary": (lambda f: _edit_config(f, transformer_layer_config={"vocab_size": 512}),
+                   r"head vocab_size 512 != target tiny vocab_size 256"),
+    "aux out of range": (lambda f: _edit_config(f, eagle_aux_hidden_state_layer_ids=[2, 4, 8]),
+                         r"aux layers \[8\] do not exist in target tiny \(8 layers\)"),
+    "qwen3 layer": (lambda f: _edit_config(f, transformer_layer_config={"model_type": "qwen3"}),
+                    r"the draft layer is a qwen3 layer"),
+    "no layer type": (lambda f: _edit_config(f, replace={"transformer_layer_config": {
+                          k: v for k, v in _llama_layer().items() if k != "model_type"}}),
+                      r"the draft layer is a qwen3 layer"),
+    "two layers": (lambda f: _edit_config(f, transformer_layer_config={"num_hidden_layers": 2}),
+                   r"EAGLE-3 heads have one layer"),
+    "norm before residual": (lambda f: _edit_config(f, norm_before_residual=True), r"norm_before_residual: true"),
+    "norm output": (lambda f: _edit_config(f, norm_output=True), r"norm_output: true"),
+    "maps disagree": (lambda f: _edit_weights(f, lambda w: w["d2t"].__setitem__(0, w["d2t"][0] + 1)),
+                      r"d2t and t2d disagree"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refusals_name_the_folder_and_the_fault(case, spec_dir):
+    edit, message = REFUSALS[case]
+    edit(spec_dir)
+    with pytest.raises(ForeignHeadError, match=message) as e:
+        read_foreign_head(spec_dir, INFO)
+    assert str(spec_dir) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_no_aux_ids_on_a_target_too_shallow_for_the_default(target, tmp_path):
+    folder = speculators_folder(tmp_path / "spec", make_head("eagle3", target, aux=(2, 4, 5)).eval(), target)
+    read_foreign_head(folder, INFO)
+    with pytest.raises(ForeignHeadError, match=r"names no aux layers .* at least 7 layers \(target tiny: 6\)"):
+        read_foreign_head(folder, TargetInfo("tiny", H, V, 6))
+
+
+def test_an_embedding_other_than_the_targets_is_refused(target, tmp_path):
+    head = make_head("eagle3", target, aux=(2, 4, 5)).eval()
+    folder = speculators_folder(tmp_path / "spec", head, target, aux=[2, 4, 5])
+    load_foreign_head(folder, target)
+    _edit_weights(folder, lambda w: w.update({"embed_tokens.weight": w["embed_tokens.weight"] + 1.0}))
+    with pytest.raises(ForeignHeadError, match=r"embed_tokens.weight differs from target .*'s token embedding"):
+        load_foreign_head(folder, target)
+
+
+def test_no_weights_is_refused(spec_dir):
+    (spec_dir / "model.safetensors").unlink()
+    with pytest.raises(ForeignHeadError, match=r"no weights \(looked for \*.safetensors, then pytorch_model\*.bin\)"):
+        read_foreign_head(spec_dir, INFO)
+    shutil.rmtree(spec_dir)
