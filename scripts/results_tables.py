@@ -434,6 +434,61 @@ def eval_benches(data: dict) -> str:
     return "\n".join(lines).rstrip()
 
 
+def speculators_comparisons(data: dict) -> str:
+    """docs/benchmarks.md: the newest ``compare_speculators.py --json`` record per machine and kind of budget
+    (epochs or minutes): training figures of both trainers per setting, then α / τ per domain of both heads."""
+    seen, runs = set(), []
+    for r in data.get("speculators_comparisons") or []:
+        key = (r.get("machine"), tuple(sorted(r["budget"])))
+        if key not in seen:
+            seen.add(key)
+            runs.append(r)
+    if not runs:
+        return ("_No record yet: `python scripts/bench/compare_speculators.py ... --epochs 1 --evaluate --json c.json`, "
+                "then `specheads record c.json`._")
+    return "\n\n".join(_speculators_comparison(r) for r in runs)
+
+
+def _speculators_comparison(r: dict) -> str:
+    b, st, store = r["budget"], r["settings"], r.get("store") or {}
+    rows = (f"the same {store['num_train']} training rows ({store['train_tokens']} tokens)" if store.get("num_train")
+            else "the same training rows")
+    budget = (f"{b['epochs']} epoch{'s' if b['epochs'] != 1 else ''} over {rows} for each trainer" if "epochs" in b
+              else f"{b['minutes']:g} minutes of training each on {rows}")
+    v = r.get("versions") or {}
+    lines = [f"{r['date']}, commit {_commit(r)}, {r['machine']}; target {r['target']}; {budget}; draft vocabulary "
+             f"{st['draft_vocab_size']}, {st['max_tokens']} tokens per batch, learning rate {st['lr']:g}, "
+             f"{st['threads']} threads; speculators {v.get('speculators', '?')}, torch {v.get('torch', '?')}:", "",
+             "| setting | trainer | steps | tokens | tokens/s (after step 5) | tokens/s (all) | ours/theirs | "
+             "peak RSS MiB | peak anon MiB | held-out loss | held-out step-0 top-1 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    by = {(x["setting"], x["trainer"]): x for x in r["runs"]}
+    for x in r["runs"]:
+        other = by.get((x["setting"], "theirs")) if x["trainer"] == "ours" else None
+        ratio = (f"{x['steady_tokens_per_s'] / other['steady_tokens_per_s']:.2f}×"
+                 if other and x.get("steady_tokens_per_s") and other.get("steady_tokens_per_s") else "–")
+        h = x.get("heldout") or {}
+        top1 = h.get("top1_step0", h.get("full_acc_step0"))
+        name = "ours (specheads)" if x["trainer"] == "ours" else "theirs (speculators)"
+        lines.append(f"| {x['setting']} | {name} | {x['steps']} | {x['tokens']} | {_mb(x.get('steady_tokens_per_s'))} | "
+                     f"{_mb(x.get('tokens_per_s'))} | {ratio} | {_mb(x.get('peak_rss_mib'))} | "
+                     f"{_mb(x.get('peak_anon_mib'))} | {_f(h.get('loss'), 3)} | {_f(top1, 3)} |")
+    evaluated = [x for x in r["runs"] if x.get("eval")]
+    if evaluated:
+        e = evaluated[0]["eval"]
+        cols = [(x, m) for x in evaluated for m in x["eval"]["methods"]]
+        cols.sort(key=lambda c: (c[1]["shape"] or "", c[0]["setting"], c[0]["trainer"]))
+        domains = list(dict.fromkeys(d for _, m in cols for d in m["domains"] if d != "all")) + ["all"]
+        lossless = "exact" if all(m.get("lossless") for _, m in cols) else "MISMATCH"
+        lines += ["", f"Acceptance by the evaluator, T=0, {e['prompts']} prompts × {e['max_new_tokens']} new tokens, "
+                  f"target {e.get('target_dtype') or '–'}, batch 1; lossless {lossless}; α / τ:", "",
+                  "| domain | " + " | ".join(f"{x['trainer']} {x['setting']}, {m['shape']}" for x, m in cols) + " |",
+                  "|---|" + "---|" * len(cols)]
+        for d in domains:
+            cells = [m["domains"].get(d) or {} for _, m in cols]
+            lines.append(f"| {d} | " + " | ".join(f"{_f(c.get('alpha'))} / {_f(c.get('tau'))}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def _newest_per(runs: list[dict]) -> list[dict]:
     """The newest entry of each (machine, target, temperature), newest first (entries are stored newest first)."""
     seen, out = set(), []
@@ -451,7 +506,8 @@ def blocks(data: dict) -> dict[Path, dict[str, str]]:
                      "run-summary": run_summary(data), "run-domains": run_domains(data), "served": served_line(data)},
             BENCHMARKS: {"history": history_table(data), "history-notes": followups_list(data),
                          "test-runs": tests_table(data), "unrecorded-history": unrecorded_history(data),
-                         "train-benches": train_benches(data), "eval-benches": eval_benches(data)},
+                         "train-benches": train_benches(data), "eval-benches": eval_benches(data),
+                         "speculators": speculators_comparisons(data)},
             EXPORT: {"export-check": export_check(data)},
             SERVING: {"served": served_line(data)},
             METHODS: {"head-to-head": head_to_head(data)},

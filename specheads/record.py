@@ -1,6 +1,6 @@
 """One measured run, appended to ``docs/benchmarks.json`` with where and on what it was measured.
 
-``specheads record <file>`` reads one of four outputs, recognised by their contents, not their names:
+``specheads record <file>`` reads one of these outputs, recognised by their contents, not their names:
 
 * a main-job ``run_summary.json`` (``specheads run``) -> an entry of ``runs``;
 * a ``serve_report.json`` (``specheads serve-eval``) -> an entry of ``serve_runs``;
@@ -12,7 +12,10 @@
   vLLM on the same rows) -> an entry of ``backend_runs``;
 * the ``--json`` report of ``scripts/bench/bench_train.py`` (training tokens/s, memory and share of the device's
   peak per method) -> an entry of ``train_benches``, of ``scripts/bench/bench_evaluate.py`` (a decoding step's
-  time split by phase per batch size, tree size and verification backend) -> an entry of ``eval_benches``.
+  time split by phase per batch size, tree size and verification backend) -> an entry of ``eval_benches``;
+* the ``--json`` report of ``scripts/bench/compare_speculators.py`` (our EAGLE-3 trainer and vLLM speculators' on
+  one store: tokens/s, memory, held-out figures and, with ``--evaluate``, α and τ per domain of both heads) -> an
+  entry of ``speculators_comparisons`` (``speculators_entry``: the figures, not the commands or log paths).
 
 Every entry carries ``commit`` (``git rev-parse HEAD`` of the checkout it was measured in), ``dirty`` (whether
 that tree had uncommitted changes to tracked files), ``date`` and ``machine`` (``hardware.cpu_description``
@@ -41,10 +44,11 @@ class RecordError(UserError):
 
 
 KINDS = {"main_job": "runs", "serve": "serve_runs", "test_suite": "test_runs", "export_check": "export_checks",
-         "collect_backends": "backend_runs", "train_bench": "train_benches", "eval_bench": "eval_benches"}
+         "collect_backends": "backend_runs", "train_bench": "train_benches", "eval_bench": "eval_benches",
+         "speculators_compare": "speculators_comparisons"}
 WHAT_IT_READS = ("a run_summary.json (specheads run), a serve_report.json (specheads serve-eval), a pytest log "
                  "(its closing 'N passed ... in X s' line), the output of scripts/check_engine_loaders.py or the "
-                 "report of scripts/bench/bench_backends.py, bench_train.py or bench_evaluate.py")
+                 "report of scripts/bench/bench_backends.py, bench_train.py, bench_evaluate.py or compare_speculators.py")
 PYTEST_LINE = re.compile(r"^=*\s*((?:\d+ (?:passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)"
                          r"(?:, )?)+) in ([\d.]+)s\b", re.M)
 CHECK_LINE = re.compile(r"^(ok|skip|FAIL)\s{1,4}(.{18}) (.{8}) (.{14}) (.+?): (.*)$")
@@ -109,6 +113,8 @@ def _json_kind(data) -> str | None:
         return "collect_backends"
     if isinstance(data, dict) and data.get("kind") in ("train_bench", "eval_bench") and isinstance(data.get("rows"), list):
         return data["kind"]
+    if isinstance(data, dict) and data.get("kind") == "speculators_compare" and isinstance(data.get("runs"), list):
+        return "speculators_compare"
     rows = data.get("checks") if isinstance(data, dict) else data
     if isinstance(rows, list) and rows and all(isinstance(r, dict) and {"check", "ok"} <= set(r) for r in rows):
         return "export_check"
@@ -216,13 +222,50 @@ def export_check_entry(contents) -> dict:
             "skipped": sum(r["ok"] is None for r in rows), "failed": sum(r["ok"] is False for r in rows)}
 
 
+def _round(x, nd: int):
+    return None if x is None else round(float(x), nd)
+
+
+def speculators_entry(report: dict) -> dict:
+    """A ``speculators_comparisons`` entry from ``compare_speculators.py --json``: the budget and settings, the
+    store's training rows, and per run (setting x trainer) its training figures, held-out figures and the
+    evaluator's α / τ per domain for each shape (rounded: 3 places for α and τ, whole tokens/s and MiB)."""
+    try:
+        runs = [_speculators_run(r) for r in report["runs"]]
+        return {"kind": "speculators_compare", "machine": report.get("machine"), "target": report["target"],
+                "versions": report.get("versions"), "budget": report["budget"], "settings": report["settings"],
+                "store": report.get("store"), "evaluation": report.get("evaluation"), "runs": runs}
+    except (KeyError, TypeError) as e:
+        raise RecordError(f"compare_speculators report lacks {e}: not a finished --json report") from None
+
+
+def _speculators_run(r: dict) -> dict:
+    out = {"setting": r["setting"], "trainer": r["trainer"], "rc": r["rc"], "steps": r["steps"], "tokens": r["tokens"],
+           "train_s": _round(r.get("train_s"), 1), "tokens_per_s": _round(r.get("tokens_per_s"), 0),
+           "steady_tokens_per_s": _round(r.get("steady_tokens_per_s"), 0),
+           "peak_rss_mib": _round(r.get("peak_rss_mib"), 0), "peak_anon_mib": _round(r.get("peak_anon_mib"), 0),
+           "first_loss": _round(r.get("first_loss"), 4), "last_loss": _round(r.get("last_loss"), 4)}
+    if r.get("heldout"):
+        out["heldout"] = {k: _round(v, 4) for k, v in r["heldout"].items()}
+    ev = r.get("eval")
+    if ev:
+        out["eval"] = {"prompts": ev.get("prompts"), "max_new_tokens": ev.get("max_new_tokens"),
+                       "target_dtype": ev.get("target_dtype"),
+                       "methods": [{"name": m["name"], "shape": m.get("shape"), "lossless": m.get("lossless"),
+                                    "domains": {d: {"alpha": _round(v.get("alpha"), 3), "tau": _round(v.get("tau"), 3),
+                                                    "prompts": v.get("prompts")} for d, v in m["domains"].items()}}
+                                   for m in ev["methods"]]}
+    return out
+
+
 def make_entry(path: str | Path, checkout: Checkout, *, wall_s: float | None = None, machine: str | None = None,
                date: str | None = None, run: str | None = None, what: str | None = None,
                fresh_clone: bool | None = None) -> tuple[str, dict]:
     """(the list it belongs in, the entry) for ``path``, stamped with ``checkout``, the date and the machine."""
     kind, contents = read_input(path)
     build = {"main_job": main_job_entry, "serve": serve_entry, "export_check": export_check_entry,
-             "collect_backends": dict, "train_bench": dict, "eval_bench": dict}
+             "collect_backends": dict, "train_bench": dict, "eval_bench": dict,
+             "speculators_compare": speculators_entry}
     entry = test_suite_entry(contents, wall_s) if kind == "test_suite" else build[kind](contents)
     if machine or not entry.get("machine"):
         from specheads.hardware import cpu_description

@@ -243,3 +243,66 @@ def test_a_backends_benchmark_is_recorded_and_rendered_in_the_collect_guide(tmp_
     assert "| regeneration + capture, vLLM (`regenerate=engine`) | 60.3 | 10010 answer | 166.0 (per wall s) | 5.40 |" in table
     assert "commit `0123456` on 2099-01-01, box" in table and "dtype bfloat16" in table
     assert "No record yet" in rt.backends({"runs": []})
+
+
+def _compare_report(**over) -> dict:
+    """What ``scripts/bench/compare_speculators.py --json`` writes: one setting, both trainers, both heads evaluated."""
+    def run(trainer, steps, rate, acc, taus):
+        return {"setting": "bfloat16:ttt1", "trainer": trainer, "rc": 0, "wall_s": 99.0, "peak_rss_mib": 2050.4,
+                "peak_anon_mib": 1500.6, "steps": steps, "tokens": 331000, "train_s": 80.04, "tokens_per_s": rate,
+                "steady_tokens_per_s": rate + 0.4, "first_loss": 9.87654, "last_loss": 2.34567,
+                "command": ["specheads", "train"], "log": "/tmp/x/ours.log", "head_dir": "/tmp/x/ours",
+                "heldout": {"loss": 2.5, ("top1_step0" if trainer == "ours" else "full_acc_step0"): acc},
+                "eval": {"prompts": 12, "max_new_tokens": 32, "target_dtype": "float32", "wall_s": 120.0,
+                         "command": ["specheads", "evaluate"],
+                         "methods": [{"name": "eagle3-tree", "shape": "tree(d5,k4,n24)", "lossless": True,
+                                      "domains": {"code": {"alpha": 0.61234, "tau": taus[0], "prompts": 2},
+                                                  "all": {"alpha": 0.51234, "tau": taus[1], "prompts": 12}}}]}}
+    report = {"kind": "speculators_compare", "machine": "CPU X (2 cores)", "target": "smollm2",
+              "versions": {"torch": "2.13.0", "transformers": "5.25.0", "speculators": "0.9.0"},
+              "budget": {"epochs": 1}, "settings": {"draft_vocab_size": 4096, "max_tokens": 2048, "lr": 0.0015,
+                                                    "warmup_steps": 10, "threads": 2},
+              "store": {"num_train": 700, "num_heldout": 16, "train_tokens": 331000},
+              "evaluation": {"prompts": ["eval.humaneval=2"], "fixed": ["head_shape=tree"], "extra": []},
+              "args": {"features": "/tmp/h2h/features"}, "workdir": "/tmp/x",
+              "runs": [run("ours", 180, 4000.2, 0.41, (2.31234, 1.91234)),
+                       run("theirs", 165, 1600.0, 0.45, (2.01234, 1.71234))]}
+    return {**report, **over}
+
+
+def test_a_speculators_comparison_is_recorded_without_commands_and_rendered(tmp_path, results):
+    rt, _ = _results_tables()
+    entry = record(_write(tmp_path, "compare.json", _compare_report()), results, CHECKOUT, date="2099-01-01",
+                   run="python scripts/bench/compare_speculators.py --epochs 1 --evaluate")
+    assert entry["kind"] == "speculators_compare" and entry["commit"] == CHECKOUT.commit
+    assert entry["machine"] == "CPU X (2 cores)" and entry["budget"] == {"epochs": 1}
+    data = rt.load(results)
+    assert data["speculators_comparisons"] == [entry]
+    ours, theirs = entry["runs"]
+    # figures kept (rounded), this machine's commands, logs and folders left out
+    assert "command" not in ours and "log" not in ours and "head_dir" not in ours and "args" not in entry
+    assert ours["steady_tokens_per_s"] == 4001 and ours["peak_anon_mib"] == 1501 and ours["last_loss"] == 2.3457
+    assert ours["eval"]["methods"][0]["domains"]["all"] == {"alpha": 0.512, "tau": 1.912, "prompts": 12}
+    assert theirs["heldout"] == {"loss": 2.5, "full_acc_step0": 0.45}
+
+    text = rt.speculators_comparisons(data)
+    assert "1 epoch over the same 700 training rows (331000 tokens) for each trainer" in text
+    assert "commit `0123456`" in text and "speculators 0.9.0" in text
+    assert "| bfloat16:ttt1 | ours (specheads) | 180 | 331000 | 4,001 | 4,000 | 2.50× | 2,050 | 1,501 | 2.500 | 0.410 |" in text
+    assert "| bfloat16:ttt1 | theirs (speculators) | 165 | 331000 | 1,600 | 1,600 | – |" in text
+    assert "12 prompts × 32 new tokens, target float32, batch 1; lossless exact" in text
+    assert "| ours bfloat16:ttt1, tree(d5,k4,n24) | theirs bfloat16:ttt1, tree(d5,k4,n24) |" in text
+    assert "| code | 0.61 / 2.31 | 0.61 / 2.01 |" in text and text.rstrip().endswith("| all | 0.51 / 1.91 | 0.51 / 1.71 |")
+    # a time-budget report without evaluation renders its training rows only; the newest per machine and budget
+    record(_write(tmp_path, "minutes.json", _compare_report(budget={"minutes": 2.5}, runs=[
+        {**r, "eval": None} for r in _compare_report()["runs"]])), results, CHECKOUT, date="2099-01-02")
+    text = rt.speculators_comparisons(rt.load(results))
+    assert text.startswith("2099-01-02") and "2.5 minutes of training each" in text and text.count("Acceptance") == 1
+    assert "No record yet" in rt.speculators_comparisons({"runs": []})
+
+
+def test_a_comparison_report_without_runs_is_refused(tmp_path, results):
+    bad = _write(tmp_path, "compare.json", {"kind": "speculators_compare", "runs": [{"setting": "x"}]})
+    with pytest.raises(RecordError, match="not a finished --json report"):
+        record(bad, results, CHECKOUT)
+    assert "speculators_comparisons" not in json.loads(results.read_text())
