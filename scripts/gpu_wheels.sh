@@ -2,8 +2,9 @@
 # Fetch here, with the network, what scripts/gpu_pipeline.sh installs offline on a GPU machine that has only
 # torch, triton, transformers and pytest: .gpu-wheels/bundle.tar.xz (ignored by git; carry that folder there).
 #
-#   bash scripts/gpu_wheels.sh                 # for the GPU machine's CPython 3.11 (this venv's version)
-#   bash scripts/gpu_wheels.sh --python 3.12   # for another CPython (binary wheels differ per version)
+#   bash scripts/gpu_wheels.sh                 # for CPython 3.12, the python3 of the GPU machines this project borrows
+#   bash scripts/gpu_wheels.sh --python 3.11   # for another CPython (binary wheels differ per version; on the GPU
+#                                              # machine, gpu_pipeline.sh names the version it needs in one line)
 #
 # The bundle: the distributions of scripts/gpu_pipeline.py's CARRY (datasets and pyarrow, Hydra, Accelerate, PEFT,
 # matplotlib, DeepSpeed, ... and theirs) and ASSETS (the MT-bench and HumanEval files) at the versions installed in
@@ -17,7 +18,7 @@ set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0; fi
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-PYVER=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+PYVER=3.12  # the borrowed GPU machines' image: python3 is CPython 3.12 (torch, triton, transformers installed there)
 while (( $# )); do
   case $1 in
     --python) PYVER=$2; shift 2 ;;

@@ -67,3 +67,26 @@ def test_a_method_that_trains_the_target_counts_its_backward_and_reference_forwa
     assert bench.flops_per_token(target, build_method("medusa1"), 100) == fwd + 600
     assert bench.flops_per_token(target, build_method("medusa2"), 100) == 4 * fwd + 600  # KL: the original's too
     assert bench.flops_per_token(target, build_method("medusa2", target_loss="lm"), 100) == 3 * fwd + 600
+
+
+@pytest.mark.parametrize("name", ["eagle3", "dflash", "eagle1"])
+def test_heads_fed_from_the_targets_layers_count_their_flops_unbound(name):
+    """The FLOP count reads the feature spec of a method built fresh (not bound to a target): EAGLE-3 and DFlash
+    runs once failed there after their training had finished, and the suite still reported the part as ok."""
+    from specheads.targets.shapes import forward_flops_per_token
+
+    bench = _bench()
+    target = bench.load_bench_target("tiny")
+    assert bench.flops_per_token(target, build_method(name), 100) >= forward_flops_per_token(target.config) + 600
+
+
+def test_a_failed_method_fails_the_run(tmp_path, monkeypatch, capsys):
+    bench = _bench()
+    row = {"method": "medusa1", "device": "cpu", "num_processes": 1, "tokens_per_s": 1.0, "tflops": 0.0,
+           "peak_rss_mib_per_process": [1.0]}
+    monkeypatch.setattr(bench, "_bench", lambda m, n, args, tmp: dict(row) if m == "medusa1" else None)
+    monkeypatch.setattr(bench, "write_synthetic", lambda path, vocab: path)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--methods", "medusa1", "eagle3", "--target", "tiny", "--json", str(tmp_path / "r.json")])
+    assert exc.value.code == 1 and "FAILED: eagle3 x1" in capsys.readouterr().out
+    bench.main(["--methods", "medusa1", "--target", "tiny"])  # all ran: no exit

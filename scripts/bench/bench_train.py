@@ -24,7 +24,8 @@ online features; the first ``--warmup`` steps are excluded from tokens/s. With `
 takes every N-th batch of the same size, so tokens/s counts the tokens of all processes and the
 scaling column is tokens/s over the 1-process figure. Prints one JSON line per method and process
 count and a table: training tokens/s (real, non-padding tokens, all processes) and peak RSS in MiB
-of each process.
+of each process. Exit status 1 when a method's run failed (its error printed; the JSON report names it in
+``failed``).
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ def flops_per_token(target, method, trainable: int) -> float:
     from specheads.targets.shapes import forward_flops_per_token
 
     steps = getattr(method, "ttt_steps", None) or getattr(method, "num_depths", None) or 1
+    if hasattr(method, "bind"):  # the feature spec of a head fed from the target's chosen layers needs its count
+        method.bind(target)
     forwards = 1
     if method.feature_spec.online_only:
         forwards = 3 + (getattr(method, "target_loss", None) == "kl")
@@ -204,6 +207,8 @@ def main(argv=None) -> None:
         results = [r for m in args.methods for n in args.num_processes if (r := _bench(m, n, args, Path(tmp)))]
     if args.json:
         write_report(args.json, args, results)
+    failed = [f"{m} x{n}" for m in args.methods for n in args.num_processes
+              if not any(r["method"] == m and r["num_processes"] == n for r in results)]
     base = {r["method"]: r["tokens_per_s"] for r in results if r["num_processes"] == 1}
     print(f"\n{'method':<10} {'procs':>5} {'tokens/s':>10} {'scaling':>8} {'TFLOP/s':>8} {'of peak':>8} "
           f"{'GPU MiB':>8} {'peak RSS MiB per process':>26}")
@@ -214,6 +219,9 @@ def main(argv=None) -> None:
         gpu = f"{r['peak_gpu_mib']:.0f}" if r.get("peak_gpu_mib") else "-"
         print(f"{r['method']:<10} {r['num_processes']:>5} {r['tokens_per_s']:>10.0f} {scale:>8} {r['tflops']:>8.2f} "
               f"{share:>8} {gpu:>8} {rss:>26}")
+    if failed:
+        print(f"FAILED: {', '.join(failed)} (their errors above)")
+        sys.exit(1)
 
 
 def write_report(path: str, args, results: list[dict]) -> None:
