@@ -3,6 +3,8 @@
     python recipes/evaluate.py [head_dir=runs/x/train] [eval=full] [output_dir=...]   (the head's kind read from
     its folder; head_method=eagle3, or train's names medusa1/medusa2, only confirms it)
     python recipes/evaluate.py head_method=dflash head_dir=runs/dflash   (the block as a chain, and a tree)
+    python recipes/evaluate.py head_dir=downloads/eagle3-head target.name_or_path=<its target>   (an EAGLE-3 head
+    trained elsewhere: speculators' or the original EAGLE-3 / SpecForge format, docs/evaluate.md)
     specheads evaluate ...            (same overrides)
 """
 
@@ -25,8 +27,10 @@ from specheads.progress import evaluation_steps
 from specheads.evaluation.prompts import BenchmarkSpec, load_benchmarks
 from specheads.evaluation.report import write_report
 from specheads.evaluation.settings import check_number
-from specheads.evaluation.suite import (HEAD_MODEL_TYPES, EvalConfig, ServingProfiles, evaluate, plan_methods,
-                                       verifier_for)
+from specheads.evaluation.suite import (HEAD_MODEL_TYPES, EvalConfig, ServingProfiles, evaluate, head_source,
+                                       plan_methods, verifier_for)
+from specheads.export.foreign import FORMATS, check_format, foreign_format, formats_looked_for, read_foreign_head
+from specheads.export.target import target_info
 from specheads.targets import load_target
 
 log = logging.getLogger("specheads.evaluate")
@@ -125,13 +129,32 @@ def head_kind(head_dir: str, setting: str = "head_dir") -> str:
     except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as e:
         raise UserError(f"{config} is not a readable head config ({e}); train the head again") from None
     kinds = {v: k for k, v in HEAD_MODEL_TYPES.items()}
-    if model_type not in kinds:
+    foreign = foreign_format(folder)
+    if model_type not in kinds and foreign is None:
         raise UserError(f"{setting}={head_dir}: {config} names model_type {model_type!r}, which is no head "
-                        f"specheads trains ({', '.join(sorted(kinds))}); {HEAD_DIR_HINT}")
+                        f"specheads trains ({', '.join(sorted(kinds))}), nor is it an EAGLE-3 head trained elsewhere "
+                        f"({formats_looked_for()}); {HEAD_DIR_HINT}")
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
-        raise InputNotFoundError(f"{setting}={head_dir}: {folder} holds config.json but no weights (*.safetensors); "
-                                 f"the head was not saved completely: train it again (the same command resumes)")
+        raise InputNotFoundError(f"{setting}={head_dir}: {folder} holds config.json but no weights (*.safetensors, "
+                                 "pytorch_model*.bin); the head was not saved completely: train it again (the same "
+                                 "command resumes)")
+    if foreign is not None:
+        check_format(folder)  # a speculators head of another algorithm is refused here
+        return "eagle3"
     return kinds[model_type]
+
+
+def check_foreign_heads(heads: dict[str, str | None], target: str) -> None:
+    """Read every head trained elsewhere (``{setting: folder}``) against the target's config, before the target
+    loads: its format, sizes, aux layers and each tensor by name (``specheads.export.foreign``)."""
+    foreign = {setting: path for setting, path in heads.items() if path and head_source(path) != "specheads"}
+    if not foreign:
+        return
+    info, _ = target_info(target, {})
+    for setting, path in foreign.items():
+        head = read_foreign_head(path, info)
+        log.info("%s=%s: an EAGLE-3 head in %s (aux layers %s, draft vocabulary %d)", setting, path,
+                 FORMATS[head.format], head.config["aux_layers"], head.config["draft_vocab_size"])
 
 
 def resolve_head(head_method: str | None, head_dir: str | None, method_setting: str = "head_method",
@@ -174,6 +197,8 @@ def run(cfg: DictConfig) -> dict:
         if kind == head_method or kind in heads.values():
             raise ConfigError(f"heads.{name} ({path}) is a second {kind} head: give each drafter family once")
         heads[name] = (kind, path)
+    check_foreign_heads({"head_dir": cfg.head_dir, **{f"heads.{n}": p for n, (_, p) in heads.items()}},
+                        cfg.target.name_or_path)
     check_number("threads", cfg.threads, "?>= 1", integer=True, note="null = torch's default")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

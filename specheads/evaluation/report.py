@@ -207,6 +207,11 @@ def _method_md(m: dict, report: dict) -> list[str]:
     lossy = "" if m.get("lossless_verify", True) else " (LOSSY verification)"
     L = [f"## {m['name']}", "", f"drafter `{m['drafter']}`, shape `{m['shape']}`, verify `{m['verify']}`"
          f"{lossy}{prof}; c_GPU = {_f(m['c_gpu'], 3)}.", ""]
+    if m.get("head_source", "specheads") != "specheads":
+        from specheads.export.foreign import FORMATS
+
+        L += [f"Head trained elsewhere: {FORMATS.get(m['head_source'], m['head_source'])}; it has no "
+              "train_summary.json, so no training-time figures.", ""]
     L += _shape_choice_md((report.get("shape_choice") or {}).get(m["name"]))
     ll = m.get("lossless")
     if ll:

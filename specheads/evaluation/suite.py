@@ -209,6 +209,8 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
         drafter = build_drafter(spec, target, prompts, ids, cfg)
         def partial(row, done=len(report["methods"])):
             row["train_tau"] = train_tau(spec.head_dir)
+            if spec.head_dir:
+                row["head_source"] = head_source(spec.head_dir)
             if spec.tree_source:
                 row["tree_source"] = spec.tree_source
             report["methods"][done:] = [row]
@@ -589,9 +591,25 @@ def _build_drafter(spec: MethodSpec, target: Target, cfg: EvalConfig | None) -> 
         from specheads.models.eagle1 import Eagle1Model as cls
     else:
         from specheads.models.eagle3 import Eagle3Model as cls
-    model = cls.from_pretrained(head).to(target.device).eval().attach(target)
+    if spec.drafter == "eagle1" or head_source(head) == "specheads":
+        model = cls.from_pretrained(head)
+    else:  # an EAGLE-3 head trained by another toolkit (specheads.export.foreign), checked against the target
+        from specheads.export.foreign import load_foreign_head
+
+        model = load_foreign_head(head, target)
+    model = model.to(target.device).eval().attach(target)
     pack_like(model, target.model)
     return EagleDrafter(model, spec.shape, spec.drafter)
+
+
+def head_source(head_dir: str) -> str:
+    """Where a head came from: ``specheads`` (trained here), or the format of a head trained elsewhere
+    (``specheads.export.foreign.FORMATS``: ``speculators``, ``eagle3``), read from its folder's config.json."""
+    from specheads.export.foreign import foreign_format
+
+    p = Path(head_dir)
+    folder = p / "head" if (p / "head" / "config.json").exists() else p
+    return foreign_format(folder) or "specheads"
 
 
 def head_model_type(head_dir: str) -> str | None:
@@ -669,6 +687,8 @@ def train_tau(head_dir: str | None) -> float | None:
     """τ estimated at training time (``train_summary.json`` next to or above the head), if any, scored
     against the target's greedy tokens (EAGLE always was; Medusa heads trained before their summary
     says ``tau_vs_target_greedy`` scored the data tokens instead, so they get None)."""
+    if head_dir and head_source(head_dir) != "specheads":  # trained elsewhere: no train_summary.json of ours
+        return None
     summary = read_train_summary(head_dir)
     if summary is None:
         return None
@@ -743,6 +763,13 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
             out.append(MethodSpec("medusa-tree", "medusa", static, verify, head_dir=head_dir,
                                   medusa_tree_nodes=medusa_tree_nodes))
         elif method in ("eagle1", "eagle3"):
+            source = head_source(head_dir)
+            if head_shape == "auto" and source != "specheads":
+                from specheads.export.foreign import FORMATS
+
+                raise ConfigError(f"head_shape=auto chooses the shape from the acceptance measured at training "
+                                  f"(train_summary.json), which {head_dir} does not have (an EAGLE-3 head trained "
+                                  f"elsewhere, in {FORMATS[source]}): set head_shape=tree")
             if head_shape == "auto":
                 out.append(MethodSpec(f"{method}-auto", method, TreeShape("chain", k=1), verify, head_dir=head_dir,
                                       auto_shape=True))
