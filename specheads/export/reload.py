@@ -62,7 +62,8 @@ def exported_head_state(folder: str | Path) -> tuple[dict, dict[str, torch.Tenso
     return head_cfg, head_state(layout, head_cfg, exported, str(folder))
 
 
-def head_state(layout: Layout, head_cfg: dict, exported: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+def head_state(layout: Layout, head_cfg: dict, exported: dict[str, torch.Tensor],
+               where: str) -> dict[str, torch.Tensor]:
     """The head's state dict from the tensors of a folder in ``layout``: the inverse of its rules.
 
     Tensors the layout copies from the target are dropped (they need not be in ``exported``); zeros it adds

@@ -102,7 +102,8 @@ def speculators_folder(root: Path, head: Eagle3Model, target, aux=None, **config
            "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
                                                         "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-                                  "verifier": {"name_or_path": "org/tiny-llama", "architectures": ["LlamaForCausalLM"]}},
+                                  "verifier": {"name_or_path": "org/tiny-llama",
+                                               "architectures": ["LlamaForCausalLM"]}},
            **config}
     (root / "config.json").write_text(json.dumps(cfg))
     w = {n.replace("midlayer.", "layers.0."): t for n, t in _weights(head, torch.bfloat16).items()}
