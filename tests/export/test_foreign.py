@@ -179,6 +179,22 @@ def test_the_original_format_with_layers_0_names_and_no_t2d(target, tmp_path):
                                                             head.midlayer.hidden_norm.weight.half())
 
 
+@pytest.mark.parametrize("writer", ["speculators", "vllm", "specforge"])
+def test_a_full_draft_vocabulary(writer, target, target_dir, tmp_path):
+    """A draft vocabulary as large as the target's: speculators and vLLM folders carry no d2t (speculators no t2d
+    either), SpecForge's carries identity maps; all read as the identity."""
+    head = make_head("eagle3", target, draft_vocab=V, aux=(2, 4, 5)).eval()
+    if writer == "specforge":
+        folder = specforge_folder(tmp_path / "sf", head)
+        _edit_config(folder, draft_vocab_size=V)
+    else:
+        folder = foreign_export(head, writer, tmp_path, target_dir)
+        assert "d2t" not in load_file(str(folder / "model.safetensors"))
+    model = load_foreign_head(folder, target)
+    assert not model.d2t.any() and bool(model.t2d.all())
+    assert torch.equal(model.lm_head.weight, head.lm_head.weight.to(model.lm_head.weight.dtype))
+
+
 # --------------------------------------------------------------------------- refusals: one line, naming the folder
 
 
