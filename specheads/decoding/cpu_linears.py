@@ -43,8 +43,22 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        self.batch_hint = batch_hint
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
         self.use_packed = True  # False: multiply as ``nn.Linear`` does (``choose_cpu_linears`` times both)
+
+    def __deepcopy__(self, memo):
+        """A copy packed from the copied weight: the packed tensor is opaque to ``copy.deepcopy`` (its storage
+        cannot be read), so a copy of a packed model (a target after an evaluation chose the packed layout)
+        would otherwise fail."""
+        import copy
+
+        lin = self.unpacked()
+        lin.weight, lin.bias = copy.deepcopy(self.weight, memo), copy.deepcopy(self.bias, memo)
+        twin = PackedLinear(lin, self.batch_hint)
+        twin.use_packed, twin.training = self.use_packed, self.training
+        memo[id(self)] = twin
+        return twin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.use_packed:

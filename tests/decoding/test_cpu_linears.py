@@ -52,6 +52,26 @@ def test_pack_keeps_the_parameters_and_the_outputs_and_unpack_restores_plain_lin
         assert torch.equal(model(ids).logits, want)
 
 
+def test_a_packed_model_deep_copies_into_a_packed_model_of_its_own_weights():
+    """An evaluation leaves its target packed where that layout measured faster; a copy of that target (a test's
+    variant of a shared target, a user's) once failed: the packed tensor's storage cannot be read."""
+    import copy
+
+    model = make_tiny_model("llama", layers=2)
+    pack_cpu_linears(model)
+    ids = torch.randint(0, 256, (2, 7))
+    twin = copy.deepcopy(model)
+    assert packed_count(twin) == packed_count(model) > 0 and _uses_packed(twin)
+    with torch.no_grad():
+        assert torch.equal(twin(ids).logits, model(ids).logits)
+        want = model(ids).logits
+        for m in twin.modules():
+            if type(m) is PackedLinear:
+                m.weight.zero_()
+                assert m.weight.data_ptr() not in {p.data_ptr() for p in model.parameters()}
+        assert torch.equal(model(ids).logits, want)  # the original keeps its own weights and packed copies
+
+
 def test_packed_decoding_gives_the_plain_greedy_tokens():
     model, ref = make_tiny_model("llama", layers=2), make_tiny_model("llama", layers=2)
     pack_cpu_linears(model)
