@@ -99,7 +99,7 @@ def test_both_heads_are_evaluated_on_the_main_jobs_prompts_in_the_same_shapes():
 
 
 @pytest.mark.slow
-def test_our_trainer_alone_trains_one_epoch_of_the_training_rows_and_reports_for_the_record(tmp_path):
+def test_our_trainer_alone_trains_one_epoch_of_the_training_rows_and_reports_for_the_record(tmp_path, monkeypatch):
     """``--only ours --epochs 1`` (speculators not needed): every training token once, the JSON a record."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
@@ -141,3 +141,13 @@ def test_our_trainer_alone_trains_one_epoch_of_the_training_rows_and_reports_for
     results.write_text(json.dumps({"runs": []}))
     entry = record(out, results, Checkout(commit="0" * 40, dirty=False))
     assert entry["kind"] == "speculators_compare" and entry["runs"][0]["tokens"] == run["tokens"]
+
+    # --reuse: the same runs evaluated again, nothing trained; the report keeps the first call's settings
+    seen = []
+    figures = {"prompts": 12, "max_new_tokens": 32, "target_dtype": "float32", "methods": []}
+    monkeypatch.setattr(bench, "run_eval", lambda args, r, root: seen.append((r["head_dir"], root)) or figures)
+    again = tmp_path / "again.json"
+    bench.main(["--reuse", str(out), "--json", str(again)])
+    second = json.loads(again.read_text())
+    assert seen == [(run["head_dir"], tmp_path / "work")] and second["runs"][0]["eval"] == figures
+    assert second["budget"] == {"epochs": 1} and second["runs"][0]["steps"] == run["steps"]

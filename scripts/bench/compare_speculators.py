@@ -5,6 +5,7 @@
     ... --settings float32:3 bfloat16:3 float32:1 bfloat16:1 --draft-vocab-size 4096 --json report.json
     ... --only ours                        # our trainer alone (speculators need not be installed)
     ... --settings bfloat16:1 --epochs 1 --evaluate --json h2h.json   # equal tokens, then acceptance of both
+    python scripts/bench/compare_speculators.py --reuse h2h.json --json h2h-eval.json   # evaluate those heads again
 
 speculators (pip install speculators, v0.9) is not a dependency of this project: without it the script
 says so and skips its runs. To keep this project's torch and transformers, install it and the modules it
@@ -85,8 +86,8 @@ CONVERT_FORMAT = "specheads.compare_speculators/1"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--features", required=True, help="our feature store (specheads collect, method=eagle3)")
-    p.add_argument("--prepared", required=True, help="the prepared dataset the store was collected from")
+    p.add_argument("--features", help="our feature store (specheads collect, method=eagle3)")
+    p.add_argument("--prepared", help="the prepared dataset the store was collected from")
     p.add_argument("--target", default="smollm2", help="target name or model folder (the store's target)")
     p.add_argument("--settings", nargs="+", default=["float32:3", "bfloat16:3"], metavar="DTYPE:TTT",
                    help="float32|bfloat16 and TTT steps, each trained by both (default: float32:3 bfloat16:3)")
@@ -97,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="then decode every trained head with specheads evaluate (main job's prompts, T=0)")
     p.add_argument("--eval-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra override for every specheads evaluate run")
+    p.add_argument("--reuse", default=None, metavar="REPORT.json",
+                   help="train nothing: evaluate the heads of an earlier --json report (its settings and runs)")
     p.add_argument("--skip-steps", type=int, default=5, help="first steps left out of the steady tokens/s")
     p.add_argument("--draft-vocab-size", type=int, default=4096)
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per batch (ours: padded; theirs: packed)")
@@ -113,7 +116,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None,
                    help="where the converted data and runs go (kept; reused when it matches the store)")
     p.add_argument("--json", default=None, help="also write the report to this file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.reuse and not (args.features and args.prepared):
+        p.error("--features and --prepared are required (unless --reuse)")
+    return args
+
+
+def reused(args) -> tuple[argparse.Namespace, dict | None, list[dict]]:
+    """(the earlier report's settings with this call's evaluation options, its store figures, its runs)."""
+    old = json.loads(Path(args.reuse).read_text())
+    if old.get("kind") != "speculators_compare":
+        raise SystemExit(f"--reuse {args.reuse}: not a compare_speculators.py --json report")
+    new = {k: getattr(args, k) for k in ("evaluate", "eval_arg", "json", "reuse")}
+    return (argparse.Namespace(**{**old["args"], "workdir": old["workdir"], **new, "evaluate": True}), old.get("store"),
+            old["runs"])
 
 
 # --------------------------------------------------------------------------- data: our store -> speculators
@@ -562,6 +578,9 @@ def main(argv=None) -> None:
         theirs_child(steps_path, float(minutes), flags)
         return
     args = parse_args(argv)
+    if args.reuse:
+        args, data, results = reused(args)
+        return finish(args, Path(args.workdir), data, results)
     settings = [parse_setting(s) for s in args.settings]
     trainers = [args.only] if args.only else ["ours", "theirs"]
     if "theirs" in trainers and (why := speculators_missing()):
@@ -598,6 +617,11 @@ def main(argv=None) -> None:
                 print(f"{trainer} {r['setting']}: {r['tokens']} tokens trained, {args.epochs} x "
                       f"{data['train_tokens']} in the training rows", flush=True)
             results.append(r)
+    finish(args, root, data, results)
+
+
+def finish(args, root: Path, data: dict | None, results: list[dict]) -> None:
+    """Evaluate the trained heads (``--evaluate``), print the tables, write ``--json``."""
     if args.evaluate:
         for r in results:
             r["eval"] = run_eval(args, r, root)
