@@ -3,8 +3,8 @@
     python recipes/evaluate.py [head_dir=runs/x/train] [eval=full] [output_dir=...]   (the head's kind read from
     its folder; head_method=eagle3, or train's names medusa1/medusa2, only confirms it)
     python recipes/evaluate.py head_method=dflash head_dir=runs/dflash   (the block as a chain, and a tree)
-    python recipes/evaluate.py head_dir=downloads/eagle3-head target.name_or_path=<its target>   (an EAGLE-3 head
-    trained elsewhere: speculators' or the original EAGLE-3 / SpecForge format, docs/evaluate.md)
+    python recipes/evaluate.py head_dir=downloads/eagle3-head target.name_or_path=<its target>   (a head trained
+    elsewhere: speculators', EAGLE-3 / SpecForge, z-lab DFlash, FasterDecoding Medusa, EAGLE-1; docs/evaluate.md)
     specheads evaluate ...            (same overrides)
 """
 
@@ -29,7 +29,8 @@ from specheads.evaluation.report import write_report
 from specheads.evaluation.settings import check_number
 from specheads.evaluation.suite import (HEAD_MODEL_TYPES, EvalConfig, ServingProfiles, evaluate, head_source,
                                        plan_methods, verifier_for)
-from specheads.export.foreign import FORMATS, check_format, foreign_format, formats_looked_for, read_foreign_head
+from specheads.export.foreign import (FORMATS, check_format, foreign_format, formats_looked_for, read_foreign_head,
+                                      weight_files)
 from specheads.export.target import target_info
 from specheads.targets import load_target
 
@@ -132,15 +133,14 @@ def head_kind(head_dir: str, setting: str = "head_dir") -> str:
     foreign = foreign_format(folder)
     if model_type not in kinds and foreign is None:
         raise UserError(f"{setting}={head_dir}: {config} names model_type {model_type!r}, which is no head "
-                        f"specheads trains ({', '.join(sorted(kinds))}), nor is it an EAGLE-3 head trained elsewhere "
+                        f"specheads trains ({', '.join(sorted(kinds))}), nor is it a head trained elsewhere "
                         f"({formats_looked_for()}); {HEAD_DIR_HINT}")
-    if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
+    if not weight_files(folder):
         raise InputNotFoundError(f"{setting}={head_dir}: {folder} holds config.json but no weights (*.safetensors, "
-                                 "pytorch_model*.bin); the head was not saved completely: train it again (the same "
-                                 "command resumes)")
+                                 "pytorch_model*.bin, medusa_lm_head.pt); the head was not saved completely: train it "
+                                 "again (the same command resumes)")
     if foreign is not None:
-        check_format(folder)  # a speculators head of another algorithm is refused here
-        return "eagle3"
+        return check_format(folder)[1]  # a speculators head of another algorithm is refused here
     return kinds[model_type]
 
 
@@ -153,8 +153,10 @@ def check_foreign_heads(heads: dict[str, str | None], target: str) -> None:
     info, _ = target_info(target, {})
     for setting, path in foreign.items():
         head = read_foreign_head(path, info)
-        log.info("%s=%s: an EAGLE-3 head in %s (aux layers %s, draft vocabulary %d)", setting, path,
-                 FORMATS[head.format], head.config["aux_layers"], head.config["draft_vocab_size"])
+        sizes = {k: head.config[k] for k in ("aux_layers", "draft_vocab_size", "block_size", "num_heads",
+                                              "num_hidden_layers") if k in head.config}
+        log.info("%s=%s: a %s head in %s (%s)", setting, path, head.method, FORMATS[head.format],
+                 ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sizes.items()))
 
 
 def resolve_head(head_method: str | None, head_dir: str | None, method_setting: str = "head_method",

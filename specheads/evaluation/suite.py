@@ -551,14 +551,16 @@ def _build_drafter(spec: MethodSpec, target: Target, cfg: EvalConfig | None) -> 
         from specheads.models.dflash import DFlashModel
 
         # the draft runs in the target's dtype (its embedding and LM head are the target's own)
-        model = DFlashModel.from_pretrained(head).to(target.device, target.dtype).eval().attach(target)
+        model = DFlashModel.from_pretrained(head) if head_source(head) == "specheads" else _foreign(head, target)
+        model = model.to(target.device, target.dtype).eval().attach(target)
         pack_like(model, target.model)
         return DFlashDrafter(model, spec.shape)
     if spec.drafter == "medusa":
         from specheads.decoding.head_drafters import MedusaDrafter
         from specheads.models.medusa import MedusaHeads
 
-        heads = MedusaHeads.from_pretrained(head).to(target.device).eval()
+        heads = MedusaHeads.from_pretrained(head) if head_source(head) == "specheads" else _foreign(head, target)
+        heads = heads.to(target.device).eval()
         _check_medusa_target(heads, head, target)
         shape = spec.shape
         if shape.kind == "static" and not shape.choices:
@@ -591,20 +593,22 @@ def _build_drafter(spec: MethodSpec, target: Target, cfg: EvalConfig | None) -> 
         from specheads.models.eagle1 import Eagle1Model as cls
     else:
         from specheads.models.eagle3 import Eagle3Model as cls
-    if spec.drafter == "eagle1" or head_source(head) == "specheads":
-        model = cls.from_pretrained(head)
-    else:  # an EAGLE-3 head trained by another toolkit (specheads.export.foreign), checked against the target
-        from specheads.export.foreign import load_foreign_head
-
-        model = load_foreign_head(head, target)
+    model = cls.from_pretrained(head) if head_source(head) == "specheads" else _foreign(head, target)
     model = model.to(target.device).eval().attach(target)
     pack_like(model, target.model)
     return EagleDrafter(model, spec.shape, spec.drafter)
 
 
+def _foreign(head: str, target: Target):
+    """A head trained by another toolkit (``specheads.export.foreign``), checked against the target."""
+    from specheads.export.foreign import load_foreign_head
+
+    return load_foreign_head(head, target)
+
+
 def head_source(head_dir: str) -> str:
     """Where a head came from: ``specheads`` (trained here), or the format of a head trained elsewhere
-    (``specheads.export.foreign.FORMATS``: ``speculators``, ``eagle3``), read from its folder's config.json."""
+    (a key of ``specheads.export.foreign.FORMATS``), read from its folder's config.json."""
     from specheads.export.foreign import foreign_format
 
     p = Path(head_dir)
@@ -629,6 +633,10 @@ def check_head_kind(drafter: str, head_dir: str) -> None:
 def dflash_block_size(head_dir: str) -> int:
     """B of a saved DFlash head (slot 0 the anchor, B-1 drafted tokens)."""
     check_head_kind("dflash", head_dir)
+    if head_source(head_dir) != "specheads":  # z-lab's or speculators' folder, with their defaults
+        from specheads.export.foreign import dflash_block_size as foreign_block_size
+
+        return foreign_block_size(resolve_head_dir(head_dir))
     cfg = json.loads((Path(resolve_head_dir(head_dir)) / "config.json").read_text())
     if "block_size" not in cfg:
         raise UserError(f"{head_dir}: its config.json names no block_size; is it a DFlash head?")
@@ -768,8 +776,8 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
                 from specheads.export.foreign import FORMATS
 
                 raise ConfigError(f"head_shape=auto chooses the shape from the acceptance measured at training "
-                                  f"(train_summary.json), which {head_dir} does not have (an EAGLE-3 head trained "
-                                  f"elsewhere, in {FORMATS[source]}): set head_shape=tree")
+                                  f"(train_summary.json), which {head_dir} does not have (a head trained elsewhere, "
+                                  f"in {FORMATS[source]}): set head_shape=tree")
             if head_shape == "auto":
                 out.append(MethodSpec(f"{method}-auto", method, TreeShape("chain", k=1), verify, head_dir=head_dir,
                                       auto_shape=True))

@@ -1,38 +1,55 @@
-"""EAGLE-3 heads trained by other toolkits, read into the specheads EAGLE-3 head (``specheads evaluate head_dir=...``).
+"""Heads trained by other toolkits, read into the specheads head of their family (``specheads evaluate head_dir=...``).
 
-    fmt = foreign_format("hub-download/EAGLE3-x")           # "speculators", "eagle3", or None (not a foreign head)
+    fmt = foreign_format("hub-download/EAGLE3-x")           # a key of FORMATS, or None (not a foreign head)
     head = read_foreign_head(folder, target_info)            # config + state dict, checked against the target's sizes
-    model = load_foreign_head(folder, target)                # Eagle3Model, unattached (``model.attach(target)``)
+    model = load_foreign_head(folder, target)                # the specheads model, unattached
 
-Two formats (facts read from speculators 0.9.0's wheel, SpecForge's and vLLM's loaders; docs/evaluate.md):
+Each format is one of our export layouts (``layouts.py``) read backwards (``reload.head_state``), so the tensor names,
+``fc`` column order and Medusa renames have one home. Facts read from speculators 0.9.0's and vLLM 0.32.0's wheels,
+SpecForge's, z-lab's and FasterDecoding's code (docs/evaluate.md):
 
-* ``speculators``: vLLM speculators' own folder (``Eagle3DraftModel.save_pretrained``): ``config.json`` with
-  ``speculators_model_type: eagle3``, the draft layer's config in ``transformer_layer_config`` (a Qwen3 config when
-  it names no ``model_type``, as speculators reads it), ``draft_vocab_size`` (speculators' default 32000),
-  ``target_hidden_size``, ``norm_before_residual``/``norm_before_fc``/``fc_norm``/``norm_output`` and the aux ids
-  ``eagle_aux_hidden_state_layer_ids`` (layer inputs, vLLM's and our convention; none written: the verifier's
-  (2, N//2, N-3), which vLLM captures too); tensors ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``/``t2d``
-  (absent for a full vocabulary), ``fc_norm.{i}``, maybe the target's ``embed_tokens.weight`` and the
-  training-only ``verifier_lm_head.weight``/``verifier_norm.weight``. It is our ``speculators`` export layout.
+* ``speculators``: vLLM speculators' own folder (``config.json`` with ``speculators_model_type``), EAGLE-3 or DFlash.
+  EAGLE-3 (``Eagle3DraftModel``): the draft layer's config in ``transformer_layer_config`` (a Qwen3 config when it names
+  no ``model_type``, as speculators reads it), ``draft_vocab_size`` (default 32000), ``target_hidden_size``,
+  ``norm_before_residual``/``norm_before_fc``/``fc_norm``/``norm_output``, the aux ids
+  ``eagle_aux_hidden_state_layer_ids`` (layer inputs, vLLM's and our convention; none: the verifier's (2, N//2, N-3));
+  tensors ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``/``t2d`` (absent for a full vocabulary),
+  ``fc_norm.{i}``, maybe the target's ``embed_tokens.weight`` and the training-only ``verifier_*``. DFlash (``DFlashDraftModel``):
+  ``transformer_layer_config`` (Qwen3 by default), ``block_size`` (default 8), ``aux_hidden_state_layer_ids`` (layer
+  inputs; none: (2, N//2, N-3), speculators' default), ``mask_token_id``, ``draft_vocab_size``,
+  ``sliding_window_non_causal``, ``sample_from_anchor``; tensors ``fc``, ``hidden_norm``, ``norm``, ``layers.{i}.*``
+  (q/k norms), ``lm_head``/``embed_tokens`` only as copies of the target's. Our ``speculators`` export layouts.
 * ``eagle3``: the original EAGLE-3 format that SpecForge saves and vLLM (``LlamaForCausalLMEagle3`` /
   ``Eagle3LlamaForCausalLM``) and SGLang load: a Llama ``config.json`` plus ``draft_vocab_size`` (vLLM's default: the
   vocabulary), ``target_hidden_size``, ``fc_norm``, ``norm_before_residual``; tensors ``midlayer.*`` (or
-  ``layers.0.*``, which vLLM reads alike), ``fc``, ``norm``, ``lm_head``, ``d2t``, ``t2d``, maybe the target's
-  ``embed_tokens.weight``, in ``model.safetensors`` or ``pytorch_model.bin``. It is our ``vllm`` export layout. The
-  aux ids: a top-level ``eagle_aux_hidden_state_layer_ids`` is vLLM's (layer inputs, read first by vLLM); else
-  ``eagle_config.eagle_aux_hidden_state_layer_ids`` is what SpecForge writes and SGLang reads, decoder-layer
-  *outputs* (ours = id + 1); none written: (2, N//2, N-3), the layers vLLM, SGLang and SpecForge all default to.
+  ``layers.0.*``), ``fc``, ``norm``, ``lm_head``, ``d2t``, ``t2d``, maybe the target's ``embed_tokens.weight``, in ``model.safetensors``
+  or ``pytorch_model.bin``. Our ``vllm`` export layout. The aux ids: a top-level ``eagle_aux_hidden_state_layer_ids``
+  is vLLM's (layer inputs); else ``eagle_config.eagle_aux_hidden_state_layer_ids`` is what SpecForge writes and SGLang
+  reads, decoder-layer *outputs* (ours = id + 1); none written: (2, N//2, N-3).
+* ``dflash``: z-lab's DFlash format (``architectures: [DFlashDraftModel]``), which vLLM and SGLang load: a Qwen3
+  ``config.json`` (z-lab's class builds Qwen3 layers whatever ``model_type`` says) with ``block_size`` (z-lab's default
+  16), ``num_target_layers``, ``target_hidden_size``, ``dflash_config.mask_token_id`` and
+  ``dflash_config.target_layer_ids`` (decoder-layer outputs: ours = id + 1; either key may sit at the top level, as
+  z-lab's loader reads them; a top-level ``eagle_aux_hidden_state_layer_ids`` is vLLM's, layer inputs, read first);
+  tensors as speculators' DFlash, no embedding or LM head. Our ``vllm`` DFlash layout.
+* ``medusa``: the original Medusa format (FasterDecoding, TGI): ``config.json`` with ``medusa_num_heads`` (default 4),
+  ``medusa_num_layers`` (default 1), ``base_model_name_or_path``, the sizes left to the target; tensors
+  ``{k}.{j}.linear.weight|bias`` and ``{k}.{layers}.weight`` in ``medusa_lm_head.safetensors`` or ``.pt``. Our
+  ``medusa`` export layout.
+* ``eagle1``: EAGLE-1 drafts as vLLM (``EagleLlamaForCausalLM``: ``fc`` without bias) and SGLang
+  (``LlamaForCausalLMEagle``: ``fc`` with a bias, which must be zero here) load them: a Llama config, tensors ``fc``,
+  ``layers.{i}.*`` (layer 0 without ``input_layernorm``), maybe the target's ``embed_tokens.weight``. Our ``vllm`` and
+  ``sglang`` EAGLE-1 layouts. The original EAGLE release's folders (a plain ``LlamaForCausalLM`` config, ``fc`` with a
+  trained bias) are neither: nothing in their config.json says EAGLE, and the specheads head has no ``fc`` bias.
 
-The tensors go back through the inverse of those export layouts (``reload.head_state``), so the names and the
-``fc`` column order have one home (``layouts.py``). Variants the specheads head does not compute are refused by
-name rather than evaluated wrongly: a Qwen3 draft layer (q/k norms), more than one layer, ``norm_before_residual``,
-``norm_before_fc``, ``norm_output``, a trained token embedding that differs from the target's.
+Variants the specheads heads do not compute are refused by name rather than evaluated wrongly (each listed where its
+format's config is read), and so is a carried embedding or LM head that differs from the target's.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,21 +57,23 @@ from safetensors.torch import load_file
 
 from specheads.errors import UserError
 from specheads.export.checks import ExportError, check_draft_vocab, check_tensors
-from specheads.export.layouts import FLOAT, Layout, LayoutError, TargetInfo, TensorSpec, build_layout
+from specheads.export.layouts import Layout, LayoutError, TargetInfo, TensorSpec, build_layout, method_of
 from specheads.export.reload import build_head, head_state
 
 FORMATS = {
-    "speculators": "vLLM speculators' format (config.json with speculators_model_type: eagle3)",
+    "speculators": "vLLM speculators' format (config.json with speculators_model_type eagle3 or dflash)",
     "eagle3": "the original EAGLE-3 / SpecForge format (config.json architectures LlamaForCausalLMEagle3 or "
               "Eagle3LlamaForCausalLM)",
+    "dflash": "z-lab's DFlash format (config.json architectures DFlashDraftModel)",
+    "medusa": "the original Medusa format (FasterDecoding: config.json with medusa_num_heads, medusa_lm_head weights)",
+    "eagle1": "vLLM's or SGLang's EAGLE-1 format (config.json architectures EagleLlamaForCausalLM or "
+              "LlamaForCausalLMEagle)",
 }
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-_LAYOUT = {"speculators": "speculators", "eagle3": "vllm"}  # the export layout each format is
-_UNSUPPORTED_FLAGS = {  # config flags that change what the draft layer computes, which the specheads head does not do
-    "norm_before_residual": "the residual stream starts from the normed hidden state",
-    "norm_before_fc": "one RMSNorm over the concatenated aux states before fc",
-    "norm_output": "the post-norm state is fed back between draft steps",
-}
+_ARCHITECTURES = {**dict.fromkeys(EAGLE3_ARCHITECTURES, "eagle3"), "DFlashDraftModel": "dflash",
+                  "EagleLlamaForCausalLM": "eagle1", "LlamaForCausalLMEagle": "eagle1"}  # architecture -> format
+SPECULATORS_METHODS = ("eagle3", "dflash")  # the speculators_model_type values read
+_BORROWED = {"embed_tokens.weight": "token embedding", "lm_head.weight": "LM head"}  # target tensors a folder may copy
 
 
 class ForeignHeadError(UserError, ValueError):
@@ -63,14 +82,19 @@ class ForeignHeadError(UserError, ValueError):
 
 @dataclass
 class ForeignHead:
-    """A foreign EAGLE-3 head as the specheads head: ``config`` (our ``Eagle3Config`` fields) and ``state``
-    (its state dict); ``embedding`` is the token embedding the folder carries (the target's, normally), or None."""
+    """A foreign head as the specheads head: ``config`` (our head config's fields, its ``model_type`` naming the
+    family) and ``state`` (its state dict); ``borrowed``: the target's tensors the folder carries a copy of
+    (``embed_tokens.weight``, ``lm_head.weight``), checked against the target's once it is loaded."""
 
     folder: Path
     format: str
     config: dict
     state: dict[str, torch.Tensor]
-    embedding: torch.Tensor | None = None
+    borrowed: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def method(self) -> str:
+        return method_of(self.config)
 
 
 def _config(folder: Path) -> dict | None:
@@ -82,30 +106,33 @@ def _config(folder: Path) -> dict | None:
 
 
 def foreign_format(folder: str | Path) -> str | None:
-    """``"speculators"`` or ``"eagle3"`` when ``folder``'s config.json is one of those formats, else None (a specheads
-    head folder, a folder without a readable config.json, anything else)."""
+    """The key of ``FORMATS`` that ``folder``'s config.json is in, else None (a specheads head folder, a folder
+    without a readable config.json, anything else)."""
     cfg = _config(Path(folder))
     if cfg is None or str(cfg.get("model_type", "")).startswith("specheads_"):
         return None
     if "speculators_model_type" in cfg:
         return "speculators"
-    if set(cfg.get("architectures") or ()) & set(EAGLE3_ARCHITECTURES):
-        return "eagle3"
-    return None
+    if "medusa_num_heads" in cfg:
+        return "medusa"
+    return next((fmt for arch, fmt in _ARCHITECTURES.items() if arch in (cfg.get("architectures") or ())), None)
 
 
-def check_format(folder: str | Path) -> str:
-    """The foreign format of ``folder`` (``foreign_format``), refusing a folder of none and a speculators head of
-    another algorithm than EAGLE-3."""
+def check_format(folder: str | Path) -> tuple[str, str]:
+    """(format, head family) of ``folder`` (``foreign_format``), refusing a folder of none and a speculators head of
+    an algorithm other than ``SPECULATORS_METHODS``."""
     folder = Path(folder)
     fmt = foreign_format(folder)
     if fmt is None:
         raise ForeignHeadError(f"{folder} holds no head of a known format: looked for a specheads head (config.json "
                                f"model_type specheads_*), {formats_looked_for()}")
-    kind = _config(folder)["speculators_model_type"] if fmt == "speculators" else "eagle3"
-    if kind != "eagle3":
-        raise _fail(folder, fmt, f"speculators_model_type {kind!r}: only speculators' eagle3 heads are read")
-    return fmt
+    if fmt != "speculators":
+        return fmt, fmt
+    kind = _config(folder)["speculators_model_type"]
+    if kind not in SPECULATORS_METHODS:
+        raise _fail(folder, fmt, f"speculators_model_type {kind!r}: only speculators' "
+                                 f"{' and '.join(SPECULATORS_METHODS)} heads are read")
+    return fmt, kind
 
 
 def formats_looked_for() -> str:
@@ -119,20 +146,43 @@ def _fail(folder: Path, fmt: str, what: str) -> ForeignHeadError:
 
 # --------------------------------------------------------------------------- config.json -> our head config
 
+_EAGLE3_FLAGS = {  # config flags that change what the draft layer computes, which the specheads head does not do
+    "norm_before_residual": "the residual stream starts from the normed hidden state",
+    "norm_before_fc": "one RMSNorm over the concatenated aux states before fc",
+    "norm_output": "the post-norm state is fed back between draft steps",
+}
+_DFLASH_SCALES = {  # z-lab's config values that change the draft's arithmetic, with the value that leaves it alone
+    "input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None,
+}
+_NOT_CONFIG = ("architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype",
+               "dflash_config", "eagle_config", "speculators_config")
 
-def _llama_layer(folder: Path, fmt: str, layer: dict):
-    """The draft layer's Llama config (defaults filled as transformers fills them), refusing other layer kinds."""
-    from transformers import LlamaConfig
 
-    kind = layer.get("model_type", "qwen3" if fmt == "speculators" else "llama")
-    if kind != "llama":
+def _layer_config(folder: Path, fmt: str, layer: dict, kinds: tuple[str, ...], default: str):
+    """The draft layer's transformers config (defaults filled as transformers fills them: what the engines parse),
+    of one of ``kinds`` (``default`` when the config names no ``model_type``), refusing other layer kinds."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    kind = layer.get("model_type") or default
+    if kind not in kinds:
         raise _fail(folder, fmt, f"the draft layer is a {kind} layer (speculators reads a layer config without "
-                                 "model_type as qwen3, with q/k norms); the specheads EAGLE-3 head has a Llama layer")
-    return LlamaConfig(**{k: v for k, v in layer.items() if k != "model_type"})
+                                 f"model_type as qwen3, with q/k norms); the specheads head has a "
+                                 f"{' or '.join(kinds)} layer")
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[kind]
+    return cls(**{k: v for k, v in layer.items() if k not in _NOT_CONFIG})
+
+
+def _draft_fields(layer) -> dict:
+    """Our head config's layer fields from the draft layer's config."""
+    from specheads.models.layers import draft_fields_from_target
+
+    return {**draft_fields_from_target(layer), "num_hidden_layers": layer.num_hidden_layers,
+            "tie_word_embeddings": False, "attention_bias": bool(getattr(layer, "attention_bias", False)),
+            "mlp_bias": bool(getattr(layer, "mlp_bias", False))}
 
 
 def _aux_layers(fmt: str, cfg: dict) -> list[int] | None:
-    """The fused target layers as written (our convention: inputs of decoder layers), or None when none are."""
+    """The fused target layers of an EAGLE-3 folder as written (our convention: inputs of decoder layers), or None."""
     top = cfg.get("eagle_aux_hidden_state_layer_ids")
     if top is not None:  # vLLM's key (speculators' too): layer inputs, like ours
         return [int(i) for i in top]
@@ -142,46 +192,140 @@ def _aux_layers(fmt: str, cfg: dict) -> list[int] | None:
     return None
 
 
-def _default_aux_layers(folder: Path, fmt: str, target: TargetInfo) -> list[int]:
-    """What vLLM (and speculators, SGLang, SpecForge) capture for a head that names no layers: (2, N//2, N-3)."""
+def _default_aux_layers(folder: Path, fmt: str, target: TargetInfo, key: str) -> list[int]:
+    """What the toolkits use for a head that names no layers: (2, N//2, N-3) of the target's N."""
     from specheads.targets import default_eagle3_layers
 
     N = target.num_layers
     if N is None or N < 7:  # below 7 layers (2, N//2, N-3) is not three distinct layers
-        raise _fail(folder, fmt, f"names no aux layers (eagle_aux_hidden_state_layer_ids) and the engines' default "
-                                 f"(2, N//2, N-3) needs a target of at least 7 layers (target {target.name}: {N})")
+        raise _fail(folder, fmt, f"names no aux layers ({key}) and the default (2, N//2, N-3) needs a target of at "
+                                 f"least 7 layers (target {target.name}: {N})")
     return list(default_eagle3_layers(N))
 
 
-def foreign_head_config(folder: str | Path, target: TargetInfo) -> tuple[str, dict, Layout]:
-    """(format, our EAGLE-3 head config, the export layout the folder is in) of a foreign head folder, checked
-    against ``target``'s sizes (hidden size, vocabulary, layer count) before any tensor is read."""
-    from specheads.models.layers import draft_fields_from_target
-
-    folder = Path(folder)
-    fmt = check_format(folder)
-    cfg = _config(folder)
-    for flag, what in _UNSUPPORTED_FLAGS.items():
+def _eagle3_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
+    for flag, what in _EAGLE3_FLAGS.items():
         if cfg.get(flag):
             raise _fail(folder, fmt, f"{flag}: true ({what}); the specheads EAGLE-3 head does not compute that")
-    layer = _llama_layer(folder, fmt, (cfg.get("transformer_layer_config") or {}) if fmt == "speculators" else cfg)
+    layer = _layer_config(folder, fmt, (cfg.get("transformer_layer_config") or {}) if fmt == "speculators" else cfg,
+                          ("llama",), "qwen3" if fmt == "speculators" else "llama")
     aux = _aux_layers(fmt, cfg)
     verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    head_cfg = {"model_type": "specheads_eagle3", **draft_fields_from_target(layer),
-                "num_hidden_layers": layer.num_hidden_layers, "tie_word_embeddings": False,
-                "attention_bias": bool(getattr(layer, "attention_bias", False)),
-                "mlp_bias": bool(getattr(layer, "mlp_bias", False)),
+    head_cfg = {"model_type": "specheads_eagle3", **_draft_fields(layer),
                 # speculators' default draft vocabulary is 32000; vLLM's for the original format is the vocabulary
                 "draft_vocab_size": int(cfg.get("draft_vocab_size") or (32000 if fmt == "speculators"
                                                                         else layer.vocab_size)),
                 "target_hidden_size": cfg.get("target_hidden_size") or layer.hidden_size,
-                "aux_layers": aux if aux is not None else _default_aux_layers(folder, fmt, target),
+                "aux_layers": aux if aux is not None else _default_aux_layers(
+                    folder, fmt, target, "eagle_aux_hidden_state_layer_ids"),
                 "fc_norm": bool(cfg.get("fc_norm")), "target": verifier or target.name}
     if head_cfg["draft_vocab_size"] > head_cfg["vocab_size"]:
         raise _fail(folder, fmt, f"draft_vocab_size {head_cfg['draft_vocab_size']} exceeds the vocabulary "
                                  f"{head_cfg['vocab_size']}")
+    return head_cfg
+
+
+def _dflash_value(cfg: dict, key: str, default=None):
+    """A z-lab DFlash setting: ``dflash_config``'s, else the top level's (z-lab's loader reads both)."""
+    value = (cfg.get("dflash_config") or {}).get(key)
+    return cfg.get(key, default) if value is None else value
+
+
+def dflash_block_size(folder: str | Path) -> int:
+    """B of a DFlash folder of either format (z-lab's default 16, speculators' 8 when none is written)."""
+    cfg = _config(Path(folder)) or {}
+    if "speculators_model_type" in cfg:
+        return int(cfg.get("block_size") or 8)
+    return int(_dflash_value(cfg, "block_size") or 16)
+
+
+def _dflash_aux_layers(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> list[int]:
+    if fmt == "speculators":  # aux_hidden_state_layer_ids: layer inputs (vLLM's convention, ours)
+        ids = cfg.get("aux_hidden_state_layer_ids")
+        return ([int(i) for i in ids] if ids is not None
+                else _default_aux_layers(folder, fmt, target, "aux_hidden_state_layer_ids"))
+    if cfg.get("eagle_aux_hidden_state_layer_ids"):  # vLLM reads this first: layer inputs
+        return [int(i) for i in cfg["eagle_aux_hidden_state_layer_ids"]]
+    ids = _dflash_value(cfg, "target_layer_ids")
+    if not ids:  # z-lab's DFlashDraftModel refuses such a config too
+        raise _fail(folder, fmt, "names no dflash_config.target_layer_ids (z-lab's loader requires them)")
+    return [int(i) + 1 for i in ids]  # decoder-layer outputs: the input of the next layer
+
+
+def _dflash_refusals(folder: Path, fmt: str, cfg: dict, layer) -> None:
+    """What the specheads DFlash head does not compute: causal or sliding-window layers, a sampled anchor, rescaled
+    embeddings or logits, a reduced draft vocabulary, a separate mask embedding."""
+    dcfg = cfg.get("dflash_config") or {}
+    causal = [k for k, v in (("is_causal", getattr(layer, "is_causal", None)), ("dflash_config.causal",
+                                                                                dcfg.get("causal"))) if v]
+    sliding = [i for i, t in enumerate(getattr(layer, "layer_types", None) or ()) if t != "full_attention"]
+    if causal or sliding or dcfg.get("use_swa"):
+        what = (f"{causal[0]}: true" if causal else f"layer(s) {sliding} are sliding-window" if sliding
+                else "dflash_config.use_swa: true")
+        raise _fail(folder, fmt, f"{what}; the specheads DFlash head runs every layer as full, bidirectional "
+                                 "attention")
+    if _dflash_value(cfg, "sample_from_anchor"):
+        raise _fail(folder, fmt, "sample_from_anchor: true (the anchor slot drafts too); the specheads DFlash head "
+                                 "drafts slots 1..B-1 after a bonus anchor")
+    for key, neutral in _DFLASH_SCALES.items():
+        if _dflash_value(cfg, key) not in (None, neutral):
+            raise _fail(folder, fmt, f"{key} {_dflash_value(cfg, key)}: the specheads DFlash head does not rescale")
+    draft_vocab = cfg.get("draft_vocab_size", 32000 if fmt == "speculators" else None)
+    if draft_vocab is not None and int(draft_vocab) != layer.vocab_size:
+        raise _fail(folder, fmt, f"draft_vocab_size {draft_vocab} != vocab_size {layer.vocab_size} (a reduced draft "
+                                 "vocabulary); the specheads DFlash head drafts over the target's whole vocabulary")
+    if (folder / "mask_embedding.pt").exists():
+        raise _fail(folder, fmt, "mask_embedding.pt (a trained mask embedding); the specheads DFlash head embeds "
+                                 "the masked slots with the target's row mask_token_id")
+
+
+def _dflash_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
+    spec = fmt == "speculators"
+    layer = _layer_config(folder, fmt, (cfg.get("transformer_layer_config") or {}) if spec else cfg,
+                          ("qwen3", "llama") if not spec else ("qwen3",), "qwen3")
+    _dflash_refusals(folder, fmt, cfg, layer)
+    mask = _dflash_value(cfg, "mask_token_id")
+    if mask is None:
+        raise _fail(folder, fmt, "names no mask_token_id (the engines need it)")
+    verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    return {"model_type": "specheads_dflash", **_draft_fields(layer), "block_size": dflash_block_size(folder),
+            "aux_layers": _dflash_aux_layers(folder, fmt, cfg, target), "mask_token_id": int(mask),
+            "target_hidden_size": cfg.get("target_hidden_size") or layer.hidden_size,
+            "num_target_layers": None if spec else cfg.get("num_target_layers"), "target": verifier or target.name}
+
+
+def _medusa_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
+    """The sizes the format leaves to the target (FasterDecoding writes none) come from it; written ones are checked."""
+    return {"model_type": "medusa", "hidden_size": int(cfg.get("hidden_size") or target.hidden_size),
+            "vocab_size": int(cfg.get("vocab_size") or target.vocab_size),
+            "num_heads": int(cfg.get("medusa_num_heads", 4)), "num_hidden_layers": int(cfg.get("medusa_num_layers", 1)),
+            "medusa_fc_bias": True, "target_name": cfg.get("base_model_name_or_path") or target.name}
+
+
+def _eagle1_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
+    layer = _layer_config(folder, fmt, cfg, ("llama",), "llama")
+    return {"model_type": "specheads_eagle1", **_draft_fields(layer), "target": target.name}
+
+
+_CONFIGS = {"eagle3": _eagle3_config, "dflash": _dflash_config, "medusa": _medusa_config, "eagle1": _eagle1_config}
+
+
+def _engine(fmt: str, cfg: dict) -> str:
+    """The export layout (its engine) a folder of ``fmt`` is in."""
+    if fmt in ("speculators", "medusa"):
+        return fmt
+    return "sglang" if "LlamaForCausalLMEagle" in (cfg.get("architectures") or ()) else "vllm"
+
+
+def foreign_head_config(folder: str | Path, target: TargetInfo) -> tuple[str, dict, Layout]:
+    """(format, our head config, the export layout the folder is in) of a foreign head folder, checked against
+    ``target``'s sizes (hidden size, vocabulary, layer count) before any tensor is read."""
+    folder = Path(folder)
+    fmt, method = check_format(folder)
+    cfg = _config(folder)
+    head_cfg = _CONFIGS[method](folder, fmt, cfg, target)
     try:
-        layout = build_layout("eagle3", _LAYOUT[fmt], head_cfg, target)
+        layout = build_layout(method, _engine(fmt, cfg), head_cfg, target)
     except LayoutError as e:
         raise _fail(folder, fmt, str(e)) from None
     return fmt, head_cfg, layout
@@ -190,11 +334,20 @@ def foreign_head_config(folder: str | Path, target: TargetInfo) -> tuple[str, di
 # --------------------------------------------------------------------------- weights -> our state dict
 
 
+def weight_files(folder: str | Path) -> list[Path]:
+    """The folder's weight files: its ``*.safetensors``, else its ``pytorch_model*.bin``, else Medusa's
+    ``medusa_lm_head.pt`` (empty when it has none)."""
+    folder = Path(folder)
+    return (sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+            or sorted(folder.glob("medusa_lm_head.pt")))
+
+
 def _weights(folder: Path, fmt: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's ``*.safetensors`` files, else of its ``pytorch_model*.bin`` files."""
-    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+    """Every tensor of the folder's weight files (``weight_files``)."""
+    files = weight_files(folder)
     if not files:
-        raise _fail(folder, fmt, "no weights (looked for *.safetensors, then pytorch_model*.bin)")
+        raise _fail(folder, fmt, "no weights (looked for *.safetensors, then pytorch_model*.bin, then "
+                                 "medusa_lm_head.pt)")
     out: dict[str, torch.Tensor] = {}
     for f in files:
         part = load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
@@ -212,16 +365,22 @@ _CODES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", to
 
 
 def _expected(layout: Layout, head_cfg: dict, names: set[str]) -> dict[str, TensorSpec]:
-    """The layout's tensors plus those a foreign folder may add or leave out (``names``: what it holds)."""
-    H, V, DV = head_cfg["hidden_size"], head_cfg["vocab_size"], head_cfg["draft_vocab_size"]
+    """The layout's tensors plus those a foreign folder may add or leave out (``names``: what it holds): copies of
+    the target's tensors, speculators' training-only tensors, EAGLE-3's maps of a full vocabulary."""
+    H, V = head_cfg["hidden_size"], head_cfg["vocab_size"]
     expected = {n: s for n, s in layout.tensors.items() if not (layout.rules[n].from_target and n not in names)}
-    optional = {"embed_tokens.weight": TensorSpec((V, H)),  # the target's embedding, which the head borrows
-                "verifier_lm_head.weight": TensorSpec((DV, H)), "verifier_norm.weight": TensorSpec((H,)),  # training
-                "d2t": TensorSpec((DV,), "int64"), "t2d": TensorSpec((V,), "bool")}  # maps of a full vocabulary
-    if layout.engine != "speculators":
-        del optional["verifier_lm_head.weight"], optional["verifier_norm.weight"]
+    optional = {} if layout.method == "medusa" else {"embed_tokens.weight": TensorSpec((V, H))}
+    if layout.method == "dflash":
+        optional["lm_head.weight"] = TensorSpec((V, H))  # the target's LM head, which the head borrows
+    if layout.engine == "speculators":
+        optional["verifier_norm.weight"] = TensorSpec((H,))  # training only
+    if layout.method == "eagle3":
+        DV = head_cfg["draft_vocab_size"]
+        optional.update({"d2t": TensorSpec((DV,), "int64"), "t2d": TensorSpec((V,), "bool")})  # a full vocabulary's
+        if layout.engine == "speculators":
+            optional["verifier_lm_head.weight"] = TensorSpec((DV, H))
     expected.update({n: s for n, s in optional.items() if n in names and n not in expected})
-    if "t2d" not in names:
+    if layout.method == "eagle3" and "t2d" not in names:
         expected.pop("t2d", None)  # rebuilt from d2t (``_t2d``)
     return expected
 
@@ -247,52 +406,64 @@ def _integer_maps(tensors: dict[str, torch.Tensor]) -> None:
         tensors["t2d"] = t2d.bool()
 
 
+def _eagle3_maps(folder: Path, where: str, head_cfg: dict, layout: Layout, tensors: dict, state: dict) -> None:
+    """EAGLE-3's draft-vocabulary maps in ``state``: those of a full vocabulary the folder carries, checked."""
+    for name in ("d2t", "t2d"):
+        if name in tensors and name not in layout.rules:
+            state[name] = tensors[name]
+    try:
+        check_draft_vocab(state["d2t"], state["t2d"], where)
+    except ExportError as e:
+        raise ForeignHeadError(str(e)) from None
+
+
 def read_foreign_head(folder: str | Path, target: TargetInfo) -> ForeignHead:
-    """A foreign EAGLE-3 head folder as the specheads head, every check done: the format, the config against
-    ``target``, each tensor by name (missing, unknown), shape and dtype kind, and the draft vocabulary maps."""
+    """A foreign head folder as the specheads head, every check done: the format, the config against ``target``,
+    each tensor by name (missing, unknown), shape and dtype kind, zeros a layout adds, EAGLE-3's draft vocabulary."""
     fmt, head_cfg, layout = foreign_head_config(folder, target)
     folder = Path(folder)
+    where = f"{folder} ({FORMATS[fmt]})"
     tensors = _weights(folder, fmt)
     if fmt == "eagle3":  # vLLM reads layers.0.* as midlayer.* (and SpecForge writes midlayer.*)
         tensors = {("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n): t
                    for n, t in tensors.items()}
-    _integer_maps(tensors)
+    if layout.method == "eagle3":
+        _integer_maps(tensors)
     header = {n: (tuple(t.shape), _CODES.get(t.dtype, str(t.dtype))) for n, t in tensors.items()}
     try:
-        check_tensors(header, _expected(layout, head_cfg, set(tensors)), f"{folder} ({FORMATS[fmt]})")
+        check_tensors(header, _expected(layout, head_cfg, set(tensors)), where)
+        if layout.method == "eagle3" and "t2d" not in tensors:
+            tensors["t2d"] = _t2d(tensors.get("d2t"), head_cfg["vocab_size"], where)
+        state = head_state(layout, head_cfg, tensors, where)
     except ExportError as e:
         raise ForeignHeadError(str(e)) from None
-    if "t2d" not in tensors:
-        tensors["t2d"] = _t2d(tensors.get("d2t"), head_cfg["vocab_size"], f"{folder} ({FORMATS[fmt]})")
-    state = head_state(layout, head_cfg, tensors, str(folder))
-    for name in ("d2t", "t2d"):  # the maps of a full vocabulary, when the folder carries them
-        if name in tensors and name not in layout.rules:
-            state[name] = tensors[name]
-    try:
-        check_draft_vocab(state["d2t"], state["t2d"], f"{folder} ({FORMATS[fmt]})")
-    except ExportError as e:
-        raise ForeignHeadError(str(e)) from None
-    return ForeignHead(folder, fmt, head_cfg, state, tensors.get("embed_tokens.weight"))
+    if layout.method == "eagle3":
+        _eagle3_maps(folder, where, head_cfg, layout, tensors, state)
+    borrowed = {n: tensors[n] for n in _BORROWED if n in tensors and (n not in layout.rules
+                                                                       or layout.rules[n].from_target)}
+    return ForeignHead(folder, fmt, head_cfg, state, borrowed)
 
 
-def _check_embedding(head: ForeignHead, target) -> None:
-    """The embedding a folder carries must be the target's (the head drafts on the target's): equal within the
+def _check_borrowed(head: ForeignHead, target) -> None:
+    """The target's tensors a folder carries must be the target's (the head drafts on them): equal within the
     rounding of a bfloat16 copy or a quantized target (1 % of the table's largest entry)."""
-    mine, theirs = head.embedding, target.raw_embedding.weight.detach()
-    scale = float(theirs.abs().max()) or 1.0
-    for start in range(0, mine.shape[0], 8192):  # in row blocks: a 128k x 4096 table is not copied whole in float32
-        a, b = mine[start:start + 8192].float(), theirs[start:start + 8192].float().cpu()
-        if float((a - b).abs().max()) > 0.01 * scale:
-            raise _fail(head.folder, head.format, f"embed_tokens.weight differs from target {target.name}'s token "
-                                                  "embedding (a head trained for another target, or with its own "
-                                                  "embedding, which the specheads head does not carry)")
+    for name, mine in head.borrowed.items():
+        module = target.raw_embedding if name == "embed_tokens.weight" else target.lm_head
+        theirs = module.weight.detach()
+        scale = float(theirs.abs().max()) or 1.0
+        for start in range(0, mine.shape[0], 8192):  # in row blocks: a 128k x 4096 table is not copied in float32
+            a, b = mine[start:start + 8192].float(), theirs[start:start + 8192].float().cpu()
+            if float((a - b).abs().max()) > 0.01 * scale:
+                raise _fail(head.folder, head.format, f"{name} differs from target {target.name}'s {_BORROWED[name]} "
+                                                      f"(a head trained for another target, or with its own "
+                                                      f"{_BORROWED[name]}, which the specheads head does not carry)")
 
 
 def load_foreign_head(folder: str | Path, target):
-    """The ``Eagle3Model`` a foreign folder holds, for ``target`` (a loaded ``Target``), unattached and in the
-    folder's float dtype (as ``from_pretrained`` keeps a specheads head's)."""
+    """The specheads model a foreign folder holds (``Eagle3Model``, ``DFlashModel``, ``MedusaHeads``,
+    ``Eagle1Model``), for ``target`` (a loaded ``Target``), unattached and in the folder's float dtype (as
+    ``from_pretrained`` keeps a specheads head's)."""
     info = TargetInfo(str(target.name), target.hidden_size, target.vocab_size, target.num_layers)
     head = read_foreign_head(folder, info)
-    if head.embedding is not None:
-        _check_embedding(head, target)
+    _check_borrowed(head, target)
     return build_head(head.config, head.state)

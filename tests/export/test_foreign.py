@@ -224,10 +224,10 @@ def spec_dir(target, tmp_path):
 
 REFUSALS = {
     "unknown format": (lambda f: (f / "config.json").write_text(json.dumps({"model_type": "bert"})),
-                       r"no head of a known format: looked for a specheads head .*speculators_model_type: eagle3.*"
-                       r"LlamaForCausalLMEagle3"),
-    "other algorithm": (lambda f: _edit_config(f, speculators_model_type="dflash"),
-                        r"speculators_model_type 'dflash': only speculators' eagle3"),
+                       r"no head of a known format: looked for a specheads head .*speculators_model_type eagle3.*"
+                       r"LlamaForCausalLMEagle3.*DFlashDraftModel.*medusa_num_heads.*EagleLlamaForCausalLM"),
+    "other algorithm": (lambda f: _edit_config(f, speculators_model_type="peagle"),
+                        r"speculators_model_type 'peagle': only speculators' eagle3 and dflash heads are read"),
     "missing tensor": (lambda f: _edit_weights(f, lambda w: w.pop("lm_head.weight")),
                        r"missing key\(s\) \['lm_head.weight'\]"),
     "unknown tensor": (lambda f: _edit_weights(f, lambda w: w.update({"layers.0.self_attn.q_norm.weight":
@@ -285,6 +285,7 @@ def test_an_embedding_other_than_the_targets_is_refused(target, tmp_path):
 
 def test_no_weights_is_refused(spec_dir):
     (spec_dir / "model.safetensors").unlink()
-    with pytest.raises(ForeignHeadError, match=r"no weights \(looked for \*.safetensors, then pytorch_model\*.bin\)"):
+    with pytest.raises(ForeignHeadError, match=r"no weights \(looked for \*.safetensors, then pytorch_model\*.bin, "
+                                               r"then medusa_lm_head.pt\)"):
         read_foreign_head(spec_dir, INFO)
     shutil.rmtree(spec_dir)
