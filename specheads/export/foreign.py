@@ -14,16 +14,16 @@ SpecForge's, z-lab's and FasterDecoding's code (docs/evaluate.md):
   ``norm_before_residual``/``norm_before_fc``/``fc_norm``/``norm_output``, the aux ids
   ``eagle_aux_hidden_state_layer_ids`` (layer inputs, vLLM's and our convention; none: the verifier's (2, N//2, N-3));
   tensors ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``/``t2d`` (absent for a full vocabulary),
-  ``fc_norm.{i}``, maybe the target's ``embed_tokens.weight`` and the training-only ``verifier_*``. DFlash (``DFlashDraftModel``):
-  ``transformer_layer_config`` (Qwen3 by default), ``block_size`` (default 8), ``aux_hidden_state_layer_ids`` (layer
-  inputs; none: (2, N//2, N-3), speculators' default), ``mask_token_id``, ``draft_vocab_size``,
+  ``fc_norm.{i}``, maybe the target's ``embed_tokens.weight`` and the training-only ``verifier_*``. DFlash
+  (``DFlashDraftModel``): ``transformer_layer_config`` (Qwen3 by default), ``block_size`` (default 8),
+  ``aux_hidden_state_layer_ids`` (layer inputs; none: (2, N//2, N-3), speculators' default), ``mask_token_id``, ``draft_vocab_size``,
   ``sliding_window_non_causal``, ``sample_from_anchor``; tensors ``fc``, ``hidden_norm``, ``norm``, ``layers.{i}.*``
   (q/k norms), ``lm_head``/``embed_tokens`` only as copies of the target's. Our ``speculators`` export layouts.
 * ``eagle3``: the original EAGLE-3 format that SpecForge saves and vLLM (``LlamaForCausalLMEagle3`` /
   ``Eagle3LlamaForCausalLM``) and SGLang load: a Llama ``config.json`` plus ``draft_vocab_size`` (vLLM's default: the
   vocabulary), ``target_hidden_size``, ``fc_norm``, ``norm_before_residual``; tensors ``midlayer.*`` (or
-  ``layers.0.*``), ``fc``, ``norm``, ``lm_head``, ``d2t``, ``t2d``, maybe the target's ``embed_tokens.weight``, in ``model.safetensors``
-  or ``pytorch_model.bin``. Our ``vllm`` export layout. The aux ids: a top-level ``eagle_aux_hidden_state_layer_ids``
+  ``layers.0.*``), ``fc``, ``norm``, ``lm_head``, ``d2t``, ``t2d``, maybe the target's ``embed_tokens.weight``, in
+  ``model.safetensors`` or ``pytorch_model.bin``. Our ``vllm`` export layout. The aux ids: a top-level ``eagle_aux_hidden_state_layer_ids``
   is vLLM's (layer inputs); else ``eagle_config.eagle_aux_hidden_state_layer_ids`` is what SpecForge writes and SGLang
   reads, decoder-layer *outputs* (ours = id + 1); none written: (2, N//2, N-3).
 * ``dflash``: z-lab's DFlash format (``architectures: [DFlashDraftModel]``), which vLLM and SGLang load: a Qwen3
