@@ -9,23 +9,25 @@ Each format is one of our export layouts (``layouts.py``) read backwards (``relo
 SpecForge's, z-lab's and FasterDecoding's code (docs/evaluate.md):
 
 * ``speculators``: vLLM speculators' own folder (``config.json`` with ``speculators_model_type``), EAGLE-3 or DFlash.
-  EAGLE-3 (``Eagle3DraftModel``): the draft layer's config in ``transformer_layer_config`` (a Qwen3 config when it names
-  no ``model_type``, as speculators reads it), ``draft_vocab_size`` (default 32000), ``target_hidden_size``,
+  EAGLE-3 (``Eagle3DraftModel``): the draft layer's config in ``transformer_layer_config`` (a Qwen3 config when it
+  names no ``model_type``, as speculators reads it), ``draft_vocab_size`` (default 32000), ``target_hidden_size``,
   ``norm_before_residual``/``norm_before_fc``/``fc_norm``/``norm_output``, the aux ids
   ``eagle_aux_hidden_state_layer_ids`` (layer inputs, vLLM's and our convention; none: the verifier's (2, N//2, N-3));
   tensors ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``/``t2d`` (absent for a full vocabulary),
   ``fc_norm.{i}``, maybe the target's ``embed_tokens.weight`` and the training-only ``verifier_*``. DFlash
   (``DFlashDraftModel``): ``transformer_layer_config`` (Qwen3 by default), ``block_size`` (default 8),
-  ``aux_hidden_state_layer_ids`` (layer inputs; none: (2, N//2, N-3), speculators' default), ``mask_token_id``, ``draft_vocab_size``,
-  ``sliding_window_non_causal``, ``sample_from_anchor``; tensors ``fc``, ``hidden_norm``, ``norm``, ``layers.{i}.*``
-  (q/k norms), ``lm_head``/``embed_tokens`` only as copies of the target's. Our ``speculators`` export layouts.
+  ``aux_hidden_state_layer_ids`` (layer inputs; none: (2, N//2, N-3), speculators' default), ``mask_token_id``,
+  ``draft_vocab_size``, ``sliding_window_non_causal``, ``sample_from_anchor``; tensors ``fc``, ``hidden_norm``,
+  ``norm``, ``layers.{i}.*`` (q/k norms), ``lm_head``/``embed_tokens`` only as copies of the target's. Our
+  ``speculators`` export layouts.
 * ``eagle3``: the original EAGLE-3 format that SpecForge saves and vLLM (``LlamaForCausalLMEagle3`` /
   ``Eagle3LlamaForCausalLM``) and SGLang load: a Llama ``config.json`` plus ``draft_vocab_size`` (vLLM's default: the
   vocabulary), ``target_hidden_size``, ``fc_norm``, ``norm_before_residual``; tensors ``midlayer.*`` (or
   ``layers.0.*``), ``fc``, ``norm``, ``lm_head``, ``d2t``, ``t2d``, maybe the target's ``embed_tokens.weight``, in
-  ``model.safetensors`` or ``pytorch_model.bin``. Our ``vllm`` export layout. The aux ids: a top-level ``eagle_aux_hidden_state_layer_ids``
-  is vLLM's (layer inputs); else ``eagle_config.eagle_aux_hidden_state_layer_ids`` is what SpecForge writes and SGLang
-  reads, decoder-layer *outputs* (ours = id + 1); none written: (2, N//2, N-3).
+  ``model.safetensors`` or ``pytorch_model.bin``. Our ``vllm`` export layout. The aux ids: a top-level
+  ``eagle_aux_hidden_state_layer_ids`` is vLLM's (layer inputs); else
+  ``eagle_config.eagle_aux_hidden_state_layer_ids`` is what SpecForge writes and SGLang reads, decoder-layer *outputs*
+  (ours = id + 1); none written: (2, N//2, N-3).
 * ``dflash``: z-lab's DFlash format (``architectures: [DFlashDraftModel]``), which vLLM and SGLang load: a Qwen3
   ``config.json`` (z-lab's class builds Qwen3 layers whatever ``model_type`` says) with ``block_size`` (z-lab's default
   16), ``num_target_layers``, ``target_hidden_size``, ``dflash_config.mask_token_id`` and

@@ -160,3 +160,74 @@ def test_the_cli_evaluates_a_speculators_folder(cli, tmp_path):
     assert row["name"] == "eagle3-tree" and row["head_source"] == "speculators" and row["train_tau"] is None
     assert row["lossless"]["exact"]
     assert "aux layers [2, 4, 5]" in proc.stdout + proc.stderr  # the default layers of an 8-layer target, logged first
+
+
+# --------------------------------------------------------------------------- DFlash, Medusa, EAGLE-1 trained elsewhere
+
+
+def agreeing_family_head(method: str, target):
+    """A head of ``method`` that always drafts ``TOKEN`` on the constant target (whose final state is zero)."""
+    torch.manual_seed(0)
+    if method == "dflash":  # its norm zeroed: the target's LM head (biased to TOKEN) reads zeros
+        from specheads.models.dflash import DFlashConfig, DFlashModel
+
+        head = DFlashModel(DFlashConfig.from_target(target, num_layers=1, block_size=4, aux_layers=(1, 3)))
+        with torch.no_grad():
+            head.norm.weight.zero_()
+        return head
+    if method == "eagle1":  # every weight zero: its state is zero, the target's LM head reads it
+        from specheads.models.eagle1 import Eagle1Config, Eagle1Model
+
+        head = Eagle1Model(Eagle1Config.from_target(target))
+        with torch.no_grad():
+            for p in head.parameters():
+                p.zero_()
+        return head
+    from specheads.models.medusa import MedusaConfig, MedusaHeads  # x = 0: blocks give silu(1), LM heads row TOKEN
+
+    head = MedusaHeads(MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=3,
+                                    num_hidden_layers=1))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.zero_()
+            if name.endswith("bias"):
+                p.fill_(1.0)
+            elif name.startswith("lm_heads"):
+                p[TOKEN] = 1.0
+    return head
+
+
+@pytest.mark.parametrize("method,engines", [("dflash", ("vllm", "speculators")), ("medusa", ("medusa",)),
+                                            ("eagle1", ("vllm", "sglang"))])
+def test_other_families_decode_like_the_heads_they_hold(method, engines, target, tmp_path, monkeypatch):
+    """Each family's exports with specheads_export.json removed: the same tokens, acceptance and target forwards as the
+    specheads head, every draft accepted, head_source set, no training-time figures."""
+    import specheads.evaluation.suite as suite
+
+    real = suite.load_benchmarks
+    monkeypatch.setattr(suite, "load_benchmarks", lambda s: [p for p in real(s) if p.domain in ("coding", "code")][:2])
+    target.model.save_pretrained(tmp_path / "target")
+    agreeing_family_head(method, target).save_pretrained(tmp_path / "train" / "head")
+    (tmp_path / "train" / "train_summary.json").write_text(json.dumps({"tau_estimate": 1.5}))
+    dirs = {"ours": tmp_path / "train"}
+    for engine in engines:
+        folder = export_head(tmp_path / "train" / "head", tmp_path / engine, engine, str(tmp_path / "target"))
+        (folder / "specheads_export.json").unlink()
+        dirs[engine] = folder
+    shape = TreeShape("chain", k=3) if method != "medusa" else TreeShape("static", choices=((0,), (0, 0), (0, 0, 0)))
+    methods = [MethodSpec(name, method, shape, head_dir=str(path)) for name, path in dirs.items()]
+    spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1,), humaneval=1, chat=0)
+    report = evaluate(target, EvalConfig(methods, spec, max_new_tokens=9, temperatures=(0.0,), batch_sizes=(1,),
+                                         repeats=1))
+    rows = {m["name"]: m for m in report["methods"]}
+    formats = {"vllm": "eagle1" if method == "eagle1" else "dflash", "sglang": "eagle1", "speculators": "speculators",
+               "medusa": "medusa"}
+    assert {n: m["head_source"] for n, m in rows.items()} == {"ours": "specheads", **{e: formats[e] for e in engines}}
+    assert {n: m["train_tau"] for n, m in rows.items()} == {"ours": 1.5, **dict.fromkeys(engines)}
+    figures = {}
+    for name, m in rows.items():
+        assert m["lossless"]["exact"], name
+        r = m["by_temperature"]["0.0"]["all"]
+        figures[name] = (r["tau"], r["alpha"], r["alpha_by_position"], r["new_tokens"], r["target_forwards"])
+    assert all(f == figures["ours"] for f in figures.values()), figures
+    assert figures["ours"][2] == [1.0, 1.0, 1.0]  # every draft accepted: the acceptance compared is not zero
