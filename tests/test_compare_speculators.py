@@ -151,3 +151,10 @@ def test_our_trainer_alone_trains_one_epoch_of_the_training_rows_and_reports_for
     second = json.loads(again.read_text())
     assert seen == [(run["head_dir"], tmp_path / "work")] and second["runs"][0]["eval"] == figures
     assert second["budget"] == {"epochs": 1} and second["runs"][0]["steps"] == run["steps"]
+
+
+def test_evaluating_their_head_needs_their_draft_in_our_architecture_before_anything_runs(tmp_path):
+    with pytest.raises(SystemExit, match="--their-arg=--no-norm-before-fc --their-arg=--no-norm-output"):
+        bench.main(["--features", str(tmp_path / "none"), "--prepared", str(tmp_path / "none"), "--evaluate",
+                    "--their-arg=--no-norm-before-residual"])
+    assert not list(tmp_path.iterdir())  # nothing converted or trained

@@ -261,7 +261,8 @@ def _compare_report(**over) -> dict:
     report = {"kind": "speculators_compare", "machine": "CPU X (2 cores)", "target": "smollm2",
               "versions": {"torch": "2.13.0", "transformers": "5.25.0", "speculators": "0.9.0"},
               "budget": {"epochs": 1}, "settings": {"draft_vocab_size": 4096, "max_tokens": 2048, "lr": 0.0015,
-                                                    "warmup_steps": 10, "threads": 2},
+                                                    "warmup_steps": 10, "threads": 2, "our_args": [],
+                                                    "their_args": ["--no-norm-output"]},
               "store": {"num_train": 700, "num_heldout": 16, "train_tokens": 331000},
               "evaluation": {"prompts": ["eval.humaneval=2"], "fixed": ["head_shape=tree"], "extra": []},
               "args": {"features": "/tmp/h2h/features"}, "workdir": "/tmp/x",
@@ -288,6 +289,7 @@ def test_a_speculators_comparison_is_recorded_without_commands_and_rendered(tmp_
     text = rt.speculators_comparisons(data)
     assert "1 epoch over the same 700 training rows (331000 tokens) for each trainer" in text
     assert "commit `0123456`" in text and "speculators 0.9.0" in text
+    assert "2 threads; speculators also given `--no-norm-output`;" in text and "ours also given" not in text
     assert "| bfloat16:ttt1 | ours (specheads) | 180 | 331000 | 4,001 | 4,000 | 2.50× | 2,050 | 1,501 | 2.500 | 0.410 |" in text
     assert "| bfloat16:ttt1 | theirs (speculators) | 165 | 331000 | 1,600 | 1,600 | – |" in text
     assert "12 prompts × 32 new tokens, target float32, batch 1; lossless exact" in text

@@ -4,7 +4,8 @@
         --features runs/quickstart/features --prepared runs/quickstart/prepared --minutes 2.5
     ... --settings float32:3 bfloat16:3 float32:1 bfloat16:1 --draft-vocab-size 4096 --json report.json
     ... --only ours                        # our trainer alone (speculators need not be installed)
-    ... --settings bfloat16:1 --epochs 1 --evaluate --json h2h.json   # equal tokens, then acceptance of both
+    ... --settings bfloat16:1 --epochs 1 --evaluate --their-arg=--no-norm-before-residual \
+        --their-arg=--no-norm-before-fc --their-arg=--no-norm-output --json h2h.json   # equal tokens, then acceptance
     python scripts/bench/compare_speculators.py --reuse h2h.json --json h2h-eval.json   # evaluate those heads again
 
 speculators (pip install speculators, v0.9) is not a dependency of this project: without it the script
@@ -48,7 +49,11 @@ speculators' own format) is then decoded by ``specheads evaluate`` on the main j
 (``conf/pipeline.yaml``'s ``eval.*`` settings without its time budget, so both heads see every prompt,
 ``eval.chat_dir=--prepared``), greedy (T=0) with the lossless check, in the same shapes for every head:
 the evaluator's dynamic tree (``head_shape=tree``, ``tree`` of conf/evaluate.yaml) and vLLM's chain of 3
-(``serving.engines=[vllm]``); α and τ per domain and overall go in the report.
+(``serving.engines=[vllm]``); α and τ per domain and overall go in the report. speculators 0.9 trains EAGLE-3
+by default with three normalisations the specheads head does not compute (``norm_before_residual``,
+``norm_before_fc``, ``norm_output``), and the evaluator refuses such a folder by name; so ``--evaluate`` with
+their trainer needs ``--their-arg`` to turn them off (checked before anything runs, ``ARCH_FLAGS``): both heads
+then have one architecture, ours and the original EAGLE-3's, and the trainers differ in how they train it.
 Prints the exact command of every run, one JSON line per run and tables. ``--json`` writes a report that
 ``specheads record`` files under ``speculators_comparisons`` in docs/benchmarks.json.
 
@@ -430,6 +435,10 @@ EVAL_FIXED = ["baselines=[]", "head_shape=tree", "head_ngram=0", "temperatures=[
               "serving.engines=[vllm]", "eval.max_minutes=null"]
 
 
+# speculators' EAGLE-3 options that give its draft the specheads head's architecture (evaluable by specheads evaluate)
+ARCH_FLAGS = ("--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output")
+
+
 def main_job_prompts() -> list[str]:
     """The main job's evaluation prompt set: the ``eval.*`` items of ``conf/pipeline.yaml``'s evaluate stage,
     less its time budget (a budget could leave out different prompts for each head)."""
@@ -583,6 +592,10 @@ def main(argv=None) -> None:
         return finish(args, Path(args.workdir), data, results)
     settings = [parse_setting(s) for s in args.settings]
     trainers = [args.only] if args.only else ["ours", "theirs"]
+    missing = [f for f in ARCH_FLAGS if f not in args.their_arg]
+    if args.evaluate and "theirs" in trainers and missing:
+        raise SystemExit("--evaluate: specheads evaluate reads speculators' EAGLE-3 only in the specheads head's "
+                         "architecture; add " + " ".join(f"--their-arg={f}" for f in missing))
     if "theirs" in trainers and (why := speculators_missing()):
         print(f"SKIP speculators: {why}; install speculators (v0.9) or put it on PYTHONPATH to compare "
               f"against it", file=sys.stderr)
