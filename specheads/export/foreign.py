@@ -63,7 +63,8 @@ from specheads.export.layouts import Layout, LayoutError, TargetInfo, TensorSpec
 from specheads.export.reload import build_head, head_state
 
 FORMATS = {
-    "speculators": "vLLM speculators' format (config.json with speculators_model_type eagle3 or dflash)",
+    "speculators": "vLLM speculators' format (config.json with speculators_model_type eagle3, dflash, peagle or "
+                   "dspark)",
     "eagle3": "the original EAGLE-3 / SpecForge format (config.json architectures LlamaForCausalLMEagle3 or "
               "Eagle3LlamaForCausalLM)",
     "dflash": "z-lab's DFlash format (config.json architectures DFlashDraftModel)",
@@ -74,7 +75,11 @@ FORMATS = {
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 _ARCHITECTURES = {**dict.fromkeys(EAGLE3_ARCHITECTURES, "eagle3"), "DFlashDraftModel": "dflash",
                   "EagleLlamaForCausalLM": "eagle1", "LlamaForCausalLMEagle": "eagle1"}  # architecture -> format
-SPECULATORS_METHODS = ("eagle3", "dflash")  # the speculators_model_type values read
+SPECULATORS_METHODS = ("eagle3", "dflash", "peagle", "dspark")  # the speculators_model_type values read
+PEAGLE_DEPTHS = 8  # speculators' num_depths default, which it writes as the greedy proposal's speculative_tokens
+_DSPARK_DEFAULTS = {  # speculators' DSparkSpeculatorConfig defaults (sample_from_anchor true: refused)
+    "sample_from_anchor": True, "markov_rank": 256, "markov_head_type": "vanilla", "enable_confidence_head": True,
+    "confidence_head_with_markov": True}
 _BORROWED = {"embed_tokens.weight": "token embedding", "lm_head.weight": "LM head"}  # target tensors a folder may copy
 
 
@@ -133,7 +138,7 @@ def check_format(folder: str | Path) -> tuple[str, str]:
     kind = _config(folder)["speculators_model_type"]
     if kind not in SPECULATORS_METHODS:
         raise _fail(folder, fmt, f"speculators_model_type {kind!r}: only speculators' "
-                                 f"{' and '.join(SPECULATORS_METHODS)} heads are read")
+                                 f"{', '.join(SPECULATORS_METHODS[:-1])} and {SPECULATORS_METHODS[-1]} heads are read")
     return fmt, kind
 
 
@@ -171,7 +176,13 @@ def _layer_config(folder: Path, fmt: str, layer: dict, kinds: tuple[str, ...], d
                                  f"model_type as qwen3, with q/k norms); the specheads head has a "
                                  f"{' or '.join(kinds)} layer")
     cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[kind]
-    return cls(**{k: v for k, v in layer.items() if k not in _NOT_CONFIG})
+    try:
+        return cls(**{k: v for k, v in layer.items() if k not in _NOT_CONFIG})
+    except Exception as e:  # transformers' validation (layer_types against num_hidden_layers, ...): its own error types
+        if not isinstance(e, (ValueError, TypeError)) and "Validation" not in type(e).__name__:
+            raise
+        raise _fail(folder, fmt, f"the draft layer's config is not a valid {kind} config: "
+                                 f"{' '.join(str(e).split())}") from None
 
 
 def _draft_fields(layer) -> dict:
@@ -205,12 +216,17 @@ def _default_aux_layers(folder: Path, fmt: str, target: TargetInfo, key: str) ->
     return list(default_eagle3_layers(N))
 
 
-def _eagle3_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
+def _eagle3_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo, family: str = "EAGLE-3") -> dict:
     for flag, what in _EAGLE3_FLAGS.items():
         if cfg.get(flag):
-            raise _fail(folder, fmt, f"{flag}: true ({what}); the specheads EAGLE-3 head does not compute that")
+            raise _fail(folder, fmt, f"{flag}: true ({what}); the specheads {family} head does not compute that")
     layer = _layer_config(folder, fmt, (cfg.get("transformer_layer_config") or {}) if fmt == "speculators" else cfg,
                           ("llama",), "qwen3" if fmt == "speculators" else "llama")
+    sliding = [i for i, t in enumerate(getattr(layer, "layer_types", None) or ()) if t != "full_attention"]
+    if sliding:  # speculators' training default: every draft layer sliding_attention (window 2048)
+        raise _fail(folder, fmt, f"layer(s) {sliding} are sliding-window (sliding_window "
+                                 f"{getattr(layer, 'sliding_window', None)}); the specheads {family} head attends to "
+                                 "the whole context")
     aux = _aux_layers(fmt, cfg)
     verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     head_cfg = {"model_type": "specheads_eagle3", **_draft_fields(layer),
@@ -296,6 +312,42 @@ def _dflash_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dic
             "num_target_layers": None if spec else cfg.get("num_target_layers"), "target": verifier or target.name}
 
 
+def peagle_depths(folder: str | Path) -> int:
+    """K of a speculators P-EAGLE folder: the greedy proposal's ``speculative_tokens`` (speculators writes its
+    ``num_depths`` there), else speculators' default 8."""
+    cfg = _config(Path(folder)) or {}
+    methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return int(methods[0].get("speculative_tokens") or PEAGLE_DEPTHS)
+
+
+def _peagle_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
+    """EAGLE-3's config (the same fields, defaults and refusals) plus the mask token and the depths drafted."""
+    head_cfg = _eagle3_config(folder, fmt, cfg, target, "P-EAGLE")
+    if cfg.get("mask_token_id") is None:
+        raise _fail(folder, fmt, "names no mask_token_id (vLLM needs it as its parallel-drafting token)")
+    return {**head_cfg, "model_type": "specheads_peagle", "mask_token_id": int(cfg["mask_token_id"]),
+            "num_depths": peagle_depths(folder)}
+
+
+def _dspark_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
+    """DFlash's config (the same fields, defaults and refusals) plus the Markov and confidence heads."""
+    value = {k: cfg.get(k, default) for k, default in _DSPARK_DEFAULTS.items()}
+    if value["sample_from_anchor"]:
+        why = "" if "sample_from_anchor" in cfg else " (absent: speculators' DSpark default)"
+        raise _fail(folder, fmt, f"sample_from_anchor: true{why}, the anchor slot drafts too; the specheads DSpark head "
+                                 "drafts slots 1..B-1 after a bonus anchor")
+    if value["markov_head_type"] != "vanilla":
+        raise _fail(folder, fmt, f"markov_head_type {value['markov_head_type']!r}; the specheads DSpark head (like "
+                                 "vLLM 0.32's) has the vanilla Markov head only")
+    if int(value["markov_rank"]) <= 0:
+        raise _fail(folder, fmt, f"markov_rank {value['markov_rank']} (no Markov head); the specheads DSpark head "
+                                 "has one")
+    head_cfg = _dflash_config(folder, fmt, cfg, target)
+    return {**head_cfg, "model_type": "specheads_dspark", "markov_rank": int(value["markov_rank"]),
+            "markov_head_type": "vanilla", "enable_confidence_head": bool(value["enable_confidence_head"]),
+            "confidence_head_with_markov": bool(value["confidence_head_with_markov"])}
+
+
 def _medusa_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
     """The sizes the format leaves to the target (FasterDecoding writes none) come from it; written ones are checked."""
     return {"model_type": "medusa", "hidden_size": int(cfg.get("hidden_size") or target.hidden_size),
@@ -309,7 +361,8 @@ def _eagle1_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dic
     return {"model_type": "specheads_eagle1", **_draft_fields(layer), "target": target.name}
 
 
-_CONFIGS = {"eagle3": _eagle3_config, "dflash": _dflash_config, "medusa": _medusa_config, "eagle1": _eagle1_config}
+_CONFIGS = {"eagle3": _eagle3_config, "dflash": _dflash_config, "medusa": _medusa_config, "eagle1": _eagle1_config,
+            "peagle": _peagle_config, "dspark": _dspark_config}
 
 
 def _engine(fmt: str, cfg: dict) -> str:
@@ -372,17 +425,17 @@ def _expected(layout: Layout, head_cfg: dict, names: set[str]) -> dict[str, Tens
     H, V = head_cfg["hidden_size"], head_cfg["vocab_size"]
     expected = {n: s for n, s in layout.tensors.items() if not (layout.rules[n].from_target and n not in names)}
     optional = {} if layout.method == "medusa" else {"embed_tokens.weight": TensorSpec((V, H))}
-    if layout.method == "dflash":
+    if layout.method in ("dflash", "dspark"):
         optional["lm_head.weight"] = TensorSpec((V, H))  # the target's LM head, which the head borrows
     if layout.engine == "speculators":
         optional["verifier_norm.weight"] = TensorSpec((H,))  # training only
-    if layout.method == "eagle3":
+    if layout.method in ("eagle3", "peagle"):
         DV = head_cfg["draft_vocab_size"]
         optional.update({"d2t": TensorSpec((DV,), "int64"), "t2d": TensorSpec((V,), "bool")})  # a full vocabulary's
         if layout.engine == "speculators":
             optional["verifier_lm_head.weight"] = TensorSpec((DV, H))
     expected.update({n: s for n, s in optional.items() if n in names and n not in expected})
-    if layout.method == "eagle3" and "t2d" not in names:
+    if layout.method in ("eagle3", "peagle") and "t2d" not in names:
         expected.pop("t2d", None)  # rebuilt from d2t (``_t2d``)
     return expected
 
@@ -429,17 +482,20 @@ def read_foreign_head(folder: str | Path, target: TargetInfo) -> ForeignHead:
     if fmt == "eagle3":  # vLLM reads layers.0.* as midlayer.* (and SpecForge writes midlayer.*)
         tensors = {("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n): t
                    for n, t in tensors.items()}
-    if layout.method == "eagle3":
+    if layout.method in ("eagle3", "peagle"):
         _integer_maps(tensors)
+    mask = tensors.get("mask_hidden")
+    if mask is not None and mask.dim() == 3 and mask.shape[:2] == (1, 1):  # speculators' (1, 1, W); vLLM views (1, W)
+        tensors["mask_hidden"] = mask[0]
     header = {n: (tuple(t.shape), _CODES.get(t.dtype, str(t.dtype))) for n, t in tensors.items()}
     try:
         check_tensors(header, _expected(layout, head_cfg, set(tensors)), where)
-        if layout.method == "eagle3" and "t2d" not in tensors:
+        if layout.method in ("eagle3", "peagle") and "t2d" not in tensors:
             tensors["t2d"] = _t2d(tensors.get("d2t"), head_cfg["vocab_size"], where)
         state = head_state(layout, head_cfg, tensors, where)
     except ExportError as e:
         raise ForeignHeadError(str(e)) from None
-    if layout.method == "eagle3":
+    if layout.method in ("eagle3", "peagle"):
         _eagle3_maps(folder, where, head_cfg, layout, tensors, state)
     borrowed = {n: tensors[n] for n in _BORROWED if n in tensors and (n not in layout.rules
                                                                        or layout.rules[n].from_target)}

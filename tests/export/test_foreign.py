@@ -226,8 +226,9 @@ REFUSALS = {
     "unknown format": (lambda f: (f / "config.json").write_text(json.dumps({"model_type": "bert"})),
                        r"no head of a known format: looked for a specheads head .*speculators_model_type eagle3.*"
                        r"LlamaForCausalLMEagle3.*DFlashDraftModel.*medusa_num_heads.*EagleLlamaForCausalLM"),
-    "other algorithm": (lambda f: _edit_config(f, speculators_model_type="peagle"),
-                        r"speculators_model_type 'peagle': only speculators' eagle3 and dflash heads are read"),
+    "other algorithm": (lambda f: _edit_config(f, speculators_model_type="dflash2"),
+                        r"speculators_model_type 'dflash2': only speculators' eagle3, dflash, peagle and dspark heads "
+                        r"are read"),
     "missing tensor": (lambda f: _edit_weights(f, lambda w: w.pop("lm_head.weight")),
                        r"missing key\(s\) \['lm_head.weight'\]"),
     "unknown tensor": (lambda f: _edit_weights(f, lambda w: w.update({"layers.0.self_attn.q_norm.weight":
