@@ -88,7 +88,15 @@ def load_dspark_drafter(head_dir, target, shape: TreeShape | None = None,
     from specheads.models.dspark import DSparkModel
 
     # the draft runs in the target's dtype (its embedding and LM head are the target's own), as DFlash's
-    model = DSparkModel.from_pretrained(head_dir).to(target.device, target.dtype).eval().attach(target)
+    from specheads.evaluation.suite import head_source
+
+    if head_source(str(head_dir)) == "specheads":
+        model = DSparkModel.from_pretrained(head_dir)
+    else:  # trained elsewhere (speculators' format): read and checked against the target
+        from specheads.export.foreign import load_foreign_head
+
+        model = load_foreign_head(head_dir, target)
+    model = model.to(target.device, target.dtype).eval().attach(target)
     pack_like(model, target.model)
     return DSparkDrafter(model, shape, threshold)
 
@@ -101,6 +109,10 @@ def dspark_block_size(head_dir) -> int:
     from specheads.errors import UserError
 
     cfg = json.loads((Path(head_dir) / "config.json").read_text())
+    if cfg.get("speculators_model_type") == "dspark":  # trained elsewhere: speculators' block_size (default 8)
+        from specheads.export.foreign import dflash_block_size
+
+        return dflash_block_size(head_dir)
     if cfg.get("model_type") != "specheads_dspark" or "block_size" not in cfg:
         raise UserError(f"{head_dir}: its config.json is not a DSpark head's (model_type specheads_dspark, block_size)")
     return int(cfg["block_size"])

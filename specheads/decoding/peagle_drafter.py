@@ -88,7 +88,15 @@ def load_peagle_drafter(head_dir, target, shape: TreeShape | None = None) -> PEa
     from specheads.decoding.cpu_linears import pack_like
     from specheads.models.peagle import PEagleModel
 
-    model = PEagleModel.from_pretrained(head_dir).to(target.device).eval().attach(target)
+    from specheads.evaluation.suite import head_source
+
+    if head_source(str(head_dir)) == "specheads":
+        model = PEagleModel.from_pretrained(head_dir)
+    else:  # trained elsewhere (speculators' format): read and checked against the target
+        from specheads.export.foreign import load_foreign_head
+
+        model = load_foreign_head(head_dir, target)
+    model = model.to(target.device).eval().attach(target)
     pack_like(model, target.model)
     return PEagleDrafter(model, shape)
 
@@ -101,6 +109,10 @@ def peagle_depths(head_dir) -> int:
     from specheads.errors import UserError
 
     cfg = json.loads((Path(head_dir) / "config.json").read_text())
+    if cfg.get("speculators_model_type") == "peagle":  # trained elsewhere: speculators' record of K
+        from specheads.export.foreign import peagle_depths as foreign_depths
+
+        return foreign_depths(head_dir)
     if cfg.get("model_type") != "specheads_peagle" or "num_depths" not in cfg:
         raise UserError(f"{head_dir}: its config.json is not a P-EAGLE head's (model_type specheads_peagle, num_depths)")
     return int(cfg["num_depths"])

@@ -766,18 +766,18 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
         if not head_dir:
             raise ConfigError(f"method={method} needs head_dir (a trained head or training output folder)")
         vllm = TreeShape("chain", k=serving.vllm_num_speculative_tokens)
+        source = head_source(head_dir)
+        if head_shape == "auto" and source != "specheads":
+            from specheads.export.foreign import FORMATS
+
+            raise ConfigError(f"head_shape=auto chooses the shape from the acceptance measured at training "
+                              f"(train_summary.json), which {head_dir} does not have (a head trained elsewhere, "
+                              f"in {FORMATS[source]}): set head_shape=tree")
         if method == "medusa":
             static = TreeShape("static", choices=tuple(map(tuple, medusa_choices)) if medusa_choices else None)
             out.append(MethodSpec("medusa-tree", "medusa", static, verify, head_dir=head_dir,
                                   medusa_tree_nodes=medusa_tree_nodes))
         elif method in ("eagle1", "eagle3"):
-            source = head_source(head_dir)
-            if head_shape == "auto" and source != "specheads":
-                from specheads.export.foreign import FORMATS
-
-                raise ConfigError(f"head_shape=auto chooses the shape from the acceptance measured at training "
-                                  f"(train_summary.json), which {head_dir} does not have (a head trained elsewhere, "
-                                  f"in {FORMATS[source]}): set head_shape=tree")
             if head_shape == "auto":
                 out.append(MethodSpec(f"{method}-auto", method, TreeShape("chain", k=1), verify, head_dir=head_dir,
                                       auto_shape=True))

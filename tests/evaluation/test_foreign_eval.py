@@ -231,3 +231,64 @@ def test_other_families_decode_like_the_heads_they_hold(method, engines, target,
         figures[name] = (r["tau"], r["alpha"], r["alpha_by_position"], r["new_tokens"], r["target_forwards"])
     assert all(f == figures["ours"] for f in figures.values()), figures
     assert figures["ours"][2] == [1.0, 1.0, 1.0]  # every draft accepted: the acceptance compared is not zero
+
+
+# --------------------------------------------------------------------------- P-EAGLE and DSpark in speculators' format
+
+
+def agreeing_parallel_head(method: str, target):
+    """A P-EAGLE or DSpark head that always drafts ``TOKEN`` on the constant target: its final norm zeroed (P-EAGLE's
+    draft id 0 maps to ``TOKEN``, as ``agreeing_head``'s; DSpark's Markov bias starts at zero and the target's LM head,
+    biased to ``TOKEN``, reads zeros)."""
+    torch.manual_seed(0)
+    if method == "peagle":
+        from specheads.models.peagle import PEagleConfig, PEagleModel
+
+        head = PEagleModel(PEagleConfig.from_target(target, DV, aux_layers=(3, 0, 1), num_layers=2, num_depths=3))
+        t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+        t2d[TOKEN:TOKEN + DV] = True
+        head.set_draft_vocab(torch.full((DV,), TOKEN, dtype=torch.long), t2d)
+    else:
+        from specheads.models.dspark import DSparkConfig, DSparkModel
+
+        head = DSparkModel(DSparkConfig.from_target(target, num_layers=1, block_size=4, aux_layers=(1, 3),
+                                                    markov_rank=8))
+    with torch.no_grad():
+        head.norm.weight.zero_()
+    return head
+
+
+@pytest.mark.parametrize("method", ["peagle", "dspark"])
+def test_parallel_drafters_in_speculators_format_decode_like_the_heads_they_hold(method, target, tmp_path, monkeypatch):
+    """The speculators export with specheads_export.json removed: the same tokens, acceptance and target forwards as
+    the specheads head, every draft accepted, head_source speculators, no training-time figures, head_shape=auto
+    refused and the chain read from the folder (P-EAGLE's K from speculative_tokens, DSpark's B from block_size)."""
+    import specheads.evaluation.suite as suite
+
+    real = suite.load_benchmarks
+    monkeypatch.setattr(suite, "load_benchmarks", lambda s: [p for p in real(s) if p.domain in ("coding", "code")][:2])
+    target.model.save_pretrained(tmp_path / "target")
+    agreeing_parallel_head(method, target).save_pretrained(tmp_path / "train" / "head")
+    (tmp_path / "train" / "train_summary.json").write_text(json.dumps({"tau_estimate": 1.5}))
+    folder = export_head(tmp_path / "train" / "head", tmp_path / "speculators", "speculators", str(tmp_path / "target"))
+    (folder / "specheads_export.json").unlink()
+    dirs = {"ours": tmp_path / "train", "speculators": folder}
+    planned = {n: [m.name for m in plan_methods(method, str(p), [], dspark_threshold=0.5)] for n, p in dirs.items()}
+    assert planned["ours"] == planned["speculators"] == ({"peagle": ["peagle-chain3"],
+                                                          "dspark": ["dspark-chain3", "dspark-sched0.5"]}[method])
+    with pytest.raises(ConfigError, match=r"head_shape=auto .* does not have \(a head trained elsewhere"):
+        plan_methods(method, str(folder), [], head_shape="auto")
+    methods = [MethodSpec(name, method, TreeShape("chain", k=3), head_dir=str(path)) for name, path in dirs.items()]
+    spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1,), humaneval=1, chat=0)
+    report = evaluate(target, EvalConfig(methods, spec, max_new_tokens=9, temperatures=(0.0,), batch_sizes=(1,),
+                                         repeats=1))
+    rows = {m["name"]: m for m in report["methods"]}
+    assert {n: m["head_source"] for n, m in rows.items()} == {"ours": "specheads", "speculators": "speculators"}
+    assert {n: m["train_tau"] for n, m in rows.items()} == {"ours": 1.5, "speculators": None}
+    figures = {}
+    for name, m in rows.items():
+        assert m["lossless"]["exact"], name
+        r = m["by_temperature"]["0.0"]["all"]
+        figures[name] = (r["tau"], r["alpha"], r["alpha_by_position"], r["new_tokens"], r["target_forwards"])
+    assert figures["ours"] == figures["speculators"]
+    assert figures["ours"][2] == [1.0, 1.0, 1.0]  # every draft accepted: the acceptance compared is not zero
