@@ -153,8 +153,8 @@ def check_foreign_heads(heads: dict[str, str | None], target: str) -> None:
     info, _ = target_info(target, {})
     for setting, path in foreign.items():
         head = read_foreign_head(path, info)
-        sizes = {k: head.config[k] for k in ("aux_layers", "draft_vocab_size", "block_size", "num_heads",
-                                              "num_hidden_layers") if k in head.config}
+        sizes = {k: head.config[k] for k in ("aux_layers", "draft_vocab_size", "block_size", "num_depths", "num_heads",
+                                              "num_hidden_layers", "markov_rank") if k in head.config}
         log.info("%s=%s: a %s head in %s (%s)", setting, path, head.method, FORMATS[head.format],
                  ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sizes.items()))
 

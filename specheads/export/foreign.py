@@ -18,8 +18,15 @@ SpecForge's, z-lab's and FasterDecoding's code (docs/evaluate.md):
   (``DFlashDraftModel``): ``transformer_layer_config`` (Qwen3 by default), ``block_size`` (default 8),
   ``aux_hidden_state_layer_ids`` (layer inputs; none: (2, N//2, N-3), speculators' default), ``mask_token_id``,
   ``draft_vocab_size``, ``sliding_window_non_causal``, ``sample_from_anchor``; tensors ``fc``, ``hidden_norm``,
-  ``norm``, ``layers.{i}.*`` (q/k norms), ``lm_head``/``embed_tokens`` only as copies of the target's. Our
-  ``speculators`` export layouts.
+  ``norm``, ``layers.{i}.*`` (q/k norms), ``lm_head``/``embed_tokens`` only as copies of the target's. P-EAGLE
+  (``PEagleDraftModel``, vLLM: eagle3 with parallel drafting): EAGLE-3's config plus ``mask_token_id`` (vLLM requires
+  it); its ``num_depths`` is only written as ``speculators_config.proposal_methods[0].speculative_tokens`` (default
+  8); ``transformer_layer_config.num_hidden_layers`` layers, ``mask_hidden`` saved as (1, 1, W) (vLLM views it as
+  (1, W)); speculators' CLI trains Qwen3, sliding-window layers unless told otherwise (refused). DSpark
+  (``DSparkDraftModel``): DFlash's config plus ``markov_rank`` (default 256), ``markov_head_type`` (``vanilla``),
+  ``enable_confidence_head``/``confidence_head_with_markov`` (true) and ``sample_from_anchor`` (default *true* here,
+  unlike DFlash: refused); tensors ``markov_head.markov_w1|w2``, ``confidence_head.proj``. Our ``speculators``
+  export layouts.
 * ``eagle3``: the original EAGLE-3 format that SpecForge saves and vLLM (``LlamaForCausalLMEagle3`` /
   ``Eagle3LlamaForCausalLM``) and SGLang load: a Llama ``config.json`` plus ``draft_vocab_size`` (vLLM's default: the
   vocabulary), ``target_hidden_size``, ``fc_norm``, ``norm_before_residual``; tensors ``midlayer.*`` (or
