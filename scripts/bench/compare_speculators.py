@@ -5,7 +5,8 @@
     ... --settings float32:3 bfloat16:3 float32:1 bfloat16:1 --draft-vocab-size 4096 --json report.json
     ... --only ours                        # our trainer alone (speculators need not be installed)
     ... --settings bfloat16:1 --epochs 1 --evaluate --their-arg=--no-norm-before-residual \
-        --their-arg=--no-norm-before-fc --their-arg=--no-norm-output --json h2h.json   # equal tokens, then acceptance
+        --their-arg=--no-norm-before-fc --their-arg=--no-norm-output --their-arg=--full-attention-indices=0 \
+        --json h2h.json                     # equal tokens, then the acceptance of both heads
     python scripts/bench/compare_speculators.py --reuse h2h.json --json h2h-eval.json   # evaluate those heads again
 
 speculators (pip install speculators, v0.9) is not a dependency of this project: without it the script
@@ -51,9 +52,11 @@ speculators' own format) is then decoded by ``specheads evaluate`` on the main j
 the evaluator's dynamic tree (``head_shape=tree``, ``tree`` of conf/evaluate.yaml) and vLLM's chain of 3
 (``serving.engines=[vllm]``); α and τ per domain and overall go in the report. speculators 0.9 trains EAGLE-3
 by default with three normalisations the specheads head does not compute (``norm_before_residual``,
-``norm_before_fc``, ``norm_output``), and the evaluator refuses such a folder by name; so ``--evaluate`` with
-their trainer needs ``--their-arg`` to turn them off (checked before anything runs, ``ARCH_FLAGS``): both heads
-then have one architecture, ours and the original EAGLE-3's, and the trainers differ in how they train it.
+``norm_before_fc``, ``norm_output``) and a sliding-window draft layer (window 2048: on rows of at most 2048 tokens
+the same as full attention, but the config says otherwise), and the evaluator refuses such a folder by name; so
+``--evaluate`` with their trainer needs ``--their-arg`` to turn them off (checked before anything runs,
+``ARCH_FLAGS``): both heads then have one architecture, ours and the original EAGLE-3's, and the trainers differ
+in how they train it.
 Prints the exact command of every run, one JSON line per run and tables. ``--json`` writes a report that
 ``specheads record`` files under ``speculators_comparisons`` in docs/benchmarks.json.
 
@@ -284,7 +287,8 @@ def ours_command(args, dtype: str, ttt: int, out: Path) -> list[str]:
         f"output_dir={out}", f"prepared_dir={Path(args.prepared).resolve()}",
         f"features_dir={Path(args.features).resolve()}", f"seed={args.seed}",
         f"optim.lr={args.lr}", f"optim.warmup_steps={args.warmup_steps}", "train.max_steps=1000000",
-        f"data.epochs={args.epochs}" if args.epochs else f"train.max_minutes={args.minutes}", f"train.mixed_precision={'bf16' if dtype == 'bfloat16' else 'no'}",
+        f"data.epochs={args.epochs}" if args.epochs else f"train.max_minutes={args.minutes}",
+        f"train.mixed_precision={'bf16' if dtype == 'bfloat16' else 'no'}",
         "train.eval_every=0", "train.save_every=0", "train.measure_prompts=0", "train.progress=false",
         "train.resume=never", "wandb.mode=disabled", f"data.max_tokens={args.max_tokens}",
         f"data.eval_samples={args.eval_samples}", f"method.draft_vocab_size={args.draft_vocab_size}",
@@ -436,7 +440,7 @@ EVAL_FIXED = ["baselines=[]", "head_shape=tree", "head_ngram=0", "temperatures=[
 
 
 # speculators' EAGLE-3 options that give its draft the specheads head's architecture (evaluable by specheads evaluate)
-ARCH_FLAGS = ("--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output")
+ARCH_FLAGS = ("--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output", "--full-attention-indices=0")
 
 
 def main_job_prompts() -> list[str]:
