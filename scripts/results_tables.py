@@ -460,7 +460,8 @@ def _speculators_comparison(r: dict) -> str:
                     for who, key in (("ours", "our_args"), ("speculators", "their_args")) if st.get(key))
     lines = [f"{r['date']}, commit {_commit(r)}, {r['machine']}; target {r['target']}; {budget}; draft vocabulary "
              f"{st['draft_vocab_size']}, {st['max_tokens']} tokens per batch, learning rate {st['lr']:g}, "
-             f"{st['threads']} threads{extra}; speculators {v.get('speculators', '?')}, torch {v.get('torch', '?')}:", "",
+             f"{st['threads']} threads{extra}; speculators {v.get('speculators', '?')}, torch {v.get('torch', '?')}"
+             + (f". {r['what']}" if r.get("what") else "") + (f" (`{r['run']}`)" if r.get("run") else "") + ":", "",
              "| setting | trainer | steps | tokens | tokens/s (after step 5) | tokens/s (all) | ours/theirs | "
              "peak RSS MiB | peak anon MiB | held-out loss | held-out step-0 top-1 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     by = {(x["setting"], x["trainer"]): x for x in r["runs"]}

@@ -290,6 +290,7 @@ def test_a_speculators_comparison_is_recorded_without_commands_and_rendered(tmp_
     assert "1 epoch over the same 700 training rows (331000 tokens) for each trainer" in text
     assert "commit `0123456`" in text and "speculators 0.9.0" in text
     assert "2 threads; speculators also given `--no-norm-output`;" in text and "ours also given" not in text
+    assert "torch 2.13.0 (`python scripts/bench/compare_speculators.py --epochs 1 --evaluate`):" in text
     assert "| bfloat16:ttt1 | ours (specheads) | 180 | 331000 | 4,001 | 4,000 | 2.50× | 2,050 | 1,501 | 2.500 | 0.410 |" in text
     assert "| bfloat16:ttt1 | theirs (speculators) | 165 | 331000 | 1,600 | 1,600 | – |" in text
     assert "12 prompts × 32 new tokens, target float32, batch 1; lossless exact" in text
