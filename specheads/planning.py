@@ -177,11 +177,8 @@ def head_parameters(method_name: str, target, settings: dict) -> tuple[int, Any]
     method = build_method(method_name, **settings)
     with torch.device("meta"):
         if method_name == "eagle3":  # its build needs the data to pick the draft vocabulary: size only here
-            from specheads.models.eagle3 import Eagle3Config, Eagle3Model
-
             method.bind(target)
-            head = Eagle3Model(Eagle3Config.from_target(target, method.draft_vocab_size, method.feature_spec.aux_layers,
-                                                        method.fc_norm))
+            head = method.make_model(target)
         else:
             head = method.build(target)
     trainable = sum(p.numel() for p in head.parameters() if p.requires_grad)

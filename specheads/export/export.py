@@ -297,8 +297,8 @@ def build_tensors(layout: Layout, source: dict[str, torch.Tensor], dtype: torch.
         else:
             t = source[rule.source]
             if rule.chunk_order is not None:
-                chunks = t.chunk(len(rule.chunk_order), dim=1)
-                t = torch.cat([chunks[j] for j in rule.chunk_order], dim=1)
+                chunks = t.chunk(len(rule.chunk_order), dim=-1)
+                t = torch.cat([chunks[j] for j in rule.chunk_order], dim=-1)
         if spec.dtype == FLOAT:
             t = t.to(dtype)
         out[name] = t.contiguous()

@@ -11,10 +11,13 @@ SpecForge's, z-lab's and FasterDecoding's code (docs/evaluate.md):
 * ``speculators``: vLLM speculators' own folder (``config.json`` with ``speculators_model_type``), EAGLE-3 or DFlash.
   EAGLE-3 (``Eagle3DraftModel``): the draft layer's config in ``transformer_layer_config`` (a Qwen3 config when it
   names no ``model_type``, as speculators reads it), ``draft_vocab_size`` (default 32000), ``target_hidden_size``,
-  ``norm_before_residual``/``norm_before_fc``/``fc_norm``/``norm_output``, the aux ids
+  ``norm_before_residual``/``norm_before_fc``/``fc_norm``/``norm_output`` (all four computed by the EAGLE-3 head;
+  absent = off, speculators' default: vLLM's conversion would read an absent ``norm_before_residual`` as true, but
+  speculators always writes it), the aux ids
   ``eagle_aux_hidden_state_layer_ids`` (layer inputs, vLLM's and our convention; none: the verifier's (2, N//2, N-3));
   tensors ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``/``t2d`` (absent for a full vocabulary),
-  ``fc_norm.{i}``, maybe the target's ``embed_tokens.weight`` and the training-only ``verifier_*``. DFlash
+  ``fc_norm.{i}``, ``input_norm`` (``norm_before_fc``), maybe the target's ``embed_tokens.weight`` and the
+  training-only ``verifier_*``. DFlash
   (``DFlashDraftModel``): ``transformer_layer_config`` (Qwen3 by default), ``block_size`` (default 8),
   ``aux_hidden_state_layer_ids`` (layer inputs; none: (2, N//2, N-3), speculators' default), ``mask_token_id``,
   ``draft_vocab_size``, ``sliding_window_non_causal``, ``sample_from_anchor``; tensors ``fc``, ``hidden_norm``,
@@ -29,8 +32,9 @@ SpecForge's, z-lab's and FasterDecoding's code (docs/evaluate.md):
   export layouts.
 * ``eagle3``: the original EAGLE-3 format that SpecForge saves and vLLM (``LlamaForCausalLMEagle3`` /
   ``Eagle3LlamaForCausalLM``) and SGLang load: a Llama ``config.json`` plus ``draft_vocab_size`` (vLLM's default: the
-  vocabulary), ``target_hidden_size``, ``fc_norm``, ``norm_before_residual``; tensors ``midlayer.*`` (or
-  ``layers.0.*``), ``fc``, ``norm``, ``lm_head``, ``d2t``, ``t2d``, maybe the target's ``embed_tokens.weight``, in
+  vocabulary), ``target_hidden_size``, ``fc_norm``, ``norm_before_residual``, ``norm_before_fc`` (top level or
+  ``eagle_config``), ``norm_output`` (absent = off, as vLLM reads them); tensors ``midlayer.*`` (or ``layers.0.*``),
+  ``fc``, ``input_norm``, ``norm``, ``lm_head``, ``d2t``, ``t2d``, maybe the target's ``embed_tokens.weight``, in
   ``model.safetensors`` or ``pytorch_model.bin``. Our ``vllm`` export layout. The aux ids: a top-level
   ``eagle_aux_hidden_state_layer_ids`` is vLLM's (layer inputs); else
   ``eagle_config.eagle_aux_hidden_state_layer_ids`` is what SpecForge writes and SGLang reads, decoder-layer *outputs*
@@ -160,7 +164,7 @@ def _fail(folder: Path, fmt: str, what: str) -> ForeignHeadError:
 
 # --------------------------------------------------------------------------- config.json -> our head config
 
-_EAGLE3_FLAGS = {  # config flags that change what the draft layer computes, which the specheads head does not do
+_EAGLE3_FLAGS = {  # config flags that change what the draft layer computes (the specheads EAGLE-3 head's NORM_FLAGS)
     "norm_before_residual": "the residual stream starts from the normed hidden state",
     "norm_before_fc": "one RMSNorm over the concatenated aux states before fc",
     "norm_output": "the post-norm state is fed back between draft steps",
@@ -223,9 +227,20 @@ def _default_aux_layers(folder: Path, fmt: str, target: TargetInfo, key: str) ->
     return list(default_eagle3_layers(N))
 
 
+def _norm_flags(cfg: dict) -> dict[str, bool]:
+    """The EAGLE-3 normalisation flags as the engines read them: top level (vLLM and SGLang also take
+    ``eagle_config.norm_before_fc``); absent = off (speculators' and vLLM's default for these folders)."""
+    flags = {k: bool(cfg.get(k)) for k in _EAGLE3_FLAGS}
+    nested = (cfg.get("eagle_config") or {}).get("norm_before_fc")
+    if nested is not None:  # vLLM and SGLang read eagle_config's first
+        flags["norm_before_fc"] = bool(nested)
+    return flags
+
+
 def _eagle3_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo, family: str = "EAGLE-3") -> dict:
+    flags = _norm_flags(cfg)
     for flag, what in _EAGLE3_FLAGS.items():
-        if cfg.get(flag):
+        if flags[flag] and family != "EAGLE-3":  # the P-EAGLE head (vLLM's update_peagle forwards no norm_output)
             raise _fail(folder, fmt, f"{flag}: true ({what}); the specheads {family} head does not compute that")
     layer = _layer_config(folder, fmt, (cfg.get("transformer_layer_config") or {}) if fmt == "speculators" else cfg,
                           ("llama",), "qwen3" if fmt == "speculators" else "llama")
@@ -243,7 +258,8 @@ def _eagle3_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo, family
                 "target_hidden_size": cfg.get("target_hidden_size") or layer.hidden_size,
                 "aux_layers": aux if aux is not None else _default_aux_layers(
                     folder, fmt, target, "eagle_aux_hidden_state_layer_ids"),
-                "fc_norm": bool(cfg.get("fc_norm")), "target": verifier or target.name}
+                "fc_norm": bool(cfg.get("fc_norm")), "target": verifier or target.name,
+                **({} if family != "EAGLE-3" else flags)}
     if head_cfg["draft_vocab_size"] > head_cfg["vocab_size"]:
         raise _fail(folder, fmt, f"draft_vocab_size {head_cfg['draft_vocab_size']} exceeds the vocabulary "
                                  f"{head_cfg['vocab_size']}")

@@ -38,6 +38,12 @@ The facts (read from the loaders themselves; table and sources in docs/export.md
   ``dflash_config.target_layer_ids`` = our aux layers minus one, no embedding or LM head), written as ``vllm/``
   and ``sglang/``; and speculators' format (``speculators_model_type: dflash``, our aux ids,
   ``sliding_window_non_causal: true``, the target's embedding and LM head), which vLLM converts and SGLang cannot read.
+* **EAGLE-3 normalisation options** (``NORM_FLAGS``, speculators' names): vLLM 0.32.0's ``llama_eagle3.py`` reads
+  ``norm_before_fc`` (``eagle_config``'s, else the top level's; weight ``input_norm``, n_aux * target_hidden_size,
+  before ``fc_norm``), ``norm_before_residual`` and ``norm_output`` (the post-norm state returned as the state fed
+  back); its speculators conversion (``algos.update_eagle3``) copies all three, an absent ``norm_before_residual``
+  as **true**, so every layout writes each explicitly. SGLang 0.5.23's reads ``norm_before_fc`` and ``norm_output``,
+  not ``norm_before_residual`` (its layer 0 keeps the un-normed residual): refused there (``ENGINE_NORMS``).
 * **DSpark** (vLLM 0.32.0's ``qwen3_dspark.py`` and speculators conversion, read from the wheel): DFlash's tensors
   plus ``markov_head.markov_w1``/``markov_w2`` and ``confidence_head.proj``; a Qwen3 config with the top-level
   keys ``Qwen3DSparkModel`` reads (below). vLLM serves it only on the V2 GPU model runner.
@@ -73,6 +79,14 @@ _ARCHITECTURES = {  # (method, engine) -> the architecture written (the medusa l
     ("dspark", "vllm"): "Qwen3DSparkModel",  # vLLM registry -> qwen3_dspark.Qwen3DSparkForCausalLM
     ("dspark", "speculators"): "Qwen3DSparkModel",  # kept by vLLM's algos.update_dspark (one it supports)
 }
+NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")  # EAGLE-3 options, as the engines name them
+ENGINE_NORMS = {  # the NORM_FLAGS each engine's EAGLE-3 drafter computes (read from its loader)
+    "vllm": NORM_FLAGS,  # 0.32.0 llama_eagle3.py: input_norm, _norm_before_residual, norm_output's aux output
+    "speculators": NORM_FLAGS,  # 0.9.0 Eagle3SpeculatorConfig / Eagle3DraftModel; vLLM converts all three
+    "sglang": ("norm_before_fc", "norm_output"),  # 0.5.23 llama_eagle3.py: layer 0 always keeps the raw residual
+}
+ENGINE_NORMS_CHECKED = {"vllm": "vLLM 0.32's LlamaForCausalLMEagle3", "speculators": "speculators 0.9",
+                        "sglang": "SGLang 0.5.23's LlamaForCausalLMEagle3"}
 _LLAMA_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "vocab_size",
                  "bos_token_id", "eos_token_id", "pad_token_id")
@@ -214,6 +228,8 @@ def head_tensors(method: str, cfg: dict) -> dict[str, TensorSpec]:
         out = {"fc.weight": TensorSpec((H, len(cfg["aux_layers"]) * Ht))}
         if cfg.get("fc_norm"):  # EAGLE-3.1: one RMSNorm per fused feature before fc
             out.update({f"fc_norm.{i}.weight": TensorSpec((Ht,)) for i in range(len(cfg["aux_layers"]))})
+        if cfg.get("norm_before_fc"):  # speculators' one RMSNorm over the concatenated features before fc
+            out["input_norm.weight"] = TensorSpec((len(cfg["aux_layers"]) * Ht,))
         out.update(_attention_layer(cfg, "midlayer", 2 * H, input_norm=True, hidden_norm=True))
         out.update({"norm.weight": TensorSpec((H,)), "lm_head.weight": TensorSpec((cfg["draft_vocab_size"], H)),
                     "d2t": TensorSpec((cfg["draft_vocab_size"],), "int64"),
@@ -343,12 +359,23 @@ def _eagle1(cfg: dict, engine: str, target: TargetInfo, src: dict) -> Layout:
     return Layout("eagle1", engine, config, tensors, rules, notes)
 
 
+def _norm_flags(cfg: dict, engine: str) -> dict[str, bool]:
+    """The head's ``NORM_FLAGS`` as ``engine`` reads them, refusing one it does not compute (``ENGINE_NORMS``)."""
+    flags = {k: bool(cfg.get(k)) for k in NORM_FLAGS}
+    missing = [k for k, on in flags.items() if on and k not in ENGINE_NORMS[engine]]
+    if missing:
+        raise LayoutError(f"{missing[0]}: {ENGINE_NORMS_CHECKED[engine]} does not compute it (its EAGLE-3 drafter "
+                          f"would run the head without it); export with engine="
+                          f"{' or '.join(e for e in ENGINE_NORMS if missing[0] in ENGINE_NORMS[e])}")
+    return flags
+
+
 def _eagle3(cfg: dict, engine: str, target: TargetInfo, src: dict) -> Layout:
     config = _llama_config(cfg, "eagle3", engine, target)
     aux = [int(i) for i in cfg["aux_layers"]]
     ids = aux_layer_ids(engine, aux)
     config.update(draft_vocab_size=cfg["draft_vocab_size"], target_hidden_size=cfg.get("target_hidden_size")
-                  or cfg["hidden_size"], norm_before_residual=False,
+                  or cfg["hidden_size"], **_norm_flags(cfg, engine),
                   eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True})
     if cfg.get("fc_norm"):
         config["fc_norm"] = True  # vLLM 0.34's and SGLang 0.5.23's LlamaForCausalLMEagle3 read it (fc_norm.{i})
@@ -359,8 +386,7 @@ def _eagle3(cfg: dict, engine: str, target: TargetInfo, src: dict) -> Layout:
     tensors, rules = dict(src), _identity(src)
     order = tuple(sorted(range(len(aux)), key=lambda j: aux[j]))
     if order != tuple(range(len(aux))):
-        rules["fc.weight"] = Rule("fc.weight", chunk_order=order)
-        rules.update(_fc_norm_rules(cfg, order))
+        rules.update(_fused_rules(cfg, order))
     notes = [f"Aux layers {aux} (inputs of target decoder layers) are written as {engine} ids {ids}.",
              "The token embedding is the target's (not in the file); t2d is kept for reference, the loader skips it."]
     if engine == "vllm" and cfg["draft_vocab_size"] >= target.vocab_size:
@@ -369,11 +395,15 @@ def _eagle3(cfg: dict, engine: str, target: TargetInfo, src: dict) -> Layout:
     return Layout("eagle3", engine, config, tensors, rules, notes)
 
 
-def _fc_norm_rules(cfg: dict, order: tuple[int, ...]) -> dict[str, Rule]:
-    """``fc_norm.{k}`` written from the head's ``fc_norm.{order[k]}``: the norms follow fc's column blocks."""
-    if not cfg.get("fc_norm"):
-        return {}
-    return {f"fc_norm.{k}.weight": Rule(f"fc_norm.{j}.weight") for k, j in enumerate(order)}
+def _fused_rules(cfg: dict, order: tuple[int, ...]) -> dict[str, Rule]:
+    """Rules for the tensors over the fused features when the aux layers are not ascending: ``fc``'s column blocks
+    and ``input_norm``'s blocks in ``order``; ``fc_norm.{k}`` from the head's ``fc_norm.{order[k]}``."""
+    rules = {"fc.weight": Rule("fc.weight", chunk_order=order)}
+    if cfg.get("norm_before_fc"):
+        rules["input_norm.weight"] = Rule("input_norm.weight", chunk_order=order)
+    if cfg.get("fc_norm"):
+        rules.update({f"fc_norm.{k}.weight": Rule(f"fc_norm.{j}.weight") for k, j in enumerate(order)})
+    return rules
 
 
 MEDUSA_BASE_PLACEHOLDER = "REPLACE-WITH-TARGET-HUB-ID-OR-PATH"
@@ -407,6 +437,9 @@ def _verifier_note(target: TargetInfo) -> list[str]:
 
 def _eagle3_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
     """speculators' own EAGLE-3 format (``Eagle3DraftModel``): one folder that speculators and vLLM load."""
+    if cfg.get("norm_before_fc") and cfg.get("fc_norm"):
+        raise LayoutError("norm_before_fc with fc_norm: speculators 0.9's Eagle3SpeculatorConfig refuses the two "
+                          "together; export with engine=vllm or engine=sglang")
     H = cfg["hidden_size"]
     aux = [int(i) for i in cfg["aux_layers"]]
     ids = aux_layer_ids("vllm", aux)
@@ -417,8 +450,7 @@ def _eagle3_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: i
     config = {"architectures": [_ARCHITECTURES["eagle3", "speculators"]], "speculators_model_type": "eagle3",
               "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
               "draft_vocab_size": cfg["draft_vocab_size"], "target_hidden_size": cfg.get("target_hidden_size") or H,
-              "norm_before_residual": False, "norm_before_fc": False, "fc_norm": bool(cfg.get("fc_norm")),
-              "norm_output": False,
+              **_norm_flags(cfg, "speculators"), "fc_norm": bool(cfg.get("fc_norm")),
               "embed_requires_grad": False, "eagle_aux_hidden_state_layer_ids": ids, "tie_word_embeddings": False,
               "speculators_config": _speculators_config("eagle3", spec_tokens, target)}
     tensors: dict[str, TensorSpec] = {}
@@ -428,8 +460,7 @@ def _eagle3_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: i
         tensors[out], rules[out] = spec, Rule(name)
     order = tuple(sorted(range(len(aux)), key=lambda j: aux[j]))
     if order != tuple(range(len(aux))):
-        rules["fc.weight"] = Rule("fc.weight", chunk_order=order)
-        rules.update(_fc_norm_rules(cfg, order))
+        rules.update(_fused_rules(cfg, order))
     tensors["embed_tokens.weight"] = TensorSpec((target.vocab_size, H))
     rules["embed_tokens.weight"] = Rule("embed_tokens.weight", from_target=True)
     notes = [f"Aux layers {aux} (inputs of target decoder layers) are written as ids {ids} (vLLM's convention).",

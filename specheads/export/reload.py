@@ -80,11 +80,11 @@ def head_state(layout: Layout, head_cfg: dict, exported: dict[str, torch.Tensor]
                 raise ExportError(f"{where}: {name} should be all zeros (added by the {layout.engine} layout)")
             continue
         if rule.chunk_order is not None:
-            chunks = t.chunk(len(rule.chunk_order), dim=1)
+            chunks = t.chunk(len(rule.chunk_order), dim=-1)
             back = [None] * len(chunks)
             for pos, j in enumerate(rule.chunk_order):
                 back[j] = chunks[pos]
-            t = torch.cat(back, dim=1)
+            t = torch.cat(back, dim=-1)
         state[rule.source] = t
     if layout.method in ("eagle3", "peagle") and "d2t" not in state:  # a full draft vocabulary: identity maps
         state["d2t"] = torch.zeros(head_cfg["draft_vocab_size"], dtype=torch.long)

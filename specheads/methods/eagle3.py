@@ -49,6 +49,9 @@ class Eagle3Method(FusedLayers):
     the same collection yields more training rows; held-out metrics stay on assistant tokens, and the draft
     vocabulary is still counted on assistant tokens, what drafting predicts);
     fc_norm: an RMSNorm per fused feature before ``fc`` (EAGLE-3.1, vLLM's and speculators' ``fc_norm``);
+    norm_before_fc / norm_before_residual / norm_output: speculators' normalisations of those names
+    (``specheads.models.eagle3``), each off by default: one RMSNorm over the concatenated features before ``fc``;
+    the draft layer's residual starting from the normed hidden state; the post-norm state fed back between steps;
     lk_weight: > 0 trains on ``(1 - w) * soft CE + w * -log sum_x min(p, q)`` per row, the acceptance objective of
     the LK losses (arXiv 2602.23881) against the target's distribution on the draft vocabulary (0 = soft CE alone).
     """
@@ -61,7 +64,8 @@ class Eagle3Method(FusedLayers):
                  init_lm_head_from_target: bool = False, vocab_rows=None, freeze_lm_head: bool = False,
                  feature_weight: float = 0.0, init_layer_from_target: bool = False, offpath_weight: float = 1.0,
                  feature_noise: float = 0.0, loss_rows: str = "assistant", fc_norm: bool = False,
-                 lk_weight: float = 0.0):
+                 lk_weight: float = 0.0, norm_before_fc: bool = False, norm_before_residual: bool = False,
+                 norm_output: bool = False):
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         if freeze_lm_head and not init_lm_head_from_target:
@@ -96,11 +100,13 @@ class Eagle3Method(FusedLayers):
             raise ValueError(f"loss_rows must be 'assistant' or 'all', got {loss_rows!r}")
         self.loss_rows = loss_rows
         self.fc_norm = bool(fc_norm)
+        self.norms = {"norm_before_fc": bool(norm_before_fc), "norm_before_residual": bool(norm_before_residual),
+                      "norm_output": bool(norm_output)}
 
     def make_model(self, target: Target) -> Eagle3Model:
         """The untrained model for ``target`` (P-EAGLE builds its own), before the draft vocabulary is set."""
         return Eagle3Model(Eagle3Config.from_target(target, self.draft_vocab_size, self.feature_spec.aux_layers,
-                                                    self.fc_norm))
+                                                    self.fc_norm, **self.norms))
 
     def build(self, target: Target) -> Eagle3Model:
         self.bind(target)

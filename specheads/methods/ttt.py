@@ -97,7 +97,7 @@ def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: 
 
     Step ``i`` is trained on ``step_rows`` whose target argmax lies in the draft vocabulary.
     feature_weight > 0 adds, per step, that weight times EAGLE-1's smooth-L1 regression of the
-    drafter's normed output (``model.norm(h_out)``) on the target's post-norm state at the predicted
+    drafter's normed output (``model.normed(h_out)``) on the target's post-norm state at the predicted
     position (``batch["hidden_last"]`` at ``t+1+i``): a dense signal that, with the target's LM-head
     rows, makes the draft logits the target's.
     offpath_weight < 1 weighs down the rows whose input token ``ids[t+1+i]`` is an assistant token
@@ -124,7 +124,7 @@ def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: 
         step_loss = loss_sum / denom
         if feature_weight:
             true = batch["hidden_last"][b, t + 1 + i]
-            step_loss = step_loss + feature_weight * feature_loss(model.norm(h_out[b, t]), true) / max(n, 1)
+            step_loss = step_loss + feature_weight * feature_loss(model.normed(h_out[b, t]), true) / max(n, 1)
         correct = int((model.to_target_ids(pred) == rows.argmax[b, t + 1 + i]).sum())
         stats.append(StepStats(step_loss.detach(), correct, n))
         # The 0 * sum keeps every parameter in the graph even when a step has no rows.

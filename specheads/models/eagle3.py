@@ -7,12 +7,20 @@ reads ``[input_layernorm(embed(ids)); hidden_norm(hidden)]`` (2H); ``norm`` then
 (``specheads.models.vocab``). The token embedding is the target's, frozen and not saved: call
 ``model.attach(target)`` after ``from_pretrained``.
 
+Normalisation options (each off by default; named as speculators 0.9's ``Eagle3SpeculatorConfig`` and vLLM 0.32's
+``LlamaForCausalLMEagle3`` read them):
+``fc_norm``: an RMSNorm per fused feature before ``fc`` (``fc_norm.{i}``, (H_target,) each);
+``norm_before_fc``: one RMSNorm over the concatenated features before ``fc`` (``input_norm``, (n_aux * H_target,));
+``norm_before_residual``: the residual stream of ``midlayer`` starts from ``hidden_norm(hidden)``, not ``hidden``;
+``norm_output``: ``decode`` returns the post-``norm`` state, which the next step reads and ``lm_head`` reads as it is
+(the logits are unchanged, only what is fed back differs).
+
 Drafting API (docs/architecture.md)::
 
     h0 = model.fuse(hidden_aux)                                 # (B, q, 3H) -> (B, q, H)
     h_out, logits = model.step(h0, input_ids, position_ids, attn_mask, cache)
     target_ids = model.to_target_ids(logits.argmax(-1))
-    # the next step feeds h_out back as `hidden` (pre-norm output)
+    # the next step feeds h_out back as `hidden` (pre-norm output; post-norm with norm_output)
 
 The input at position ``t`` is (feature at ``t``, token ``ids[t+1]``) and the drafter's position id
 is ``t``; a token drafted ``i`` steps later uses position ``t+i``.
@@ -41,7 +49,11 @@ class Eagle3Config(LlamaConfig):
 
     draft_vocab_size: rows of lm_head; target_hidden_size: width of each fused target feature;
     aux_layers: target layer inputs fused by fc (see specheads.targets); target: the target's name;
-    fc_norm: one RMSNorm per fused feature before fc (EAGLE-3.1; vLLM's ``fc_norm``, speculators' ``--fc-norm``).
+    fc_norm: one RMSNorm per fused feature before fc (EAGLE-3.1; vLLM's ``fc_norm``, speculators' ``--fc-norm``);
+    norm_before_fc: one RMSNorm over the concatenated fused features before fc (speculators' and vLLM's
+    ``norm_before_fc``, weight ``input_norm``); norm_before_residual: the draft layer's residual starts from the normed
+    hidden state; norm_output: the post-norm state is fed back between draft steps (see the module docstring).
+    A config.json written before these options reads them as off.
     """
 
     model_type = "specheads_eagle3"
@@ -50,12 +62,18 @@ class Eagle3Config(LlamaConfig):
     aux_layers: list[int] | None = None
     target: str | None = None
     fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
 
     @classmethod
-    def from_target(cls, target: Target, draft_vocab_size: int, aux_layers=None, fc_norm: bool = False) -> "Eagle3Config":
+    def from_target(cls, target: Target, draft_vocab_size: int, aux_layers=None, fc_norm: bool = False,
+                    norm_before_fc: bool = False, norm_before_residual: bool = False,
+                    norm_output: bool = False) -> "Eagle3Config":
         aux = list(aux_layers) if aux_layers is not None else list(default_eagle3_layers(target.num_layers))
         return cls(num_hidden_layers=1, draft_vocab_size=min(draft_vocab_size, target.vocab_size),
                    target_hidden_size=target.hidden_size, aux_layers=aux, target=target.name, fc_norm=fc_norm,
+                   norm_before_fc=norm_before_fc, norm_before_residual=norm_before_residual, norm_output=norm_output,
                    tie_word_embeddings=False, **draft_fields_from_target(target.config))
 
 
@@ -67,11 +85,13 @@ class Eagle3Model(PreTrainedModel):
     def __init__(self, config: Eagle3Config):
         super().__init__(config)
         H = config.hidden_size
-        n_aux = len(config.aux_layers or (0, 0, 0))
+        n_aux, Ht = len(config.aux_layers or (0, 0, 0)), config.target_hidden_size or H
         self.fc = fusion_linear(config)
-        self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size or H, config.rms_norm_eps)
+        self.input_norm = RMSNorm(n_aux * Ht, config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(Ht, config.rms_norm_eps)
                                      for _ in range(n_aux)) if getattr(config, "fc_norm", False) else None
-        self.midlayer = DraftDecoderLayer(config, layer=0, embeds_input=True)
+        self.midlayer = DraftDecoderLayer(config, layer=0, embeds_input=True,
+                                          norm_before_residual=config.norm_before_residual)
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config)
@@ -107,16 +127,19 @@ class Eagle3Model(PreTrainedModel):
 
     # -- drafting API
     def fuse(self, hidden_aux: torch.Tensor) -> torch.Tensor:
-        """(B, q, n_aux * H_target) target features -> (B, q, H) drafter input (each feature normed first
-        with ``fc_norm``)."""
+        """(B, q, n_aux * H_target) target features -> (B, q, H) drafter input (normed first with ``input_norm``,
+        then each feature with ``fc_norm``, in vLLM's order)."""
         x = hidden_aux.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
         if self.fc_norm is not None:
             x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], dim=-1)
         return self.fc(x)
 
     def decode(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                attn_mask: torch.Tensor | None = None, cache: KVCache | UnrollCache | None = None) -> torch.Tensor:
-        """The drafter's layers: (B, q, H) hidden, (B, q) ids and positions -> (B, q, H) pre-norm output.
+        """The drafter's layers: (B, q, H) hidden, (B, q) ids and positions -> (B, q, H) output, the state the next
+        step reads: pre-norm, or after ``norm`` with ``norm_output``.
 
         attn_mask: (B, q, len(cache) + q) bool, True = attend; None = whole cache + causal.
         """
@@ -124,15 +147,19 @@ class Eagle3Model(PreTrainedModel):
         h = self.midlayer(hidden, cos, sin, attn_mask, cache, embeds=self.embed(input_ids))
         for layer in self.extra_layers():
             h = layer(h, cos, sin, attn_mask, cache)
-        return h
+        return self.norm(h) if self.config.norm_output else h
 
     def extra_layers(self) -> list:
         """Decoder layers after ``midlayer`` (none for EAGLE-3; P-EAGLE's ``layers.{i}``, i >= 1)."""
         return []
 
+    def normed(self, h_out: torch.Tensor) -> torch.Tensor:
+        """(..., H) ``decode`` output -> the post-norm state ``lm_head`` reads (``h_out`` itself with ``norm_output``)."""
+        return h_out if self.config.norm_output else self.norm(h_out)
+
     def logits(self, h_out: torch.Tensor) -> torch.Tensor:
-        """(..., H) pre-norm output -> (..., V_draft) draft logits."""
-        return self.lm_head(self.norm(h_out))
+        """(..., H) ``decode`` output -> (..., V_draft) draft logits."""
+        return self.lm_head(self.normed(h_out))
 
     def step(self, hidden, input_ids, position_ids, attn_mask=None, cache=None):
         """``decode`` then ``logits``: returns (h_out (B, q, H), logits (B, q, V_draft))."""

@@ -282,15 +282,20 @@ class DraftDecoderLayer(nn.Module):
     * EAGLE-1 (``embeds_input=False``): attention reads the (fused) hidden state, through
       ``input_layernorm`` unless ``input_layernorm=False`` (vLLM/SGLang drop it in layer 0).
     * EAGLE-3 (``embeds_input=True``): attention reads ``[input_layernorm(embeds); hidden_norm(hidden)]``
-      (2H features); the residual stream is the un-normed hidden.
+      (2H features); the residual stream is the un-normed hidden, or ``hidden_norm(hidden)`` with
+      ``norm_before_residual`` (speculators' and vLLM's option of that name).
     The output is the pre-norm residual stream ``hidden + attn + mlp`` (B, q, H).
     """
 
-    def __init__(self, config, layer: int = 0, embeds_input: bool = False, input_layernorm: bool = True):
+    def __init__(self, config, layer: int = 0, embeds_input: bool = False, input_layernorm: bool = True,
+                 norm_before_residual: bool = False):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
+        if norm_before_residual and not embeds_input:
+            raise ValueError("norm_before_residual applies to the EAGLE-3 style layer (embeds_input=True)")
         self.layer = layer
         self.embeds_input = embeds_input
+        self.norm_before_residual = norm_before_residual
         self.self_attn = DraftAttention(config, 2 * H if embeds_input else H)
         self.mlp = DraftMLP(config)
         self.input_layernorm = RMSNorm(H, eps) if (input_layernorm or embeds_input) else None
@@ -304,7 +309,10 @@ class DraftDecoderLayer(nn.Module):
         if self.embeds_input:
             if embeds is None:
                 raise ValueError("this layer reads [embeds; hidden]: pass embeds")
-            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+            normed = self.hidden_norm(hidden)
+            x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+            if self.norm_before_residual:
+                hidden = normed
         else:
             x = hidden if self.input_layernorm is None else self.input_layernorm(hidden)
         h = hidden + self.self_attn(x, cos, sin, self.layer, attn_mask, cache)

@@ -32,7 +32,10 @@ def _medusa(target):
     return heads
 
 
-def _eagle(target, kind):
+NORMS = {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}  # speculators' options
+
+
+def _eagle(target, kind, **norms):
     torch.manual_seed(2)
     if kind == "eagle1":
         from specheads.models.eagle1 import Eagle1Config, Eagle1Model
@@ -42,7 +45,7 @@ def _eagle(target, kind):
         from specheads.models.eagle3 import Eagle3Config, Eagle3Model
         from specheads.models.vocab import build_draft_vocab
 
-        m = Eagle3Model(Eagle3Config.from_target(target, draft_vocab_size=40)).double().attach(target)
+        m = Eagle3Model(Eagle3Config.from_target(target, draft_vocab_size=40, **norms)).double().attach(target)
         counts = torch.arange(target.vocab_size).flip(0).double() + (torch.arange(target.vocab_size) % 3) * 50
         d2t, t2d = build_draft_vocab(counts.long(), 40)
         m.set_draft_vocab(d2t, t2d)
@@ -60,6 +63,8 @@ def _drafters(target):
         m = _eagle(target, kind)
         yield EagleDrafter(m, TreeShape("chain", k=3), kind)
         yield EagleDrafter(m, TreeShape("dynamic", depth=3, topk=2, total_tokens=6), kind)
+    yield EagleDrafter(_eagle(target, "eagle3", **NORMS), TreeShape("dynamic", depth=3, topk=2, total_tokens=6),
+                       "eagle3")
 
 
 def test_greedy_exact_with_head_drafters(target):
@@ -83,10 +88,11 @@ def test_medusa_chain_is_heads_argmax(target):
     assert tree.tokens.tolist() == want.tolist()
 
 
-@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-def test_eagle_chain_matches_cache_free_unroll(target, kind):
-    """The cached, batched drafter proposes what a plain causal unroll of the model proposes."""
-    m = _eagle(target, kind)
+@pytest.mark.parametrize("kind,norms", [("eagle1", {}), ("eagle3", {}), ("eagle3", NORMS)])
+def test_eagle_chain_matches_cache_free_unroll(target, kind, norms):
+    """The cached, batched drafter proposes what a plain causal unroll of the model proposes (EAGLE-3 with
+    speculators' normalisations too: the state fed back is what ``step`` returns)."""
+    m = _eagle(target, kind, **norms)
     d = EagleDrafter(m, TreeShape("chain", k=3), kind)
     runner = TargetRunner(target.model, d.aux_layers)
     runner.aux_layers = d.aux_layers

@@ -32,11 +32,11 @@ def target(smollm2_tokenizer):
     return _constant_target(Target(model, smollm2_tokenizer, name="tiny-smollm2-vocab"), TOKEN)
 
 
-def agreeing_head(target) -> Eagle3Model:
+def agreeing_head(target, **norms) -> Eagle3Model:
     """An EAGLE-3 head that always drafts ``TOKEN``: its final norm zeroed, all draft logits tie and draft id 0 wins,
-    which the draft vocabulary maps to ``TOKEN``."""
+    which the draft vocabulary maps to ``TOKEN``. norms: speculators' normalisation options."""
     torch.manual_seed(0)
-    head = Eagle3Model(Eagle3Config.from_target(target, DV, aux_layers=(3, 0, 1)))
+    head = Eagle3Model(Eagle3Config.from_target(target, DV, aux_layers=(3, 0, 1), **norms))
     with torch.no_grad():
         head.norm.weight.zero_()
     t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
@@ -86,6 +86,28 @@ def test_a_foreign_head_decodes_like_the_head_it_holds(target, heads, tmp_path, 
     md = (Path(write_report(report, tmp_path / "report")["markdown"])).read_text()
     assert "Head trained elsewhere: vLLM speculators' format" in md and "original EAGLE-3 / SpecForge format" in md
     assert md.count("Head trained elsewhere") == 2
+
+
+def test_a_speculators_folder_with_its_normalisations_decodes_losslessly(target, tmp_path, monkeypatch):
+    """speculators' default normalisations (norm_before_residual, norm_before_fc, norm_output) on: the folder is read
+    (no refusal), the head drafts with them, and the output is the target's own, every draft accepted."""
+    import specheads.evaluation.suite as suite
+
+    norms = {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}
+    target.model.save_pretrained(tmp_path / "target")
+    agreeing_head(target, **norms).save_pretrained(tmp_path / "head")
+    folder = export_head(tmp_path / "head", tmp_path / "spec", "speculators", str(tmp_path / "target"))
+    (folder / "specheads_export.json").unlink()
+    assert all(json.loads((folder / "config.json").read_text())[k] for k in norms)
+    real = suite.load_benchmarks
+    monkeypatch.setattr(suite, "load_benchmarks", lambda s: [p for p in real(s) if p.domain in ("coding", "code")][:1])
+    spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1,), humaneval=1, chat=0)
+    report = evaluate(target, EvalConfig([MethodSpec("spec", "eagle3", TreeShape("chain", k=3),
+                                                     head_dir=str(folder))], spec, max_new_tokens=9,
+                                         temperatures=(0.0,), batch_sizes=(1,), repeats=1))
+    (row,) = report["methods"]
+    assert row["head_source"] == "speculators" and row["lossless"]["exact"]
+    assert row["by_temperature"]["0.0"]["all"]["alpha_by_position"] == [1.0, 1.0, 1.0]
 
 
 def test_training_time_figures_are_absent_and_auto_shape_refused(heads):

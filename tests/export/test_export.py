@@ -736,3 +736,49 @@ def test_fc_norm_heads_export_their_norms_in_the_engines_layer_order(engine, tar
     assert_close(theirs @ got["fc.weight"].T, head.fuse(torch.cat([feats[i] for i in AUX], -1)))
     back = load_exported(out)
     assert back.config.fc_norm and all(torch.equal(back.state_dict()[k], v) for k, v in head.state_dict().items())
+
+
+NORMS = {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}  # speculators' options
+
+
+def _norm_head(target, **norms) -> Eagle3Model:
+    head = _randomize(Eagle3Model(Eagle3Config.from_target(target, DV, aux_layers=AUX, **norms)))
+    counts = torch.randint(0, 1000, (V,), generator=torch.Generator().manual_seed(1))
+    head.set_draft_vocab(*build_draft_vocab(counts, DV))
+    return head
+
+
+@pytest.mark.parametrize("engine,norms", [("vllm", NORMS), ("speculators", NORMS),
+                                          ("sglang", {"norm_before_fc": True, "norm_output": True})])
+def test_normalisation_options_export_as_each_engine_reads_them(engine, norms, target, target_dir, tmp_path):
+    """vLLM 0.32 and speculators 0.9 compute all three, SGLang 0.5.23 norm_before_fc and norm_output: the flags
+    at the top level (explicit false for the others: vLLM's speculators conversion defaults norm_before_residual to
+    true), ``input_norm`` over the fused features in ascending layer order, and a round trip that reads back equal."""
+    from specheads.export.reload import load_exported
+
+    head = _norm_head(target, **norms)
+    out = export_head(save_head(head, tmp_path), tmp_path / "out", engine=engine, target=str(target_dir))
+    config, got = json.loads((out / "config.json").read_text()), tensors(out)
+    assert {k: config[k] for k in NORMS} == {k: k in norms for k in NORMS}
+    feats = {layer: torch.randn(2, 5, H) * 3 for layer in AUX}
+    eps = head.config.rms_norm_eps
+    x = torch.cat([feats[layer] for layer in sorted(AUX)], -1)  # the engines concatenate ascending layers
+    theirs = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * got["input_norm.weight"]
+    assert_close(theirs @ got["fc.weight"].T, head.fuse(torch.cat([feats[i] for i in AUX], -1)))
+    back = load_exported(out)
+    assert all(getattr(back.config, k) == (k in norms) for k in NORMS)
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in head.state_dict().items())
+
+
+def test_engines_that_do_not_compute_an_option_are_refused_by_name(target, target_dir, tmp_path):
+    from specheads.export.layouts import LayoutError
+
+    head = save_head(_norm_head(target, norm_before_residual=True), tmp_path / "a")
+    with pytest.raises((LayoutError, ExportError), match=r"norm_before_residual: SGLang 0.5.23's "
+                                                         r"LlamaForCausalLMEagle3 does not compute it.*engine=vllm"):
+        export_head(head, tmp_path / "out", engine="sglang", target=str(target_dir))
+    both = _randomize(Eagle3Model(Eagle3Config.from_target(target, DV, aux_layers=AUX, fc_norm=True,
+                                                           norm_before_fc=True)))
+    both.set_draft_vocab(*build_draft_vocab(torch.randint(0, 1000, (V,)), DV))
+    with pytest.raises((LayoutError, ExportError), match=r"norm_before_fc with fc_norm: speculators 0.9"):
+        export_head(save_head(both, tmp_path / "b"), tmp_path / "out2", engine="speculators", target=str(target_dir))

@@ -195,6 +195,49 @@ def test_a_full_draft_vocabulary(writer, target, target_dir, tmp_path):
     assert torch.equal(model.lm_head.weight, head.lm_head.weight.to(model.lm_head.weight.dtype))
 
 
+NORMS = {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}
+
+
+def _norm_head(target, **norms) -> Eagle3Model:
+    head = make_head("eagle3", target, aux=(2, 4, 5))
+    model = Eagle3Model(Eagle3Config.from_target(target, DV, aux_layers=(2, 4, 5), **norms))
+    missing, _ = model.load_state_dict(head.state_dict(), strict=False)
+    with torch.no_grad():
+        for name in missing:  # input_norm: a trained-looking weight, not ones
+            model.get_parameter(name).copy_(torch.rand_like(model.get_parameter(name)) + 0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("norms", [NORMS, {"norm_before_residual": True}, {"norm_output": True},
+                                   {"norm_before_fc": True}])
+def test_a_speculators_folder_with_its_normalisations_reads_into_the_same_head(norms, target, tmp_path):
+    """speculators' defaults (norm_before_residual, norm_before_fc with its ``input_norm``, norm_output) are read as
+    the EAGLE-3 head's options: the same tensors and the same logits over two draft steps."""
+    head = _norm_head(target, **norms).to(torch.bfloat16)
+    folder = speculators_folder(tmp_path / "spec", head, target, aux=[2, 4, 5], **norms)
+    model = load_foreign_head(folder, target)
+    assert {k: getattr(model.config, k) for k in NORMS} == {k: k in norms for k in NORMS}
+    assert ("input_norm.weight" in model.state_dict()) == ("norm_before_fc" in norms)
+    for name, t in head.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
+    _same_logits(head.float(), model.float(), target)
+    plain = load_foreign_head(speculators_folder(tmp_path / "plain", _norm_head(target), target, aux=[2, 4, 5]),
+                              target)
+    assert not any(getattr(plain.config, k) for k in NORMS)
+
+
+def test_a_specforge_folder_with_norm_before_residual_and_nested_norm_before_fc(target, tmp_path):
+    """The original format: flags at the top level as vLLM reads them, ``norm_before_fc`` also from
+    ``eagle_config`` (read there first by vLLM and SGLang)."""
+    head = _norm_head(target, norm_before_residual=True, norm_before_fc=True).to(torch.float16)
+    folder = specforge_folder(tmp_path / "sf", head, {"eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+                                                      "norm_before_fc": True})
+    _edit_config(folder, norm_before_residual=True)
+    model = load_foreign_head(folder, target)
+    assert model.config.norm_before_residual and model.config.norm_before_fc and not model.config.norm_output
+    _same_logits(head.float(), model.float(), target)
+
+
 # --------------------------------------------------------------------------- refusals: one line, naming the folder
 
 
@@ -252,8 +295,8 @@ REFUSALS = {
                       r"the draft layer is a qwen3 layer"),
     "two layers": (lambda f: _edit_config(f, transformer_layer_config={"num_hidden_layers": 2}),
                    r"EAGLE-3 heads have one layer"),
-    "norm before residual": (lambda f: _edit_config(f, norm_before_residual=True), r"norm_before_residual: true"),
-    "norm output": (lambda f: _edit_config(f, norm_output=True), r"norm_output: true"),
+    "norm_before_fc without its norm": (lambda f: _edit_config(f, norm_before_fc=True),
+                                        r"missing key\(s\) \['input_norm.weight'\]"),
     "maps disagree": (lambda f: _edit_weights(f, lambda w: w["d2t"].__setitem__(0, w["d2t"][0] + 1)),
                       r"d2t and t2d disagree"),
 }

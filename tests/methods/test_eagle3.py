@@ -403,3 +403,24 @@ def test_lk_weight_mixes_the_acceptance_objective_into_each_row(target):
 def test_a_bad_lk_weight_is_refused(kw, word):
     with pytest.raises(ValueError, match=word.replace("[", r"\[").replace("]", r"\]")):
         Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), **kw)
+
+
+@pytest.mark.parametrize("option", ["norm_before_fc", "norm_before_residual", "norm_output"])
+def test_speculators_normalisations_train_a_step_and_change_the_loss(option, target):
+    """``method.<option>=true`` builds the head with it, one optimiser step runs, and the loss is not the plain
+    head's with the same weights (the option is computed, not only recorded)."""
+    method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), **{option: True})
+    model = method.build(target)
+    assert getattr(model.config, option) and (model.input_norm is not None) == (option == "norm_before_fc")
+    batch = _batch(target, method)
+    plain_method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows())
+    plain = plain_method.build(target)
+    plain.load_state_dict(model.state_dict(), strict=False)
+    loss = method.loss(model, batch, target).loss
+    assert not torch.allclose(loss, plain_method.loss(plain, batch, target).loss)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    loss.backward()
+    if option == "norm_before_fc":
+        assert model.input_norm.weight.grad.abs().sum() > 0
+    opt.step()
+    assert torch.isfinite(method.loss(model, batch, target).loss)
