@@ -51,12 +51,12 @@ speculators' own format) is then decoded by ``specheads evaluate`` on the main j
 ``eval.chat_dir=--prepared``), greedy (T=0) with the lossless check, in the same shapes for every head:
 the evaluator's dynamic tree (``head_shape=tree``, ``tree`` of conf/evaluate.yaml) and vLLM's chain of 3
 (``serving.engines=[vllm]``); α and τ per domain and overall go in the report. speculators 0.9 trains EAGLE-3
-by default with three normalisations the specheads head does not compute (``norm_before_residual``,
-``norm_before_fc``, ``norm_output``) and a sliding-window draft layer (window 2048: on rows of at most 2048 tokens
-the same as full attention, but the config says otherwise), and the evaluator refuses such a folder by name; so
-``--evaluate`` with their trainer needs ``--their-arg`` to turn them off (checked before anything runs,
-``ARCH_FLAGS``): both heads then have one architecture, ours and the original EAGLE-3's, and the trainers differ
-in how they train it.
+by default with a sliding-window draft layer (window 2048: on rows of at most 2048 tokens the same as full
+attention, but the config says otherwise), which the evaluator refuses by name; so ``--evaluate`` with their
+trainer needs ``--their-arg=--full-attention-indices=0`` (checked before anything runs, ``ARCH_FLAGS``). Their
+default also turns on three normalisations (``norm_before_residual``, ``norm_before_fc``, ``norm_output``: our
+``method.norm_*``, off in our defaults); ``--their-arg=--no-norm-...`` turns them off so that both heads have one
+architecture, the original EAGLE-3's, and the trainers differ only in how they train it.
 Prints the exact command of every run, one JSON line per run and tables. ``--json`` writes a report that
 ``specheads record`` files under ``speculators_comparisons`` in docs/benchmarks.json.
 
@@ -439,8 +439,8 @@ EVAL_FIXED = ["baselines=[]", "head_shape=tree", "head_ngram=0", "temperatures=[
               "serving.engines=[vllm]", "eval.max_minutes=null"]
 
 
-# speculators' EAGLE-3 options that give its draft the specheads head's architecture (evaluable by specheads evaluate)
-ARCH_FLAGS = ("--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output", "--full-attention-indices=0")
+# speculators' EAGLE-3 options without which specheads evaluate refuses its checkpoint (a sliding-window draft layer)
+ARCH_FLAGS = ("--full-attention-indices=0",)
 
 
 def main_job_prompts() -> list[str]:
@@ -598,8 +598,8 @@ def main(argv=None) -> None:
     trainers = [args.only] if args.only else ["ours", "theirs"]
     missing = [f for f in ARCH_FLAGS if f not in args.their_arg]
     if args.evaluate and "theirs" in trainers and missing:
-        raise SystemExit("--evaluate: specheads evaluate reads speculators' EAGLE-3 only in the specheads head's "
-                         "architecture; add " + " ".join(f"--their-arg={f}" for f in missing))
+        raise SystemExit("--evaluate: specheads evaluate reads speculators' EAGLE-3 only with full attention; add "
+                         + " ".join(f"--their-arg={f}" for f in missing))
     if "theirs" in trainers and (why := speculators_missing()):
         print(f"SKIP speculators: {why}; install speculators (v0.9) or put it on PYTHONPATH to compare "
               f"against it", file=sys.stderr)
