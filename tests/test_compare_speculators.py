@@ -37,8 +37,13 @@ def test_converted_store_reads_back_through_speculators(tiny_target, tmp_path):
     ours = FeatureDataset(store)
     row = {sid: i for i, sid in enumerate(ours.ids)}
     n_train = info["num_train"]
-    _, held = bench.heldout_split(ours, 3, 0)
-    assert sorted(info["ids"][n_train:]) == sorted(ours.ids[i] for i in held) and len(info["ids"]) == len(ours)
+    train, held = bench.heldout_split(ours, 3, 0)
+    assert sorted(info["ids"][n_train:]) == sorted(ours.ids[i] for i in held)
+    assert info["ids"][:n_train] == [ours.ids[i] for i in train]
+    # every row but the evaluator's chat slice, which neither trainer sees
+    from specheads.evaluation.prompts import chat_heldout_ids
+
+    assert sorted(info["ids"]) == sorted(set(ours.ids) - set(chat_heldout_ids(ours.ids)))
 
     for split, ids in (("train", info["ids"][:n_train]), ("val", info["ids"][n_train:])):
         theirs = ArrowDataset(max_len=2048, datapath=info["data_path"], on_missing="raise", split=split,
