@@ -482,8 +482,10 @@ def _speculators_comparison(r: dict) -> str:
         cols.sort(key=lambda c: (c[1]["shape"] or "", c[0]["setting"], c[0]["trainer"]))
         domains = list(dict.fromkeys(d for _, m in cols for d in m["domains"] if d != "all")) + ["all"]
         lossless = "exact" if all(m.get("lossless") for _, m in cols) else "MISMATCH"
+        dtypes = sorted({x["eval"].get("target_dtype") or "–" for x in evaluated})
+        dtype = dtypes[0] if len(dtypes) == 1 else f"{' / '.join(dtypes)} (differs between heads)"
         lines += ["", f"Acceptance by the evaluator, T=0, {e['prompts']} prompts × {e['max_new_tokens']} new tokens, "
-                  f"target {e.get('target_dtype') or '–'}, batch 1; lossless {lossless}; α / τ:", "",
+                  f"target {dtype}, batch 1; lossless {lossless}; α / τ:", "",
                   "| domain | " + " | ".join(f"{x['trainer']} {x['setting']}, {m['shape']}" for x, m in cols) + " |",
                   "|---|" + "---|" * len(cols)]
         for d in domains:

@@ -89,7 +89,8 @@ def test_both_heads_are_evaluated_on_the_main_jobs_prompts_in_the_same_shapes():
     stage = [str(o) for o in OmegaConf.load(REPO / "conf" / "pipeline.yaml").stages.evaluate]
     prompts = [o for o in stage if o.startswith("eval.") and not o.startswith("eval.max_minutes")]
     assert prompts and all(o in ours for o in prompts)  # the main job's prompt set ...
-    assert "eval.max_minutes=null" in ours and "temperatures=[0.0]" in ours  # ... all of it, greedy
+    assert "eval.max_minutes=null" in ours and "temperatures=[0.0]" in ours  # ... all of it, greedy,
+    assert "target.dtype=float32" in ours  # at one precision for both (no timed probe)
     assert "head_shape=tree" in ours and "serving.engines=[vllm]" in ours and ours[-1] == "threads=1"
     assert f"eval.chat_dir={Path('prep').resolve()}" in ours
 

@@ -302,6 +302,10 @@ def test_a_speculators_comparison_is_recorded_without_commands_and_rendered(tmp_
     text = rt.speculators_comparisons(rt.load(results))
     assert text.startswith("2099-01-02") and "2.5 minutes of training each" in text and text.count("Acceptance") == 1
     assert "No record yet" in rt.speculators_comparisons({"runs": []})
+    other = _compare_report()
+    other["runs"][1]["eval"] = {**other["runs"][1]["eval"], "target_dtype": "bfloat16"}
+    record(_write(tmp_path, "dtypes.json", other), results, CHECKOUT, date="2099-01-03")
+    assert "target bfloat16 / float32 (differs between heads)" in rt.speculators_comparisons(rt.load(results))
 
 
 def test_a_comparison_report_without_runs_is_refused(tmp_path, results):

@@ -434,8 +434,9 @@ def theirs_child(steps_path: str, minutes: float, flags: list[str]) -> None:
 
 # --------------------------------------------------------------------------- acceptance: our evaluator on both heads
 
-# the same shapes for every head: the evaluator's dynamic tree and vLLM's chain of 3; greedy, batch 1, no baselines
-EVAL_FIXED = ["baselines=[]", "head_shape=tree", "head_ngram=0", "temperatures=[0.0]", "batch_sizes=[1]",
+# the same shapes for every head: the evaluator's dynamic tree and vLLM's chain of 3; greedy, batch 1, no baselines;
+# the target's precision pinned (left to the evaluator, a timed probe picks it by the machine's speed at that moment)
+EVAL_FIXED = ["target.dtype=float32", "baselines=[]", "head_shape=tree", "head_ngram=0", "temperatures=[0.0]", "batch_sizes=[1]",
               "serving.engines=[vllm]", "eval.max_minutes=null"]
 
 
