@@ -229,7 +229,7 @@ def _round(x, nd: int):
 def speculators_entry(report: dict) -> dict:
     """A ``speculators_comparisons`` entry from ``compare_speculators.py --json``: the budget and settings, the
     store's training rows, and per run (setting x trainer) its training figures, held-out figures and the
-    evaluator's α / τ per domain for each shape (rounded: 3 places for α and τ, whole tokens/s and MiB)."""
+    evaluator's α / τ per domain for each shape (rounded: 4 places for α and τ, whole tokens/s and MiB)."""
     try:
         runs = [_speculators_run(r) for r in report["runs"]]
         return {"kind": "speculators_compare", "machine": report.get("machine"), "target": report["target"],
@@ -252,7 +252,7 @@ def _speculators_run(r: dict) -> dict:
         out["eval"] = {"prompts": ev.get("prompts"), "max_new_tokens": ev.get("max_new_tokens"),
                        "target_dtype": ev.get("target_dtype"),
                        "methods": [{"name": m["name"], "shape": m.get("shape"), "lossless": m.get("lossless"),
-                                    "domains": {d: {"alpha": _round(v.get("alpha"), 3), "tau": _round(v.get("tau"), 3),
+                                    "domains": {d: {"alpha": _round(v.get("alpha"), 4), "tau": _round(v.get("tau"), 4),
                                                     "prompts": v.get("prompts")} for d, v in m["domains"].items()}}
                                    for m in ev["methods"]]}
     return out

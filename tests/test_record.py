@@ -257,6 +257,7 @@ def _compare_report(**over) -> dict:
                          "command": ["specheads", "evaluate"],
                          "methods": [{"name": "eagle3-tree", "shape": "tree(d5,k4,n24)", "lossless": True,
                                       "domains": {"code": {"alpha": 0.61234, "tau": taus[0], "prompts": 2},
+                                                  "math": {"alpha": 0.3, "tau": 1.2752613, "prompts": 1},
                                                   "all": {"alpha": 0.51234, "tau": taus[1], "prompts": 12}}}]}}
     report = {"kind": "speculators_compare", "machine": "CPU X (2 cores)", "target": "smollm2",
               "versions": {"torch": "2.13.0", "transformers": "5.25.0", "speculators": "0.9.0"},
@@ -283,7 +284,7 @@ def test_a_speculators_comparison_is_recorded_without_commands_and_rendered(tmp_
     # figures kept (rounded), this machine's commands, logs and folders left out
     assert "command" not in ours and "log" not in ours and "head_dir" not in ours and "args" not in entry
     assert ours["steady_tokens_per_s"] == 4001 and ours["peak_anon_mib"] == 1501 and ours["last_loss"] == 2.3457
-    assert ours["eval"]["methods"][0]["domains"]["all"] == {"alpha": 0.512, "tau": 1.912, "prompts": 12}
+    assert ours["eval"]["methods"][0]["domains"]["all"] == {"alpha": 0.5123, "tau": 1.9123, "prompts": 12}
     assert theirs["heldout"] == {"loss": 2.5, "full_acc_step0": 0.45}
 
     text = rt.speculators_comparisons(data)
@@ -295,7 +296,7 @@ def test_a_speculators_comparison_is_recorded_without_commands_and_rendered(tmp_
     assert "| bfloat16:ttt1 | theirs (speculators) | 165 | 331000 | 1,600 | 1,600 | – |" in text
     assert "12 prompts × 32 new tokens, target float32, batch 1; lossless exact" in text
     assert "| ours bfloat16:ttt1, tree(d5,k4,n24) | theirs bfloat16:ttt1, tree(d5,k4,n24) |" in text
-    assert "| code | 0.61 / 2.31 | 0.61 / 2.01 |" in text and text.rstrip().endswith("| all | 0.51 / 1.91 | 0.51 / 1.71 |")
+    assert "| code | 0.61 / 2.31 | 0.61 / 2.01 |" in text and "| math | 0.30 / 1.28 |" in text  # rounded once and text.rstrip().endswith("| all | 0.51 / 1.91 | 0.51 / 1.71 |")
     # a time-budget report without evaluation renders its training rows only; the newest per machine and budget
     record(_write(tmp_path, "minutes.json", _compare_report(budget={"minutes": 2.5}, runs=[
         {**r, "eval": None} for r in _compare_report()["runs"]])), results, CHECKOUT, date="2099-01-02")
