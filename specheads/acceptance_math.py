@@ -93,6 +93,15 @@ def indexed(metrics: Mapping[str, float], pattern: str) -> list[float]:
     return out
 
 
+def first_draft_accuracy(metrics: Mapping[str, float]) -> float | None:
+    """The held-out top-1 accuracy of the first drafted token, whichever family reported it (EAGLE-style
+    ``step0_acc``, Medusa's ``head0_top1_acc``); None when neither was measured."""
+    for _, pattern, basis, _ in ESTIMATE_ORDER:
+        if basis == "marginal" and (accs := indexed(metrics, pattern)):
+            return accs[0]
+    return None
+
+
 def estimate_tau(metrics: Mapping[str, float], k: int | None = None) -> tuple[float | None, str]:
     """(τ, basis) a top-1 chain would reach, from summarized held-out accuracies.
 

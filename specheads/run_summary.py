@@ -9,6 +9,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from specheads.acceptance_math import first_draft_accuracy
 from specheads.data.store import atomic_write_json
 from specheads.hardware import cpu_description
 
@@ -64,7 +65,7 @@ def summarize(run_dir: str | Path, head: str, offline: bool, settings: dict | No
     if train:
         ev = train.get("eval") or {}
         out["train"] = {"steps": train.get("steps"), "tokens_per_s": train.get("tokens_per_s"),
-                        "precision": train.get("precision"), "heldout_step0_top1": ev.get("head0_top1_acc"),
+                        "precision": train.get("precision"), "heldout_step0_top1": first_draft_accuracy(ev),
                         "peak_rss_mb": train.get("peak_rss_mb"), "peak_anon_mb": train.get("peak_anon_mb")}
     report = _json(run / "eval" / head / "report.json")
     if report:

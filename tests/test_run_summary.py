@@ -23,7 +23,7 @@ def test_a_run_folder_is_summarized_from_its_markers_store_summary_and_report(tm
         "budget": budget, "target_dtype": {"value": "float32", "reason": "this CPU has no bfloat16 kernels"},
         "num_samples": 700}})
     _write(run / "train" / "eagle3" / "train_summary.json", {"steps": 480, "tokens_per_s": 2000.0, "precision": {
-        "mixed_precision": "no", "target_dtype": "torch.float32"}, "eval": {"head0_top1_acc": 0.4},
+        "mixed_precision": "no", "target_dtype": "torch.float32"}, "eval": {"step0_acc": 0.4, "step1_acc": 0.3},
         "peak_rss_mb": 2100.4, "peak_anon_mb": 900.2})
     _write(run / "eval" / "eagle3" / "report.json", {"num_prompts": 12, "max_new_tokens": 32,
                                                       "target_dtype": "torch.float32",
@@ -32,7 +32,9 @@ def test_a_run_folder_is_summarized_from_its_markers_store_summary_and_report(tm
     assert record["stages_s"] == {"prepare": 5.0, "collect": 300.0, "train": 480.0, "evaluate": 240.0, "export": 3.0}
     assert record["total_min"] == 17.1
     assert record["collect"]["budget"] == budget and record["collect"]["tokens_per_s_with_startup"] == 300
-    assert record["train"]["steps"] == 480 and record["train"]["heldout_step0_top1"] == 0.4
+    assert record["train"]["steps"] == 480 and record["train"]["heldout_step0_top1"] == 0.4  # EAGLE's step0_acc
+    _write(run / "train" / "medusa1" / "train_summary.json", {"eval": {"head0_top1_acc": 0.25, "head1_top1_acc": 0.1}})
+    assert summarize(run, "medusa1", offline=True)["train"]["heldout_step0_top1"] == 0.25  # Medusa's head 0
     assert (record["train"]["peak_rss_mb"], record["train"]["peak_anon_mb"]) == (2100.4, 900.2)
     store = record["collect"]["store_id"]  # the manifest's digest: another head on the same store shares it
     assert len(store) == 12 and summarize(run, "dflash", offline=True)["collect"]["store_id"] == store
