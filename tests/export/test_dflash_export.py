@@ -32,13 +32,6 @@ def target():
     return make_tiny_target("llama", vocab=V, hidden=H, layers=LAYERS)
 
 
-@pytest.fixture(scope="module")
-def target_dir(target, tmp_path_factory):
-    d = tmp_path_factory.mktemp("target") / "tiny-llama"
-    target.model.save_pretrained(d)
-    return d
-
-
 def make_dflash(target, root: Path, aux=AUX, num_layers: int = 1):
     """A tiny DFlash head (the method's own build and save), weights randomised so every tensor is distinct."""
     method = build_method("dflash", block_size=B, aux_layers=aux, num_layers=num_layers)

@@ -31,13 +31,6 @@ def target():
 
 
 @pytest.fixture(scope="module")
-def target_dir(target, tmp_path_factory):
-    d = tmp_path_factory.mktemp("target") / "tiny-llama"
-    target.model.save_pretrained(d)
-    return d
-
-
-@pytest.fixture(scope="module")
 def eagle3_head(target, tmp_path_factory):
     root = tmp_path_factory.mktemp("e3")
     head = make_head("eagle3", target)

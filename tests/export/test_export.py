@@ -29,13 +29,6 @@ def target():
     return make_tiny_target("llama", vocab=V, hidden=H, layers=LAYERS)
 
 
-@pytest.fixture(scope="module")
-def target_dir(target, tmp_path_factory):
-    d = tmp_path_factory.mktemp("target") / "tiny-llama"
-    target.model.save_pretrained(d)
-    return d
-
-
 def _randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -27,13 +27,6 @@ def target():
     return make_tiny_target("llama", vocab=V, hidden=H, layers=LAYERS)
 
 
-@pytest.fixture(scope="module")
-def target_dir(target, tmp_path_factory):
-    d = tmp_path_factory.mktemp("target") / "tiny-llama"
-    target.model.save_pretrained(d)
-    return d
-
-
 def foreign_export(head, engine: str, root: Path, target_dir: Path) -> Path:
     """``head`` exported for ``engine``, its specheads_export.json removed: what a user downloads from the Hub."""
     out = export_head(save_head(head, root), root / "out", engine, str(target_dir))

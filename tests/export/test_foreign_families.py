@@ -29,13 +29,6 @@ def target():
     return make_tiny_target("llama", vocab=V, hidden=H, layers=LAYERS)
 
 
-@pytest.fixture(scope="module")
-def target_dir(target, tmp_path_factory):
-    d = tmp_path_factory.mktemp("target") / "tiny-llama"
-    target.model.save_pretrained(d)
-    return d
-
-
 def dflash_head(target, aux) -> DFlashModel:
     cfg = DFlashConfig.from_target(target, num_layers=2, block_size=4, aux_layers=aux, mask_token_id=MASK)
     return _randomize(DFlashModel(cfg)).eval()

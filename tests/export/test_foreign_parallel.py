@@ -28,13 +28,6 @@ def target():
     return make_tiny_target("llama", vocab=V, hidden=H, layers=LAYERS)
 
 
-@pytest.fixture(scope="module")
-def target_dir(target, tmp_path_factory):
-    d = tmp_path_factory.mktemp("target") / "tiny-llama"
-    target.model.save_pretrained(d)
-    return d
-
-
 def peagle_head(target, aux=(2, 4, 5), draft_vocab: int = DV, fc_norm: bool = False) -> PEagleModel:
     cfg = PEagleConfig.from_target(target, draft_vocab, aux_layers=aux, fc_norm=fc_norm, num_layers=2, num_depths=4,
                                    mask_token_id=MASK)

@@ -30,13 +30,6 @@ def target():
 
 
 @pytest.fixture(scope="module")
-def target_dir(target, tmp_path_factory):
-    d = tmp_path_factory.mktemp("target") / "tiny-llama"
-    target.model.save_pretrained(d)
-    return d
-
-
-@pytest.fixture(scope="module")
 def exported(target, target_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("peagle")
     method = build_method("peagle", draft_vocab_size=DV, aux_layers=AUX, num_layers=2, num_depths=5, fc_norm=True,

@@ -12,7 +12,7 @@ import pytest
 from specheads.evaluation.recommend import recommend
 from specheads.export import export_head, load_eval_report
 from specheads.export.serve import FOLDER_PLACEHOLDER, ServeParams, exported_lines, serve_commands, serve_params
-from tests.export.test_export import DV, make_head, save_head, target, target_dir  # noqa: F401 (fixtures)
+from tests.export.test_export import DV, make_head, save_head, target  # noqa: F401 (a fixture)
 
 CHAIN, TREE = ServeParams(3, 3, 1, 4, "x"), ServeParams(4, 4, 2, 10, "x")
 
