@@ -128,9 +128,27 @@ class EagleDrafter(Drafter):
         self.pending_h[row] = torch.cat([self.pending_h[row], self._feature(hidden_last, hidden_aux)])
         self.pending_ids[row] = self.pending_ids[row] + list(tokens)
 
-    def _step(self, hidden, ids, parents, live):
+    def _step(self, hidden, ids, parents, live, verified: bool = False):
+        """One draft forward of q entries per row; ``verified``: they are verified pairs (each its own window anchor),
+        else tree or chain nodes, whose anchor is the tree's root (the last verified position)."""
         pos, mask = self.slots.extend(parents, live)
-        return self.model.step(hidden, ids, pos, mask, self.cache)
+        window = self._window(pos, verified)
+        if window is None:
+            return self.model.step(hidden, ids, pos, mask, self.cache)
+        h_out = self.model.decode(hidden, ids, pos, mask, self.cache, window_mask=window)
+        return h_out, self.model.logits(h_out)
+
+    def _window(self, pos: torch.Tensor, verified: bool) -> torch.Tensor | None:
+        """(B, q, S) the keys within each new entry's sliding window (None: no draft layer slides). A node keeps the
+        keys after its root (its ancestors) and those within the window of its anchor, as the training-time test
+        computes it (``specheads.models.layers``)."""
+        if getattr(self.model, "sliding_window", None) is None:
+            return None
+        root = pos if verified else (self.slots.num_tokens - 1)[:, None].expand_as(pos)
+        return self._window_of(pos, root, self.slots.key_positions())
+
+    def _window_of(self, pos: torch.Tensor, root: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return self.model.window_mask(root, keys) | (keys[:, None, :] >= root[:, :, None])
 
     def _feed_pending(self, active) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed every row's new (feature, next token) pairs; return root h_out (B, H) and logits (B, V_d)."""
@@ -154,7 +172,7 @@ class EagleDrafter(Drafter):
         hid = hid.view(B, q, H)
         ids = torch.tensor(ids, dtype=torch.long).to(self.device)
         par, live = self.slots.chain_parents(lens, q)
-        h_out, logits = self._step(hid, ids, par, live)
+        h_out, logits = self._step(hid, ids, par, live, verified=True)
         self._commit_chain(lens.tolist())
         last = (lens - 1).clamp(min=0).to(self.device)
         rows = torch.arange(B, device=self.device)

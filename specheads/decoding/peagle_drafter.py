@@ -6,6 +6,9 @@ positions, all causal: the layout vLLM's parallel drafting builds (the pending t
 position ``t``, then the mask slots at ``t+1 .. t+k-1``). Depth ``d``'s logits (the output at ``t + d``) draft the
 ``d+1``-th token of the chain. The verified pairs are committed to the drafter's KV cache; the slots are dropped.
 
+With a sliding window (speculators' P-EAGLE mask): a query at position ``t + d`` keeps the verified keys at positions
+above ``t + d - W`` and every key of its own block.
+
 At T > 0 each depth's token is drawn from softmax(logits / T), which is also its ``q``: the slots never read the
 tokens drawn before them, so each draw's law is exactly its conditional law and the chain p/q test stays exact.
 """
@@ -62,10 +65,20 @@ class PEagleDrafter(EagleDrafter):
         ids = torch.tensor(ids, dtype=torch.long).to(self.device)
         live_len = lens + torch.tensor([k - 1 if a else 0 for a in active])
         par, live = self.slots.chain_parents(live_len, q)
-        _, logits = self._step(hid, ids, par, live)
+        self._anchor_at = self.slots.num_tokens + lens.to(self.device) - 1  # (B,) each row's last verified position
+        _, logits = self._step(hid, ids, par, live, verified=True)
         self._commit_chain(lens.tolist())  # the verified pairs stay in the cache, the slots go
         at = (lens - 1).clamp(min=0).to(self.device)[:, None] + torch.arange(k, device=self.device)
         return logits.gather(1, at[:, :, None].expand(-1, -1, logits.shape[-1]))
+
+    def _window(self, pos: torch.Tensor, verified: bool) -> torch.Tensor | None:
+        """speculators' P-EAGLE window: counted from each query's own position; a slot keeps its whole block (the
+        keys from the anchor on), a verified pair only what its own position allows."""
+        if getattr(self.model, "sliding_window", None) is None:
+            return None
+        keys = self.slots.key_positions()
+        root = torch.minimum(pos, self._anchor_at[:, None])
+        return self.model.window_mask(pos, keys) | (keys[:, None, :] >= root[:, :, None])
 
     @torch.no_grad()
     def propose(self, seqs, active, temperature, generator):

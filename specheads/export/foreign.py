@@ -25,7 +25,9 @@ SpecForge's, z-lab's and FasterDecoding's code (docs/evaluate.md):
   (``PEagleDraftModel``, vLLM: eagle3 with parallel drafting): EAGLE-3's config plus ``mask_token_id`` (vLLM requires
   it); its ``num_depths`` is only written as ``speculators_config.proposal_methods[0].speculative_tokens`` (default
   8); ``transformer_layer_config.num_hidden_layers`` layers, ``mask_hidden`` saved as (1, 1, W) (vLLM views it as
-  (1, W)); speculators' CLI trains Qwen3, sliding-window layers unless told otherwise (refused). DSpark
+  (1, W)); speculators' CLI trains Qwen3, sliding-window layers unless told otherwise. EAGLE-3 and P-EAGLE: a Qwen3
+  layer (``self_attn.q_norm``/``k_norm``) is the head's ``qk_norm``; ``sliding_window`` on the ``sliding_attention``
+  entries of ``layer_types`` its window (transformers' Qwen3Config keeps it only with ``use_sliding_window``). DSpark
   (``DSparkDraftModel``): DFlash's config plus ``markov_rank`` (default 256), ``markov_head_type`` (``vanilla``),
   ``enable_confidence_head``/``confidence_head_with_markov`` (true) and ``sample_from_anchor`` (default *true* here,
   unlike DFlash: refused); tensors ``markov_head.markov_w1|w2``, ``confidence_head.proj``. Our ``speculators``
@@ -76,14 +78,14 @@ from specheads.export.reload import build_head, head_state
 FORMATS = {
     "speculators": "vLLM speculators' format (config.json with speculators_model_type eagle3, dflash, peagle or "
                    "dspark)",
-    "eagle3": "the original EAGLE-3 / SpecForge format (config.json architectures LlamaForCausalLMEagle3 or "
-              "Eagle3LlamaForCausalLM)",
+    "eagle3": "the original EAGLE-3 / SpecForge format (config.json architectures LlamaForCausalLMEagle3, "
+              "Eagle3LlamaForCausalLM or Eagle3Qwen3ForCausalLM)",
     "dflash": "z-lab's DFlash format (config.json architectures DFlashDraftModel)",
     "medusa": "the original Medusa format (FasterDecoding: config.json with medusa_num_heads, medusa_lm_head weights)",
     "eagle1": "vLLM's or SGLang's EAGLE-1 format (config.json architectures EagleLlamaForCausalLM or "
               "LlamaForCausalLMEagle)",
 }
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Qwen3ForCausalLM")
 _ARCHITECTURES = {**dict.fromkeys(EAGLE3_ARCHITECTURES, "eagle3"), "DFlashDraftModel": "dflash",
                   "EagleLlamaForCausalLM": "eagle1", "LlamaForCausalLMEagle": "eagle1"}  # architecture -> format
 SPECULATORS_METHODS = ("eagle3", "dflash", "peagle", "dspark")  # the speculators_model_type values read
@@ -242,13 +244,8 @@ def _eagle3_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo, family
     for flag, what in _EAGLE3_FLAGS.items():
         if flags[flag] and family != "EAGLE-3":  # the P-EAGLE head (vLLM's update_peagle forwards no norm_output)
             raise _fail(folder, fmt, f"{flag}: true ({what}); the specheads {family} head does not compute that")
-    layer = _layer_config(folder, fmt, (cfg.get("transformer_layer_config") or {}) if fmt == "speculators" else cfg,
-                          ("llama",), "qwen3" if fmt == "speculators" else "llama")
-    sliding = [i for i, t in enumerate(getattr(layer, "layer_types", None) or ()) if t != "full_attention"]
-    if sliding:  # speculators' training default: every draft layer sliding_attention (window 2048)
-        raise _fail(folder, fmt, f"layer(s) {sliding} are sliding-window (sliding_window "
-                                 f"{getattr(layer, 'sliding_window', None)}); the specheads {family} head attends to "
-                                 "the whole context")
+    raw = (cfg.get("transformer_layer_config") or {}) if fmt == "speculators" else cfg
+    layer = _layer_config(folder, fmt, raw, ("llama", "qwen3"), "qwen3" if fmt == "speculators" else "llama")
     aux = _aux_layers(fmt, cfg)
     verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     head_cfg = {"model_type": "specheads_eagle3", **_draft_fields(layer),
@@ -259,11 +256,27 @@ def _eagle3_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo, family
                 "aux_layers": aux if aux is not None else _default_aux_layers(
                     folder, fmt, target, "eagle_aux_hidden_state_layer_ids"),
                 "fc_norm": bool(cfg.get("fc_norm")), "target": verifier or target.name,
-                **({} if family != "EAGLE-3" else flags)}
+                "qk_norm": (raw.get("model_type") or ("qwen3" if fmt == "speculators" else "llama")) == "qwen3",
+                **_window(folder, fmt, layer), **({} if family != "EAGLE-3" else flags)}
     if head_cfg["draft_vocab_size"] > head_cfg["vocab_size"]:
         raise _fail(folder, fmt, f"draft_vocab_size {head_cfg['draft_vocab_size']} exceeds the vocabulary "
                                  f"{head_cfg['vocab_size']}")
     return head_cfg
+
+
+def _window(folder: Path, fmt: str, layer) -> dict:
+    """The draft layers' sliding window as speculators and vLLM read it: ``sliding_window`` on the layers whose
+    ``layer_types`` entry is ``sliding_attention`` (none when transformers' config leaves ``sliding_window`` None, as
+    Qwen3's does without ``use_sliding_window``); other layer types are refused."""
+    types = list(getattr(layer, "layer_types", None) or ())
+    other = sorted({t for t in types} - {"full_attention", "sliding_attention"})
+    if other:
+        raise _fail(folder, fmt, f"layer_types {other}: the specheads head's draft layers attend to the whole context "
+                                 "or a sliding window")
+    window = getattr(layer, "sliding_window", None)
+    if window is None or "sliding_attention" not in types:
+        return {}
+    return {"sliding_window": int(window), "layer_types": types}
 
 
 def _dflash_value(cfg: dict, key: str, default=None):

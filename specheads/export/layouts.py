@@ -44,6 +44,11 @@ The facts (read from the loaders themselves; table and sources in docs/export.md
   back); its speculators conversion (``algos.update_eagle3``) copies all three, an absent ``norm_before_residual``
   as **true**, so every layout writes each explicitly. SGLang 0.5.23's reads ``norm_before_fc`` and ``norm_output``,
   not ``norm_before_residual`` (its layer 0 keeps the un-normed residual): refused there (``ENGINE_NORMS``).
+* **EAGLE-3 / P-EAGLE draft layer** (``layer_variant``): a sliding window as ``sliding_window``, ``layer_types`` and
+  ``use_sliding_window`` (vLLM 0.32's ``llama.py`` / ``qwen3_eagle3.py`` pass the window of each ``sliding_attention``
+  layer to its attention; speculators reads the same fields of ``transformer_layer_config``); Qwen3 q/k norms as
+  ``model_type: qwen3`` (vLLM: ``Eagle3Qwen3ForCausalLM`` / ``PeagleQwen3ForCausalLM``) with
+  ``self_attn.q_norm``/``k_norm``. SGLang 0.5.23 reads neither from the config: refused there.
 * **DSpark** (vLLM 0.32.0's ``qwen3_dspark.py`` and speculators conversion, read from the wheel): DFlash's tensors
   plus ``markov_head.markov_w1``/``markov_w2`` and ``confidence_head.proj``; a Qwen3 config with the top-level
   keys ``Qwen3DSparkModel`` reads (below). vLLM serves it only on the V2 GPU model runner.
@@ -189,6 +194,9 @@ def _attention_layer(cfg: dict, prefix: str, in_features: int, input_norm: bool,
         out[f"{prefix}.input_layernorm.weight"] = TensorSpec((H,))
     if hidden_norm:
         out[f"{prefix}.hidden_norm.weight"] = TensorSpec((H,))
+    if cfg.get("qk_norm"):  # Qwen3's per-head query/key norms
+        out[f"{prefix}.self_attn.q_norm.weight"] = TensorSpec((hd,))
+        out[f"{prefix}.self_attn.k_norm.weight"] = TensorSpec((hd,))
     return out
 
 
@@ -370,8 +378,26 @@ def _norm_flags(cfg: dict, engine: str) -> dict[str, bool]:
     return flags
 
 
+def layer_variant(cfg: dict, engine: str) -> dict:
+    """The draft layer's sliding window and Qwen3 q/k norms as ``engine`` reads them (config fields to write), refusing
+    SGLang: its 0.5.23 ``LlamaForCausalLMEagle3`` has no q/k norms and takes a window from the server's
+    ``--speculative-draft-window-size`` only, not from the head's config."""
+    window = cfg.get("sliding_window") if "sliding_attention" in (cfg.get("layer_types") or ()) else None
+    if engine == "sglang" and (window is not None or cfg.get("qk_norm")):
+        what = f"a sliding-window draft layer (window {window})" if window is not None else "Qwen3 q/k norms"
+        raise LayoutError(f"{what}: SGLang 0.5.23's LlamaForCausalLMEagle3 does not read it from the head's config; "
+                          "export with engine=vllm or engine=speculators")
+    out = {"model_type": "qwen3"} if cfg.get("qk_norm") else {}
+    if window is not None:  # use_sliding_window: transformers' Qwen3Config drops sliding_window without it
+        out.update(sliding_window=int(window), layer_types=list(cfg["layer_types"]), use_sliding_window=True)
+    return out
+
+
 def _eagle3(cfg: dict, engine: str, target: TargetInfo, src: dict) -> Layout:
     config = _llama_config(cfg, "eagle3", engine, target)
+    config.update(layer_variant(cfg, engine))
+    if cfg.get("qk_norm"):  # vLLM's registry: qwen3_eagle3.Eagle3Qwen3ForCausalLM (q/k norms, the window per layer)
+        config["architectures"] = ["Eagle3Qwen3ForCausalLM"]
     aux = [int(i) for i in cfg["aux_layers"]]
     ids = aux_layer_ids(engine, aux)
     config.update(draft_vocab_size=cfg["draft_vocab_size"], target_hidden_size=cfg.get("target_hidden_size")
@@ -447,6 +473,7 @@ def _eagle3_speculators(cfg: dict, target: TargetInfo, src: dict, spec_tokens: i
     layer.update(model_type="llama", num_hidden_layers=1, vocab_size=target.vocab_size, tie_word_embeddings=False,
                  head_dim=cfg.get("head_dim") or H // cfg["num_attention_heads"], attention_bias=False,
                  mlp_bias=False)
+    layer.update(layer_variant(cfg, "speculators"))
     config = {"architectures": [_ARCHITECTURES["eagle3", "speculators"]], "speculators_model_type": "eagle3",
               "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
               "draft_vocab_size": cfg["draft_vocab_size"], "target_hidden_size": cfg.get("target_hidden_size") or H,
@@ -642,7 +669,8 @@ def _peagle(cfg: dict, engine: str, target: TargetInfo, src: dict, spec_tokens: 
                          "reads `mask_token_id` as its parallel-drafting token.")
     else:
         lay = _eagle3(one, engine, target, src)
-        lay.config.update(architectures=[_ARCHITECTURES["peagle", engine]], num_hidden_layers=cfg["num_hidden_layers"],
+        arch = "PeagleQwen3ForCausalLM" if cfg.get("qk_norm") else _ARCHITECTURES["peagle", engine]
+        lay.config.update(architectures=[arch], num_hidden_layers=cfg["num_hidden_layers"],
                           mask_token_id=int(cfg["mask_token_id"]))
     aux = [int(i) for i in cfg["aux_layers"]]
     order = tuple(sorted(range(len(aux)), key=lambda j: aux[j]))

@@ -52,6 +52,9 @@ class Eagle3Method(FusedLayers):
     norm_before_fc / norm_before_residual / norm_output: speculators' normalisations of those names
     (``specheads.models.eagle3``), each off by default: one RMSNorm over the concatenated features before ``fc``;
     the draft layer's residual starting from the normed hidden state; the post-norm state fed back between steps;
+    sliding_window: the draft layer attends to the keys of the last ``sliding_window`` positions before each chain's
+    root (speculators' default draft layer: 2048; None = the whole context); qk_norm: Qwen3's per-head q/k RMSNorms
+    in the draft layer (speculators' ``--draft-arch qwen3``);
     lk_weight: > 0 trains on ``(1 - w) * soft CE + w * -log sum_x min(p, q)`` per row, the acceptance objective of
     the LK losses (arXiv 2602.23881) against the target's distribution on the draft vocabulary (0 = soft CE alone).
     """
@@ -65,7 +68,7 @@ class Eagle3Method(FusedLayers):
                  feature_weight: float = 0.0, init_layer_from_target: bool = False, offpath_weight: float = 1.0,
                  feature_noise: float = 0.0, loss_rows: str = "assistant", fc_norm: bool = False,
                  lk_weight: float = 0.0, norm_before_fc: bool = False, norm_before_residual: bool = False,
-                 norm_output: bool = False):
+                 norm_output: bool = False, sliding_window: int | None = None, qk_norm: bool = False):
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         if freeze_lm_head and not init_lm_head_from_target:
@@ -102,11 +105,15 @@ class Eagle3Method(FusedLayers):
         self.fc_norm = bool(fc_norm)
         self.norms = {"norm_before_fc": bool(norm_before_fc), "norm_before_residual": bool(norm_before_residual),
                       "norm_output": bool(norm_output)}
+        if sliding_window is not None and int(sliding_window) < 1:
+            raise ValueError(f"sliding_window must be >= 1 (or null for full attention), got {sliding_window}")
+        self.layer_options = {"sliding_window": None if sliding_window is None else int(sliding_window),
+                              "qk_norm": bool(qk_norm)}
 
     def make_model(self, target: Target) -> Eagle3Model:
         """The untrained model for ``target`` (P-EAGLE builds its own), before the draft vocabulary is set."""
         return Eagle3Model(Eagle3Config.from_target(target, self.draft_vocab_size, self.feature_spec.aux_layers,
-                                                    self.fc_norm, **self.norms))
+                                                    self.fc_norm, **self.norms, **self.layer_options))
 
     def build(self, target: Target) -> Eagle3Model:
         self.bind(target)
@@ -148,6 +155,8 @@ class Eagle3Method(FusedLayers):
                  (mid.mlp.up_proj, src.mlp.up_proj), (mid.mlp.down_proj, src.mlp.down_proj),
                  (mid.post_attention_layernorm, src.post_attention_layernorm), (mid.hidden_norm, src.input_layernorm),
                  (model.norm, target.decoder.norm)]
+        if mid.self_attn.q_norm is not None and getattr(src.self_attn, "q_norm", None) is not None:
+            pairs += [(mid.self_attn.q_norm, src.self_attn.q_norm), (mid.self_attn.k_norm, src.self_attn.k_norm)]
         with torch.no_grad():
             for name in ("q_proj", "k_proj", "v_proj"):
                 dst, w = getattr(mid.self_attn, name), getattr(src.self_attn, name)

@@ -31,7 +31,7 @@ from specheads.methods.base import ARGMAX_KEY, StepOutput
 from specheads.methods.eagle3 import Eagle3Method
 from specheads.methods.losses import soft_cross_entropy, target_argmax
 from specheads.methods.ttt import shift_tokens, summarize_steps
-from specheads.models.peagle import PEagleConfig, PEagleModel, parallel_attention_mask
+from specheads.models.peagle import PEagleConfig, PEagleModel, parallel_attention_mask, parallel_window_mask
 from specheads.targets import Target
 
 
@@ -157,7 +157,9 @@ class PEagleMethod(Eagle3Method):
         hidden = torch.cat([h0, mask_state[None].expand(B, slots, -1)], 1)
         tokens = torch.cat([shift_tokens(ids, 1), ids.new_full((B, slots), int(model.config.mask_token_id))], 1)
         mask = parallel_attention_mask(packed.anchor, packed.depth, packed.valid)
-        h = model.decode(hidden, tokens, packed.positions, mask, None)
+        W = model.sliding_window
+        window = None if W is None else parallel_window_mask(packed.anchor, packed.depth, W)
+        h = model.decode(hidden, tokens, packed.positions, mask, None, window_mask=window)
         return h, packed
 
     @staticmethod

@@ -15,6 +15,13 @@ Normalisation options (each off by default; named as speculators 0.9's ``Eagle3S
 ``norm_output``: ``decode`` returns the post-``norm`` state, which the next step reads and ``lm_head`` reads as it is
 (the logits are unchanged, only what is fed back differs).
 
+Draft-layer options of speculators 0.9's default recipe (off by default; ``specheads.models.layers``):
+``sliding_window`` W with ``layer_types`` (``"sliding_attention"`` per sliding layer): a query sees only the keys
+within W positions of its anchor (training: speculators' ``kv_idx > q_idx - W`` on step 0's keys; drafting: the same
+rule with the tree's root as every node's anchor, given to ``decode`` as ``window_mask``);
+``qk_norm``: Qwen3's per-head ``self_attn.q_norm`` / ``self_attn.k_norm`` before RoPE (speculators' ``--draft-arch
+qwen3``, its P-EAGLE default).
+
 Drafting API (docs/architecture.md)::
 
     h0 = model.fuse(hidden_aux)                                 # (B, q, 3H) -> (B, q, H)
@@ -41,7 +48,7 @@ from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
 
 from specheads.models.layers import (DraftDecoderLayer, KVCache, RMSNorm, RotaryEmbedding, UnrollCache,
-                                    draft_fields_from_target, fusion_linear)
+                                    draft_fields_from_target, fusion_linear, layer_window, window_mask)
 from specheads.targets import Target, default_eagle3_layers
 
 class Eagle3Config(LlamaConfig):
@@ -52,8 +59,9 @@ class Eagle3Config(LlamaConfig):
     fc_norm: one RMSNorm per fused feature before fc (EAGLE-3.1; vLLM's ``fc_norm``, speculators' ``--fc-norm``);
     norm_before_fc: one RMSNorm over the concatenated fused features before fc (speculators' and vLLM's
     ``norm_before_fc``, weight ``input_norm``); norm_before_residual: the draft layer's residual starts from the normed
-    hidden state; norm_output: the post-norm state is fed back between draft steps (see the module docstring).
-    A config.json written before these options reads them as off.
+    hidden state; norm_output: the post-norm state is fed back between draft steps (see the module docstring);
+    sliding_window / layer_types: the draft layers' sliding window, as transformers' configs name them; qk_norm:
+    Qwen3's per-head q/k RMSNorms. A config.json written before these options reads them as off.
     """
 
     model_type = "specheads_eagle3"
@@ -65,16 +73,26 @@ class Eagle3Config(LlamaConfig):
     norm_before_fc: bool = False
     norm_before_residual: bool = False
     norm_output: bool = False
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    qk_norm: bool = False
 
     @classmethod
     def from_target(cls, target: Target, draft_vocab_size: int, aux_layers=None, fc_norm: bool = False,
                     norm_before_fc: bool = False, norm_before_residual: bool = False,
-                    norm_output: bool = False) -> "Eagle3Config":
+                    norm_output: bool = False, sliding_window: int | None = None, qk_norm: bool = False,
+                    num_layers: int = 1) -> "Eagle3Config":
+        """sliding_window: W for every draft layer (None: full attention); num_layers: P-EAGLE's layer count."""
         aux = list(aux_layers) if aux_layers is not None else list(default_eagle3_layers(target.num_layers))
-        return cls(num_hidden_layers=1, draft_vocab_size=min(draft_vocab_size, target.vocab_size),
+        window = {} if sliding_window is None else {"sliding_window": int(sliding_window),
+                                                    "layer_types": ["sliding_attention"] * int(num_layers)}
+        if sliding_window is not None and int(sliding_window) < 1:
+            raise ValueError(f"sliding_window must be >= 1 (or null), got {sliding_window}")
+        return cls(num_hidden_layers=int(num_layers), draft_vocab_size=min(draft_vocab_size, target.vocab_size),
                    target_hidden_size=target.hidden_size, aux_layers=aux, target=target.name, fc_norm=fc_norm,
                    norm_before_fc=norm_before_fc, norm_before_residual=norm_before_residual, norm_output=norm_output,
-                   tie_word_embeddings=False, **draft_fields_from_target(target.config))
+                   qk_norm=bool(qk_norm), tie_word_embeddings=False, **window,
+                   **draft_fields_from_target(target.config))
 
 
 class Eagle3Model(PreTrainedModel):
@@ -137,17 +155,32 @@ class Eagle3Model(PreTrainedModel):
         return self.fc(x)
 
     def decode(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-               attn_mask: torch.Tensor | None = None, cache: KVCache | UnrollCache | None = None) -> torch.Tensor:
+               attn_mask: torch.Tensor | None = None, cache: KVCache | UnrollCache | None = None,
+               window_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The drafter's layers: (B, q, H) hidden, (B, q) ids and positions -> (B, q, H) output, the state the next
         step reads: pre-norm, or after ``norm`` with ``norm_output``.
 
         attn_mask: (B, q, len(cache) + q) bool, True = attend; None = whole cache + causal.
+        window_mask: the same shape, the keys within each query's sliding window (``self.window_mask``), read by the
+        sliding-window layers only; needed with an explicit ``attn_mask`` when a layer slides.
         """
         cos, sin = self.rotary_emb(hidden, position_ids)
-        h = self.midlayer(hidden, cos, sin, attn_mask, cache, embeds=self.embed(input_ids))
+        h = self.midlayer(hidden, cos, sin, attn_mask, cache, embeds=self.embed(input_ids), window_mask=window_mask)
         for layer in self.extra_layers():
-            h = layer(h, cos, sin, attn_mask, cache)
+            h = layer(h, cos, sin, attn_mask, cache, window_mask=window_mask)
         return self.norm(h) if self.config.norm_output else h
+
+    @property
+    def sliding_window(self) -> int | None:
+        """W when any draft layer slides (they share the config's one W), else None."""
+        windows = {layer_window(self.config, i) for i in range(self.num_draft_layers)} - {None}
+        return windows.pop() if windows else None
+
+    def window_mask(self, anchor: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor | None:
+        """(B, q, kv) bool keys within the window of each query's ``anchor`` (B, q), given the keys' positions (B, kv);
+        None when no draft layer slides."""
+        W = self.sliding_window
+        return None if W is None else window_mask(anchor, key_pos, W)
 
     def extra_layers(self) -> list:
         """Decoder layers after ``midlayer`` (none for EAGLE-3; P-EAGLE's ``layers.{i}``, i >= 1)."""

@@ -17,9 +17,22 @@ fused kernel never holds the ``(B, heads, T, (i+1)T)`` scores, which the earlier
 kept for the backward pass (CPU, bf16 autocast, 4 x 512 tokens, SmolLM2 heads, a 3-step unroll:
 81 vs 319 MiB for forward + backward; 16 rows without gradients: 78 vs 436 MiB).
 
+Two options of the draft layer as vLLM speculators 0.9 trains them (both off unless the config sets them):
+
+* a sliding window (config ``sliding_window`` W and ``layer_types``: layer ``i`` slides where
+  ``layer_types[i] == "sliding_attention"``, as transformers' and vLLM's configs say it): a query keeps the keys
+  whose position ``p`` has ``p > a - W``, where ``a`` is its anchor, the position of the verified token its
+  draft chain starts from. In the training-time test that is the step-0 key ``j`` of query ``t`` with
+  ``t - W < j <= t`` (the keys of later steps, on the diagonal, always stay), speculators' ``eagle3/attention.py``
+  mask ``kv_idx > q_idx - sliding_window``; when drafting, a tree node's anchor is the root (its ancestors are
+  always inside) and a verified token is its own anchor. The caller passes that rule as ``window_mask`` (see
+  ``window_mask``); without it a sliding layer counts positions as the cache's order (a plain causal cache).
+* Qwen3's per-head query/key RMSNorms (config ``qk_norm``): ``self_attn.q_norm`` / ``self_attn.k_norm``, (head_dim,)
+  each, applied to every head's query and key before RoPE, as transformers' ``Qwen3Attention`` does.
+
 Parameter names follow the Llama / vLLM layout: ``self_attn.{q,k,v,o}_proj``,
-``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm`` and, for
-EAGLE-3, ``hidden_norm``.
+``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``, ``self_attn.{q,k}_norm``
+(``qk_norm``) and, for EAGLE-3, ``hidden_norm``.
 """
 
 from __future__ import annotations
@@ -166,27 +179,48 @@ class UnrollCache:
         return len(self.keys[0])
 
 
-def unroll_mask(T: int, steps: int, dtype: torch.dtype, device) -> torch.Tensor:
+def layer_window(config, layer: int) -> int | None:
+    """The sliding window W of draft layer ``layer`` (None: it attends to the whole context): ``config.sliding_window``
+    where ``config.layer_types[layer]`` is ``"sliding_attention"``."""
+    types, window = getattr(config, "layer_types", None), getattr(config, "sliding_window", None)
+    if not types or window is None or layer >= len(types) or types[layer] != "sliding_attention":
+        return None
+    if int(window) < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {window}")
+    return int(window)
+
+
+def window_mask(anchor: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """(B, q, kv) bool: key ``k`` lies within the window of query ``i``, ``key_pos[k] > anchor[i] - window``.
+
+    anchor: (B, q) each query's anchor position (module docstring); key_pos: (B, kv) each key's position."""
+    return key_pos[:, None, :] > anchor[:, :, None] - window
+
+
+def unroll_mask(T: int, steps: int, dtype: torch.dtype, device, window: int | None = None) -> torch.Tensor:
     """(T, steps * T) additive mask of step ``steps - 1`` of an unroll: 0 where position ``t`` may attend
-    (keys ``<= t`` of step 0; key ``t`` of every later step), -inf elsewhere."""
+    (keys ``<= t`` of step 0, and ``> t - window`` with a window; key ``t`` of every later step), -inf elsewhere."""
     idx = torch.arange(T, device=device)
-    allowed = torch.cat([idx[None, :] <= idx[:, None]]
-                        + [torch.eye(T, dtype=torch.bool, device=device)] * (steps - 1), dim=1)
+    causal = idx[None, :] <= idx[:, None]
+    if window is not None:
+        causal &= idx[None, :] > idx[:, None] - window
+    allowed = torch.cat([causal] + [torch.eye(T, dtype=torch.bool, device=device)] * (steps - 1), dim=1)
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
 
 
 def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                       scale: float) -> torch.Tensor:
+                       scale: float, window: int | None = None) -> torch.Tensor:
     """Attention of step ``len(keys) - 1`` of an unroll.
 
-    q: (B, nh, T, D); keys/values: lists of (B, nkv, T, D), entry 0 causal, the rest diagonal.
+    q: (B, nh, T, D); keys/values: lists of (B, nkv, T, D), entry 0 causal (within ``window`` of the query's own
+    position if given), the rest diagonal.
     Returns (B, nh, T, D): one fused attention over the concatenated keys under ``unroll_mask``.
     """
     nh, T, nkv = q.shape[1], q.shape[2], keys[0].shape[1]
-    if len(keys) == 1:  # step 0 is plain causal attention
+    if len(keys) == 1 and (window is None or window >= T):  # step 0 is plain causal attention
         return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, scale=scale,
                                               enable_gqa=nh != nkv)
-    mask = unroll_mask(T, len(keys), q.dtype, q.device)
+    mask = unroll_mask(T, len(keys), q.dtype, q.device, window)
     k, v, gqa = torch.cat(keys, dim=2), torch.cat(values, dim=2), nh != nkv
     if gqa and q.device.type != "cpu":  # CUDA's memory-efficient kernel takes a mask, not unequal head counts
         k, v, gqa = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1), False
@@ -194,10 +228,13 @@ def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
 
 
 class DraftAttention(nn.Module):
-    """Grouped-query self-attention with RoPE; q/k/v read an input of ``input_size`` features."""
+    """Grouped-query self-attention with RoPE; q/k/v read an input of ``input_size`` features. ``layer`` (the
+    layer's index among the draft's) picks its sliding window (``layer_window``); ``config.qk_norm`` adds Qwen3's
+    per-head ``q_norm`` / ``k_norm`` before RoPE."""
 
-    def __init__(self, config, input_size: int):
+    def __init__(self, config, input_size: int, layer: int = 0):
         super().__init__()
+        self.window = layer_window(config, layer)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -208,20 +245,31 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        qk_norm = getattr(config, "qk_norm", False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                attn_mask: torch.Tensor | None, cache: KVCache | UnrollCache | None) -> torch.Tensor:
-        """x: (B, q, input_size); cos/sin: (B, q, D); attn_mask: (B, q, kv) bool or None -> (B, q, H)."""
+                attn_mask: torch.Tensor | None, cache: KVCache | UnrollCache | None,
+                window_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, q, input_size); cos/sin: (B, q, D); attn_mask / window_mask: (B, q, kv) bool or None -> (B, q, H)."""
         B, q_len, _ = x.shape
-        q = self.q_proj(x).view(B, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, q_len, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, q_len, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: each head's query and key normed before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return self.o_proj(self.attend(q, k, v, layer, attn_mask, cache))
+        return self.o_proj(self.attend(q, k, v, layer, attn_mask, cache, window_mask))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, attn_mask: torch.Tensor | None,
-               cache: KVCache | UnrollCache | None) -> torch.Tensor:
-        """q: (B, heads, q, D), k/v: (B, kv_heads, q, D) after RoPE -> (B, q, heads * D), through the cache."""
+               cache: KVCache | UnrollCache | None, window_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """q: (B, heads, q, D), k/v: (B, kv_heads, q, D) after RoPE -> (B, q, heads * D), through the cache.
+
+        window_mask: (B, q, kv) bool, the keys within each query's window (``window_mask()``); read by a
+        sliding-window layer only, required with an explicit ``attn_mask`` (a tree's keys are not in position order).
+        """
         B, q_len = q.shape[0], q.shape[2]
         scale = self.head_dim ** -0.5
         if isinstance(cache, UnrollCache):
@@ -229,16 +277,32 @@ class DraftAttention(nn.Module):
                 raise ValueError("an UnrollCache defines its own attention pattern; pass attn_mask=None")
             cache.keys[layer].append(k)
             cache.values[layer].append(v)
-            out = unrolled_attention(q, cache.keys[layer], cache.values[layer], scale)
+            out = unrolled_attention(q, cache.keys[layer], cache.values[layer], scale, self.window)
         else:
             # this layer's own length: with several layers, layer 0 has already appended the new keys
             past = 0 if cache is None or cache.keys[layer] is None else cache.keys[layer].shape[2]
             if cache is not None:
                 k, v = cache.update(layer, k, v)
             mask = _check_mask(attn_mask, B, q_len, past, q.device)
+            if self.window is not None:
+                mask = mask & self._window(window_mask, attn_mask, q_len, past, q.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2).reshape(B, q_len, -1)
+
+    def _window(self, given: torch.Tensor | None, attn_mask: torch.Tensor | None, q_len: int, past: int,
+                device) -> torch.Tensor:
+        """(B or 1, q, past+q) bool: the keys within this layer's window."""
+        if given is not None:
+            if given.dtype != torch.bool or given.dim() != 3 or given.shape[1:] != (q_len, past + q_len):
+                raise ValueError(f"window_mask must be a bool tensor (B, q={q_len}, kv={past + q_len}); got "
+                                 f"{given.dtype} {tuple(given.shape)}")
+            return given
+        if attn_mask is not None:
+            raise ValueError(f"this draft layer has a sliding window ({self.window}): with an explicit attn_mask, pass "
+                             "window_mask (the keys' positions are not the cache's order)")
+        pos = torch.arange(past + q_len, device=device)[None]
+        return window_mask(pos[:, past:], pos, self.window)
 
 
 def _check_mask(attn_mask: torch.Tensor | None, batch: int, q_len: int, past: int, device) -> torch.Tensor:
@@ -296,7 +360,7 @@ class DraftDecoderLayer(nn.Module):
         self.layer = layer
         self.embeds_input = embeds_input
         self.norm_before_residual = norm_before_residual
-        self.self_attn = DraftAttention(config, 2 * H if embeds_input else H)
+        self.self_attn = DraftAttention(config, 2 * H if embeds_input else H, layer)
         self.mlp = DraftMLP(config)
         self.input_layernorm = RMSNorm(H, eps) if (input_layernorm or embeds_input) else None
         self.hidden_norm = RMSNorm(H, eps) if embeds_input else None
@@ -304,8 +368,9 @@ class DraftDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None, cache: KVCache | UnrollCache | None = None,
-                embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden: (B, q, H); embeds: (B, q, H) for the EAGLE-3 style -> (B, q, H) pre-norm output."""
+                embeds: torch.Tensor | None = None, window_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: (B, q, H); embeds: (B, q, H) for the EAGLE-3 style -> (B, q, H) pre-norm output.
+        window_mask: see ``DraftAttention.attend`` (read by a sliding-window layer only)."""
         if self.embeds_input:
             if embeds is None:
                 raise ValueError("this layer reads [embeds; hidden]: pass embeds")
@@ -315,5 +380,5 @@ class DraftDecoderLayer(nn.Module):
                 hidden = normed
         else:
             x = hidden if self.input_layernorm is None else self.input_layernorm(hidden)
-        h = hidden + self.self_attn(x, cos, sin, self.layer, attn_mask, cache)
+        h = hidden + self.self_attn(x, cos, sin, self.layer, attn_mask, cache, window_mask)
         return h + self.mlp(self.post_attention_layernorm(h))

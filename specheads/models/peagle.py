@@ -38,10 +38,12 @@ class PEagleConfig(Eagle3Config):
 
     @classmethod
     def from_target(cls, target: Target, draft_vocab_size: int, aux_layers=None, fc_norm: bool = False,
-                    num_layers: int = 1, num_depths: int = 4, mask_token_id: int | None = None) -> "PEagleConfig":
+                    num_layers: int = 1, num_depths: int = 4, mask_token_id: int | None = None,
+                    sliding_window: int | None = None, qk_norm: bool = False) -> "PEagleConfig":
         from specheads.models.dflash import default_mask_token
 
-        base = Eagle3Config.from_target(target, draft_vocab_size, aux_layers, fc_norm).to_dict()
+        base = Eagle3Config.from_target(target, draft_vocab_size, aux_layers, fc_norm, sliding_window=sliding_window,
+                                        qk_norm=qk_norm, num_layers=num_layers).to_dict()
         for key in ("model_type", "transformers_version", "architectures"):
             base.pop(key, None)
         base.update(num_hidden_layers=int(num_layers), num_depths=int(num_depths),
@@ -61,6 +63,8 @@ class PEagleModel(Eagle3Model):
         if config.mask_token_id is None:
             raise ValueError("P-EAGLE needs mask_token_id in its config")
         # keys "1", "2", ...: saved as layers.{i}.*, the names vLLM's eagle3 loader gives the layers after the first
+        if config.layer_types is not None and len(config.layer_types) != config.num_hidden_layers:
+            raise ValueError(f"layer_types names {len(config.layer_types)} layers; the head has {config.num_hidden_layers}")
         self.layers = nn.ModuleDict({str(i): DraftDecoderLayer(config, layer=i)
                                      for i in range(1, config.num_hidden_layers)})
         width = len(config.aux_layers or (0, 0, 0)) * (config.target_hidden_size or config.hidden_size)
@@ -108,3 +112,13 @@ def parallel_attention_mask(anchor: torch.Tensor, depth: torch.Tensor, valid: to
     own = (dk >= 1) & (ak == aq) & (dk <= dq)
     allowed = (context | own) & valid[:, None, :].bool()
     return allowed | torch.eye(Q, dtype=torch.bool, device=anchor.device)[None]
+
+
+def parallel_window_mask(anchor: torch.Tensor, depth: torch.Tensor, window: int) -> torch.Tensor:
+    """(B, Q, Q) bool, the sliding-window part of speculators' P-EAGLE mask (what a sliding layer adds to
+    ``parallel_attention_mask``): a key of another chain is kept when its anchor lies above ``anchor + depth - window``
+    of the query; every key of the query's own chain is kept."""
+    B, Q = anchor.shape
+    depth = depth.expand(B, Q) if depth.dim() == 1 else depth
+    aq, ak, dq = anchor[:, :, None], anchor[:, None, :], depth[:, :, None]
+    return (ak > aq + dq - window) | (ak == aq)

@@ -110,6 +110,31 @@ def test_a_speculators_folder_with_its_normalisations_decodes_losslessly(target,
     assert row["by_temperature"]["0.0"]["all"]["alpha_by_position"] == [1.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize("options", [{"sliding_window": 3, "qk_norm": True}, {"sliding_window": 3}])
+def test_a_speculators_folder_with_a_window_and_qwen3_layer_decodes_losslessly(options, target, tmp_path, monkeypatch):
+    """speculators' default draft layer (a sliding window, here 3 positions, shorter than the prompts; Qwen3 q/k norms):
+    the folder is read (no refusal), the drafter runs the window over its tree masks, and the output is the target's
+    own, every draft accepted."""
+    import specheads.evaluation.suite as suite
+
+    target.model.save_pretrained(tmp_path / "target")
+    agreeing_head(target, **options).save_pretrained(tmp_path / "head")
+    folder = export_head(tmp_path / "head", tmp_path / "spec", "speculators", str(tmp_path / "target"))
+    (folder / "specheads_export.json").unlink()
+    layer = json.loads((folder / "config.json").read_text())["transformer_layer_config"]
+    assert layer["sliding_window"] == 3 and layer["model_type"] == ("qwen3" if "qk_norm" in options else "llama")
+    real = suite.load_benchmarks
+    monkeypatch.setattr(suite, "load_benchmarks", lambda s: [p for p in real(s) if p.domain in ("coding", "code")][:1])
+    spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1,), humaneval=1, chat=0)
+    report = evaluate(target, EvalConfig([MethodSpec("spec", "eagle3", TreeShape("dynamic", depth=3, topk=2,
+                                                                                total_tokens=6),
+                                                     head_dir=str(folder))], spec, max_new_tokens=9,
+                                         temperatures=(0.0,), batch_sizes=(1,), repeats=1))
+    (row,) = report["methods"]
+    assert row["head_source"] == "speculators" and row["lossless"]["exact"]
+    assert row["by_temperature"]["0.0"]["all"]["alpha_by_position"][0] == 1.0
+
+
 def test_training_time_figures_are_absent_and_auto_shape_refused(heads):
     for name in ("speculators", "vllm"):
         assert train_tau(str(heads[name])) is None  # though a train_summary.json sits beside the folder

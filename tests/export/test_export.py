@@ -775,3 +775,38 @@ def test_engines_that_do_not_compute_an_option_are_refused_by_name(target, targe
     both.set_draft_vocab(*build_draft_vocab(torch.randint(0, 1000, (V,)), DV))
     with pytest.raises((LayoutError, ExportError), match=r"norm_before_fc with fc_norm: speculators 0.9"):
         export_head(save_head(both, tmp_path / "b"), tmp_path / "out2", engine="speculators", target=str(target_dir))
+
+
+@pytest.mark.parametrize("engine", ["vllm", "speculators"])
+def test_sliding_window_and_qwen3_layers_export_as_the_engines_read_them(engine, target, target_dir, tmp_path):
+    """vLLM 0.32 (qwen3_eagle3.Eagle3Qwen3ForCausalLM: q/k norms, the window of each sliding_attention layer) and
+    speculators 0.9 (the layer config's model_type qwen3, sliding_window, layer_types): the fields written, the norms'
+    tensors, and a round trip that reads back equal."""
+    from specheads.export.reload import load_exported
+
+    head = _norm_head(target, sliding_window=3, qk_norm=True)
+    with torch.no_grad():
+        head.midlayer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+    out = export_head(save_head(head, tmp_path), tmp_path / "out", engine=engine, target=str(target_dir))
+    config, got = json.loads((out / "config.json").read_text()), tensors(out)
+    layer = config if engine == "vllm" else config["transformer_layer_config"]
+    assert {k: layer[k] for k in ("model_type", "sliding_window", "layer_types", "use_sliding_window")} == {
+        "model_type": "qwen3", "sliding_window": 3, "layer_types": ["sliding_attention"], "use_sliding_window": True}
+    if engine == "vllm":
+        assert config["architectures"] == ["Eagle3Qwen3ForCausalLM"]
+    prefix = "midlayer" if engine == "vllm" else "layers.0"
+    assert torch.equal(got[f"{prefix}.self_attn.q_norm.weight"], head.midlayer.self_attn.q_norm.weight)
+    back = load_exported(out)
+    assert back.config.sliding_window == 3 and back.config.layer_types == ["sliding_attention"] and back.config.qk_norm
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in head.state_dict().items())
+
+
+@pytest.mark.parametrize("option,word", [({"sliding_window": 3}, "a sliding-window draft layer"),
+                                         ({"qk_norm": True}, "Qwen3 q/k norms")])
+def test_sglang_refuses_the_draft_layer_options(option, word, target, target_dir, tmp_path):
+    from specheads.export.layouts import LayoutError
+
+    head = save_head(_norm_head(target, **option), tmp_path / "a")
+    with pytest.raises((LayoutError, ExportError), match=rf"{word}.*SGLang 0.5.23's LlamaForCausalLMEagle3 does not "
+                                                         r"read it .*engine=vllm or engine=speculators"):
+        export_head(head, tmp_path / "out", engine="sglang", target=str(target_dir))

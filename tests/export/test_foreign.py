@@ -281,11 +281,14 @@ REFUSALS = {
                    r"head vocab_size 512 != target tiny vocab_size 256"),
     "aux out of range": (lambda f: _edit_config(f, eagle_aux_hidden_state_layer_ids=[2, 4, 8]),
                          r"aux layers \[8\] do not exist in target tiny \(8 layers\)"),
-    "qwen3 layer": (lambda f: _edit_config(f, transformer_layer_config={"model_type": "qwen3"}),
-                    r"the draft layer is a qwen3 layer"),
-    "no layer type": (lambda f: _edit_config(f, replace={"transformer_layer_config": {
-                          k: v for k, v in _llama_layer().items() if k != "model_type"}}),
-                      r"the draft layer is a qwen3 layer"),
+    "qwen3 layer without its q/k norms": (lambda f: _edit_config(f, transformer_layer_config={"model_type": "qwen3"}),
+                                          r"missing key\(s\) \['layers.0.self_attn.k_norm.weight', "
+                                          r"'layers.0.self_attn.q_norm.weight'\]"),
+    "no layer type (qwen3) without q/k norms": (lambda f: _edit_config(f, replace={"transformer_layer_config": {
+                                                    k: v for k, v in _llama_layer().items() if k != "model_type"}}),
+                                                r"missing key\(s\) \['layers.0.self_attn.k_norm.weight'"),
+    "chunked layer": (lambda f: _edit_config(f, transformer_layer_config={"layer_types": ["chunked_attention"]}),
+                      r"layer_types \['chunked_attention'\]: the specheads head's draft layers attend"),
     "two layers": (lambda f: _edit_config(f, transformer_layer_config={"num_hidden_layers": 2}),
                    r"EAGLE-3 heads have one layer"),
     "norm_before_fc without its norm": (lambda f: _edit_config(f, norm_before_fc=True),
@@ -326,3 +329,62 @@ def test_no_weights_is_refused(spec_dir):
                                                r"then medusa_lm_head.pt\)"):
         read_foreign_head(spec_dir, INFO)
     shutil.rmtree(spec_dir)
+
+
+def _qwen3_sliding_layer(window: int | None, model_type: str | None = "qwen3") -> dict:
+    """speculators' default draft layer (``create_transformer_layer_config``): a Qwen3 config (``--draft-arch qwen3``;
+    no ``model_type`` reads as Qwen3 too) whose layers are ``sliding_attention`` with ``use_sliding_window``."""
+    layer = {k: v for k, v in _llama_layer().items() if k != "model_type"}
+    if model_type is not None:
+        layer["model_type"] = model_type
+    if window is not None:
+        layer.update(sliding_window=window, use_sliding_window=True, layer_types=["sliding_attention"])
+    return layer
+
+
+@pytest.mark.parametrize("model_type,window", [("qwen3", 2), (None, None), ("llama", 2), ("qwen3", None)])
+def test_a_speculators_folder_with_a_window_or_a_qwen3_layer_reads_into_the_same_head(model_type, window, target,
+                                                                                      tmp_path):
+    """speculators' default recipe (sliding window 2048 here 2, shorter than the 4 positions compared; Qwen3 layers
+    with ``self_attn.q_norm`` / ``k_norm``) is read as the head's options: the same tensors and logits."""
+    qk = model_type in ("qwen3", None)
+    opts = {**({"sliding_window": window} if window else {}), "qk_norm": qk}
+    head = _norm_head(target, **opts)
+    if qk:
+        with torch.no_grad():
+            head.midlayer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    head = head.to(torch.bfloat16)
+    layer = _qwen3_sliding_layer(window, model_type)
+    folder = speculators_folder(tmp_path / "spec", head, target, aux=[2, 4, 5], transformer_layer_config=layer)
+    model = load_foreign_head(folder, target)
+    assert (model.config.sliding_window, model.config.layer_types, model.config.qk_norm) == (
+        window, ["sliding_attention"] if window else None, qk)
+    for name, t in head.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
+    _same_logits(head.float(), model.float(), target)
+
+
+def test_a_qwen3_layer_without_use_sliding_window_attends_to_everything(target, tmp_path):
+    """transformers' Qwen3Config drops ``sliding_window`` without ``use_sliding_window`` (so do speculators and vLLM,
+    which read the parsed config): such a folder is a full-attention head."""
+    head = _norm_head(target, qk_norm=True).to(torch.bfloat16)
+    layer = dict(_qwen3_sliding_layer(2), use_sliding_window=False)
+    model = load_foreign_head(speculators_folder(tmp_path / "s", head, target, aux=[2, 4, 5],
+                                                 transformer_layer_config=layer), target)
+    assert model.config.sliding_window is None and model.sliding_window is None
+
+
+@pytest.mark.parametrize("engine,fmt", [("speculators", "speculators"), ("vllm", "eagle3")])
+def test_our_window_and_qwen3_exports_read_back_as_foreign_heads(engine, fmt, target, target_dir, tmp_path):
+    """A head with a sliding window and q/k norms, exported (vLLM: ``Eagle3Qwen3ForCausalLM``) without our own
+    export record, is read back as the same head."""
+    head = _norm_head(target, sliding_window=2, qk_norm=True)
+    with torch.no_grad():
+        head.midlayer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+    folder = foreign_export(head, engine, tmp_path, target_dir)
+    assert foreign_format(folder) == fmt
+    model = load_foreign_head(folder, target)
+    assert (model.config.sliding_window, model.config.qk_norm) == (2, True)
+    for name, t in head.state_dict().items():
+        assert torch.equal(model.state_dict()[name].float(), t.float()), name
+    _same_logits(head, model.float(), target)

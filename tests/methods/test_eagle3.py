@@ -424,3 +424,30 @@ def test_speculators_normalisations_train_a_step_and_change_the_loss(option, tar
         assert model.input_norm.weight.grad.abs().sum() > 0
     opt.step()
     assert torch.isfinite(method.loss(model, batch, target).loss)
+
+
+@pytest.mark.parametrize("option", [{"sliding_window": 2}, {"qk_norm": True}])
+def test_speculators_draft_layer_options_train_a_step_and_change_the_loss(option, target):
+    """``method.sliding_window`` (shorter than the rows) and ``method.qk_norm`` build the head with them, one optimiser
+    step runs, and the loss is not the plain head's with the same weights."""
+    method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), **option)
+    model = method.build(target)
+    (name, value), = option.items()
+    assert getattr(model.config, name) == value
+    batch = _batch(target, method)
+    plain_method = Eagle3Method(draft_vocab_size=DV, vocab_data=_rows())
+    plain = plain_method.build(target)
+    plain.load_state_dict(model.state_dict(), strict=False)
+    loss = method.loss(model, batch, target).loss
+    assert not torch.allclose(loss, plain_method.loss(plain, batch, target).loss)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    loss.backward()
+    if name == "qk_norm":
+        assert model.midlayer.self_attn.q_norm.weight.grad.abs().sum() > 0
+    opt.step()
+    assert torch.isfinite(method.loss(model, batch, target).loss)
+
+
+def test_a_bad_sliding_window_is_refused():
+    with pytest.raises(ValueError, match=r"sliding_window must be >= 1"):
+        Eagle3Method(draft_vocab_size=DV, vocab_data=_rows(), sliding_window=0)
