@@ -158,9 +158,3 @@ def test_our_trainer_alone_trains_one_epoch_of_the_training_rows_and_reports_for
     assert seen == [(run["head_dir"], tmp_path / "work")] and second["runs"][0]["eval"] == figures
     assert second["budget"] == {"epochs": 1} and second["runs"][0]["steps"] == run["steps"]
 
-
-def test_evaluating_their_head_needs_a_full_attention_draft_layer_before_anything_runs(tmp_path):
-    with pytest.raises(SystemExit, match="add --their-arg=--full-attention-indices=0$"):
-        bench.main(["--features", str(tmp_path / "none"), "--prepared", str(tmp_path / "none"), "--evaluate",
-                    "--their-arg=--no-norm-before-residual"])
-    assert not list(tmp_path.iterdir())  # nothing converted or trained

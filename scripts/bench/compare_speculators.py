@@ -4,9 +4,11 @@
         --features runs/quickstart/features --prepared runs/quickstart/prepared --minutes 2.5
     ... --settings float32:3 bfloat16:3 float32:1 bfloat16:1 --draft-vocab-size 4096 --json report.json
     ... --only ours                        # our trainer alone (speculators need not be installed)
+    ... --settings bfloat16:1 --epochs 1 --evaluate --json h2h.json   # equal tokens (their default recipe),
+                                                                       # then the acceptance of both heads
     ... --settings bfloat16:1 --epochs 1 --evaluate --their-arg=--no-norm-before-residual \
         --their-arg=--no-norm-before-fc --their-arg=--no-norm-output --their-arg=--full-attention-indices=0 \
-        --json h2h.json                     # equal tokens, then the acceptance of both heads
+        --json h2h-arch.json                # the same, their head in our architecture (the original EAGLE-3's)
     python scripts/bench/compare_speculators.py --reuse h2h.json --json h2h-eval.json   # evaluate those heads again
 
 speculators (pip install speculators, v0.9) is not a dependency of this project: without it the script
@@ -51,12 +53,11 @@ speculators' own format) is then decoded by ``specheads evaluate`` on the main j
 ``eval.chat_dir=--prepared``), greedy (T=0) with the lossless check, in the same shapes for every head:
 the evaluator's dynamic tree (``head_shape=tree``, ``tree`` of conf/evaluate.yaml) and vLLM's chain of 3
 (``serving.engines=[vllm]``); α and τ per domain and overall go in the report. speculators 0.9 trains EAGLE-3
-by default with a sliding-window draft layer (window 2048: on rows of at most 2048 tokens the same as full
-attention, but the config says otherwise), which the evaluator refuses by name; so ``--evaluate`` with their
-trainer needs ``--their-arg=--full-attention-indices=0`` (checked before anything runs, ``ARCH_FLAGS``). Their
-default also turns on three normalisations (``norm_before_residual``, ``norm_before_fc``, ``norm_output``: our
-``method.norm_*``, off in our defaults); ``--their-arg=--no-norm-...`` turns them off so that both heads have one
-architecture, the original EAGLE-3's, and the trainers differ only in how they train it.
+by default with a sliding-window draft layer (window 2048) and three normalisations (``norm_before_residual``,
+``norm_before_fc``, ``norm_output``); the evaluator computes all of them (our ``method.sliding_window`` and
+``method.norm_*``, off in our defaults), so their default recipe is evaluated as it is. ``--their-arg=--no-norm-...``
+and ``--their-arg=--full-attention-indices=0`` give their head the original EAGLE-3 architecture, ours, so that the
+trainers differ only in how they train it.
 Prints the exact command of every run, one JSON line per run and tables. ``--json`` writes a report that
 ``specheads record`` files under ``speculators_comparisons`` in docs/benchmarks.json.
 
@@ -440,9 +441,6 @@ EVAL_FIXED = ["target.dtype=float32", "baselines=[]", "head_shape=tree", "head_n
               "serving.engines=[vllm]", "eval.max_minutes=null"]
 
 
-# speculators' EAGLE-3 options without which specheads evaluate refuses its checkpoint (a sliding-window draft layer)
-ARCH_FLAGS = ("--full-attention-indices=0",)
-
 
 def main_job_prompts() -> list[str]:
     """The main job's evaluation prompt set: the ``eval.*`` items of ``conf/pipeline.yaml``'s evaluate stage,
@@ -597,10 +595,6 @@ def main(argv=None) -> None:
         return finish(args, Path(args.workdir), data, results)
     settings = [parse_setting(s) for s in args.settings]
     trainers = [args.only] if args.only else ["ours", "theirs"]
-    missing = [f for f in ARCH_FLAGS if f not in args.their_arg]
-    if args.evaluate and "theirs" in trainers and missing:
-        raise SystemExit("--evaluate: specheads evaluate reads speculators' EAGLE-3 only with full attention; add "
-                         + " ".join(f"--their-arg={f}" for f in missing))
     if "theirs" in trainers and (why := speculators_missing()):
         print(f"SKIP speculators: {why}; install speculators (v0.9) or put it on PYTHONPATH to compare "
               f"against it", file=sys.stderr)
