@@ -435,11 +435,14 @@ def eval_benches(data: dict) -> str:
 
 
 def speculators_comparisons(data: dict) -> str:
-    """docs/benchmarks.md: the newest ``compare_speculators.py --json`` record per machine and kind of budget
-    (epochs or minutes): training figures of both trainers per setting, then α / τ per domain of both heads."""
+    """docs/benchmarks.md: the newest ``compare_speculators.py --json`` record per machine, kind of budget (epochs
+    or minutes) and recipe (each trainer's extra flags: speculators' default recipe, or its head in our
+    architecture): training figures of both trainers per setting, then α / τ per domain of both heads."""
     seen, runs = set(), []
     for r in data.get("speculators_comparisons") or []:
-        key = (r.get("machine"), tuple(sorted(r["budget"])))
+        st = r.get("settings") or {}
+        key = (r.get("machine"), tuple(sorted(r["budget"])), tuple(st.get("our_args") or ()),
+               tuple(st.get("their_args") or ()))
         if key not in seen:
             seen.add(key)
             runs.append(r)

@@ -307,6 +307,11 @@ def test_a_speculators_comparison_is_recorded_without_commands_and_rendered(tmp_
     other["runs"][1]["eval"] = {**other["runs"][1]["eval"], "target_dtype": "bfloat16"}
     record(_write(tmp_path, "dtypes.json", other), results, CHECKOUT, date="2099-01-03")
     assert "target bfloat16 / float32 (differs between heads)" in rt.speculators_comparisons(rt.load(results))
+    default = _compare_report()  # speculators' default recipe: shown beside its head in our architecture
+    default["settings"] = {**default["settings"], "their_args": []}
+    record(_write(tmp_path, "default.json", default), results, CHECKOUT, date="2099-01-04")
+    text = rt.speculators_comparisons(rt.load(results))
+    assert text.startswith("2099-01-04") and "2099-01-03" in text and text.count("speculators also given") == 2
 
 
 def test_a_comparison_report_without_runs_is_refused(tmp_path, results):
