@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from tests.conftest import make_tiny_model
 from specheads.decoding.cpu_linears import PackedLinear, can_pack
 from specheads.decoding.exact import (ATTENTION_NAME, apply_row_floor, exact_attention, linear_row_floor, make_exact,
                                       prove_exact, remove_row_floor, row_floor_lifted, settle_exact,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from tests.conftest import make_tiny_model
 from specheads.decoding.grouped_attention import ATTENTION_NAME, grouped_sdpa_attention, use_grouped_attention
 from specheads.decoding.runner import TargetRunner
 
