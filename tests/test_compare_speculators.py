@@ -107,25 +107,12 @@ def test_both_heads_are_evaluated_on_the_main_jobs_prompts_in_the_same_shapes():
 @pytest.mark.slow
 def test_our_trainer_alone_trains_one_epoch_of_the_training_rows_and_reports_for_the_record(tmp_path, monkeypatch):
     """``--only ours --epochs 1`` (speculators not needed): every training token once, the JSON a record."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    from specheads.data.prepare import write_prepared
     from specheads.record import Checkout, record
-    from specheads.targets import load_target, tokenizer_fingerprint
+    from specheads.targets import load_target
     from specheads.targets.model import default_eagle3_layers
-    from tests.conftest import make_tiny_model
-    from tests.training.engine_helpers import progression_rows
+    from tests.training.engine_helpers import word_level_target
 
-    model_dir = tmp_path / "tiny-llama"
-    make_tiny_model("llama", hidden=32, layers=4, vocab=256).save_pretrained(model_dir)
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)},
-                                                                              unk_token="w0")),
-                                  unk_token="w0", eos_token="w1")
-    tok.save_pretrained(model_dir)
-    prepared = tmp_path / "prepared"
-    write_prepared(progression_rows(40), {"target": str(model_dir), "tokenizer_fingerprint": tokenizer_fingerprint(tok),
-                                          "max_length": 32}, prepared)
+    model_dir, prepared = word_level_target(tmp_path, layers=4)
     store = tmp_path / "features"
     collect_hidden_states(load_target(str(model_dir)), load_prepared(prepared)[0],
                           FeatureSpec(default_eagle3_layers(4), True), store,

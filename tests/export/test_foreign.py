@@ -298,6 +298,16 @@ REFUSALS = {
 }
 
 
+def assert_refused(read, folder: Path, edit, message: str, fmt: str) -> None:
+    """``read(folder)`` succeeds; after ``edit(folder)`` it fails in one line naming the folder, its format and (the
+    pattern ``message``) the fault: each refusal shown to come from its own check."""
+    read(folder)
+    edit(folder)
+    with pytest.raises(ForeignHeadError, match=message) as e:
+        read(folder)
+    assert str(folder) in str(e.value) and fmt in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_refusals_name_the_folder_and_the_fault(case, spec_dir):
     edit, message = REFUSALS[case]

@@ -18,7 +18,7 @@ from specheads.models.eagle1 import Eagle1Model
 from specheads.models.medusa import MedusaHeads
 from tests.conftest import make_tiny_target
 from tests.export.test_export import H, V, _randomize, make_head, save_head
-from tests.export.test_foreign import _edit_config, foreign_export
+from tests.export.test_foreign import _edit_config, assert_refused, foreign_export
 
 LAYERS, MASK = 8, 255
 INFO = TargetInfo("tiny", H, V, LAYERS)
@@ -266,13 +266,8 @@ ZLAB = {
 
 @pytest.mark.parametrize("case", list(ZLAB))
 def test_zlab_refusals_name_the_folder_and_the_fault(case, target, tmp_path):
-    folder = zlab_folder(tmp_path / "z", dflash_head(target, aux=(2, 4, 5)))
-    read_foreign_head(folder, INFO)
-    edit, message = ZLAB[case]
-    edit(folder)
-    with pytest.raises(ForeignHeadError, match=message) as e:
-        read_foreign_head(folder, INFO)
-    assert str(folder) in str(e.value) and "z-lab's DFlash format" in str(e.value) and "\n" not in str(e.value)
+    assert_refused(lambda f: read_foreign_head(f, INFO), zlab_folder(tmp_path / "z", dflash_head(target, aux=(2, 4, 5))),
+                   *ZLAB[case], "z-lab's DFlash format")
 
 
 SPECULATORS = {
@@ -329,13 +324,8 @@ MEDUSA = {
 
 @pytest.mark.parametrize("case", list(MEDUSA))
 def test_medusa_refusals(case, target, tmp_path):
-    folder = medusa_folder(tmp_path / "m", make_head("medusa", target))
-    read_foreign_head(folder, INFO)
-    edit, message = MEDUSA[case]
-    edit(folder)
-    with pytest.raises(ForeignHeadError, match=message) as e:
-        read_foreign_head(folder, INFO)
-    assert str(folder) in str(e.value) and "original Medusa format" in str(e.value) and "\n" not in str(e.value)
+    assert_refused(lambda f: read_foreign_head(f, INFO), medusa_folder(tmp_path / "m", make_head("medusa", target)),
+                   *MEDUSA[case], "original Medusa format")
 
 
 EAGLE1 = {

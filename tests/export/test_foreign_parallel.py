@@ -16,7 +16,7 @@ from specheads.models.dspark import DSparkConfig, DSparkModel
 from specheads.models.peagle import PEagleConfig, PEagleModel
 from tests.conftest import make_tiny_target
 from tests.export.test_export import H, V, _randomize, save_head
-from tests.export.test_foreign import _edit_config, foreign_export
+from tests.export.test_foreign import _edit_config, assert_refused, foreign_export
 from tests.export.test_foreign_families import _edit_weights, _qwen3_layer, assert_same_state
 
 LAYERS, MASK, DV, RANK = 8, 255, 200, 16
@@ -224,13 +224,9 @@ PEAGLE = {
 
 @pytest.mark.parametrize("case", list(PEAGLE))
 def test_peagle_refusals(case, target, tmp_path):
-    folder = speculators_peagle_folder(tmp_path / "p", peagle_head(target), target)
-    load_foreign_head(folder, target)
-    edit, message = PEAGLE[case]
-    edit(folder)
-    with pytest.raises(ForeignHeadError, match=message) as e:
-        load_foreign_head(folder, target)
-    assert str(folder) in str(e.value) and "speculators' format" in str(e.value) and "\n" not in str(e.value)
+    assert_refused(lambda f: load_foreign_head(f, target),
+                   speculators_peagle_folder(tmp_path / "p", peagle_head(target), target), *PEAGLE[case],
+                   "speculators' format")
 
 
 DSPARK = {
@@ -265,10 +261,5 @@ DSPARK = {
 
 @pytest.mark.parametrize("case", list(DSPARK))
 def test_dspark_refusals(case, target, tmp_path):
-    folder = speculators_dspark_folder(tmp_path / "d", dspark_head(target))
-    load_foreign_head(folder, target)
-    edit, message = DSPARK[case]
-    edit(folder)
-    with pytest.raises(ForeignHeadError, match=message) as e:
-        load_foreign_head(folder, target)
-    assert str(folder) in str(e.value) and "speculators' format" in str(e.value) and "\n" not in str(e.value)
+    assert_refused(lambda f: load_foreign_head(f, target), speculators_dspark_folder(tmp_path / "d", dspark_head(target)),
+                   *DSPARK[case], "speculators' format")

@@ -16,6 +16,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for tests.conftest
 
 
+def word_level_target(root: Path, layers: int, rows: int = 40) -> tuple[Path, Path]:
+    """(a tiny Llama folder with a 256-word word-level tokenizer, a prepared folder of ``rows`` progressions
+    tokenized 'by' it) under ``root``: a target and data the CLI stages load as a user's."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from specheads.data.prepare import write_prepared
+    from specheads.targets import tokenizer_fingerprint
+    from tests.conftest import make_tiny_model
+
+    model_dir = root / "tiny-llama"
+    make_tiny_model("llama", hidden=32, layers=layers, vocab=256).save_pretrained(model_dir)
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)},
+                                                                              unk_token="w0")),
+                                  unk_token="w0", eos_token="w1")
+    tok.save_pretrained(model_dir)
+    prepared = root / "prepared"
+    write_prepared(progression_rows(rows), {"target": str(model_dir), "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+                                            "max_length": 32}, prepared)
+    return model_dir, prepared
+
+
 def progression_rows(n: int, length: int = 24, vocab: int = 256, seed: int = 0, prompt: int = 4) -> dict[str, list]:
     """Arithmetic progressions mod ``vocab`` (stride 1-3): learnable by heads that see the current token.
 

@@ -10,10 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specheads.data.prepare import write_prepared
 from specheads.evaluation.prompts import chat_heldout_ids
-from specheads.targets import tokenizer_fingerprint
-from tests.conftest import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -30,22 +27,9 @@ def load_recipe():
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(tiny Llama folder with a word-level tokenizer, prepared folder tokenized 'by' it)."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
+    from engine_helpers import word_level_target
 
-    from engine_helpers import progression_rows
-
-    root = tmp_path_factory.mktemp("train_recipe")
-    model_dir = root / "tiny-llama"
-    make_tiny_model("llama", hidden=32, layers=2, vocab=256).save_pretrained(model_dir)
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)},
-                                                                              unk_token="w0")),
-                                  unk_token="w0", eos_token="w1")
-    tok.save_pretrained(model_dir)
-    prepared = root / "prepared"
-    write_prepared(progression_rows(40), {"target": str(model_dir), "tokenizer_fingerprint": tokenizer_fingerprint(tok),
-                                          "max_length": 32}, prepared)
-    return model_dir, prepared
+    return word_level_target(tmp_path_factory.mktemp("train_recipe"), layers=2)
 
 
 def compose(*overrides: str):
