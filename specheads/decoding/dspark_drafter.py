@@ -88,7 +88,7 @@ def load_dspark_drafter(head_dir, target, shape: TreeShape | None = None,
     from specheads.models.dspark import DSparkModel
 
     # the draft runs in the target's dtype (its embedding and LM head are the target's own), as DFlash's
-    from specheads.evaluation.suite import head_source
+    from specheads.export.foreign import head_source
 
     if head_source(str(head_dir)) == "specheads":
         model = DSparkModel.from_pretrained(head_dir)

@@ -101,7 +101,7 @@ def load_peagle_drafter(head_dir, target, shape: TreeShape | None = None) -> PEa
     from specheads.decoding.cpu_linears import pack_like
     from specheads.models.peagle import PEagleModel
 
-    from specheads.evaluation.suite import head_source
+    from specheads.export.foreign import head_source
 
     if head_source(str(head_dir)) == "specheads":
         model = PEagleModel.from_pretrained(head_dir)

@@ -40,6 +40,7 @@ from specheads.decoding.runner import TargetRunner
 from specheads.decoding.tree import normalize_choices
 from specheads.decoding.verify import LOSSLESS
 from specheads.errors import ConfigError, InputNotFoundError, UserError
+from specheads.export.foreign import head_source
 from specheads.evaluation.prompts import BenchmarkSpec, encode, load_benchmarks, scored_chat_ids, separation_record
 from specheads.evaluation.budget import EvalPlan, full_plan, plan_budget
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
@@ -604,16 +605,6 @@ def _foreign(head: str, target: Target):
     from specheads.export.foreign import load_foreign_head
 
     return load_foreign_head(head, target)
-
-
-def head_source(head_dir: str) -> str:
-    """Where a head came from: ``specheads`` (trained here), or the format of a head trained elsewhere
-    (a key of ``specheads.export.foreign.FORMATS``), read from its folder's config.json."""
-    from specheads.export.foreign import foreign_format
-
-    p = Path(head_dir)
-    folder = p / "head" if (p / "head" / "config.json").exists() else p
-    return foreign_format(folder) or "specheads"
 
 
 def head_model_type(head_dir: str) -> str | None:

@@ -561,3 +561,11 @@ def load_foreign_head(folder: str | Path, target):
     head = read_foreign_head(folder, info)
     _check_borrowed(head, target)
     return build_head(head.config, head.state)
+
+
+def head_source(head_dir: str | Path) -> str:
+    """Where a head came from: ``specheads`` (trained here), or the format of a head trained elsewhere (a key of
+    ``FORMATS``), read from its folder's config.json (a training output folder's ``head/`` first)."""
+    p = Path(head_dir)
+    folder = p / "head" if (p / "head" / "config.json").exists() else p
+    return foreign_format(folder) or "specheads"
