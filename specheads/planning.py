@@ -29,7 +29,7 @@ import torch
 
 import torch.nn.functional as F
 
-from specheads.data.store import bytes_per_token, canonical_dtype
+from specheads.data.store import bytes_per_token, canonical_dtype, fits_on_disk
 from specheads.errors import ConfigError
 from specheads.methods.losses import TARGET_CHUNK
 
@@ -372,7 +372,7 @@ def advise(plan: Plan) -> list[str]:
                       "train.max_tokens (or train EAGLE-3, which keeps its draft vocabulary's columns only)")
     if plan.store_bytes == 0:
         advice.append(f"{plan.method} trains the target itself: online training only (no store)")
-    elif plan.disk_free is not None and plan.store_bytes + GiB > plan.disk_free:
+    elif plan.disk_free is not None and not fits_on_disk(plan.store_bytes, plan.disk_free):
         advice.append(f"the store ({plan.store_bytes / GiB:.1f} GiB) does not fit the {plan.disk_free / GiB:.1f} GiB "
                       "free: train online (specheads train without features_dir; pipeline offline=false), or store "
                       "fp8_e4m3 (collect.dtype=fp8_e4m3, about half of bfloat16)")

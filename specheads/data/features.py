@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 from specheads.data.store import (
     MANIFEST, PLAN, SHARD_DIR, STORE_FORMAT, CorruptShardError, InsufficientDiskError, ShardRecord, ShardWriter,
-    StoreMismatchError, atomic_write_json, bytes_per_token, canonical_dtype, check_shard_file, decode_hidden,
-    read_manifest, read_record, record_file, remove_stale_temps,
+    StoreMismatchError, atomic_write_json, bytes_per_token, canonical_dtype, check_shard_file, decode_hidden, disk_slack,
+    fits_on_disk, read_manifest, read_record, record_file, remove_stale_temps,
 )
 from specheads.targets import Target, default_eagle3_layers
 from specheads.methods.base import ARGMAX_KEY, FeatureSpec
@@ -388,12 +388,14 @@ def finalize_store(root: str | Path) -> dict[str, Any] | None:
 
 
 def check_disk_space(root: Path, needed: int) -> None:
-    """Refuse (``InsufficientDiskError``) when ``needed`` bytes plus 1 GiB of slack exceed the free space."""
+    """Refuse (``InsufficientDiskError``) when ``needed`` bytes plus their slack (``store.disk_slack``) exceed the
+    free space."""
     probe = root if root.exists() else next(p for p in root.parents if p.exists())
     free = shutil.disk_usage(probe).free
-    if needed + 2**30 > free:
+    if not fits_on_disk(needed, free):
         raise InsufficientDiskError(
-            f"not enough disk for the feature store in {root}: it needs ~{needed / 2**30:.2f} GiB (+1 GiB slack), "
+            f"not enough disk for the feature store in {root}: it needs ~{needed / 2**30:.2f} GiB "
+            f"(+{disk_slack(needed) / 2**30:.2f} GiB slack), "
             f"{free / 2**30:.2f} GiB are free. Free space, choose another output_dir, or store dtype=fp8_e4m3 "
             f"(about half of bf16)")
 

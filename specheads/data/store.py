@@ -65,6 +65,17 @@ class InsufficientDiskError(StoreError):
     """Not enough free disk for the planned store."""
 
 
+def disk_slack(needed: int) -> int:
+    """Free bytes to keep beyond a store of ``needed`` bytes: a tenth of it plus 64 MiB (a shard's temporary file, the
+    manifest, the file system's own reserve), at most 1 GiB. Not a flat 1 GiB: a small store fits a nearly full disk."""
+    return min(2**30, 64 * 2**20 + needed // 10)
+
+
+def fits_on_disk(needed: int, free: int) -> bool:
+    """Whether a store of ``needed`` bytes fits ``free`` bytes with its slack."""
+    return needed + disk_slack(needed) <= free
+
+
 def canonical_dtype(name: str) -> str:
     """'bf16' -> 'bfloat16' etc.; an unknown name is refused with the accepted ones."""
     name = DTYPE_ALIASES.get(str(name), str(name))

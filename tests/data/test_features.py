@@ -21,7 +21,7 @@ from specheads.data.features import (
 )
 from specheads.data.prepare import load_prepared, write_prepared
 from specheads.data.store import (
-    MANIFEST, CorruptShardError, InsufficientDiskError, StoreMismatchError, bytes_per_token,
+    MANIFEST, CorruptShardError, InsufficientDiskError, StoreMismatchError, bytes_per_token, disk_slack,
     dequantize_fp8, quantize_fp8, read_manifest, record_file, verify_store,
 )
 from specheads.targets import Target
@@ -328,6 +328,17 @@ def test_disk_refusal_is_clear(tmp_path):
     with pytest.raises(InsufficientDiskError, match=r"needs ~.*GiB.*free.*fp8"):
         check_disk_space(tmp_path / "new" / "store", free + 2**40)
     check_disk_space(tmp_path, 1000)
+
+
+def test_disk_slack_scales_with_the_store(tmp_path, monkeypatch):
+    """A small store fits a nearly full disk (CI machines have had 0.7 GiB free); a large one keeps 1 GiB spare."""
+    free = int(0.68 * 2**30)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(free * 4, free * 3, free))
+    check_disk_space(tmp_path / "store", 300_000)
+    check_disk_space(tmp_path / "store", int(0.5 * 2**30))
+    with pytest.raises(InsufficientDiskError, match=r"needs ~0\.65 GiB \(\+0\.13 GiB slack\), 0\.68 GiB are free"):
+        check_disk_space(tmp_path / "store", int(0.65 * 2**30))
+    assert disk_slack(100 * 2**30) == 2**30 and disk_slack(0) == 64 * 2**20
 
 
 def test_estimate_is_logged_before_collection(tiny_target, prepared, tmp_path, caplog):
