@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 from specheads.data.store import (
     MANIFEST, PLAN, SHARD_DIR, STORE_FORMAT, CorruptShardError, InsufficientDiskError, ShardRecord, ShardWriter,
-    StoreMismatchError, atomic_write_json, bytes_per_token, canonical_dtype, check_shard_file, decode_hidden, disk_slack,
-    fits_on_disk, read_manifest, read_record, record_file, remove_stale_temps,
+    StoreMismatchError, atomic_write_json, bytes_per_token, canonical_dtype, check_shard_file, decode_hidden,
+    disk_slack, fits_on_disk, read_manifest, read_record, record_file, remove_stale_temps,
 )
 from specheads.targets import Target, default_eagle3_layers
 from specheads.methods.base import ARGMAX_KEY, FeatureSpec

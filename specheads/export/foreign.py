@@ -41,6 +41,16 @@ SpecForge's, z-lab's and FasterDecoding's code (docs/evaluate.md):
   ``eagle_aux_hidden_state_layer_ids`` is vLLM's (layer inputs); else
   ``eagle_config.eagle_aux_hidden_state_layer_ids`` is what SpecForge writes and SGLang reads, decoder-layer *outputs*
   (ours = id + 1); none written: (2, N//2, N-3).
+* ``modelopt``: NVIDIA ModelOpt 0.47's EAGLE-3 export (``export_speculative_decoding``): the original format's
+  ``LlamaForCausalLMEagle3`` config whose ``eagle_config`` carries ModelOpt's settings (``use_last_layernorm``,
+  ``use_mtp_layernorm``, ``parallel_draft_step``, ...; ``_MODELOPT_SETTINGS``), its aux ids decoder-layer *outputs*
+  (ours = id + 1); tensors ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, and ``d2t`` (a reduced vocabulary) in
+  frequency order, never ``t2d``. Read as ModelOpt's HF trainer computes it: its first layer normalises the fed hidden
+  state with ``input_layernorm`` and then ``hidden_norm`` (``ModelOptHiddenNorm``; vLLM and SGLang apply
+  ``hidden_norm`` alone); the draft rows are put in target-id order (the same logits); ``torch_dtype`` (always
+  bfloat16) is ignored; the YaRN ``rope_scaling`` its export adds to a head trained without scaling (a dict without
+  ``rope_theta``, ModelOpt's ``eagle_export_rope_scaling``) is left out, as the head was trained; a scaling trained
+  with (written with its ``rope_theta``) is kept. Other settings: refused.
 * ``dflash``: z-lab's DFlash format (``architectures: [DFlashDraftModel]``), which vLLM and SGLang load: a Qwen3
   ``config.json`` (z-lab's class builds Qwen3 layers whatever ``model_type`` says) with ``block_size`` (z-lab's default
   16), ``num_target_layers``, ``target_hidden_size``, ``dflash_config.mask_token_id`` and
@@ -80,6 +90,8 @@ FORMATS = {
                    "dspark)",
     "eagle3": "the original EAGLE-3 / SpecForge format (config.json architectures LlamaForCausalLMEagle3, "
               "Eagle3LlamaForCausalLM or Eagle3Qwen3ForCausalLM)",
+    "modelopt": "NVIDIA ModelOpt's EAGLE-3 export (config.json architectures LlamaForCausalLMEagle3 with ModelOpt's "
+                "eagle_config settings such as use_last_layernorm and parallel_draft_step)",
     "dflash": "z-lab's DFlash format (config.json architectures DFlashDraftModel)",
     "medusa": "the original Medusa format (FasterDecoding: config.json with medusa_num_heads, medusa_lm_head weights)",
     "eagle1": "vLLM's or SGLang's EAGLE-1 format (config.json architectures EagleLlamaForCausalLM or "
@@ -93,6 +105,16 @@ PEAGLE_DEPTHS = 8  # speculators' num_depths default, which it writes as the gre
 _DSPARK_DEFAULTS = {  # speculators' DSparkSpeculatorConfig defaults (sample_from_anchor true: refused)
     "sample_from_anchor": True, "markov_rank": 256, "markov_head_type": "vanilla", "enable_confidence_head": True,
     "confidence_head_with_markov": True}
+_MODELOPT_SETTINGS = {  # ModelOpt's eagle_config settings: the value the specheads head computes, what another means
+    "use_aux_hidden_state": (True, "no fc over the aux states"),
+    "use_input_layernorm_in_first_layer": (True, "no input norm in the first layer"),
+    "use_last_layernorm": (True, "no final norm before lm_head"),
+    "use_mtp_layernorm": (False, "MTP-style norms"),
+    "parallel_draft_step": (1, "several tokens drafted per step"),
+}
+# what marks a ModelOpt folder (SGLang reads use_aux_hidden_state too; the last two matter past one layer or step)
+_MODELOPT_MARKERS = {*_MODELOPT_SETTINGS, "next_layer_regular", "parallel_draft_heads_num_layers"} - {
+    "use_aux_hidden_state"}
 _BORROWED = {"embed_tokens.weight": "token embedding", "lm_head.weight": "LM head"}  # target tensors a folder may copy
 
 
@@ -135,7 +157,8 @@ def foreign_format(folder: str | Path) -> str | None:
         return "speculators"
     if "medusa_num_heads" in cfg:
         return "medusa"
-    return next((fmt for arch, fmt in _ARCHITECTURES.items() if arch in (cfg.get("architectures") or ())), None)
+    fmt = next((fmt for arch, fmt in _ARCHITECTURES.items() if arch in (cfg.get("architectures") or ())), None)
+    return "modelopt" if fmt == "eagle3" and _MODELOPT_MARKERS & set(cfg.get("eagle_config") or ()) else fmt
 
 
 def check_format(folder: str | Path) -> tuple[str, str]:
@@ -147,7 +170,7 @@ def check_format(folder: str | Path) -> tuple[str, str]:
         raise ForeignHeadError(f"{folder} holds no head of a known format: looked for a specheads head (config.json "
                                f"model_type specheads_*), {formats_looked_for()}")
     if fmt != "speculators":
-        return fmt, fmt
+        return fmt, "eagle3" if fmt == "modelopt" else fmt
     kind = _config(folder)["speculators_model_type"]
     if kind not in SPECULATORS_METHODS:
         raise _fail(folder, fmt, f"speculators_model_type {kind!r}: only speculators' "
@@ -212,8 +235,9 @@ def _aux_layers(fmt: str, cfg: dict) -> list[int] | None:
     top = cfg.get("eagle_aux_hidden_state_layer_ids")
     if top is not None:  # vLLM's key (speculators' too): layer inputs, like ours
         return [int(i) for i in top]
-    nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if fmt == "eagle3" else None
-    if nested is not None:  # SpecForge / SGLang: id v is decoder layer v's output = the input of layer v + 1
+    nested = ((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+              if fmt in ("eagle3", "modelopt") else None)
+    if nested:  # SpecForge / SGLang / ModelOpt: id v is decoder layer v's output = the input of layer v + 1
         return [int(i) + 1 for i in nested]
     return None
 
@@ -262,6 +286,23 @@ def _eagle3_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo, family
         raise _fail(folder, fmt, f"draft_vocab_size {head_cfg['draft_vocab_size']} exceeds the vocabulary "
                                  f"{head_cfg['vocab_size']}")
     return head_cfg
+
+
+def _modelopt_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
+    """EAGLE-3's config of a ModelOpt export, its settings checked (``_MODELOPT_SETTINGS``: another value refused) and
+    the RoPE it was trained with: without the YaRN ``rope_scaling`` that ModelOpt's export adds for serving to a head
+    trained without scaling (it writes its ``eagle_export_rope_scaling`` as given, no ``rope_theta`` in it; a scaling
+    trained with is written as transformers' RoPE parameters, ``rope_theta`` included, and kept)."""
+    settings = cfg.get("eagle_config") or {}
+    for key, (want, other) in _MODELOPT_SETTINGS.items():
+        value = settings.get(key, want)
+        if value != want:
+            raise _fail(folder, fmt, f"eagle_config.{key} {json.dumps(value)} ({other}); the specheads EAGLE-3 head "
+                                     f"computes {json.dumps(want)} only")
+    rope = cfg.get("rope_scaling") or {}
+    if (rope.get("rope_type") or rope.get("type") or "default") != "default" and "rope_theta" not in rope:
+        cfg = {k: v for k, v in cfg.items() if k != "rope_scaling"}
+    return _eagle3_config(folder, fmt, cfg, target)
 
 
 def _window(folder: Path, fmt: str, layer) -> dict:
@@ -414,7 +455,7 @@ def foreign_head_config(folder: str | Path, target: TargetInfo) -> tuple[str, di
     folder = Path(folder)
     fmt, method = check_format(folder)
     cfg = _config(folder)
-    head_cfg = _CONFIGS[method](folder, fmt, cfg, target)
+    head_cfg = (_modelopt_config if fmt == "modelopt" else _CONFIGS[method])(folder, fmt, cfg, target)
     try:
         layout = build_layout(method, _engine(fmt, cfg), head_cfg, target)
     except LayoutError as e:
@@ -497,6 +538,19 @@ def _integer_maps(tensors: dict[str, torch.Tensor]) -> None:
         tensors["t2d"] = t2d.bool()
 
 
+def _draft_rows_by_target_id(tensors: dict[str, torch.Tensor]) -> None:
+    """A ``d2t`` in another order than the target ids' (ModelOpt's: by frequency) and no ``t2d``: ``d2t`` and
+    ``lm_head``'s rows put in target-id order, as the head keeps them (row i drafts target id i + d2t[i] either way)."""
+    d2t, head = tensors.get("d2t"), tensors.get("lm_head.weight")
+    if (d2t is None or head is None or "t2d" in tensors or d2t.is_floating_point() or d2t.dim() != 1
+            or head.shape[0] != d2t.numel()):
+        return
+    rows = torch.arange(d2t.numel())
+    order = torch.argsort(rows + d2t, stable=True)
+    if not torch.equal(order, rows):
+        tensors["d2t"], tensors["lm_head.weight"] = (rows + d2t)[order] - rows, head[order]
+
+
 def _eagle3_maps(folder: Path, where: str, head_cfg: dict, layout: Layout, tensors: dict, state: dict) -> None:
     """EAGLE-3's draft-vocabulary maps in ``state``: those of a full vocabulary the folder carries, checked."""
     for name in ("d2t", "t2d"):
@@ -515,11 +569,12 @@ def read_foreign_head(folder: str | Path, target: TargetInfo) -> ForeignHead:
     folder = Path(folder)
     where = f"{folder} ({FORMATS[fmt]})"
     tensors = _weights(folder, fmt)
-    if fmt == "eagle3":  # vLLM reads layers.0.* as midlayer.* (and SpecForge writes midlayer.*)
+    if fmt in ("eagle3", "modelopt"):  # vLLM reads layers.0.* as midlayer.* (and SpecForge writes midlayer.*)
         tensors = {("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n): t
                    for n, t in tensors.items()}
     if layout.method in ("eagle3", "peagle"):
         _integer_maps(tensors)
+        _draft_rows_by_target_id(tensors)
     mask = tensors.get("mask_hidden")
     if mask is not None and mask.dim() == 3 and mask.shape[:2] == (1, 1):  # speculators' (1, 1, W); vLLM views (1, W)
         tensors["mask_hidden"] = mask[0]
@@ -553,14 +608,35 @@ def _check_borrowed(head: ForeignHead, target) -> None:
                                                       f"{_BORROWED[name]}, which the specheads head does not carry)")
 
 
+class ModelOptHiddenNorm(torch.nn.Module):
+    """``hidden_norm(input_layernorm(hidden))``: the first draft layer's norm of the fed hidden state as ModelOpt
+    0.47's HF EAGLE-3 computes it (its attention pre-hook applies ``hidden_norm`` to the decoder layer's input, which
+    ``input_layernorm`` has already normed; vLLM, SGLang and the specheads head apply ``hidden_norm`` alone). It holds
+    ``hidden_norm``'s weight under its name and reads the layer's ``input_layernorm`` where that is registered, so the
+    state dict is unchanged; the head's config does not record it: a model for evaluating, not for saving."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.weight, self.variance_epsilon = layer.hidden_norm.weight, layer.hidden_norm.variance_epsilon
+        self.__dict__["_rms_norm"] = type(layer.hidden_norm).forward
+        self.__dict__["_first"] = layer.input_layernorm
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._rms_norm(self, self._first(hidden))
+
+
 def load_foreign_head(folder: str | Path, target):
     """The specheads model a foreign folder holds (``Eagle3Model``, ``DFlashModel``, ``MedusaHeads``,
     ``Eagle1Model``), for ``target`` (a loaded ``Target``), unattached and in the folder's float dtype (as
-    ``from_pretrained`` keeps a specheads head's)."""
+    ``from_pretrained`` keeps a specheads head's); a ModelOpt head computes its first layer's norms as ModelOpt does
+    (``ModelOptHiddenNorm``)."""
     info = TargetInfo(str(target.name), target.hidden_size, target.vocab_size, target.num_layers)
     head = read_foreign_head(folder, info)
     _check_borrowed(head, target)
-    return build_head(head.config, head.state)
+    model = build_head(head.config, head.state)
+    if head.format == "modelopt":
+        model.midlayer.hidden_norm = ModelOptHiddenNorm(model.midlayer)
+    return model
 
 
 def head_source(head_dir: str | Path) -> str:

@@ -1,4 +1,4 @@
-"""The evaluator on EAGLE-3 heads trained elsewhere (``head_dir`` in speculators' or the original EAGLE-3 format):
+"""The evaluator on EAGLE-3 heads trained elsewhere (``head_dir`` in speculators', the original EAGLE-3 or ModelOpt's format):
 the same tokens and acceptance as the specheads head they hold, where the head came from in the report, no
 training-time figures, ``head_shape=auto`` refused; through the CLI, a bad folder refused before the target loads."""
 
@@ -20,6 +20,7 @@ from specheads.models.eagle3 import Eagle3Config, Eagle3Model
 from specheads.targets import Target
 from tests.conftest import make_tiny_model
 from tests.evaluation.test_suite import _constant_target
+from tests.export.test_foreign import modelopt_folder
 from tests.test_cli_errors import one_line, specheads
 
 DV, TOKEN = 1000, 100
@@ -32,11 +33,11 @@ def target(smollm2_tokenizer):
     return _constant_target(Target(model, smollm2_tokenizer, name="tiny-smollm2-vocab"), TOKEN)
 
 
-def agreeing_head(target, **norms) -> Eagle3Model:
+def agreeing_head(target, aux=(3, 0, 1), **norms) -> Eagle3Model:
     """An EAGLE-3 head that always drafts ``TOKEN``: its final norm zeroed, all draft logits tie and draft id 0 wins,
     which the draft vocabulary maps to ``TOKEN``. norms: speculators' normalisation options."""
     torch.manual_seed(0)
-    head = Eagle3Model(Eagle3Config.from_target(target, DV, aux_layers=(3, 0, 1), **norms))
+    head = Eagle3Model(Eagle3Config.from_target(target, DV, aux_layers=aux, **norms))
     with torch.no_grad():
         head.norm.weight.zero_()
     t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
@@ -48,7 +49,8 @@ def agreeing_head(target, **norms) -> Eagle3Model:
 @pytest.fixture(scope="module")
 def heads(target, tmp_path_factory):
     """{name: head_dir}: the specheads head (a train_summary.json beside it), and its speculators and vLLM exports
-    with specheads_export.json removed, each in a folder whose parent holds a train_summary.json too."""
+    with specheads_export.json removed, each in a folder whose parent holds a train_summary.json too; the same head
+    (on layers ModelOpt can name: outputs of decoder layers) as ModelOpt exports it."""
     root = tmp_path_factory.mktemp("foreign")
     target.model.save_pretrained(root / "target")
     agreeing_head(target).save_pretrained(root / "train" / "head")
@@ -60,6 +62,7 @@ def heads(target, tmp_path_factory):
             "measured_reach1": 0.9}}))
         out[engine] = folder
     (root / "train" / "train_summary.json").write_text(json.dumps({"tau_estimate": 1.5}))
+    out["modelopt"] = modelopt_folder(root / "modelopt", agreeing_head(target, aux=(1, 2, 3)))
     return out
 
 
@@ -74,18 +77,19 @@ def test_a_foreign_head_decodes_like_the_head_it_holds(target, heads, tmp_path, 
                                          repeats=1))
     rows = {m["name"]: m for m in report["methods"]}
     assert {n: m["head_source"] for n, m in rows.items()} == {"ours": "specheads", "speculators": "speculators",
-                                                              "vllm": "eagle3"}
-    assert {n: m["train_tau"] for n, m in rows.items()} == {"ours": 1.5, "speculators": None, "vllm": None}
+                                                              "vllm": "eagle3", "modelopt": "modelopt"}
+    assert {n: m["train_tau"] for n, m in rows.items()} == {"ours": 1.5, "speculators": None, "vllm": None,
+                                                            "modelopt": None}
     figures = {}
     for name, m in rows.items():
         assert m["lossless"]["exact"], name
         r = m["by_temperature"]["0.0"]["all"]
         figures[name] = (r["tau"], r["alpha"], r["alpha_by_position"], r["new_tokens"], r["target_forwards"])
-    assert figures["ours"] == figures["speculators"] == figures["vllm"]
+    assert figures["ours"] == figures["speculators"] == figures["vllm"] == figures["modelopt"]
     assert figures["ours"][2] == [1.0, 1.0, 1.0]  # every draft accepted: the acceptance compared is not zero
     md = (Path(write_report(report, tmp_path / "report")["markdown"])).read_text()
     assert "Head trained elsewhere: vLLM speculators' format" in md and "original EAGLE-3 / SpecForge format" in md
-    assert md.count("Head trained elsewhere") == 2
+    assert "NVIDIA ModelOpt's EAGLE-3 export" in md and md.count("Head trained elsewhere") == 3
 
 
 def test_a_speculators_folder_with_its_normalisations_decodes_losslessly(target, tmp_path, monkeypatch):
@@ -136,7 +140,7 @@ def test_a_speculators_folder_with_a_window_and_qwen3_layer_decodes_losslessly(o
 
 
 def test_training_time_figures_are_absent_and_auto_shape_refused(heads):
-    for name in ("speculators", "vllm"):
+    for name in ("speculators", "vllm", "modelopt"):
         assert train_tau(str(heads[name])) is None  # though a train_summary.json sits beside the folder
         with pytest.raises(ConfigError, match=r"head_shape=auto .* does not have \(a head trained elsewhere"):
             plan_methods("eagle3", str(heads[name]), [], head_shape="auto")

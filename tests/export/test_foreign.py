@@ -398,3 +398,147 @@ def test_our_window_and_qwen3_exports_read_back_as_foreign_heads(engine, fmt, ta
     for name, t in head.state_dict().items():
         assert torch.equal(model.state_dict()[name].float(), t.float()), name
     _same_logits(head, model.float(), target)
+
+
+# --------------------------------------------------------------------------- NVIDIA ModelOpt's export
+
+MODELOPT_EXPORT_ROPE = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 2048}
+
+
+def modelopt_folder(root: Path, head: Eagle3Model, rope_scaling: dict | None = MODELOPT_EXPORT_ROPE) -> Path:
+    """ModelOpt 0.47's ``export_speculative_decoding``: float32 ``layers.0.*`` weights, ``d2t`` (a reduced vocabulary
+    only) in another order than the target ids' (its calibration's: by frequency) with ``lm_head``'s rows alike, no
+    ``t2d``, ``torch_dtype`` bfloat16 whatever the weights, the aux ids as decoder-layer outputs in ``eagle_config`` with
+    ModelOpt's settings, and the YaRN ``rope_scaling`` its export adds to a head trained without scaling."""
+    root.mkdir(parents=True)
+    c = head.config
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,
+           "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+           "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
+           "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
+           "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+           "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "initializer_range": 0.01,
+           "rope_scaling": rope_scaling, "rope_theta": c.rope_parameters["rope_theta"],
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.aux_layers],
+                            "use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True,
+                            "use_last_layernorm": True, "use_mtp_layernorm": False, "next_layer_regular": True,
+                            "parallel_draft_step": 1, "parallel_draft_heads_num_layers": 1}}
+    (root / "config.json").write_text(json.dumps(cfg))
+    w = {n.replace("midlayer.", "layers.0."): t for n, t in _weights(head, torch.float32).items() if n != "t2d"}
+    if c.draft_vocab_size == c.vocab_size:
+        del w["d2t"]
+    else:
+        order = torch.randperm(c.draft_vocab_size, generator=torch.Generator().manual_seed(5))
+        ids = torch.arange(c.draft_vocab_size) + w["d2t"]
+        w["d2t"], w["lm_head.weight"] = ids[order] - torch.arange(c.draft_vocab_size), w["lm_head.weight"][order]
+    save_file(w, str(root / "model.safetensors"))
+    return root
+
+
+def modelopt_layer(head: Eagle3Model, hidden, ids, pos) -> torch.Tensor:
+    """The draft layer as ModelOpt's HF EAGLE-3 computes it, spelt out: its decoder layer norms the hidden state with
+    ``input_layernorm`` and its attention pre-hook then applies ``hidden_norm`` to that."""
+    layer = head.midlayer
+    cos, sin = head.rotary_emb(hidden, pos)
+    x = torch.cat([layer.input_layernorm(head.embed(ids)), layer.hidden_norm(layer.input_layernorm(hidden))], -1)
+    h = hidden + layer.self_attn(x, cos, sin, 0, None, None, None)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _theta_head(target, theta: float, **kw) -> Eagle3Model:
+    """``make_head``'s head with another RoPE base than the target's."""
+    head = make_head("eagle3", target, aux=(2, 4, 5), **kw)
+    config = head.config
+    config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    model = Eagle3Model(config)
+    model.load_state_dict(head.state_dict())
+    return model.eval()
+
+
+def _draft_chain(head: Eagle3Model, feats, ids, pos, steps: int = 3) -> list[torch.Tensor]:
+    """Greedy target ids of ``steps`` draft steps from every position (each step fed the last one's output)."""
+    out, hidden = [], head.fuse(feats)
+    for k in range(steps):
+        hidden, logits = head.step(hidden, ids, pos + k)
+        out.append(head.to_target_ids(logits.argmax(-1)))
+    return out
+
+
+def test_a_modelopt_folder_reads_back_as_the_head_and_drafts_the_same_tokens(target, tmp_path):
+    """The aux ids (outputs) one more, the RoPE base from the config without the YaRN the export adds, the draft rows in
+    target-id order from a frequency-ordered d2t with no t2d: tensor-equal, and (its first layer's input norm uniform,
+    so ModelOpt's norm order changes nothing) the same draft tokens over three steps."""
+    head = _theta_head(target, 5e5).attach(target)
+    with torch.no_grad():
+        head.midlayer.input_layernorm.weight.fill_(1.3)
+    folder = modelopt_folder(tmp_path / "mo", head)
+    assert foreign_format(folder) == "modelopt" and not torch.equal(load_file(str(folder / "model.safetensors"))[
+        "d2t"], head.d2t)
+    model = load_foreign_head(folder, target).attach(target)
+    assert model.config.aux_layers == [2, 4, 5] and model.fc.weight.dtype == torch.float32
+    assert model.config.rope_parameters == {"rope_type": "default", "rope_theta": 5e5}
+    for name, t in head.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
+    g = torch.Generator().manual_seed(6)
+    feats, ids = torch.randn(2, 6, 3 * H, generator=g), torch.randint(0, V, (2, 6), generator=g)
+    with torch.no_grad():
+        for a, b in zip(_draft_chain(head, feats, ids, torch.arange(6).expand(2, 6)),
+                        _draft_chain(model, feats, ids, torch.arange(6).expand(2, 6))):
+            assert torch.equal(a, b)
+
+
+def test_a_modelopt_head_norms_the_hidden_state_as_modelopt_does(target, tmp_path):
+    """A trained (non-uniform) first-layer input norm: the head read from the folder computes ModelOpt's
+    ``hidden_norm(input_layernorm(h))``, not the single norm our head and the engines apply; its state dict is the
+    head's."""
+    head = _theta_head(target, 1e4).attach(target)
+    model = load_foreign_head(modelopt_folder(tmp_path / "mo", head), target).attach(target)
+    assert list(model.state_dict()) == list(head.state_dict())
+    g = torch.Generator().manual_seed(7)
+    hidden, ids, pos = torch.randn(1, 5, H, generator=g), torch.randint(0, V, (1, 5), generator=g), torch.arange(5)[None]
+    with torch.no_grad():
+        theirs, ours = model.decode(hidden, ids, pos), head.decode(hidden, ids, pos)
+        torch.testing.assert_close(theirs, modelopt_layer(head, hidden, ids, pos))
+    assert not torch.allclose(theirs, ours, atol=1e-3)
+
+
+@pytest.mark.parametrize("rope,expected", [
+    (None, {"rope_type": "default"}),
+    ({"rope_type": "default", "rope_theta": 5e5}, {"rope_type": "default"}),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, "rope_theta": 5e5},
+     {"rope_type": "yarn", "factor": 4.0})])
+def test_a_modelopt_rope_scaling_trained_with_is_kept(rope, expected, target, tmp_path):
+    """A ``rope_scaling`` written with its ``rope_theta`` is what ModelOpt trained with (its export adds one only to a
+    head trained without, as given, without ``rope_theta``): read as written, as the YaRN head computes it."""
+    model = load_foreign_head(modelopt_folder(tmp_path / "mo", _theta_head(target, 5e5), rope_scaling=rope), target)
+    assert {k: model.config.rope_parameters[k] for k in expected} == expected
+    assert model.config.rope_parameters["rope_theta"] == 5e5
+
+
+def test_a_modelopt_full_vocabulary_and_specforge_eagle_config_stay_apart(target, tmp_path):
+    """A full draft vocabulary (no d2t; the lm_head ModelOpt copies) reads as the identity; SpecForge's eagle_config
+    (ids and use_aux_hidden_state, which SGLang reads too) is still the original format."""
+    head = _theta_head(target, 1e4, draft_vocab=V)
+    model = load_foreign_head(modelopt_folder(tmp_path / "mo", head), target)
+    assert not model.d2t.any() and bool(model.t2d.all()) and torch.equal(model.lm_head.weight, head.lm_head.weight)
+    sf = specforge_folder(tmp_path / "sf", head, {"eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+                                                  "use_aux_hidden_state": True})
+    assert foreign_format(sf) == "eagle3"
+
+
+MODELOPT_REFUSALS = {
+    "use_aux_hidden_state": (False, r"eagle_config.use_aux_hidden_state false \(no fc over the aux states\)"),
+    "use_input_layernorm_in_first_layer": (False, r"use_input_layernorm_in_first_layer false \(no input norm"),
+    "use_last_layernorm": (False, r"use_last_layernorm false \(no final norm before lm_head\); the specheads "
+                                  r"EAGLE-3 head computes true only"),
+    "use_mtp_layernorm": (True, r"use_mtp_layernorm true \(MTP-style norms\)"),
+    "parallel_draft_step": (3, r"parallel_draft_step 3 \(several tokens drafted per step\); .* computes 1 only"),
+}
+
+
+@pytest.mark.parametrize("key", list(MODELOPT_REFUSALS))
+def test_modelopt_settings_the_head_does_not_compute_are_refused(key, target, tmp_path):
+    value, message = MODELOPT_REFUSALS[key]
+    folder = modelopt_folder(tmp_path / "mo", _theta_head(target, 1e4))
+    assert_refused(lambda f: read_foreign_head(f, INFO), folder, lambda f: _edit_config(f, eagle_config={key: value}),
+                   message, "ModelOpt")
