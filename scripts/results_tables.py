@@ -20,6 +20,8 @@ import re
 import sys
 from pathlib import Path
 
+from specheads.record import PEERS
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "docs" / "benchmarks.json"
 README = REPO / "README.md"
@@ -434,12 +436,14 @@ def eval_benches(data: dict) -> str:
     return "\n".join(lines).rstrip()
 
 
-def speculators_comparisons(data: dict) -> str:
-    """docs/benchmarks.md: the newest ``compare_speculators.py --json`` record per machine, kind of budget (epochs
-    or minutes) and recipe (each trainer's extra flags: speculators' default recipe, or its head in our
+def trainer_comparisons(data: dict, peer: str) -> str:
+    """docs/benchmarks.md: the newest ``compare_<peer>.py --json`` record per machine, kind of budget (epochs or
+    minutes) and recipe (each trainer's extra flags: e.g. speculators' default recipe, or its head in our
     architecture): training figures of both trainers per setting, then α / τ per domain of both heads."""
     seen, runs = set(), []
-    for r in data.get("speculators_comparisons") or []:
+    for r in data.get("trainer_comparisons") or []:
+        if r.get("peer", "speculators") != peer:
+            continue
         st = r.get("settings") or {}
         key = (r.get("machine"), tuple(sorted(r["budget"])), tuple(st.get("our_args") or ()),
                tuple(st.get("their_args") or ()))
@@ -447,12 +451,12 @@ def speculators_comparisons(data: dict) -> str:
             seen.add(key)
             runs.append(r)
     if not runs:
-        return ("_No record yet: `python scripts/bench/compare_speculators.py ... --epochs 1 --evaluate --json c.json`, "
+        return (f"_No record yet: `python scripts/bench/compare_{peer}.py ... --epochs 1 --evaluate --json c.json`, "
                 "then `specheads record c.json`._")
-    return "\n\n".join(_speculators_comparison(r) for r in runs)
+    return "\n\n".join(_trainer_comparison(r, peer) for r in runs)
 
 
-def _speculators_comparison(r: dict) -> str:
+def _trainer_comparison(r: dict, peer: str) -> str:
     b, st, store = r["budget"], r["settings"], r.get("store") or {}
     rows = (f"the same {store['num_train']} training rows ({store['train_tokens']} tokens)" if store.get("num_train")
             else "the same training rows")
@@ -460,10 +464,10 @@ def _speculators_comparison(r: dict) -> str:
               else f"{b['minutes']:g} minutes of training each on {rows}")
     v = r.get("versions") or {}
     extra = "".join(f"; {who} also given {' '.join(f'`{a}`' for a in st[key])}"
-                    for who, key in (("ours", "our_args"), ("speculators", "their_args")) if st.get(key))
+                    for who, key in (("ours", "our_args"), (peer, "their_args")) if st.get(key))
     lines = [f"{r['date']}, commit {_commit(r)}, {r['machine']}; target {r['target']}; {budget}; draft vocabulary "
              f"{st['draft_vocab_size']}, {st['max_tokens']} tokens per batch, learning rate {st['lr']:g}, "
-             f"{st['threads']} threads{extra}; speculators {v.get('speculators', '?')}, torch {v.get('torch', '?')}"
+             f"{st['threads']} threads{extra}; {peer} {v.get(peer, '?')}, torch {v.get('torch', '?')}"
              + (f". {r['what']}" if r.get("what") else "") + (f" (`{r['run']}`)" if r.get("run") else "") + ":", "",
              "| setting | trainer | steps | tokens | tokens/s (after step 5) | tokens/s (all) | ours/theirs | "
              "peak RSS MiB | peak anon MiB | held-out loss | held-out step-0 top-1 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -474,7 +478,7 @@ def _speculators_comparison(r: dict) -> str:
                  if other and x.get("steady_tokens_per_s") and other.get("steady_tokens_per_s") else "–")
         h = x.get("heldout") or {}
         top1 = h.get("top1_step0", h.get("full_acc_step0"))
-        name = "ours (specheads)" if x["trainer"] == "ours" else "theirs (speculators)"
+        name = "ours (specheads)" if x["trainer"] == "ours" else f"theirs ({peer})"
         lines.append(f"| {x['setting']} | {name} | {x['steps']} | {x['tokens']} | {_mb(x.get('steady_tokens_per_s'))} | "
                      f"{_mb(x.get('tokens_per_s'))} | {ratio} | {_mb(x.get('peak_rss_mib'))} | "
                      f"{_mb(x.get('peak_anon_mib'))} | {_f(h.get('loss'), 3)} | {_f(top1, 3)} |")
@@ -515,7 +519,7 @@ def blocks(data: dict) -> dict[Path, dict[str, str]]:
             BENCHMARKS: {"history": history_table(data), "history-notes": followups_list(data),
                          "test-runs": tests_table(data), "unrecorded-history": unrecorded_history(data),
                          "train-benches": train_benches(data), "eval-benches": eval_benches(data),
-                         "speculators": speculators_comparisons(data)},
+                         **{f"compare-{peer}": trainer_comparisons(data, peer) for peer in PEERS}},
             EXPORT: {"export-check": export_check(data)},
             SERVING: {"served": served_line(data)},
             METHODS: {"head-to-head": head_to_head(data)},

@@ -13,9 +13,10 @@
 * the ``--json`` report of ``scripts/bench/bench_train.py`` (training tokens/s, memory and share of the device's
   peak per method) -> an entry of ``train_benches``, of ``scripts/bench/bench_evaluate.py`` (a decoding step's
   time split by phase per batch size, tree size and verification backend) -> an entry of ``eval_benches``;
-* the ``--json`` report of ``scripts/bench/compare_speculators.py`` (our EAGLE-3 trainer and vLLM speculators' on
-  one store: tokens/s, memory, held-out figures and, with ``--evaluate``, α and τ per domain of both heads) -> an
-  entry of ``speculators_comparisons`` (``speculators_entry``: the figures, not the commands or log paths).
+* the ``--json`` report of ``scripts/bench/compare_speculators.py``, ``compare_modelopt.py`` or
+  ``compare_specforge.py`` (our EAGLE-3 trainer and another toolkit's, its ``peer``, on one store: tokens/s, memory,
+  held-out figures and, with ``--evaluate``, α and τ per domain of both heads) -> an entry of ``trainer_comparisons``
+  (``trainer_compare_entry``: the figures, not the commands or log paths).
 
 Every entry carries ``commit`` (``git rev-parse HEAD`` of the checkout it was measured in), ``dirty`` (whether
 that tree had uncommitted changes to tracked files), ``date`` and ``machine`` (``hardware.cpu_description``
@@ -45,10 +46,12 @@ class RecordError(UserError):
 
 KINDS = {"main_job": "runs", "serve": "serve_runs", "test_suite": "test_runs", "export_check": "export_checks",
          "collect_backends": "backend_runs", "train_bench": "train_benches", "eval_bench": "eval_benches",
-         "speculators_compare": "speculators_comparisons"}
+         "trainer_compare": "trainer_comparisons"}
+PEERS = ("speculators", "modelopt", "specforge")  # the toolkits whose trainers a trainer_compare report runs
 WHAT_IT_READS = ("a run_summary.json (specheads run), a serve_report.json (specheads serve-eval), a pytest log "
                  "(its closing 'N passed ... in X s' line), the output of scripts/check_engine_loaders.py or the "
-                 "report of scripts/bench/bench_backends.py, bench_train.py, bench_evaluate.py or compare_speculators.py")
+                 "report of scripts/bench/bench_backends.py, bench_train.py, bench_evaluate.py or compare_<peer>.py "
+                 "(speculators, modelopt, specforge)")
 PYTEST_LINE = re.compile(r"^=*\s*((?:\d+ (?:passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)"
                          r"(?:, )?)+) in ([\d.]+)s\b", re.M)
 CHECK_LINE = re.compile(r"^(ok|skip|FAIL)\s{1,4}(.{18}) (.{8}) (.{14}) (.+?): (.*)$")
@@ -113,8 +116,9 @@ def _json_kind(data) -> str | None:
         return "collect_backends"
     if isinstance(data, dict) and data.get("kind") in ("train_bench", "eval_bench") and isinstance(data.get("rows"), list):
         return data["kind"]
-    if isinstance(data, dict) and data.get("kind") == "speculators_compare" and isinstance(data.get("runs"), list):
-        return "speculators_compare"
+    if (isinstance(data, dict) and data.get("kind") in ("trainer_compare", "speculators_compare")
+            and isinstance(data.get("runs"), list)):
+        return "trainer_compare"
     rows = data.get("checks") if isinstance(data, dict) else data
     if isinstance(rows, list) and rows and all(isinstance(r, dict) and {"check", "ok"} <= set(r) for r in rows):
         return "export_check"
@@ -226,20 +230,24 @@ def _round(x, nd: int):
     return None if x is None else round(float(x), nd)
 
 
-def speculators_entry(report: dict) -> dict:
-    """A ``speculators_comparisons`` entry from ``compare_speculators.py --json``: the budget and settings, the
+def trainer_compare_entry(report: dict) -> dict:
+    """A ``trainer_comparisons`` entry from a ``compare_<peer>.py --json`` report: the peer toolkit (``peer``; a
+    report without one is compare_speculators.py's, kind ``speculators_compare``), the budget and settings, the
     store's training rows, and per run (setting x trainer) its training figures, held-out figures and the
     evaluator's α / τ per domain for each shape (rounded: 4 places for α and τ, whole tokens/s and MiB)."""
+    peer = report.get("peer", "speculators")
+    if peer not in PEERS:
+        raise RecordError(f"a trainer comparison against {peer!r}: the peers recorded are {', '.join(PEERS)}")
     try:
-        runs = [_speculators_run(r) for r in report["runs"]]
-        return {"kind": "speculators_compare", "machine": report.get("machine"), "target": report["target"],
+        runs = [_compare_run(r) for r in report["runs"]]
+        return {"kind": "trainer_compare", "peer": peer, "machine": report.get("machine"), "target": report["target"],
                 "versions": report.get("versions"), "budget": report["budget"], "settings": report["settings"],
                 "store": report.get("store"), "evaluation": report.get("evaluation"), "runs": runs}
     except (KeyError, TypeError) as e:
-        raise RecordError(f"compare_speculators report lacks {e}: not a finished --json report") from None
+        raise RecordError(f"compare_{peer} report lacks {e}: not a finished --json report") from None
 
 
-def _speculators_run(r: dict) -> dict:
+def _compare_run(r: dict) -> dict:
     out = {"setting": r["setting"], "trainer": r["trainer"], "rc": r["rc"], "steps": r["steps"], "tokens": r["tokens"],
            "train_s": _round(r.get("train_s"), 1), "tokens_per_s": _round(r.get("tokens_per_s"), 0),
            "steady_tokens_per_s": _round(r.get("steady_tokens_per_s"), 0),
@@ -265,7 +273,7 @@ def make_entry(path: str | Path, checkout: Checkout, *, wall_s: float | None = N
     kind, contents = read_input(path)
     build = {"main_job": main_job_entry, "serve": serve_entry, "export_check": export_check_entry,
              "collect_backends": dict, "train_bench": dict, "eval_bench": dict,
-             "speculators_compare": speculators_entry}
+             "trainer_compare": trainer_compare_entry}
     entry = test_suite_entry(contents, wall_s) if kind == "test_suite" else build[kind](contents)
     if machine or not entry.get("machine"):
         from specheads.hardware import cpu_description

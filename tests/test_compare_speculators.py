@@ -133,7 +133,8 @@ def test_our_trainer_alone_trains_one_epoch_of_the_training_rows_and_reports_for
     results = tmp_path / "benchmarks.json"
     results.write_text(json.dumps({"runs": []}))
     entry = record(out, results, Checkout(commit="0" * 40, dirty=False))
-    assert entry["kind"] == "speculators_compare" and entry["runs"][0]["tokens"] == run["tokens"]
+    assert entry["kind"] == "trainer_compare" and entry["peer"] == "speculators"
+    assert entry["runs"][0]["tokens"] == run["tokens"]
 
     # --reuse: the same runs evaluated again, nothing trained; the report keeps the first call's settings
     seen = []

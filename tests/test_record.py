@@ -276,10 +276,10 @@ def test_a_speculators_comparison_is_recorded_without_commands_and_rendered(tmp_
     rt, _ = _results_tables()
     entry = record(_write(tmp_path, "compare.json", _compare_report()), results, CHECKOUT, date="2099-01-01",
                    run="python scripts/bench/compare_speculators.py --epochs 1 --evaluate")
-    assert entry["kind"] == "speculators_compare" and entry["commit"] == CHECKOUT.commit
+    assert entry["kind"] == "trainer_compare" and entry["peer"] == "speculators" and entry["commit"] == CHECKOUT.commit
     assert entry["machine"] == "CPU X (2 cores)" and entry["budget"] == {"epochs": 1}
     data = rt.load(results)
-    assert data["speculators_comparisons"] == [entry]
+    assert data["trainer_comparisons"] == [entry]
     ours, theirs = entry["runs"]
     # figures kept (rounded), this machine's commands, logs and folders left out
     assert "command" not in ours and "log" not in ours and "head_dir" not in ours and "args" not in entry
@@ -287,7 +287,7 @@ def test_a_speculators_comparison_is_recorded_without_commands_and_rendered(tmp_
     assert ours["eval"]["methods"][0]["domains"]["all"] == {"alpha": 0.5123, "tau": 1.9123, "prompts": 12}
     assert theirs["heldout"] == {"loss": 2.5, "full_acc_step0": 0.45}
 
-    text = rt.speculators_comparisons(data)
+    text = rt.trainer_comparisons(data, "speculators")
     assert "1 epoch over the same 700 training rows (331000 tokens) for each trainer" in text
     assert "commit `0123456`" in text and "speculators 0.9.0" in text
     assert "2 threads; speculators also given `--no-norm-output`;" in text and "ours also given" not in text
@@ -300,18 +300,33 @@ def test_a_speculators_comparison_is_recorded_without_commands_and_rendered(tmp_
     # a time-budget report without evaluation renders its training rows only; the newest per machine and budget
     record(_write(tmp_path, "minutes.json", _compare_report(budget={"minutes": 2.5}, runs=[
         {**r, "eval": None} for r in _compare_report()["runs"]])), results, CHECKOUT, date="2099-01-02")
-    text = rt.speculators_comparisons(rt.load(results))
+    text = rt.trainer_comparisons(rt.load(results), "speculators")
     assert text.startswith("2099-01-02") and "2.5 minutes of training each" in text and text.count("Acceptance") == 1
-    assert "No record yet" in rt.speculators_comparisons({"runs": []})
+    assert "No record yet" in rt.trainer_comparisons({"runs": []}, "speculators")
     other = _compare_report()
     other["runs"][1]["eval"] = {**other["runs"][1]["eval"], "target_dtype": "bfloat16"}
     record(_write(tmp_path, "dtypes.json", other), results, CHECKOUT, date="2099-01-03")
-    assert "target bfloat16 / float32 (differs between heads)" in rt.speculators_comparisons(rt.load(results))
+    assert "target bfloat16 / float32 (differs between heads)" in rt.trainer_comparisons(rt.load(results), "speculators")
     default = _compare_report()  # speculators' default recipe: shown beside its head in our architecture
     default["settings"] = {**default["settings"], "their_args": []}
     record(_write(tmp_path, "default.json", default), results, CHECKOUT, date="2099-01-04")
-    text = rt.speculators_comparisons(rt.load(results))
+    text = rt.trainer_comparisons(rt.load(results), "speculators")
     assert text.startswith("2099-01-04") and "2099-01-03" in text and text.count("speculators also given") == 2
+
+
+def test_each_peers_comparison_is_rendered_in_its_own_section(tmp_path, results):
+    rt, _ = _results_tables()
+    report = _compare_report(kind="trainer_compare", peer="modelopt",
+                             versions={"torch": "2.13.0", "modelopt": "0.47.0"})
+    entry = record(_write(tmp_path, "modelopt.json", report), results, CHECKOUT, date="2099-01-01")
+    assert entry["kind"] == "trainer_compare" and entry["peer"] == "modelopt"
+    data = rt.load(results)
+    text = rt.trainer_comparisons(data, "modelopt")
+    assert "modelopt 0.47.0, torch 2.13.0" in text and "| theirs (modelopt) |" in text
+    assert "2 threads; modelopt also given `--no-norm-output`;" in text
+    assert "No record yet" in rt.trainer_comparisons(data, "speculators")  # not shown as speculators'
+    with pytest.raises(RecordError, match="against 'vendorx'"):
+        record(_write(tmp_path, "x.json", _compare_report(peer="vendorx")), results, CHECKOUT)
 
 
 def test_a_comparison_report_without_runs_is_refused(tmp_path, results):

@@ -59,7 +59,7 @@ by default with a sliding-window draft layer (window 2048) and three normalisati
 and ``--their-arg=--full-attention-indices=0`` give their head the original EAGLE-3 architecture, ours, so that the
 trainers differ only in how they train it.
 Prints the exact command of every run, one JSON line per run and tables. ``--json`` writes a report that
-``specheads record`` files under ``speculators_comparisons`` in docs/benchmarks.json.
+``specheads record`` files under ``trainer_comparisons`` (peer speculators) in docs/benchmarks.json.
 
 speculators 0.9 assumes an accelerator; its run here (``--theirs-child``, in this file) patches, at run
 time and only in that process: the device the trainer moves the model and batches to (``cpu`` instead of
