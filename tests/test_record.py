@@ -333,4 +333,4 @@ def test_a_comparison_report_without_runs_is_refused(tmp_path, results):
     bad = _write(tmp_path, "compare.json", {"kind": "speculators_compare", "runs": [{"setting": "x"}]})
     with pytest.raises(RecordError, match="not a finished --json report"):
         record(bad, results, CHECKOUT)
-    assert "speculators_comparisons" not in json.loads(results.read_text())
+    assert "trainer_comparisons" not in json.loads(results.read_text())
