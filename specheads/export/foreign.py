@@ -46,8 +46,8 @@ SpecForge's, z-lab's and FasterDecoding's code (docs/evaluate.md):
   ``use_mtp_layernorm``, ``parallel_draft_step``, ...; ``_MODELOPT_SETTINGS``), its aux ids decoder-layer *outputs*
   (ours = id + 1); tensors ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, and ``d2t`` (a reduced vocabulary) in
   frequency order, never ``t2d``. Read as ModelOpt's HF trainer computes it: its first layer normalises the fed hidden
-  state with ``input_layernorm`` and then ``hidden_norm`` (``ModelOptHiddenNorm``; vLLM and SGLang apply
-  ``hidden_norm`` alone); the draft rows are put in target-id order (the same logits); ``torch_dtype`` (always
+  state with ``input_layernorm`` and then ``hidden_norm`` (the head config's ``hidden_after_input_norm``; vLLM and
+  SGLang apply ``hidden_norm`` alone); the draft rows are put in target-id order (the same logits); ``torch_dtype`` (always
   bfloat16) is ignored; the YaRN ``rope_scaling`` its export adds to a head trained without scaling (a dict without
   ``rope_theta``, ModelOpt's ``eagle_export_rope_scaling``) is left out, as the head was trained; a scaling trained
   with (written with its ``rope_theta``) is kept. Other settings: refused.
@@ -302,7 +302,7 @@ def _modelopt_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> d
     rope = cfg.get("rope_scaling") or {}
     if (rope.get("rope_type") or rope.get("type") or "default") != "default" and "rope_theta" not in rope:
         cfg = {k: v for k, v in cfg.items() if k != "rope_scaling"}
-    return _eagle3_config(folder, fmt, cfg, target)
+    return {**_eagle3_config(folder, fmt, cfg, target), "hidden_after_input_norm": True}
 
 
 def _window(folder: Path, fmt: str, layer) -> dict:
@@ -456,8 +456,9 @@ def foreign_head_config(folder: str | Path, target: TargetInfo) -> tuple[str, di
     fmt, method = check_format(folder)
     cfg = _config(folder)
     head_cfg = (_modelopt_config if fmt == "modelopt" else _CONFIGS[method])(folder, fmt, cfg, target)
-    try:
-        layout = build_layout(method, _engine(fmt, cfg), head_cfg, target)
+    try:  # the tensors' layout: ModelOpt's norm order changes no tensor (and is refused by export layouts)
+        layout = build_layout(method, _engine(fmt, cfg),
+                              {k: v for k, v in head_cfg.items() if k != "hidden_after_input_norm"}, target)
     except LayoutError as e:
         raise _fail(folder, fmt, str(e)) from None
     return fmt, head_cfg, layout
@@ -608,35 +609,14 @@ def _check_borrowed(head: ForeignHead, target) -> None:
                                                       f"{_BORROWED[name]}, which the specheads head does not carry)")
 
 
-class ModelOptHiddenNorm(torch.nn.Module):
-    """``hidden_norm(input_layernorm(hidden))``: the first draft layer's norm of the fed hidden state as ModelOpt
-    0.47's HF EAGLE-3 computes it (its attention pre-hook applies ``hidden_norm`` to the decoder layer's input, which
-    ``input_layernorm`` has already normed; vLLM, SGLang and the specheads head apply ``hidden_norm`` alone). It holds
-    ``hidden_norm``'s weight under its name and reads the layer's ``input_layernorm`` where that is registered, so the
-    state dict is unchanged; the head's config does not record it: a model for evaluating, not for saving."""
-
-    def __init__(self, layer: torch.nn.Module):
-        super().__init__()
-        self.weight, self.variance_epsilon = layer.hidden_norm.weight, layer.hidden_norm.variance_epsilon
-        self.__dict__["_rms_norm"] = type(layer.hidden_norm).forward
-        self.__dict__["_first"] = layer.input_layernorm
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._rms_norm(self, self._first(hidden))
-
-
 def load_foreign_head(folder: str | Path, target):
     """The specheads model a foreign folder holds (``Eagle3Model``, ``DFlashModel``, ``MedusaHeads``,
     ``Eagle1Model``), for ``target`` (a loaded ``Target``), unattached and in the folder's float dtype (as
-    ``from_pretrained`` keeps a specheads head's); a ModelOpt head computes its first layer's norms as ModelOpt does
-    (``ModelOptHiddenNorm``)."""
+    ``from_pretrained`` keeps a specheads head's)."""
     info = TargetInfo(str(target.name), target.hidden_size, target.vocab_size, target.num_layers)
     head = read_foreign_head(folder, info)
     _check_borrowed(head, target)
-    model = build_head(head.config, head.state)
-    if head.format == "modelopt":
-        model.midlayer.hidden_norm = ModelOptHiddenNorm(model.midlayer)
-    return model
+    return build_head(head.config, head.state)
 
 
 def head_source(head_dir: str | Path) -> str:

@@ -369,6 +369,10 @@ def _eagle1(cfg: dict, engine: str, target: TargetInfo, src: dict) -> Layout:
 
 def _norm_flags(cfg: dict, engine: str) -> dict[str, bool]:
     """The head's ``NORM_FLAGS`` as ``engine`` reads them, refusing one it does not compute (``ENGINE_NORMS``)."""
+    if cfg.get("hidden_after_input_norm"):
+        raise LayoutError("hidden_after_input_norm: no engine's EAGLE-3 drafter norms the fed hidden state with "
+                          "input_layernorm before hidden_norm (NVIDIA ModelOpt's trainer does; a head read from its "
+                          "export is evaluated, not exported here)")
     flags = {k: bool(cfg.get(k)) for k in NORM_FLAGS}
     missing = [k for k, on in flags.items() if on and k not in ENGINE_NORMS[engine]]
     if missing:

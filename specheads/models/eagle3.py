@@ -61,7 +61,10 @@ class Eagle3Config(LlamaConfig):
     ``norm_before_fc``, weight ``input_norm``); norm_before_residual: the draft layer's residual starts from the normed
     hidden state; norm_output: the post-norm state is fed back between draft steps (see the module docstring);
     sliding_window / layer_types: the draft layers' sliding window, as transformers' configs name them; qk_norm:
-    Qwen3's per-head q/k RMSNorms. A config.json written before these options reads them as off.
+    Qwen3's per-head q/k RMSNorms; hidden_after_input_norm: the draft layer norms the fed hidden state with
+    ``input_layernorm`` before ``hidden_norm`` (how NVIDIA ModelOpt's trainer computes it; no engine does: read for
+    evaluating such heads, never trained or exported here). A config.json written before these options reads them
+    as off.
     """
 
     model_type = "specheads_eagle3"
@@ -76,6 +79,7 @@ class Eagle3Config(LlamaConfig):
     sliding_window: int | None = None
     layer_types: list[str] | None = None
     qk_norm: bool = False
+    hidden_after_input_norm: bool = False
 
     @classmethod
     def from_target(cls, target: Target, draft_vocab_size: int, aux_layers=None, fc_norm: bool = False,
@@ -109,7 +113,8 @@ class Eagle3Model(PreTrainedModel):
         self.fc_norm = nn.ModuleList(RMSNorm(Ht, config.rms_norm_eps)
                                      for _ in range(n_aux)) if getattr(config, "fc_norm", False) else None
         self.midlayer = DraftDecoderLayer(config, layer=0, embeds_input=True,
-                                          norm_before_residual=config.norm_before_residual)
+                                          norm_before_residual=config.norm_before_residual,
+                                          hidden_after_input_norm=getattr(config, "hidden_after_input_norm", False))
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config)

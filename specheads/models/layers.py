@@ -347,19 +347,23 @@ class DraftDecoderLayer(nn.Module):
       ``input_layernorm`` unless ``input_layernorm=False`` (vLLM/SGLang drop it in layer 0).
     * EAGLE-3 (``embeds_input=True``): attention reads ``[input_layernorm(embeds); hidden_norm(hidden)]``
       (2H features); the residual stream is the un-normed hidden, or ``hidden_norm(hidden)`` with
-      ``norm_before_residual`` (speculators' and vLLM's option of that name).
+      ``norm_before_residual`` (speculators' and vLLM's option of that name); ``hidden_after_input_norm``: the hidden
+      half reads ``hidden_norm(input_layernorm(hidden))`` (NVIDIA ModelOpt 0.47's HF EAGLE-3, whose decoder layer norms
+      its input before the attention hook applies ``hidden_norm``; the engines apply ``hidden_norm`` alone).
     The output is the pre-norm residual stream ``hidden + attn + mlp`` (B, q, H).
     """
 
     def __init__(self, config, layer: int = 0, embeds_input: bool = False, input_layernorm: bool = True,
-                 norm_before_residual: bool = False):
+                 norm_before_residual: bool = False, hidden_after_input_norm: bool = False):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
-        if norm_before_residual and not embeds_input:
-            raise ValueError("norm_before_residual applies to the EAGLE-3 style layer (embeds_input=True)")
+        if (norm_before_residual or hidden_after_input_norm) and not embeds_input:
+            raise ValueError("norm_before_residual and hidden_after_input_norm apply to the EAGLE-3 style layer "
+                             "(embeds_input=True)")
         self.layer = layer
         self.embeds_input = embeds_input
         self.norm_before_residual = norm_before_residual
+        self.hidden_after_input_norm = hidden_after_input_norm
         self.self_attn = DraftAttention(config, 2 * H if embeds_input else H, layer)
         self.mlp = DraftMLP(config)
         self.input_layernorm = RMSNorm(H, eps) if (input_layernorm or embeds_input) else None
@@ -374,7 +378,7 @@ class DraftDecoderLayer(nn.Module):
         if self.embeds_input:
             if embeds is None:
                 raise ValueError("this layer reads [embeds; hidden]: pass embeds")
-            normed = self.hidden_norm(hidden)
+            normed = self.hidden_norm(self.input_layernorm(hidden) if self.hidden_after_input_norm else hidden)
             x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
             if self.norm_before_residual:
                 hidden = normed

@@ -500,6 +500,13 @@ def test_a_modelopt_head_norms_the_hidden_state_as_modelopt_does(target, tmp_pat
         theirs, ours = model.decode(hidden, ids, pos), head.decode(hidden, ids, pos)
         torch.testing.assert_close(theirs, modelopt_layer(head, hidden, ids, pos))
     assert not torch.allclose(theirs, ours, atol=1e-3)
+    # the head's config says so (a saved copy computes the same), and no engine's layout takes it
+    assert model.config.hidden_after_input_norm and not head.config.hidden_after_input_norm
+    from specheads.export.layouts import LayoutError, build_layout
+
+    for engine in ("vllm", "sglang", "speculators"):
+        with pytest.raises(LayoutError, match="hidden_after_input_norm: no engine"):
+            build_layout("eagle3", engine, model.config.to_dict(), INFO)
 
 
 @pytest.mark.parametrize("rope,expected", [
