@@ -72,32 +72,13 @@ LOSS_DECAY = 0.8
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--features", help="our feature store (specheads collect, method=eagle3)")
-    p.add_argument("--prepared", help="the prepared dataset the store was collected from")
-    p.add_argument("--target", default="smollm2", help="target name or model folder (the store's target)")
+    p = cs.common_arguments(__doc__)
     p.add_argument("--modelopt-site", default=None, help="the folder holding ModelOpt (put on the child's PYTHONPATH)")
     p.add_argument("--settings", nargs="+", default=["float32:1"], metavar="DTYPE:TTT",
                    help="float32|bfloat16 and TTT steps, each trained by both (default: float32:1)")
     p.add_argument("--epochs", type=int, default=1, help="passes over the training rows (both trainers)")
-    p.add_argument("--evaluate", action="store_true", help="then decode both heads with specheads evaluate")
-    p.add_argument("--eval-arg", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--reuse", default=None, metavar="REPORT.json", help="train nothing: evaluate an earlier report's")
-    p.add_argument("--skip-steps", type=int, default=5, help="first steps left out of the steady tokens/s")
-    p.add_argument("--draft-vocab-size", type=int, default=4096)
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per batch (ours: padded; ModelOpt: rows x L)")
-    p.add_argument("--lr", type=float, default=1.5e-3)
-    p.add_argument("--warmup-steps", type=int, default=10)
-    p.add_argument("--eval-samples", type=int, default=16, help="our held-out rows (data.eval_samples)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--only", choices=["ours", "theirs"], default=None, help="run one trainer only")
-    p.add_argument("--our-arg", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--workdir", default=None)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    if not args.reuse and not (args.features and args.prepared):
-        p.error("--features and --prepared are required (unless --reuse)")
+    args = cs.checked_args(p, argv)
     args.our_arg = MATCH_OURS + args.our_arg
     args.minutes, args.their_arg = None, []  # what compare_speculators' shared functions read
     return args
@@ -121,18 +102,14 @@ def convert_store(features: str | Path, prepared: str | Path, out: str | Path, v
     (also ``out/convert.json``; an ``out`` whose convert.json matches the store and settings is reused)."""
     import torch
 
-    from specheads.data.features import FeatureDataset
     from specheads.data.store import STORE_DTYPES
     from specheads.models.vocab import build_draft_vocab, count_loss_tokens
 
-    out, store = Path(out), FeatureDataset(features)
-    key = {"format": CONVERT_FORMAT, "store": str(Path(features).resolve()),
-           "plan_hash": store.manifest.get("plan_hash"), "draft_vocab_size": draft_vocab_size,
-           "eval_samples": eval_samples, "seed": seed}
+    out = Path(out)
+    store, key, earlier = cs.cached_conversion(features, out, CONVERT_FORMAT, draft_vocab_size, eval_samples, seed)
+    if earlier:
+        return earlier
     done = out / "convert.json"
-    if done.exists() and all(json.loads(done.read_text()).get(k) == v for k, v in key.items()):
-        return json.loads(done.read_text())
-    shutil.rmtree(out, ignore_errors=True)
     train_idx, eval_idx = cs.heldout_split(store, eval_samples, seed)
     dtype = STORE_DTYPES.get(store.manifest["dtype"], torch.float32)
     dtype = torch.float32 if dtype == torch.float8_e4m3fn else dtype
@@ -336,12 +313,8 @@ def main(argv=None) -> None:
         return modelopt_child(json.loads(argv[1]))
     args = parse_args(argv)
     if args.reuse:
-        old = json.loads(Path(args.reuse).read_text())
-        if old.get("kind") != "trainer_compare" or old.get("peer") != "modelopt":
-            raise SystemExit(f"--reuse {args.reuse}: not a compare_modelopt.py --json report")
-        keep = {k: getattr(args, k) for k in ("eval_arg", "json", "reuse")}
-        args = argparse.Namespace(**{**old["args"], "workdir": old["workdir"], **keep, "evaluate": True})
-        return finish(args, Path(args.workdir), old.get("store"), old["runs"])
+        args, data, results = cs.reused(args, "modelopt")
+        return cs.finish(args, Path(args.workdir), data, results, report)
     settings = [cs.parse_setting(s) for s in args.settings]
     trainers = [args.only] if args.only else ["ours", "theirs"]
     if "theirs" in trainers and (why := modelopt_missing(args.modelopt_site)):
@@ -364,27 +337,9 @@ def main(argv=None) -> None:
         print(f"ModelOpt data: {data['num_train']} training rows ({data['train_tokens']} tokens) + "
               f"{data['num_heldout']} held out, in {root / 'modelopt-data'} ({time.perf_counter() - t0:.0f} s)",
               flush=True)
-    results = []
-    for dtype, ttt in settings:
-        for trainer in trainers:
-            r = cs.run_ours(args, dtype, ttt, root) if trainer == "ours" else run_modelopt(args, dtype, ttt, root, data)
-            r = {"setting": f"{dtype}:ttt{ttt}", "trainer": trainer, **r}
-            if r["rc"] != 0 or not r["steps"]:
-                print(f"{trainer} {r['setting']}: failed (exit {r['rc']}); log {r['log']}:\n"
-                      + "".join(Path(r["log"]).read_text().splitlines(keepends=True)[-30:]), file=sys.stderr)
-            print(json.dumps({k: v for k, v in r.items() if k != "command"}), flush=True)
-            results.append(r)
-    finish(args, root, data, results)
-
-
-def finish(args, root: Path, data: dict | None, results: list[dict]) -> None:
-    """Evaluate the heads (``--evaluate``; ``theirs`` is ModelOpt's), print the tables, write ``--json``."""
-    if args.evaluate:
-        for r in results:
-            r["eval"] = cs.run_eval(args, r, root)
-    cs.print_table(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report(args, root, data, results), indent=1))
+    results = cs.train_both(args, settings, trainers, root, data,
+                            lambda dtype, ttt: run_modelopt(args, dtype, ttt, root, data))
+    cs.finish(args, root, data, results, report)
 
 
 if __name__ == "__main__":

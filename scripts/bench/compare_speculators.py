@@ -93,16 +93,13 @@ REPO = Path(__file__).resolve().parents[2]
 CONVERT_FORMAT = "specheads.compare_speculators/1"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def common_arguments(description: str) -> argparse.ArgumentParser:
+    """The options every ``compare_<peer>.py`` takes (the store, the evaluation, the shared training settings, the
+    outputs); each script adds its peer's folder, settings, budget, batch and extra-flag options."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--features", help="our feature store (specheads collect, method=eagle3)")
     p.add_argument("--prepared", help="the prepared dataset the store was collected from")
     p.add_argument("--target", default="smollm2", help="target name or model folder (the store's target)")
-    p.add_argument("--settings", nargs="+", default=["float32:3", "bfloat16:3"], metavar="DTYPE:TTT",
-                   help="float32|bfloat16 and TTT steps, each trained by both (default: float32:3 bfloat16:3)")
-    p.add_argument("--minutes", type=float, default=2.5, help="training time per run (sum of step times)")
-    p.add_argument("--epochs", type=int, default=None,
-                   help="train N passes over the same training rows instead (equal tokens; --minutes unused)")
     p.add_argument("--evaluate", action="store_true",
                    help="then decode every trained head with specheads evaluate (main job's prompts, T=0)")
     p.add_argument("--eval-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -111,7 +108,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="train nothing: evaluate the heads of an earlier --json report (its settings and runs)")
     p.add_argument("--skip-steps", type=int, default=5, help="first steps left out of the steady tokens/s")
     p.add_argument("--draft-vocab-size", type=int, default=4096)
-    p.add_argument("--max-tokens", type=int, default=2048, help="tokens per batch (ours: padded; theirs: packed)")
     p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--warmup-steps", type=int, default=10, help="learning-rate warm-up steps (both)")
     p.add_argument("--eval-samples", type=int, default=16, help="our held-out rows (data.eval_samples)")
@@ -120,22 +116,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", choices=["ours", "theirs"], default=None, help="run one trainer only")
     p.add_argument("--our-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra Hydra override for our runs (after the matched ones)")
-    p.add_argument("--their-arg", action="append", default=[], metavar="FLAG",
-                   help="an extra speculators flag (e.g. --their-arg=--num-workers=2)")
     p.add_argument("--workdir", default=None,
                    help="where the converted data and runs go (kept; reused when it matches the store)")
     p.add_argument("--json", default=None, help="also write the report to this file")
+    return p
+
+
+def checked_args(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.reuse and not (args.features and args.prepared):
         p.error("--features and --prepared are required (unless --reuse)")
     return args
 
 
-def reused(args) -> tuple[argparse.Namespace, dict | None, list[dict]]:
-    """(the earlier report's settings with this call's evaluation options, its store figures, its runs)."""
+def parse_args(argv=None) -> argparse.Namespace:
+    p = common_arguments(__doc__)
+    p.add_argument("--settings", nargs="+", default=["float32:3", "bfloat16:3"], metavar="DTYPE:TTT",
+                   help="float32|bfloat16 and TTT steps, each trained by both (default: float32:3 bfloat16:3)")
+    p.add_argument("--minutes", type=float, default=2.5, help="training time per run (sum of step times)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="train N passes over the same training rows instead (equal tokens; --minutes unused)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="tokens per batch (ours: padded; theirs: packed)")
+    p.add_argument("--their-arg", action="append", default=[], metavar="FLAG",
+                   help="an extra speculators flag (e.g. --their-arg=--num-workers=2)")
+    return checked_args(p, argv)
+
+
+def reused(args, peer: str = "speculators") -> tuple[argparse.Namespace, dict | None, list[dict]]:
+    """(the earlier report's settings with this call's evaluation options, its store figures, its runs): a
+    ``compare_<peer>.py --json`` report (compare_speculators.py's older ones have kind speculators_compare)."""
     old = json.loads(Path(args.reuse).read_text())
-    if old.get("kind") != "speculators_compare":
-        raise SystemExit(f"--reuse {args.reuse}: not a compare_speculators.py --json report")
+    if (old.get("kind"), old.get("peer", "speculators")) not in (("trainer_compare", peer),
+                                                                  ("speculators_compare", peer)):
+        raise SystemExit(f"--reuse {args.reuse}: not a compare_{peer}.py --json report")
     new = {k: getattr(args, k) for k in ("evaluate", "eval_arg", "json", "reuse")}
     return (argparse.Namespace(**{**old["args"], "workdir": old["workdir"], **new, "evaluate": True}), old.get("store"),
             old["runs"])
@@ -155,6 +168,22 @@ def heldout_split(store, eval_samples: int, seed: int) -> tuple[list[int], list[
     return keep_chat_heldout_out(store, train_idx, eval_idx)
 
 
+def cached_conversion(features: str | Path, out: Path, fmt: str, draft_vocab_size: int, eval_samples: int,
+                      seed: int) -> tuple:
+    """(the store, the conversion's key, the earlier conversion in ``out`` when its ``convert.json`` matches the
+    store and settings, else None after clearing ``out``): what each compare script's ``convert_store`` starts with."""
+    from specheads.data.features import FeatureDataset
+
+    store = FeatureDataset(features)
+    key = {"format": fmt, "store": str(Path(features).resolve()), "plan_hash": store.manifest.get("plan_hash"),
+           "draft_vocab_size": draft_vocab_size, "eval_samples": eval_samples, "seed": seed}
+    done = Path(out) / "convert.json"
+    if done.exists() and all(json.loads(done.read_text()).get(k) == v for k, v in key.items()):
+        return store, key, json.loads(done.read_text())
+    shutil.rmtree(out, ignore_errors=True)
+    return store, key, None
+
+
 def convert_store(features: str | Path, prepared: str | Path, out: str | Path, vocab_size: int,
                   draft_vocab_size: int, eval_samples: int = 16, seed: int = 0) -> dict:
     """Write our feature store as speculators' offline training data in ``out`` (see the module doc).
@@ -169,20 +198,14 @@ def convert_store(features: str | Path, prepared: str | Path, out: str | Path, v
     from datasets import Dataset
     from safetensors.torch import save_file
 
-    from specheads.data.features import FeatureDataset
     from specheads.data.store import STORE_DTYPES
     from specheads.models.vocab import build_draft_vocab, count_loss_tokens
 
     out = Path(out)
-    store = FeatureDataset(features)
-    key = {"format": CONVERT_FORMAT, "store": str(Path(features).resolve()),
-           "plan_hash": store.manifest.get("plan_hash"), "draft_vocab_size": draft_vocab_size,
-           "eval_samples": eval_samples, "seed": seed}
+    store, key, earlier = cached_conversion(features, out, CONVERT_FORMAT, draft_vocab_size, eval_samples, seed)
+    if earlier:
+        return earlier
     done = out / "convert.json"
-    if done.exists() and all(json.loads(done.read_text()).get(k) == v for k, v in key.items()):
-        return json.loads(done.read_text())
-    if out.exists():
-        shutil.rmtree(out)
     train_idx, eval_idx = heldout_split(store, eval_samples, seed)
     order = list(train_idx) + list(eval_idx)
     dtype = STORE_DTYPES.get(store.manifest["dtype"], torch.float32)
@@ -533,7 +556,8 @@ def print_table(results: list[dict]) -> None:
                   f"{ratio(o['tokens_per_s'], t['tokens_per_s']):>10} {ratio(o['peak_rss_mib'], t['peak_rss_mib']):>9} "
                   f"{ratio(o['peak_anon_mib'], t['peak_anon_mib']):>10}")
     if any(r.get("heldout") for r in results):
-        print(f"\n{'setting':<13} {'trainer':<8} {'held-out loss':>13} {'step-0 top-1':>12}  (theirs: within the draft vocabulary)")
+        print(f"\n{'setting':<13} {'trainer':<8} {'held-out loss':>13} {'step-0 top-1':>12}  "
+              "(each trainer's own definition: the script's docstring)")
         for r in results:
             h = r.get("heldout") or {}
             print(f"{r['setting']:<13} {r['trainer']:<8} {fmt(h.get('loss'), '13.4f')} "
@@ -616,10 +640,18 @@ def main(argv=None) -> None:
         print(f"speculators data: {data['num_train']} training rows ({data['train_tokens']} tokens) + "
               f"{data['num_heldout']} held out, {data['hidden_dtype']} hidden states, in {data['data_path']} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    results = train_both(args, settings, trainers, root, data,
+                         lambda dtype, ttt: run_theirs(args, dtype, ttt, root, data))
+    finish(args, root, data, results)
+
+
+def train_both(args, settings, trainers: list[str], root: Path, data: dict | None, run_theirs) -> list[dict]:
+    """Each setting's runs, one trainer at a time (ours: ``run_ours``; theirs: ``run_theirs(dtype, ttt)``), each
+    printed as it ends (a failed one with its log's end)."""
     results = []
     for dtype, ttt in settings:
         for trainer in trainers:
-            r = run_ours(args, dtype, ttt, root) if trainer == "ours" else run_theirs(args, dtype, ttt, root, data)
+            r = run_ours(args, dtype, ttt, root) if trainer == "ours" else run_theirs(dtype, ttt)
             r = {"setting": f"{dtype}:ttt{ttt}", "trainer": trainer, **r}
             if r["rc"] != 0 or not r["steps"]:
                 print(f"{trainer} {r['setting']}: failed (exit {r['rc']}); log {r['log']}:\n"
@@ -629,17 +661,18 @@ def main(argv=None) -> None:
                 print(f"{trainer} {r['setting']}: {r['tokens']} tokens trained, {args.epochs} x "
                       f"{data['train_tokens']} in the training rows", flush=True)
             results.append(r)
-    finish(args, root, data, results)
+    return results
 
 
-def finish(args, root: Path, data: dict | None, results: list[dict]) -> None:
-    """Evaluate the trained heads (``--evaluate``), print the tables, write ``--json``."""
+def finish(args, root: Path, data: dict | None, results: list[dict], make_report=None) -> None:
+    """Evaluate the trained heads (``--evaluate``), print the tables, write ``--json`` (``make_report``: the
+    peer's report, this file's by default)."""
     if args.evaluate:
         for r in results:
             r["eval"] = run_eval(args, r, root)
     print_table(results)
     if args.json:
-        Path(args.json).write_text(json.dumps(report(args, root, data, results), indent=1))
+        Path(args.json).write_text(json.dumps((make_report or report)(args, root, data, results), indent=1))
 
 
 if __name__ == "__main__":
