@@ -467,7 +467,8 @@ def _trainer_comparison(r: dict, peer: str) -> str:
                     for who, key in (("ours", "our_args"), (peer, "their_args")) if st.get(key))
     lines = [f"{r['date']}, commit {_commit(r)}, {r['machine']}; target {r['target']}; {budget}; draft vocabulary "
              f"{st['draft_vocab_size']}, {st['max_tokens']} tokens per batch, learning rate {st['lr']:g}, "
-             f"{st['threads']} threads{extra}; {peer} {v.get(peer, '?')}, torch {v.get('torch', '?')}"
+             f"{st['threads']} thread{'s' if st['threads'] != 1 else ''}{extra}; {peer} {v.get(peer, '?')}, "
+             f"torch {v.get('torch', '?')}"
              + (f". {r['what']}" if r.get("what") else "") + (f" (`{r['run']}`)" if r.get("run") else "") + ":", "",
              "| setting | trainer | steps | tokens | tokens/s (after step 5) | tokens/s (all) | ours/theirs | "
              "peak RSS MiB | peak anon MiB | held-out loss | held-out step-0 top-1 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
