@@ -22,6 +22,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from tqdm import tqdm
 
 from specheads.decoding.drafters import TreeShape
+from specheads.decoding.exact import ExactDecodeCalls
 from specheads.errors import ConfigError, InputNotFoundError, UserError, user_errors
 from specheads.progress import evaluation_steps
 from specheads.evaluation.prompts import BenchmarkSpec, load_benchmarks
@@ -251,8 +252,10 @@ def run(cfg: DictConfig) -> dict:
                  "run on it; the original %s is not used)", adapted, target_path)
         target_path = adapted
     log.info("loading the target %s (%s)", target_path, cfg.target.dtype)
-    target = load_target(target_path, cfg.target.dtype, cfg.target.device, probe_rows=4,
-                         chat_template=cfg.target.get("chat_template"))  # decoding's row count
+    # dtype auto on a CPU: timed as decoding will run (exact forwards pad small calls to a row floor per dtype)
+    rows = 4 if cfg.exact_forward == "off" else ExactDecodeCalls(tokens=4)
+    target = load_target(target_path, cfg.target.dtype, cfg.target.device, probe_rows=rows,
+                         chat_template=cfg.target.get("chat_template"))
     def steps(prompts: int) -> int:
         return evaluation_steps(prompts, ecfg.methods, ecfg.temperatures, ecfg.repeats, ecfg.paired, ecfg.batch_sizes,
                                 ecfg.batch_prompts)

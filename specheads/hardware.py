@@ -23,6 +23,7 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BF16_ENV = "SPECHEADS_CPU_BF16"
+# a dtype's name and its weight per (in, out) shape -> the layer per shape as the stage will run it (a weight or a
+# callable module) and the row counts of the calls one forward makes to each layer
+RowsFor = Callable[[str, dict], tuple[dict, Sequence[int]]]
 
 
 # Dense (no sparsity) peak TFLOP/s of a GPU's tensor cores in bfloat16 and of its float32 units (no TF32), from the
@@ -127,16 +131,17 @@ def _median_seconds(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _forward_seconds(weights: dict, shapes: Counter, dtype: torch.dtype, rows: int, reps: int,
+def _forward_seconds(weights: dict, shapes: Counter, dtype: torch.dtype, rows: int | Sequence[int], reps: int,
                      backward: bool) -> float:
     """Seconds for one pass over every linear layer of ``shapes`` (each distinct shape timed once, weighted
-    by its count), ``rows`` input rows, in ``dtype`` (weights in float32 under bfloat16 autocast for training)."""
+    by its count), ``rows`` input rows (or one call per entry of a sequence of row counts), in ``dtype``
+    (weights in float32 under bfloat16 autocast for training)."""
     total = 0.0
+    calls = [rows] if isinstance(rows, int) else list(rows)
     for shape, count in shapes.items():
         w = weights[shape]
-        x = torch.randn(rows, shape[0], dtype=torch.float32 if backward else dtype)
         if backward:
-            x.requires_grad_(True)
+            x = torch.randn(calls[0], shape[0], dtype=torch.float32).requires_grad_(True)
 
             def step():
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
@@ -144,17 +149,23 @@ def _forward_seconds(weights: dict, shapes: Counter, dtype: torch.dtype, rows: i
                 y.float().sum().backward()
                 w.grad = x.grad = None
         else:
+            xs = [torch.randn(n, shape[0], dtype=dtype) for n in calls]
+            linear = w if callable(w) else (lambda x, w=w: nn.functional.linear(x, w))
+
             def step():
                 with torch.no_grad():
-                    nn.functional.linear(x, w)
+                    for x in xs:
+                        linear(x)
         total += count * _median_seconds(step, reps)
     return total
 
 
-def probe_seconds(shapes: Counter, weights: dict | None, rows: int, reps: int = 3, backward: bool = False,
+def probe_seconds(shapes: Counter, weights: dict | None, rows: int | RowsFor, reps: int = 3, backward: bool = False,
                   dtypes=("float32", "bfloat16")) -> dict[str, float]:
     """Time one pass over ``shapes``' linear layers per dtype; ``weights``: float32 weight per shape (the real
-    model's, or random ones of its shapes when None). bfloat16 copies are made per shape, one at a time."""
+    model's, or random ones of its shapes when None). bfloat16 copies are made per shape, one at a time.
+    ``rows``: input rows per call, or (``RowsFor``) a function of the dtype's name and its weights per shape
+    giving the layers as they will run and the row counts of the calls one forward makes to each."""
     out = {}
     for name in dtypes:
         dtype = DTYPES[name]
@@ -167,17 +178,21 @@ def probe_seconds(shapes: Counter, weights: dict | None, rows: int, reps: int = 
             elif dtype != torch.float32:
                 w = w.to(dtype)
             per[shape] = w
-        out[name] = _forward_seconds(per, shapes, dtype, rows, reps, backward)
+        calls = rows
+        if callable(rows):
+            per, calls = rows(name, per)
+        out[name] = _forward_seconds(per, shapes, dtype, calls, reps, backward)
     return out
 
 
-def choose_dtype(requested: str, device: str | torch.device, model: nn.Module | None = None, rows: int = 256,
+def choose_dtype(requested: str, device: str | torch.device, model: nn.Module | None = None, rows: int | RowsFor = 256,
                  reps: int = 3, shapes: Counter | None = None) -> Choice:
     """The target's dtype for a stage: ``requested`` itself unless it is ``auto``.
 
     ``auto``: on a GPU bfloat16 (float16 where the GPU lacks bfloat16); on the CPU float32 where the CPU lacks
     bfloat16 kernels, else a probe of ``model``'s own linear layers (float32 weights) at ``rows`` rows per
-    forward picks bfloat16 only where it is faster. ``shapes`` (``linear_shapes`` of a model not loaded, e.g. on
+    forward picks bfloat16 only where it is faster (``rows`` a ``RowsFor``: the layers and calls as the stage
+    will run them in each dtype, e.g. exact decoding's padded calls: ``decoding.exact.exact_decode_calls``). ``shapes`` (``linear_shapes`` of a model not loaded, e.g. on
     the meta device: ``specheads plan``) probes random weights of those shapes instead. Without either the CPU
     keeps float32.
     """
@@ -205,7 +220,8 @@ def choose_dtype(requested: str, device: str | torch.device, model: nn.Module | 
                 weights.setdefault((w.shape[1], w.shape[0]), w)
     seconds = probe_seconds(shapes, weights, rows, reps)
     pick = "bfloat16" if seconds["bfloat16"] < seconds["float32"] else "float32"
-    return Choice(pick, f"timed probe of the model's linear layers at {rows} rows", seconds)
+    how = getattr(rows, "describe", None)
+    return Choice(pick, f"timed probe of the model's linear layers {how() if how else f'at {rows} rows'}", seconds)
 
 
 def choose_mixed_precision(requested: str, shapes: Counter | None = None, rows: int = 2048, reps: int = 2,

@@ -22,7 +22,7 @@ def test_gemma3_270m_runs_every_stage_on_real_weights(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, "-m", "specheads.cli", "run", "target=gemma3_270m", f"run_dir={run}", "serve=false",
            "prepare.data.num_samples=24", "prepare.data.max_length=96",
-           "collect.collect.max_minutes=null",
+           "collect.collect.max_minutes=null", "collect.engine=hf",  # vLLM's collection: tests/engine, gpu_check.sh
            "train.train.max_minutes=null", "train.train.max_steps=3", "train.train.measure_prompts=2",
            "train.train.measure_tokens=8", "train.data.eval_samples=4", "train.train.save_every=0",
            "evaluate.eval=tiny", "evaluate.eval.mtbench_per_category=0", "evaluate.eval.humaneval=1",
@@ -44,6 +44,7 @@ def test_gemma3_270m_runs_every_stage_on_real_weights(tmp_path):
     assert masked and "<start_of_turn>" not in masked  # the model's turns only (a row may be cut at max_length)
     store = json.loads((run / "features" / "manifest.json").read_text())
     assert store["num_samples"] == len(dataset) and store["aux_layers"] == [2, 9, 15]
+    assert json.loads((run / "run_summary.json").read_text())["collect"]["engine"] == "hf"
     summary = json.loads((run / "train" / "eagle3" / "train_summary.json").read_text())
     assert summary["steps"] == 3
     report = json.loads((run / "eval" / "eagle3" / "report.json").read_text())

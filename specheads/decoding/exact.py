@@ -142,32 +142,78 @@ def _unfloored(m: nn.Module):
     return state["forward"] if state else m.forward
 
 
+def layer_row_floor(forward, in_features: int, dtype: torch.dtype, device, max_rows: int = MAX_ROWS,
+                    gen: torch.Generator | None = None) -> int:
+    """The smallest row count ``f`` such that every call of ``forward`` (one linear layer as it runs) with ``f``
+    to ``max_rows`` rows gives each row bitwise what a call over ``max_rows`` rows gives it, whatever its
+    neighbours and its place in the call."""
+    gen = gen or torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        x = torch.randn(max_rows, in_features, generator=gen).to(device, dtype)
+        ref = forward(x)
+        for rows in range(max_rows - 1, 0, -1):  # from the top: the first failing count sets the floor
+            # every row of the reference, in calls of ``rows`` rows at two alignments
+            starts = sorted({min(s, max_rows - rows) for s in range(0, max_rows, rows)}
+                            | {min(s, max_rows - rows) for s in range(rows // 2, max_rows, rows)})
+            if any(not torch.equal(forward(x[s:s + rows]), ref[s:s + rows]) for s in starts):
+                return rows + 1
+    return 1
+
+
 def linear_row_floor(model: nn.Module, max_rows: int = MAX_ROWS, seed: int = 0) -> dict:
     """Measure, for each kind of linear layer of ``model`` (as it will run: layout, dtype, thread count
-    already set), the smallest row count ``f`` such that every call of ``f`` to ``max_rows`` rows gives each
-    row bitwise what a call over ``max_rows`` rows gives it, whatever its neighbours and its place in the
-    call. Returns {"floor": the largest over kinds, "per_kind": {kind: f}, "seconds": s}."""
+    already set), its ``layer_row_floor``. Returns {"floor": the largest over kinds, "per_kind": {kind: f},
+    "seconds": s}."""
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(seed)
     per_kind = {}
-    with torch.no_grad():
-        for key, m in _linear_kinds(model).items():
-            forward = _unfloored(m)
-            w = m.weight
-            x = torch.randn(max_rows, m.in_features, generator=gen).to(w.device, w.dtype)
-            ref = forward(x)
-            bad = 0
-            for rows in range(max_rows - 1, 0, -1):  # from the top: the first failing count sets the floor
-                # every row of the reference, in calls of ``rows`` rows at two alignments
-                starts = sorted({min(s, max_rows - rows) for s in range(0, max_rows, rows)}
-                                | {min(s, max_rows - rows) for s in range(rows // 2, max_rows, rows)})
-                if any(not torch.equal(forward(x[s:s + rows]), ref[s:s + rows]) for s in starts):
-                    bad = rows
-                    break
-            per_kind["{} {}x{}{} {}".format(key[0], key[1], key[2], "+b" if key[3] else "",
-                                            str(key[4]).replace("torch.", ""))] = bad + 1
+    for key, m in _linear_kinds(model).items():
+        floor = layer_row_floor(_unfloored(m), m.in_features, m.weight.dtype, m.weight.device, max_rows, gen)
+        per_kind["{} {}x{}{} {}".format(key[0], key[1], key[2], "+b" if key[3] else "",
+                                        str(key[4]).replace("torch.", ""))] = floor
     return {"floor": max(per_kind.values(), default=1), "per_kind": per_kind,
             "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def floor_calls(floor: int, tokens: int, chunk: int = MAX_ROWS) -> list[int]:
+    """The row counts of the calls a linear layer gets for ``tokens`` rows under a row floor (``apply_row_floor``):
+    chunks of ``chunk`` rows, a chunk under the floor padded to it; a floor over ``FLOOR_CAP`` runs every row alone."""
+    if floor > FLOOR_CAP:
+        floor = chunk = 1
+    return [max(min(chunk, tokens - s), floor) for s in range(0, tokens, chunk)]
+
+
+class ExactDecodeCalls:
+    """For ``hardware.choose_dtype`` on a target that will decode with exact forwards: per dtype, the linear
+    layers as decoding runs them (oneDNN-prepacked in bfloat16 where the CPU can, as ``make_exact`` does) and
+    the calls a verify forward of ``tokens`` tokens makes to each, padded to the row floor measured on those
+    layers (``layer_row_floor``). A float32 floor of 16 on a CPU whose bfloat16 floor is 1 makes float32 decoding
+    dearer than a probe at ``tokens`` rows says (the main job measured a one-token forward of 76 ms padded, 40 ms
+    unpadded)."""
+
+    def __init__(self, tokens: int = 4):
+        self.tokens = tokens
+        self.floors: dict[str, int] = {}
+
+    def __call__(self, dtype: str, weights: dict) -> tuple[dict, list[int]]:
+        layers = {}
+        for shape, w in weights.items():
+            lin = nn.Linear(shape[0], shape[1], bias=False, device="meta", dtype=w.dtype)
+            lin.weight = nn.Parameter(w, requires_grad=False)
+            layers[shape] = lin
+            if w.dtype == torch.bfloat16 and can_pack(lin):
+                try:
+                    layers[shape] = PackedLinear(lin)
+                except RuntimeError:  # oneDNN refused the reorder: plain, as pack_cpu_linears falls back
+                    pass
+        floor = max((layer_row_floor(m, shape[0], weights[shape].dtype, weights[shape].device)
+                     for shape, m in layers.items()), default=1)
+        self.floors[dtype] = floor
+        return layers, floor_calls(floor, self.tokens)
+
+    def describe(self) -> str:
+        floors = ", ".join(f"{d} {f}" for d, f in self.floors.items())
+        return f"as exact decoding runs them, {self.tokens} tokens per forward (row floor {floors})"
 
 
 def _floored_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -299,13 +299,15 @@ def _shape_choice_md(ch: dict | None) -> list[str]:
                       f"{_f(ch['c'], 3)}) = {_f(p['speedup'])}" for p in ch["predictions"])
     reach = ", ".join(_f(r) for r in ch["reach"])
     fans = ", ".join(f"width {w} τ {_f(t)}" for w, t in (ch.get("fans") or {}).items())
+    unit = ("in plain decoding's one-token forwards, the exact forwards' row floor lifted, of"
+            if ch.get("plain_unit") == "plain" else "in one-token verify forwards of")
     split = ch.get("heldout_split") or {}
     rows = (f" ({split['heldout_rows']} held-out rows of {split['rows']}, none of them a scored prompt or its chat; "
             f"{split['evaluation_rows_left_out']} rows of the evaluator's chat slice left out of training and "
             "held-out rows)") if "heldout_rows" in split else ""
     return [f"Shape chosen automatically: **{ch['label']}** (chainK: K drafts in a row; fanW: the W best first "
-            f"drafts, verified together). Verify cost on this machine (plain forwards, "
-            f"plain forward {_f(1000 * ch['plain_forward_s'], 1)} ms): {curve}; draft forward c = {_f(ch['c'], 3)}; "
+            f"drafts, verified together). Verify cost on this machine ({unit} "
+            f"{_f(1000 * ch['plain_forward_s'], 1)} ms): {curve}; draft forward c = {_f(ch['c'], 3)}; "
             f"on the head's training-side held-out prompts{rows}, share of steps reaching draft depth d: {reach}"
             + (f"; fans: {fans}" if fans else "") + f". Predicted speed-up per shape: {preds}.", ""]
 

@@ -41,19 +41,36 @@ def measured_reach(head_dir: str | None) -> list[float]:
 
 
 @torch.no_grad()
-def verify_cost_curve(runner, prompt: Sequence[int], ns: Sequence[int], reps: int = 7) -> dict[int, float]:
-    """Median seconds of one target forward over a chain of ``n`` new tokens after ``prompt``, per n.
+def verify_costs(runner, prompt: Sequence[int], ns: Sequence[int], reps: int = 7) -> tuple[dict[int, float], float]:
+    """Median seconds of one target forward over a chain of ``n`` new tokens after ``prompt``, per n, and of
+    the one-token forward plain decoding makes (the exact forwards' row floor lifted, ``exact.row_floor_lifted``:
+    the arithmetic the speed-ups' baseline runs in). Speculative forwards run at the floor, so where it pads
+    (16 rows in float32 on one AVX-512 CPU) even v(1) costs more than a plain forward: the unit of the curve
+    is the plain forward, or a shape choice promises what the decode loop cannot give.
 
-    The ``n`` values are interleaved within each repetition so drift on a shared machine hits all alike.
+    The ``n`` values and the plain forward are interleaved within each repetition so drift on a shared
+    machine hits all alike.
     """
+    from specheads.decoding.exact import row_floor_lifted
+
     runner.prefill([list(prompt)])
     times: dict[int, list[float]] = {n: [] for n in ns}
+    plain: list[float] = []
     for rep in range(reps + 1):
         for n in ns:
             dt = runner.timed_chain(list(prompt[-n:]) if len(prompt) >= n else [prompt[-1]] * n)
             if rep:  # the first round warms up
                 times[n].append(dt)
-    return {n: statistics.median(v) for n, v in times.items()}
+        with row_floor_lifted(runner.model):
+            dt = runner.timed_chain([prompt[-1]])
+        if rep:
+            plain.append(dt)
+    return {n: statistics.median(v) for n, v in times.items()}, statistics.median(plain)
+
+
+def verify_cost_curve(runner, prompt: Sequence[int], ns: Sequence[int], reps: int = 7) -> dict[int, float]:
+    """``verify_costs``' curve alone (seconds per verify forward of n tokens)."""
+    return verify_costs(runner, prompt, ns, reps)[0]
 
 
 def monotone_curve(curve: dict[int, float]) -> dict[int, float]:
@@ -108,7 +125,7 @@ def measured_fans(head_dir: str | None) -> dict[int, float]:
 
 
 def choose_shape(reach: Sequence[float], curve: dict[int, float], c: float,
-                 fans: dict[int, float] | None = None) -> dict:
+                 fans: dict[int, float] | None = None, plain_s: float | None = None) -> dict:
     """The draft shape with the best predicted speed-up, and the prediction for every candidate.
 
     Candidates: chains of ``K`` drafts (``K`` draft forwards, ``K + 1`` tokens verified, τ from
@@ -116,13 +133,16 @@ def choose_shape(reach: Sequence[float], curve: dict[int, float], c: float,
     children of the root, ``w + 1`` tokens, τ as measured: ``fans``). reach: ``P(L ≥ d)`` for
     d = 1..K_max; curve: seconds per verify forward of n tokens (n = 1.. at least the largest
     candidate), made non-decreasing (``monotone_curve``) before it is read, the measured one kept in
-    ``verify_cost_measured``; c: one draft forward ÷ the curve's measured one-token forward. Returns ``{"label", "kind", "k" (chain
+    ``verify_cost_measured``; plain_s: seconds of plain decoding's one-token forward, the unit of every cost
+    and of the speed-ups predicted (None: the curve's one-token forward); c: one draft forward ÷ that unit
+    (``plain_s``, else the curve's measured one-token forward). Returns ``{"label", "kind", "k" (chain
     length or fan width), "predictions": [{label, kind, k, tau, verify_cost, draft_forwards,
     speedup}], ...}``; with nothing measured, ``label`` and ``k`` are None.
     """
     measured, curve = curve, monotone_curve(curve)
-    base = curve[1]
-    c = c * measured[1] / base  # in units of the fitted one-token forward, as every v(n) below
+    base = plain_s or curve[1]
+    if not plain_s:
+        c = c * measured[1] / base  # in units of the fitted one-token forward, as every v(n) below
     cands = [("chain", k, chain_tau(list(reach[:k]), "joint"), k + 1, k) for k in range(1, len(reach) + 1)]
     cands += [("fan", w, tau, w + 1, 1) for w, tau in sorted((fans or {}).items()) if w >= 2]
     preds = []
@@ -136,5 +156,6 @@ def choose_shape(reach: Sequence[float], curve: dict[int, float], c: float,
     return {"label": best["label"] if best else None, "kind": best["kind"] if best else None,
             "k": best["k"] if best else None, "predictions": preds, "c": c,
             "verify_cost_curve": {str(n): t / base for n, t in sorted(curve.items())}, "plain_forward_s": base,
+            "plain_unit": "plain" if plain_s else "verify",
             "verify_cost_measured": {str(n): t / base for n, t in sorted(measured.items())},
             "reach": list(reach), "fans": {str(w): t for w, t in sorted((fans or {}).items())}}

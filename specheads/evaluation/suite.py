@@ -262,7 +262,7 @@ def _choose_shape(spec, target, runner, ids, eos, progress, prompts=()) -> dict:
     out the evaluator's chat slice and share no chat with ``prompts`` (``check_heldout_split``)."""
 
     from specheads.evaluation.shape_choice import (check_heldout_split, choose_shape, measured_fans, measured_reach,
-                                                   verify_cost_curve)
+                                                   verify_costs)
 
     reach, fans = measured_reach(spec.head_dir), measured_fans(spec.head_dir)
     if not reach:
@@ -273,7 +273,8 @@ def _choose_shape(spec, target, runner, ids, eos, progress, prompts=()) -> dict:
     prompt = ids["prompt_ids"][0]
     n_max = max([len(reach) + 1] + [w + 1 for w in fans])
     progress(f"{spec.name}: measuring the verify cost of 1..{n_max} tokens")
-    curve = verify_cost_curve(runner, prompt, list(range(1, n_max + 1)), reps=12)  # medians of 12 interleaved rounds
+    # medians of 12 interleaved rounds, in units of plain decoding's one-token forward (the speed-ups' baseline)
+    curve, plain_s = verify_costs(runner, prompt, list(range(1, n_max + 1)), reps=12)
     probe = build_drafter(replace(spec, shape=TreeShape("chain", k=1), auto_shape=False, ngram_branch=0,
                                   ngram_extend=0, ngram_table=None), target)
     # Draft time per forward without the prompt's one-off feed: a long decode minus a 1-token one.
@@ -282,7 +283,7 @@ def _choose_shape(spec, target, runner, ids, eos, progress, prompts=()) -> dict:
     long = speculative_generate(runner, probe, [prompt], 49, 0.0, "greedy", eos)
     extra = long.stats[0].draft_forwards - short.stats[0].draft_forwards
     per_forward = (long.draft_time - short.draft_time) / max(extra, 1)
-    choice = choose_shape(reach, curve, max(per_forward, 0.0) / curve[1], fans)
+    choice = choose_shape(reach, curve, max(per_forward, 0.0) / plain_s, fans, plain_s=plain_s)
     choice["heldout_split"] = split
     log.info("%s: %s chosen (predicted speed-up %s)", spec.name, choice["label"],
              ", ".join(f"{p['label']}: {p['speedup']:.2f}" for p in choice["predictions"]))

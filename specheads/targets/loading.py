@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from specheads.hardware import RowsFor
 from specheads.targets.chat_templates import apply as apply_chat_template
 from specheads.targets.files import EMBEDDED_TARGET, TARGET_HINT, TargetLoadError, resolve_target_path
 from specheads.targets.model import Target
@@ -31,7 +32,7 @@ def load_target(
     parallel: str | None = "none",
     tp_size: int | None = None,
     max_memory: str | int | None = None,
-    probe_rows: int = 256,
+    probe_rows: int | RowsFor = 256,
     chat_template: str | None = None,
 ) -> Target:
     """Load a frozen target from the embedded default, a GGUF file, a local folder or a hub id.
@@ -44,7 +45,8 @@ def load_target(
     ``device`` is ignored by ``tp`` (each rank's device is ``cuda:LOCAL_RANK`` or the CPU) and
     ``device_map``. ``device="auto"``: a GPU when present, else the CPU. ``dtype="auto"``: bfloat16 on a GPU;
     on the CPU the model loads in float32 and a timed probe of its linear layers at ``probe_rows`` rows per
-    forward (the stage's own: many for collection, a few for decoding) keeps float32 or casts it to bfloat16
+    forward (the stage's own: many for collection; for decoding a ``RowsFor``, the calls its exact forwards make
+    in each dtype: ``decoding.exact.ExactDecodeCalls``) keeps float32 or casts it to bfloat16
     where that is faster (``hardware.choose_dtype``; never on a CPU without bfloat16 kernels). The choice and
     its figures are logged in one line and kept as ``Target.dtype_choice``. ``chat_template``: a template for
     the tokenizer (``specheads.targets.chat_templates``: a file, a shipped name, or a model that has one).

@@ -8,9 +8,9 @@ import torch
 
 from tests.conftest import make_tiny_model
 from specheads.decoding.cpu_linears import PackedLinear, can_pack
-from specheads.decoding.exact import (ATTENTION_NAME, apply_row_floor, exact_attention, linear_row_floor, make_exact,
-                                      prove_exact, remove_row_floor, row_floor_lifted, settle_exact,
-                                      tree_vs_sequential)
+from specheads.decoding.exact import (ATTENTION_NAME, FLOOR_CAP, ExactDecodeCalls, apply_row_floor, exact_attention,
+                                      floor_calls, linear_row_floor, make_exact, prove_exact, remove_row_floor,
+                                      row_floor_lifted, settle_exact, tree_vs_sequential)
 
 
 def _tree_vs_sequential(model, contexts=(40, 150), sizes=(3, 6, 12), seed=0, reference_parents=None):
@@ -193,3 +193,49 @@ def test_settle_exact_leaves_a_model_without_exact_forwards_alone():
     model = make_tiny_model("llama", layers=1)
     make_exact(model, "off")
     assert settle_exact(model) == {}
+
+
+def test_floor_calls_follow_the_padding_of_the_row_floor():
+    """The calls a layer gets for n rows under a floor, as ``_floored_forward`` makes them."""
+    assert floor_calls(1, 4) == [4] and floor_calls(16, 4) == [16] and floor_calls(3, 5) == [5]
+    assert floor_calls(4, 40, chunk=32) == [32, 8] and floor_calls(16, 33, chunk=32) == [32, 16]
+    assert floor_calls(FLOOR_CAP + 1, 3) == [1, 1, 1]  # over the cap every row runs alone
+
+
+def test_the_decoding_dtype_probe_times_each_dtype_at_its_own_row_floor(monkeypatch):
+    """On a CPU where float32 rows move with the row count below 16 and bfloat16 rows do not (the main job's
+    machine: a float32 one-token forward 76 ms padded vs 40 ms unpadded), the dtype probe of a decoding target
+    times float32's calls padded to 16 rows and bfloat16's at the forward's 4: a probe at 4 rows for both chose
+    float32 by 3% and decoded at twice the cost per verify forward."""
+    import specheads.decoding.exact as exact
+    import specheads.hardware as hardware
+
+    monkeypatch.setenv(hardware.BF16_ENV, "1")
+    monkeypatch.setattr(exact, "layer_row_floor", lambda m, i, dtype, *a, **k: 16 if dtype == torch.float32 else 1)
+    timed = {}
+
+    def forward_seconds(weights, shapes, dtype, calls, reps, backward):
+        timed[str(dtype).replace("torch.", "")] = list(calls)
+        assert all(callable(m) for m in weights.values())  # the layers as decoding runs them
+        return 1.0 if dtype == torch.float32 else 0.5
+
+    monkeypatch.setattr(hardware, "_forward_seconds", forward_seconds)
+    rows = exact.ExactDecodeCalls(tokens=4)
+    choice = hardware.choose_dtype("auto", "cpu", make_tiny_model(), rows=rows)
+    assert timed == {"float32": [16], "bfloat16": [4]} and choice.value == "bfloat16"
+    assert "row floor float32 16, bfloat16 1" in choice.reason
+
+
+def test_exact_decode_calls_measure_the_floor_of_the_layers_they_time():
+    """Without stand-ins: the floor ``ExactDecodeCalls`` reports for float32 layers is the one
+    ``linear_row_floor`` measures on the same layers inside a model, and the layers it hands back compute
+    what the weights do."""
+    model = make_tiny_model("llama", layers=1)
+    weights = {(m.in_features, m.out_features): m.weight.detach() for m in model.modules()
+               if isinstance(m, torch.nn.Linear)}
+    rows = ExactDecodeCalls(tokens=4)
+    layers, calls = rows("float32", weights)
+    assert rows.floors["float32"] == linear_row_floor(model)["floor"] and calls == floor_calls(rows.floors["float32"], 4)
+    x = torch.randn(5, 64)
+    shape = next(iter(weights))
+    assert torch.allclose(layers[shape](x), x @ weights[shape].T)

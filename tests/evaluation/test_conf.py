@@ -59,3 +59,28 @@ def test_more_heads_in_one_report(tmp_path):
         mod.run(cfg)
     names = [m.name for m in captured["cfg"].methods]
     assert names == ["eagle1-tree", "eagle1-sglang", "eagle1-vllm", "medusa-tree", "medusa-vllm", "ngram-chain4"]
+
+
+@pytest.mark.parametrize("exact_forward, wanted", [("auto", "calls"), ("on", "calls"), ("off", 4)])
+def test_the_target_dtype_is_probed_as_decoding_runs(exact_forward, wanted):
+    """The evaluator's target loads with a dtype probe of exact decoding's calls (each dtype at its own row
+    floor), and at a verify forward's 4 rows only where exact forwards are off."""
+    from specheads.decoding.exact import ExactDecodeCalls
+
+    mod = _load_recipe()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("evaluate", [f"exact_forward={exact_forward}", "baselines=[ngram]"])
+    captured = {}
+
+    class Loaded(Exception):
+        pass
+
+    def fake_load(*a, probe_rows=None, **k):
+        captured["rows"] = probe_rows
+        raise Loaded
+
+    mod.load_target = fake_load
+    with pytest.raises(Loaded):
+        mod.run(cfg)
+    rows = captured["rows"]
+    assert (isinstance(rows, ExactDecodeCalls) and rows.tokens == 4) if wanted == "calls" else rows == wanted

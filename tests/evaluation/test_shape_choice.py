@@ -68,3 +68,38 @@ def test_measured_reach_reads_the_training_summary(tmp_path):
     assert measured_fans(str(tmp_path / "head")) == {2: 1.45, 3: 1.5}
     assert measured_reach(str(tmp_path / "a" / "nowhere")) == [] and measured_reach(None) == []
     assert measured_fans(None) == {}
+
+
+def test_costs_are_in_plain_forwards_where_speculative_forwards_are_padded():
+    """The main job's float32 target decoded speculatively at a row floor of 16 (a one-token verify forward
+    109 ms) against plain one-token forwards of 46 ms: read in its own unit the curve was flat (v(9) 1.05) and
+    predicted 1.53x for a fan of 8, where the decode loop measured 0.74x. In units of the plain forward the
+    same curve costs v(1) = 2.37, and no shape is predicted faster than plain decoding."""
+    curve = {n: 0.1089 * (1 + 0.006 * (n - 1)) for n in range(1, 10)}
+    fans = {2: 1.53, 4: 1.60, 8: 1.65}
+    alone = choose_shape([0.41, 0.05], curve, c=0.0034 / 0.1089, fans=fans)
+    assert alone["predictions"][-1]["speedup"] > 1.5 and alone["plain_unit"] == "verify"
+    plain = choose_shape([0.41, 0.05], curve, c=0.0034 / 0.046, fans=fans, plain_s=0.046)
+    assert plain["verify_cost_curve"]["1"] == pytest.approx(0.1089 / 0.046) and plain["plain_unit"] == "plain"
+    assert plain["plain_forward_s"] == 0.046 and plain["c"] == pytest.approx(0.0034 / 0.046)
+    assert max(p["speedup"] for p in plain["predictions"]) < 0.8
+
+
+def test_verify_costs_time_the_plain_forward_with_the_row_floor_lifted():
+    """The curve's forwards run at the row floor, the plain one without it (on a tiny model padded to 32
+    rows the floored one-token forward does the work of 32 rows)."""
+    from tests.conftest import make_tiny_model
+    from specheads.decoding.exact import apply_row_floor
+    from specheads.decoding.runner import TargetRunner
+    from specheads.evaluation.shape_choice import verify_costs
+
+    model = make_tiny_model("llama", hidden=256, layers=2, vocab=4096)
+    apply_row_floor(model, 32)
+    seen = []
+    inner = model.lm_head._specheads_row_floor["forward"]
+    model.lm_head._specheads_row_floor["forward"] = lambda x: seen.append(x.shape[0]) or inner(x)
+    curve, plain_s = verify_costs(TargetRunner(model), list(range(3, 40)), [1, 2], reps=2)
+    assert set(curve) == {1, 2} and plain_s > 0
+    rows = [n for n in seen if n < 30]
+    assert rows and set(rows) == {1}  # the plain forwards: one row, unpadded
+    assert seen.count(32) >= 2 * 3  # every curve forward (n = 1, 2; 3 rounds with the warm-up) padded to 32

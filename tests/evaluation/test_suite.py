@@ -216,8 +216,8 @@ def test_auto_shape_picks_a_chain_from_the_cost_curve_and_held_out_reach(target,
     real = suite.load_benchmarks
     monkeypatch.setattr(suite, "load_benchmarks", lambda s: [p for p in real(s) if p.domain == "code"][:1])
     # A cost curve where verifying 3 tokens is dear: one draft wins despite the high reach at depth 2.
-    monkeypatch.setattr("specheads.evaluation.shape_choice.verify_cost_curve",
-                        lambda runner, prompt, ns, reps=7: {1: 1.0, 2: 1.05, 3: 3.0})
+    monkeypatch.setattr("specheads.evaluation.shape_choice.verify_costs",
+                        lambda runner, prompt, ns, reps=7: ({1: 1.0, 2: 1.05, 3: 3.0}, 1.0))
     methods = plan_methods("eagle1", str(head), [], head_shape="auto")
     assert [m.name for m in methods] == ["eagle1-auto", "eagle1-sglang", "eagle1-vllm"]
     cfg = EvalConfig(methods[:1], spec, max_new_tokens=6, temperatures=(0.0,), batch_sizes=(1,), repeats=1)
@@ -235,8 +235,8 @@ def test_auto_shape_picks_a_chain_from_the_cost_curve_and_held_out_reach(target,
     # the fan is drafted (one draft forward, a two-leaf tree) and stays lossless.
     (head.parent / "train_summary.json").write_text(json.dumps({"eval": {
         "measured_reach1": 0.3, "measured_reach2": 0.0, "measured_fan2_tau": 1.9}, "heldout_split": split}))
-    monkeypatch.setattr("specheads.evaluation.shape_choice.verify_cost_curve",
-                        lambda runner, prompt, ns, reps=7: {n: 1.0 + 0.01 * n for n in ns})
+    monkeypatch.setattr("specheads.evaluation.shape_choice.verify_costs",
+                        lambda runner, prompt, ns, reps=7: ({n: 1.0 + 0.01 * n for n in ns}, 1.0))
     fan = evaluate(target, EvalConfig(plan_methods("eagle1", str(head), [], head_shape="auto")[:1], spec,
                                       max_new_tokens=6, temperatures=(0.0,), batch_sizes=(1,), repeats=1))
     assert fan["shape_choice"]["eagle1-auto"]["label"] == "fan2"
