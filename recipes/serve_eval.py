@@ -108,7 +108,8 @@ def run(cfg: DictConfig) -> dict:
         runs, context = _endpoint(cfg, prompts, tokenizer, max_new, kwargs)
     else:
         runs, context = _offline(cfg, head, k, prompts, tokenizer, max_new, kwargs)
-    context.update(method=drafter, export_dir=str(head.folder) if head else None, max_new_tokens=max_new)
+    context.update(method=drafter, export_dir=str(head.folder) if head else None, max_new_tokens=max_new,
+                   head_source=(head.info.get("foreign") or "specheads") if head else None)
     report = se.build_report(runs, k, context, eval_report, drafter)
     paths = se.write_report(report, cfg.output_dir)
     print(Path(paths["markdown"]).read_text())

@@ -499,6 +499,24 @@ def _trainer_comparison(r: dict, peer: str) -> str:
         for d in domains:
             cells = [m["domains"].get(d) or {} for _, m in cols]
             lines.append(f"| {d} | " + " | ".join(f"{_f(c.get('alpha'))} / {_f(c.get('tau'))}" for c in cells) + " |")
+    served = [x for x in r["runs"] if x.get("serve")]
+    if served:
+        s = served[0]["serve"]
+        domains = list(dict.fromkeys(d for x in served for d in x["serve"]["domains"] if d != "all")) + ["all"]
+        k = (r.get("serving") or {}).get("num_speculative_tokens", 3)
+        lines += ["", f"Served by vLLM {s.get('engine')} (CPU build, `specheads serve-eval`: ours exported to vLLM's "
+                  f"layout, theirs as {peer} wrote it), greedy chain of {k}, {s['prompts']} prompts (those the "
+                  "evaluation scored); τ by the engine's own counters / τ the evaluator measured for the same chain; "
+                  "greedy output identical to plain decoding in:", "",
+                  "| domain | " + " | ".join(f"{x['trainer']} {x['setting']}" for x in served) + " |",
+                  "|---|" + "---|" * len(served)]
+        for d in domains:
+            cells = [x["serve"]["domains"].get(d) or {} for x in served]
+            lines.append(f"| {d} | " + " | ".join(f"{_f(c.get('tau'))} / {_f(c.get('tau_evaluator'))}" for c in cells)
+                         + " |")
+        lines.append("| identical | " + " | ".join(
+            f"{(x['serve']['domains'].get('all') or {}).get('identical')} of "
+            f"{(x['serve']['domains'].get('all') or {}).get('compared')}" for x in served) + " |")
     return "\n".join(lines)
 
 

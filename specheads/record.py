@@ -233,8 +233,9 @@ def _round(x, nd: int):
 def trainer_compare_entry(report: dict) -> dict:
     """A ``trainer_comparisons`` entry from a ``compare_<peer>.py --json`` report: the peer toolkit (``peer``; a
     report without one is compare_speculators.py's, kind ``speculators_compare``), the budget and settings, the
-    store's training rows, and per run (setting x trainer) its training figures, held-out figures and the
-    evaluator's α / τ per domain for each shape (rounded: 4 places for α and τ, whole tokens/s and MiB)."""
+    store's training rows, and per run (setting x trainer) its training figures, held-out figures, the
+    evaluator's α / τ per domain for each shape and, where served, the engine's τ per domain (rounded: 4 places
+    for α and τ, whole tokens/s and MiB)."""
     peer = report.get("peer", "speculators")
     if peer not in PEERS:
         raise RecordError(f"a trainer comparison against {peer!r}: the peers recorded are {', '.join(PEERS)}")
@@ -242,7 +243,8 @@ def trainer_compare_entry(report: dict) -> dict:
         runs = [_compare_run(r) for r in report["runs"]]
         return {"kind": "trainer_compare", "peer": peer, "machine": report.get("machine"), "target": report["target"],
                 "versions": report.get("versions"), "budget": report["budget"], "settings": report["settings"],
-                "store": report.get("store"), "evaluation": report.get("evaluation"), "runs": runs}
+                "store": report.get("store"), "evaluation": report.get("evaluation"),
+                "serving": report.get("serving"), "runs": runs}
     except (KeyError, TypeError) as e:
         raise RecordError(f"compare_{peer} report lacks {e}: not a finished --json report") from None
 
@@ -263,6 +265,12 @@ def _compare_run(r: dict) -> dict:
                                     "domains": {d: {"alpha": _round(v.get("alpha"), 4), "tau": _round(v.get("tau"), 4),
                                                     "prompts": v.get("prompts")} for d, v in m["domains"].items()}}
                                    for m in ev["methods"]]}
+    sv = r.get("serve")
+    if sv:
+        out["serve"] = {"prompts": sv.get("prompts"), "engine": sv.get("engine"), "head_source": sv.get("head_source"),
+                        "domains": {d: {"tau": _round(v.get("tau"), 4), "tau_evaluator": _round(v.get("tau_evaluator"), 4),
+                                        "identical": v.get("identical"), "compared": v.get("compared"),
+                                        "speedup": _round(v.get("speedup"), 3)} for d, v in sv["domains"].items()}}
     return out
 
 

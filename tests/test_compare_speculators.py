@@ -146,3 +146,51 @@ def test_our_trainer_alone_trains_one_epoch_of_the_training_rows_and_reports_for
     assert seen == [(run["head_dir"], tmp_path / "work")] and second["runs"][0]["eval"] == figures
     assert second["budget"] == {"epochs": 1} and second["runs"][0]["steps"] == run["steps"]
 
+
+
+def test_served_heads_ours_exported_for_vllm_theirs_given_as_written(tmp_path, monkeypatch):
+    """--serve: our head goes through `specheads export engine=vllm`, theirs is handed to serve-eval as its trainer
+    wrote it; both beside the evaluation report of the same head, on the same prompts, with the engine's figures
+    read back per domain."""
+    args = bench.parse_args(["--features", "f", "--prepared", "prep", "--serve"])
+    assert args.serve and not args.evaluate  # evaluation runs first only for a head without one (finish)
+    commands = []
+
+    def measure(cmd, env, log_path, interval=0.2):
+        commands.append(cmd)
+        out = next((a.split("=", 1)[1] for a in cmd if a.startswith("output_dir=")), None)
+        if "serve-eval" in cmd:
+            Path(out).mkdir(parents=True)
+            Path(out, "serve_report.json").write_text(json.dumps({
+                "num_prompts": 2, "engine": {"version": "0.32.0"}, "head_source": "speculators",
+                "domains": {"all": {"spec": {"tau": 1.5, "reach": [0.4, 0.1, 0.0]}, "identical": 2, "compared": 2,
+                                    "speedup": 1.1}},
+                "evaluator": {"domains": {"all": {"tau_evaluator": 1.45}}}}))
+        return {"rc": 0, "wall_s": 1.0}
+
+    monkeypatch.setattr(bench, "measure", measure)
+    (tmp_path / "eval-ours-bfloat16-ttt1").mkdir()
+    (tmp_path / "eval-ours-bfloat16-ttt1" / "report.json").write_text("{}")
+    ours = bench.run_serve(args, {"trainer": "ours", "setting": "bfloat16:ttt1", "head_dir": "/runs/ours"}, tmp_path)
+    export, serve = commands
+    assert "export" in export and "engine=vllm" in export and "head_dir=/runs/ours" in export
+    assert f"export_dir={tmp_path / 'export-ours-bfloat16-ttt1'}" in serve and "num_speculative_tokens=3" in serve
+    assert f"eval_report={tmp_path / 'eval-ours-bfloat16-ttt1' / 'report.json'}" in serve
+    assert ours["domains"]["all"] == {"tau": 1.5, "reach": [0.4, 0.1, 0.0], "identical": 2, "compared": 2,
+                                      "speedup": 1.1, "tau_evaluator": 1.45}
+    assert ours["engine"] == "0.32.0" and ours["prompts"] == 2
+    ours_serve = serve
+    commands.clear()
+    theirs = bench.run_serve(args, {"trainer": "theirs", "setting": "bfloat16:ttt1",
+                                    "head_dir": "/runs/theirs/checkpoints/0"}, tmp_path)
+    (serve,) = commands  # no export: their folder as written, and no evaluation report beside it here
+    assert "export_dir=/runs/theirs/checkpoints/0" in serve and not any(a.startswith("eval_report=") for a in serve)
+    assert [a for a in serve if not a.startswith(("export_dir=", "output_dir=", "eval_report="))] == \
+        [a for a in ours_serve if not a.startswith(("export_dir=", "output_dir=", "eval_report="))]
+    assert theirs["head_source"] == "speculators"
+    # reusing an earlier report with --serve alone keeps its evaluations; --reuse alone evaluates again
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"kind": "trainer_compare", "peer": "speculators", "workdir": str(tmp_path),
+                               "args": vars(bench.parse_args(["--features", "f", "--prepared", "prep"])), "runs": []}))
+    assert not bench.reused(bench.parse_args(["--reuse", str(old), "--serve"]))[0].evaluate
+    assert bench.reused(bench.parse_args(["--reuse", str(old)]))[0].evaluate

@@ -334,3 +334,27 @@ def test_a_comparison_report_without_runs_is_refused(tmp_path, results):
     with pytest.raises(RecordError, match="not a finished --json report"):
         record(bad, results, CHECKOUT)
     assert "trainer_comparisons" not in json.loads(results.read_text())
+
+
+def test_a_comparison_with_both_heads_served_records_and_renders_the_engines_figures(tmp_path, results):
+    rt, _ = _results_tables()
+    report = _compare_report(kind="trainer_compare", peer="speculators",
+                             serving={"engine": "vLLM CPU build (specheads serve-eval)", "num_speculative_tokens": 3})
+    for run, tau in zip(report["runs"], (1.61234, 1.4)):
+        run["serve"] = {"prompts": 12, "engine": "0.32.0", "head_source": "specheads" if tau > 1.5 else "speculators",
+                        "wall_s": 200.0, "command": ["specheads", "serve-eval"],
+                        "domains": {"code": {"tau": 2.0, "tau_evaluator": 1.9, "identical": 2, "compared": 2,
+                                             "speedup": 1.2},
+                                    "all": {"tau": tau, "tau_evaluator": 1.55, "identical": 12, "compared": 12,
+                                            "speedup": 1.054321, "reach": [0.4, 0.1, 0.0]}}}
+    entry = record(_write(tmp_path, "served.json", report), results, CHECKOUT, date="2099-01-01")
+    ours, theirs = entry["runs"]
+    assert ours["serve"]["domains"]["all"] == {"tau": 1.6123, "tau_evaluator": 1.55, "identical": 12, "compared": 12,
+                                               "speedup": 1.054}
+    assert "command" not in ours["serve"] and theirs["serve"]["head_source"] == "speculators"
+    text = rt.trainer_comparisons(rt.load(results), "speculators")
+    assert "Served by vLLM 0.32.0" in text and "theirs as speculators wrote it), greedy chain of 3, 12 prompts" in text
+    assert "| all | 1.61 / 1.55 | 1.40 / 1.55 |" in text and "| identical | 12 of 12 | 12 of 12 |" in text
+    # a comparison recorded without serving shows no engine table
+    record(_write(tmp_path, "plain.json", _compare_report(budget={"minutes": 1})), results, CHECKOUT, date="2099-01-02")
+    assert rt.trainer_comparisons(rt.load(results), "speculators").count("Served by vLLM") == 1

@@ -10,6 +10,7 @@
         --their-arg=--no-norm-before-fc --their-arg=--no-norm-output --their-arg=--full-attention-indices=0 \
         --json h2h-arch.json                # the same, their head in our architecture (the original EAGLE-3's)
     python scripts/bench/compare_speculators.py --reuse h2h.json --json h2h-eval.json   # evaluate those heads again
+    python scripts/bench/compare_speculators.py --reuse h2h.json --serve --json h2h-served.json  # and serve them
 
 speculators (pip install speculators, v0.9) is not a dependency of this project: without it the script
 says so and skips its runs. To keep this project's torch and transformers, install it and the modules it
@@ -47,7 +48,11 @@ decay 0.8. Reported per run:
   top-1 agreement with the target's argmax over the whole vocabulary, every assistant token; theirs: loss
   and ``full_acc_0``, the argmax taken within the draft vocabulary: the two accuracies differ in definition);
 - and per setting the ratios ours/theirs.
-With ``--evaluate``, every trained head (ours: the training folder; theirs: its last checkpoint, in
+With ``--serve`` (the engine venv of ``scripts/setup_engine.sh``), every head is then served by vLLM's CPU build
+through ``specheads serve-eval`` as its users would serve it (ours exported with ``specheads export engine=vllm``;
+theirs, the folder its trainer wrote, given to the engine as it is), greedy chain of 3 on the prompts its
+evaluation scored: the engine's own τ per domain beside the evaluator's for that chain, and whether the greedy
+output equals plain decoding. With ``--evaluate``, every trained head (ours: the training folder; theirs: its last checkpoint, in
 speculators' own format) is then decoded by ``specheads evaluate`` on the main job's prompt set
 (``conf/pipeline.yaml``'s ``eval.*`` settings without its time budget, so both heads see every prompt,
 ``eval.chat_dir=--prepared``), greedy (T=0) with the lossless check, in the same shapes for every head:
@@ -102,10 +107,15 @@ def common_arguments(description: str) -> argparse.ArgumentParser:
     p.add_argument("--target", default="smollm2", help="target name or model folder (the store's target)")
     p.add_argument("--evaluate", action="store_true",
                    help="then decode every trained head with specheads evaluate (main job's prompts, T=0)")
+    p.add_argument("--serve", action="store_true",
+                   help="then serve every trained head in vLLM's CPU build (specheads serve-eval: ours exported to "
+                        "vLLM's layout, theirs as its trainer wrote it; the prompts its evaluation scored, greedy "
+                        "chain of 3; a head not yet evaluated is evaluated first)")
     p.add_argument("--eval-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra override for every specheads evaluate run")
     p.add_argument("--reuse", default=None, metavar="REPORT.json",
-                   help="train nothing: evaluate the heads of an earlier --json report (its settings and runs)")
+                   help="train nothing: evaluate the heads of an earlier --json report (its settings and runs); "
+                        "with --serve alone, serve them beside the evaluations it recorded")
     p.add_argument("--skip-steps", type=int, default=5, help="first steps left out of the steady tokens/s")
     p.add_argument("--draft-vocab-size", type=int, default=4096)
     p.add_argument("--lr", type=float, default=1.5e-3)
@@ -149,9 +159,10 @@ def reused(args, peer: str = "speculators") -> tuple[argparse.Namespace, dict | 
     if (old.get("kind"), old.get("peer", "speculators")) not in (("trainer_compare", peer),
                                                                   ("speculators_compare", peer)):
         raise SystemExit(f"--reuse {args.reuse}: not a compare_{peer}.py --json report")
-    new = {k: getattr(args, k) for k in ("evaluate", "eval_arg", "json", "reuse")}
-    return (argparse.Namespace(**{**old["args"], "workdir": old["workdir"], **new, "evaluate": True}), old.get("store"),
-            old["runs"])
+    new = {k: getattr(args, k) for k in ("evaluate", "serve", "eval_arg", "json", "reuse")}
+    evaluate = args.evaluate or not args.serve
+    return (argparse.Namespace(**{**old["args"], "workdir": old["workdir"], **new, "evaluate": evaluate}),
+            old.get("store"), old["runs"])
 
 
 # --------------------------------------------------------------------------- data: our store -> speculators
@@ -517,6 +528,66 @@ def run_eval(args, run: dict, root: Path) -> dict | None:
     return {**acceptance(json.loads(report.read_text())), "wall_s": result["wall_s"], "command": cmd}
 
 
+# --------------------------------------------------------------------------- serving: the real engine on both heads
+
+SERVE_TOKENS = 3  # vLLM's chain, as the evaluation's vLLM profile row drafts it
+
+
+def specheads_command() -> list[str]:
+    exe = Path(sys.executable).with_name("specheads")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "specheads.cli"]
+
+
+def serve_command(args, export_dir: str, eval_report: Path, out: Path) -> list[str]:
+    return specheads_command() + [
+        "serve-eval", f"target.name_or_path={args.target}", f"export_dir={export_dir}",
+        f"eval.chat_dir={Path(args.prepared).resolve()}", f"output_dir={out}", f"num_speculative_tokens={SERVE_TOKENS}",
+        *main_job_prompts(), *([f"eval_report={eval_report}"] if eval_report.is_file() else [])]
+
+
+def served(report: dict) -> dict:
+    """From a serve_report.json: the engine's figures per domain (τ, acceptance per position, greedy identity with
+    plain decoding, tokens/s speed-up) and the evaluator's τ for the same chain where it measured one."""
+    every = report.get("domains", {})
+    ev = (report.get("evaluator") or {}).get("domains") or {}
+    return {"prompts": report.get("num_prompts"), "engine": (report.get("engine") or {}).get("version"),
+            "head_source": report.get("head_source"), "refused": report.get("refused"),
+            "domains": {d: {"tau": f["spec"].get("tau"), "reach": f["spec"].get("reach"),
+                            "identical": f.get("identical"), "compared": f.get("compared"),
+                            "speedup": f.get("speedup"), "tau_evaluator": (ev.get(d) or {}).get("tau_evaluator")}
+                        for d, f in every.items()}}
+
+
+def run_serve(args, run: dict, root: Path) -> dict | None:
+    """``specheads serve-eval`` on one trained head (ours first exported with ``specheads export engine=vllm``;
+    theirs, the folder its trainer wrote, given to the engine as its users give it): ``served`` figures, or None
+    (the log says why)."""
+    if not run.get("head_dir"):
+        return None
+    name = f"{run['trainer']}-{run['setting'].replace(':', '-')}"
+    export_dir = run["head_dir"]
+    if run["trainer"] == "ours":
+        out = root / f"export-{name}"
+        cmd = specheads_command() + ["export", f"target.name_or_path={args.target}", f"head_dir={run['head_dir']}",
+                                     f"output_dir={out}", "engine=vllm", "eval_report=null", "overwrite=true"]
+        print(f"\n$ {shlex.join(cmd)}", flush=True)
+        if measure(cmd, env_for(args), root / f"export-{name}.log")["rc"] != 0:
+            print(f"export {name}: failed; log export-{name}.log", file=sys.stderr)
+            return None
+        export_dir = str(out)
+    out = root / f"serve-{name}"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = serve_command(args, export_dir, root / f"eval-{name}" / "report.json", out)
+    print(f"\n$ {shlex.join(cmd)}", flush=True)
+    result = measure(cmd, env_for(args), root / f"serve-{name}.log")
+    path = out / "serve_report.json"
+    if not path.is_file():
+        print(f"serve {name}: failed (exit {result['rc']}); log serve-{name}.log:\n"
+              + "".join((root / f"serve-{name}.log").read_text().splitlines(keepends=True)[-20:]), file=sys.stderr)
+        return None
+    return {**served(json.loads(path.read_text())), "wall_s": result["wall_s"], "command": cmd}
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -563,6 +634,7 @@ def print_table(results: list[dict]) -> None:
             print(f"{r['setting']:<13} {r['trainer']:<8} {fmt(h.get('loss'), '13.4f')} "
                   f"{fmt(h.get('top1_step0', h.get('full_acc_step0')), '12.4f')}")
     print_acceptance(results)
+    print_served(results)
 
 
 def print_acceptance(results: list[dict]) -> None:
@@ -583,6 +655,21 @@ def print_acceptance(results: list[dict]) -> None:
             print(f"{d:<12}" + "".join(f" {fmt(c.get('alpha'), '11.2f')} {fmt(c.get('tau'), '12.2f')}" for c in cells))
 
 
+def print_served(results: list[dict]) -> None:
+    """The engine's τ per domain of every served head (vLLM's chain), greedy identity with plain decoding."""
+    done = [r for r in results if r.get("serve")]
+    if not done:
+        return
+    domains = list(dict.fromkeys(d for r in done for d in r["serve"]["domains"]))
+    print(f"\nserved by vLLM {done[0]['serve']['engine']}, chain of {SERVE_TOKENS}: τ (engine) / τ (evaluator)"
+          + "".join(f"; {r['trainer']} {r['setting']} identical {(r['serve']['domains'].get('all') or {}).get('identical')}"
+                    f" of {(r['serve']['domains'].get('all') or {}).get('compared')}" for r in done))
+    print(f"{'domain':<12}" + "".join(f" {r['trainer'] + ' ' + r['setting']:>24}" for r in done))
+    for d in domains:
+        cells = [r["serve"]["domains"].get(d) or {} for r in done]
+        print(f"{d:<12}" + "".join(f" {fmt(c.get('tau'), '11.2f')} {fmt(c.get('tau_evaluator'), '12.2f')}" for c in cells))
+
+
 def report(args, root: Path, data: dict | None, results: list[dict]) -> dict:
     """What ``--json`` writes (``specheads record`` reads it: ``kind`` speculators_compare)."""
     from specheads.hardware import cpu_description
@@ -601,7 +688,10 @@ def report(args, root: Path, data: dict | None, results: list[dict]) -> dict:
                          "threads": args.threads, "skip_steps": args.skip_steps, "our_args": args.our_arg,
                          "their_args": args.their_arg},
             "evaluation": {"prompts": main_job_prompts(), "fixed": EVAL_FIXED, "extra": args.eval_arg}
-            if args.evaluate else None,
+            if args.evaluate or any(r.get("eval") for r in results) else None,
+            "serving": {"engine": "vLLM CPU build (specheads serve-eval)", "num_speculative_tokens": SERVE_TOKENS,
+                        "prompts": "those the evaluation scored", "greedy": True}
+            if any(r.get("serve") for r in results) else None,
             "store": store, "args": vars(args), "workdir": str(root), "runs": results}
 
 
@@ -667,9 +757,13 @@ def train_both(args, settings, trainers: list[str], root: Path, data: dict | Non
 def finish(args, root: Path, data: dict | None, results: list[dict], make_report=None) -> None:
     """Evaluate the trained heads (``--evaluate``), print the tables, write ``--json`` (``make_report``: the
     peer's report, this file's by default)."""
-    if args.evaluate:
-        for r in results:
+    serve = getattr(args, "serve", False)
+    for r in results:
+        if args.evaluate or (serve and not r.get("eval")):
             r["eval"] = run_eval(args, r, root)
+    if serve:
+        for r in results:
+            r["serve"] = run_serve(args, r, root)
     print_table(results)
     if args.json:
         Path(args.json).write_text(json.dumps((make_report or report)(args, root, data, results), indent=1))

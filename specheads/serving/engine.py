@@ -106,20 +106,22 @@ class ExportedHead:
 
     folder: Path
     method: str           # medusa | eagle1 | eagle3 | peagle | dflash | dspark | mtp (specheads_export.json's "method")
-    layout: str           # vllm | sglang | speculators | medusa
+    layout: str           # vllm | sglang | speculators | medusa; a foreign folder: its format (export.foreign)
     target: str | None    # the target the head was exported against (a name, folder or hub id)
     adapted_target: str | None = None  # served as the model: Medusa-2's target/, an MTP export's folder itself
     info: dict = field(default_factory=dict)
 
 
 def read_export(folder: str | Path) -> ExportedHead:
-    """The exported head in ``folder`` (``specheads_export.json`` read, weights present); raises a ``UserError``
-    naming what is wrong, before any engine starts."""
+    """The exported head in ``folder`` (``specheads_export.json`` read, weights present), or a head folder another
+    trainer wrote (``_foreign_export``); raises a ``UserError`` naming what is wrong, before any engine starts."""
     path = Path(folder).expanduser()
     if not path.is_dir():
         raise InputNotFoundError(f"export_dir={folder}: no such folder; give a folder `specheads export` wrote "
                                  "(e.g. runs/quickstart/export/eagle3/vllm)")
     record = path / "specheads_export.json"
+    if not record.is_file() and (foreign := _foreign_export(path)) is not None:
+        return foreign
     if not record.is_file():
         layouts = sorted(p.name for p in path.iterdir() if (p / "specheads_export.json").is_file())
         hint = (f"it holds the layouts {', '.join(layouts)}: give one of them, e.g. export_dir={path / layouts[0]}"
@@ -148,6 +150,22 @@ def read_export(folder: str | Path) -> ExportedHead:
         check_mtp_tensors(path, int(info.get("mtp_layer", 0)))
         adapted = path
     return ExportedHead(path, method, layout, info.get("target"), str(adapted) if adapted else None, info)
+
+
+def _foreign_export(path: Path) -> ExportedHead | None:
+    """A head folder another trainer wrote (speculators, SpecForge, ModelOpt, z-lab's DFlash, Medusa's:
+    ``export.foreign``), served as that trainer wrote it, the way its users serve it; None for a folder of no known
+    format. Its ``layout`` is the format; ``info`` {"foreign": format}."""
+    from specheads.export.foreign import check_format, foreign_format, weight_files
+
+    if foreign_format(path) is None:
+        return None
+    fmt, method = check_format(path)
+    if method not in VLLM_METHOD:
+        raise UserError(f"export_dir={path}: a {fmt} folder of a {method} head, which vLLM does not draft with")
+    if not weight_files(path):
+        raise InputNotFoundError(f"export_dir={path} ({fmt} format) holds no weights")
+    return ExportedHead(path, method, fmt, None, None, {"foreign": fmt})
 
 
 def speculative_config(head: ExportedHead, num_speculative_tokens: int) -> dict:

@@ -253,7 +253,9 @@ def markdown(report: dict) -> str:
                 f"speculative_config `{json.dumps(report.get('speculative_config'))}`.\n\n{report['refused']}\n")
     lines = [f"# Served by {eng.get('name', 'vLLM')} {eng.get('version', '')}: {report.get('method')} head, chain of {k}",
              "", f"{report['num_prompts']} prompts, max_new_tokens {report.get('max_new_tokens')}, greedy, batch 1; "
-             f"target {report.get('target')} ({report.get('dtype')}); head {report.get('export_dir')}.", ""]
+             f"target {report.get('target')} ({report.get('dtype')}); head {report.get('export_dir')}"
+             + (f" (in {report['head_source']}'s format, served as that trainer wrote it)"
+                if report.get("head_source") not in (None, "specheads") else "") + ".", ""]
     if eng.get("env") is not None:
         lines += ["Engine settings: " + (", ".join(f"`{k_}={v}`" for k_, v in eng["env"].items()) or "the engine's defaults")
                   + (f"; load {_f(eng.get('load_s', {}).get('plain'), 0)} s plain, {_f(eng.get('load_s', {}).get('spec'), 0)} s "

@@ -267,3 +267,42 @@ def test_a_refusal_quotes_the_engines_root_cause_not_its_relay(tmp_path):
     assert root_cause(log) == "EngineDeadError: the engine died"
     log.write_text("INFO all fine\n")
     assert root_cause(log) is None and root_cause(tmp_path / "missing.log") is None
+
+
+@pytest.mark.parametrize("config, fmt, method, parallel", [
+    ({"speculators_model_type": "eagle3", "architectures": ["Eagle3DraftModel"]}, "speculators", "eagle3", False),
+    ({"speculators_model_type": "peagle", "architectures": ["PEagleDraftModel"]}, "speculators", "peagle", True),
+    ({"architectures": ["LlamaForCausalLMEagle3"]}, "eagle3", "eagle3", False),
+    ({"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {"use_last_layernorm": True}}, "modelopt", "eagle3",
+     False),
+])
+def test_a_head_folder_another_trainer_wrote_is_served_as_written(tmp_path, config, fmt, method, parallel):
+    """serve-eval takes the folder speculators, SpecForge or ModelOpt wrote (what their users give vLLM): the head
+    kind from its config, the folder itself as the drafter, the format in the report."""
+    from specheads.serving.engine import read_export, speculative_config
+
+    folder = tmp_path / "theirs"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(se.UserError, match="holds no weights"):
+        read_export(folder)
+    (folder / "model.safetensors").write_bytes(b"")
+    head = read_export(folder)
+    assert (head.method, head.layout, head.info) == (method, fmt, {"foreign": fmt}) and head.adapted_target is None
+    spec = speculative_config(head, 3)
+    assert spec["method"] == "eagle3" and spec["model"] == str(folder.resolve())
+    assert spec.get("parallel_drafting", False) is parallel
+    report = se.build_report([], 3, {"method": method, "export_dir": str(folder), "head_source": fmt})
+    assert f"(in {fmt}'s format, served as that trainer wrote it)" in se.markdown(report)
+
+
+def test_a_folder_of_no_known_format_is_still_not_an_exported_head(tmp_path):
+    from specheads.serving.engine import read_export
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(se.UserError, match="not an exported head"):
+        read_export(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"speculators_model_type": "mlp"}))
+    with pytest.raises(se.UserError, match="speculators_model_type 'mlp'"):
+        read_export(tmp_path)
