@@ -5,6 +5,7 @@
     ... --settings float32:1 bfloat16:3       # dtype (float32, or bfloat16 autocast) and TTT steps, both trainers
     ... --only ours                           # our trainer alone (ModelOpt need not be installed)
     python scripts/bench/compare_modelopt.py --reuse mo.json --json mo-eval.json   # evaluate those heads again
+    python scripts/bench/compare_modelopt.py --reuse mo.json --serve --json mo-served.json  # serve both in vLLM
 
 ModelOpt (nvidia-modelopt 0.47, with ``pulp`` and ``scipy`` that ``modelopt.torch`` imports) is not a dependency of
 this project: install it into a folder of its own (``pip install --no-deps --target DIR nvidia-modelopt pulp scipy``)

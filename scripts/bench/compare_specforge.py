@@ -5,6 +5,7 @@
     ... --settings bfloat16:3 bfloat16:7     # TTT steps (bfloat16 only: see below), each trained by both
     ... --only ours                          # our trainer alone (SpecForge need not be installed)
     python scripts/bench/compare_specforge.py --reuse sf.json --json sf-eval.json   # evaluate those heads again
+    python scripts/bench/compare_specforge.py --reuse sf.json --serve --json sf-served.json  # serve both in vLLM
 
 SpecForge (0.2) is not a dependency of this project. Install its wheel alone into a folder of its own
 (``pip install --no-deps --target DIR specforge``) and give that folder as ``--specforge-site``. Its offline CPU path
