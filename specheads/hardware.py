@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BF16_ENV = "SPECHEADS_CPU_BF16"
 # a dtype's name and its weight per (in, out) shape -> the layer per shape as the stage will run it (a weight or a
-# callable module) and the row counts of the calls one forward makes to each layer
+# callable module) and the row counts of the calls one forward makes to each layer; one with a ``describe()``
+# method names what it timed in the choice's reason
 RowsFor = Callable[[str, dict], tuple[dict, Sequence[int]]]
 
 
@@ -192,8 +193,9 @@ def choose_dtype(requested: str, device: str | torch.device, model: nn.Module | 
     ``auto``: on a GPU bfloat16 (float16 where the GPU lacks bfloat16); on the CPU float32 where the CPU lacks
     bfloat16 kernels, else a probe of ``model``'s own linear layers (float32 weights) at ``rows`` rows per
     forward picks bfloat16 only where it is faster (``rows`` a ``RowsFor``: the layers and calls as the stage
-    will run them in each dtype, e.g. exact decoding's padded calls: ``decoding.exact.exact_decode_calls``). ``shapes`` (``linear_shapes`` of a model not loaded, e.g. on
-    the meta device: ``specheads plan``) probes random weights of those shapes instead. Without either the CPU
+    will run them in each dtype, e.g. exact decoding's padded calls, ``decoding.exact.ExactDecodeCalls``).
+    ``shapes`` (``linear_shapes`` of a model not loaded, e.g. on the meta device: ``specheads plan``) probes
+    random weights of those shapes instead. Without either the CPU
     keeps float32.
     """
     requested = str(requested)
