@@ -486,9 +486,7 @@ def main_job_prompts() -> list[str]:
 
 
 def eval_command(args, head_dir: str, out: Path) -> list[str]:
-    exe = Path(sys.executable).with_name("specheads")
-    head = [str(exe)] if exe.exists() else [sys.executable, "-m", "specheads.cli"]
-    return head + ["evaluate", f"target.name_or_path={args.target}", f"head_dir={head_dir}",
+    return specheads_command() + ["evaluate", f"target.name_or_path={args.target}", f"head_dir={head_dir}",
                    f"eval.chat_dir={Path(args.prepared).resolve()}", f"output_dir={out}", f"seed={args.seed}",
                    *main_job_prompts(), *EVAL_FIXED, *args.eval_arg]
 
@@ -534,6 +532,7 @@ SERVE_TOKENS = 3  # vLLM's chain, as the evaluation's vLLM profile row drafts it
 
 
 def specheads_command() -> list[str]:
+    """The ``specheads`` command beside this python (``python -m specheads.cli`` where it is not installed)."""
     exe = Path(sys.executable).with_name("specheads")
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "specheads.cli"]
 
