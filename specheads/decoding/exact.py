@@ -17,7 +17,7 @@ what a one-token forward after its accepted ancestors gives. Two kinds of operat
   1024 wide (SmolLM2's MLP down-projection, 1536): the bfloat16 main job's report found 4 of 12 prompts
   decoded differently. The row counts from which a layer's rows no longer depend on the call are a fact
   of the machine, the kernel library and the thread count, so ``linear_row_floor`` measures them on the
-  model's own layers, at run time, and ``apply_row_floor`` pads every smaller call up to that floor (and
+  model's own layers, at run time, and ``apply_row_floor`` pads every smaller call up to its kind's floor (and
   splits any call over ``MAX_ROWS`` rows into chunks): every row of every forward then goes through
   kernels proven to give it the same bits.
 
@@ -128,12 +128,18 @@ def make_exact(model: nn.Module, mode: str = "auto") -> dict:
 # ---------------------------------------------------------------- the linear layers' row floor
 
 
-def _linear_kinds(model: nn.Module) -> dict[tuple, nn.Module]:
-    """One linear layer of each kind (class, in, out, bias, dtype): layers of a kind run the same kernels."""
-    kinds: dict[tuple, nn.Module] = {}
+def linear_kind(m: nn.Module) -> str:
+    """A linear layer's kind, by what picks its kernels: class, in x out, bias, dtype ("Linear 576x1536 float32")."""
+    return "{} {}x{}{} {}".format(type(m).__name__, m.in_features, m.out_features, "+b" if m.bias is not None else "",
+                                  str(m.weight.dtype).replace("torch.", ""))
+
+
+def _linear_kinds(model: nn.Module) -> dict[str, nn.Module]:
+    """One linear layer of each kind (``linear_kind``): layers of a kind run the same kernels."""
+    kinds: dict[str, nn.Module] = {}
     for m in model.modules():
         if type(m) in (nn.Linear, PackedLinear):
-            kinds.setdefault((type(m).__name__, m.in_features, m.out_features, m.bias is not None, m.weight.dtype), m)
+            kinds.setdefault(linear_kind(m), m)
     return kinds
 
 
@@ -162,40 +168,43 @@ def layer_row_floor(forward, in_features: int, dtype: torch.dtype, device, max_r
 
 def linear_row_floor(model: nn.Module, max_rows: int = MAX_ROWS, seed: int = 0) -> dict:
     """Measure, for each kind of linear layer of ``model`` (as it will run: layout, dtype, thread count
-    already set), its ``layer_row_floor``. Returns {"floor": the largest over kinds, "per_kind": {kind: f},
-    "seconds": s}."""
+    already set), its ``layer_row_floor``. Returns {"floor": the largest over kinds, "per_kind": {kind: f}
+    (``linear_kind``), "seconds": s}."""
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(seed)
-    per_kind = {}
-    for key, m in _linear_kinds(model).items():
-        floor = layer_row_floor(_unfloored(m), m.in_features, m.weight.dtype, m.weight.device, max_rows, gen)
-        per_kind["{} {}x{}{} {}".format(key[0], key[1], key[2], "+b" if key[3] else "",
-                                        str(key[4]).replace("torch.", ""))] = floor
+    per_kind = {kind: layer_row_floor(_unfloored(m), m.in_features, m.weight.dtype, m.weight.device, max_rows, gen)
+                for kind, m in _linear_kinds(model).items()}
     return {"floor": max(per_kind.values(), default=1), "per_kind": per_kind,
             "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def floor_and_chunk(floor: int, chunk: int = MAX_ROWS) -> tuple[int, int]:
+    """How a layer whose row floor is ``floor`` runs: calls padded to ``floor`` rows, split into ``chunk``-row
+    parts; a floor over ``FLOOR_CAP`` is not offered, and that layer runs every row alone (1, 1): the one-row
+    kernel for every row, exact by construction."""
+    return (1, 1) if floor > FLOOR_CAP else (floor, chunk)
 
 
 def floor_calls(floor: int, tokens: int, chunk: int = MAX_ROWS) -> list[int]:
     """The row counts of the calls a linear layer gets for ``tokens`` rows under a row floor (``apply_row_floor``):
     chunks of ``chunk`` rows, a chunk under the floor padded to it; a floor over ``FLOOR_CAP`` runs every row alone."""
-    if floor > FLOOR_CAP:
-        floor = chunk = 1
+    floor, chunk = floor_and_chunk(floor, chunk)
     return [max(min(chunk, tokens - s), floor) for s in range(0, tokens, chunk)]
 
 
 class ExactDecodeCalls:
     """For ``hardware.choose_dtype`` on a target that will decode with exact forwards: per dtype, the linear
     layers as decoding runs them (oneDNN-prepacked in bfloat16 where the CPU can, as ``make_exact`` does) and
-    the calls a verify forward of ``tokens`` tokens makes to each, padded to the row floor measured on those
-    layers (``layer_row_floor``). A float32 floor of 16 on a CPU whose bfloat16 floor is 1 makes float32 decoding
-    dearer than a probe at ``tokens`` rows says (the main job measured a one-token forward of 76 ms padded, 40 ms
-    unpadded)."""
+    the calls a verify forward of ``tokens`` tokens makes to each, padded to the row floor measured on that
+    layer (``layer_row_floor``; each layer its own, as ``apply_row_floor`` pads them). A float32 floor of 16 on a
+    CPU whose bfloat16 floor is 1 makes float32 decoding dearer than a probe at ``tokens`` rows says (the main job
+    measured a one-token forward of 76 ms padded, 40 ms unpadded)."""
 
     def __init__(self, tokens: int = 4):
         self.tokens = tokens
-        self.floors: dict[str, int] = {}
+        self.floors: dict[str, dict] = {}  # dtype -> {(in, out): floor}
 
-    def __call__(self, dtype: str, weights: dict) -> tuple[dict, list[int]]:
+    def __call__(self, dtype: str, weights: dict) -> tuple[dict, dict[tuple, list[int]]]:
         layers = {}
         for shape, w in weights.items():
             lin = nn.Linear(shape[0], shape[1], bias=False, device="meta", dtype=w.dtype)
@@ -206,13 +215,17 @@ class ExactDecodeCalls:
                     layers[shape] = PackedLinear(lin)
                 except RuntimeError:  # oneDNN refused the reorder: plain, as pack_cpu_linears falls back
                     pass
-        floor = max((layer_row_floor(m, shape[0], weights[shape].dtype, weights[shape].device)
-                     for shape, m in layers.items()), default=1)
-        self.floors[dtype] = floor
-        return layers, floor_calls(floor, self.tokens)
+        floors = {shape: layer_row_floor(m, shape[0], weights[shape].dtype, weights[shape].device)
+                  for shape, m in layers.items()}
+        self.floors[dtype] = floors
+        return layers, {shape: floor_calls(f, self.tokens) for shape, f in floors.items()}
 
     def describe(self) -> str:
-        floors = ", ".join(f"{d} {f}" for d, f in self.floors.items())
+        def span(floors: dict) -> str:
+            lo, hi = min(floors.values(), default=1), max(floors.values(), default=1)
+            return f"{lo}" if lo == hi else f"{lo}-{hi} by layer"
+
+        floors = ", ".join(f"{d} {span(f)}" for d, f in self.floors.items())
         return f"as exact decoding runs them, {self.tokens} tokens per forward (row floor {floors})"
 
 
@@ -235,15 +248,18 @@ def _floored_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs).view(*x.shape[:-1], -1)
 
 
-def apply_row_floor(model: nn.Module, floor: int, chunk: int = MAX_ROWS) -> int:
+def apply_row_floor(model: nn.Module, floor: int | dict[str, int], chunk: int = MAX_ROWS) -> int:
     """Make every linear layer of ``model`` run calls of fewer than ``floor`` rows padded to ``floor`` and
     calls of more than ``chunk`` rows in chunks (``floor = chunk = 1``: every row alone, the one-row kernel
-    for all). In place, on the modules as they are (apply after the layout is chosen); returns how many."""
+    for all). ``floor`` a dict: each layer its kind's floor (``linear_kind``: ``linear_row_floor``'s
+    ``per_kind``), through ``floor_and_chunk`` (a kind over ``FLOOR_CAP`` runs its rows alone; the others keep
+    their own padding). In place, on the modules as they are (apply after the layout is chosen); returns how many."""
     n = 0
     for m in model.modules():
         if type(m) in (nn.Linear, PackedLinear):
             forward = _unfloored(m)
-            setattr(m, _FLOOR_ATTR, {"forward": forward, "floor": floor, "chunk": chunk, "on": True})
+            f, c = floor_and_chunk(floor[linear_kind(m)], chunk) if isinstance(floor, dict) else (floor, chunk)
+            setattr(m, _FLOOR_ATTR, {"forward": forward, "floor": f, "chunk": c, "on": True})
             m.forward = _floored_forward.__get__(m)
             n += 1
     return n
@@ -337,21 +353,22 @@ def _one_token_ms(model: nn.Module, rounds: int = 5, reps: int = 3) -> dict[str,
 def prove_exact(model: nn.Module, check_sizes=(3, 8), check_contexts=(48,), max_rows: int = MAX_ROWS) -> dict:
     """Measure and apply the row floor of ``model``'s linear layers (exact forwards on, ``make_exact``), then
     prove the whole model: random draft trees verified in one forward against one-token forwards, bitwise.
-    A floor above ``FLOOR_CAP`` is refused (every row then runs alone, which is exact by construction); a
-    failed proof says so (``proven`` False) and the caller falls back. Returns the record for the report:
-    {"row_floor", "row_floor_per_kind", "floor_seconds", "one_token_ms": {"floored", "lifted"}, "proof": {...},
-    "proven"}."""
+    Each kind of layer is padded to its own floor; a floor above ``FLOOR_CAP`` is refused for its kind (that
+    kind's rows then run alone, which is exact by construction); a failed proof says so (``proven`` False) and
+    the caller falls back. Returns the record for the report: {"row_floor" (the largest floor applied),
+    "row_chunk", "row_floor_per_kind" (measured), "row_floor_applied" ({kind: [floor, chunk]}), "floor_seconds",
+    "one_token_ms": {"floored", "lifted"}, "proof": {...}, "proven"}."""
     measured = linear_row_floor(model, max_rows)
-    floor, chunk = measured["floor"], max_rows
-    if floor > FLOOR_CAP:
-        floor = chunk = 1
-    apply_row_floor(model, floor, chunk)
+    apply_row_floor(model, measured["per_kind"], max_rows)  # each kind padded to its own floor
+    applied = {kind: floor_and_chunk(f, max_rows) for kind, f in measured["per_kind"].items()}
+    floor, chunk = max(applied.values(), default=(1, max_rows))
     t0 = time.perf_counter()
     proof = tree_vs_sequential(model, contexts=check_contexts, sizes=check_sizes)
     proof["seconds"] = round(time.perf_counter() - t0, 2)
     ms = _one_token_ms(model)
     floored, lifted = ms["floored"], ms["lifted"]
     record = {"row_floor": floor, "row_chunk": chunk, "row_floor_per_kind": measured["per_kind"],
+              "row_floor_applied": {kind: list(fc) for kind, fc in applied.items()},
               "floor_seconds": measured["seconds"], "one_token_ms": ms,
               "proof": proof, "proven": proof["unequal"] == 0}
     log.info("exact forwards: linear row floor %d (chunks of %d), one-token forward %.1f ms floored vs %.1f ms; "

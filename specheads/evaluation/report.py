@@ -108,13 +108,24 @@ def _floor_md(ex: dict) -> str:
     if "row_floor" not in ex:
         return ""
     proof = ex["proof"]
-    if ex["row_floor"] == ex.get("row_chunk", 0) == 1:
+    ms = ex.get("one_token_ms") or {}
+    timed = (f"one-token forward {ms['floored']:.1f} ms padded, {ms['lifted']:.1f} ms as the kernels choose: the "
+             "plain decodes that time the baseline run so") if ms else ""
+    by_floor: dict[tuple, list[str]] = {}
+    for kind, fc in (ex.get("row_floor_applied") or {}).items():
+        by_floor.setdefault(tuple(fc), []).append(kind)
+    if len(by_floor) > 1:  # each kind padded to its own floor
+        def rows(fc: tuple) -> str:
+            return "one row at a time" if fc == (1, 1) else "any count" if fc[0] == 1 else f"at least {fc[0]}"
+
+        groups = "; ".join(f"{rows(fc)}: {', '.join(kinds)}" for fc, kinds in sorted(by_floor.items(), reverse=True))
+        floor = (f"each kind of linear layer fed its own smallest row count per call from which its rows no longer "
+                 f"depend on the call here ({groups}; {timed})")
+    elif ex["row_floor"] == ex.get("row_chunk", 0) == 1:
         floor = "every linear layer fed one row at a time (no row floor up to 16 made them row-invariant here)"
     else:
-        ms = ex["one_token_ms"]
         floor = (f"linear layers fed at least {ex['row_floor']} rows per call, the smallest count from which "
-                 f"their rows no longer depend on the call here (one-token forward {ms['floored']:.1f} ms padded, "
-                 f"{ms['lifted']:.1f} ms as the kernels choose: the plain decodes that time the baseline run so)")
+                 f"their rows no longer depend on the call here ({timed})")
     said = (f"; {floor}; proof: {proof['nodes'] - proof['unequal']} of {proof['nodes']} nodes of random draft trees "
             f"bitwise equal to one-token forwards{'' if ex['proven'] else ', NOT PROVEN'}")
     fb = ex.get("fallback")
@@ -309,7 +320,19 @@ def _shape_choice_md(ch: dict | None) -> list[str]:
             f"drafts, verified together). Verify cost on this machine ({unit} "
             f"{_f(1000 * ch['plain_forward_s'], 1)} ms): {curve}; draft forward c = {_f(ch['c'], 3)}; "
             f"on the head's training-side held-out prompts{rows}, share of steps reaching draft depth d: {reach}"
-            + (f"; fans: {fans}" if fans else "") + f". Predicted speed-up per shape: {preds}.", ""]
+            + (f"; fans: {fans}" if fans else "") + f". Predicted speed-up per shape: {preds}." + _none_faster(ch), ""]
+
+
+def _none_faster(ch: dict) -> str:
+    """Said plainly where no candidate shape is predicted to beat plain decoding on this machine."""
+    best = max(ch["predictions"], key=lambda p: p["speedup"], default=None)
+    if best is None or best["speedup"] >= 1.0:
+        return ""
+    two = ch["verify_cost_curve"].get("2")
+    cost = f"a verify forward of 2 tokens costs {_f(two)} plain forwards and " if two is not None else ""
+    return (f" **No shape is predicted faster than plain decoding on this machine** (the best, {best['label']}, at "
+            f"{_f(best['speedup'])}×): {cost}a draft forward {_f(ch['c'], 3)}, more than this head's acceptance "
+            "wins back; the decode below measures the chosen shape all the same.")
 
 
 def _recommend_md(rec: dict, m: dict) -> list[str]:

@@ -9,8 +9,8 @@ import torch
 from tests.conftest import make_tiny_model
 from specheads.decoding.cpu_linears import PackedLinear, can_pack
 from specheads.decoding.exact import (ATTENTION_NAME, FLOOR_CAP, ExactDecodeCalls, apply_row_floor, exact_attention,
-                                      floor_calls, linear_row_floor, make_exact, prove_exact, remove_row_floor,
-                                      row_floor_lifted, settle_exact, tree_vs_sequential)
+                                      floor_calls, linear_kind, linear_row_floor, make_exact, prove_exact,
+                                      remove_row_floor, row_floor_lifted, settle_exact, tree_vs_sequential)
 
 
 def _tree_vs_sequential(model, contexts=(40, 150), sizes=(3, 6, 12), seed=0, reference_parents=None):
@@ -195,6 +195,47 @@ def test_settle_exact_leaves_a_model_without_exact_forwards_alone():
     assert settle_exact(model) == {}
 
 
+def test_each_kind_of_linear_layer_is_padded_to_its_own_floor(monkeypatch):
+    """A float32 CPU where the attention projections need 4 rows and the MLP's down-projection 16: the
+    attention's calls are padded to 4, not to the MLP's 16; the proof still holds and the record says what
+    each kind got."""
+    import specheads.decoding.exact as exact
+
+    model = make_tiny_model("llama", hidden=64, layers=1, heads=4, kv_heads=2)
+    mlp = model.model.layers[0].mlp
+    make_exact(model, "on")
+    seen: dict[str, list[int]] = {}
+    layers = {"q": model.model.layers[0].self_attn.q_proj, "down": mlp.down_proj}
+    for name, lin in layers.items():
+        inner = lin.forward
+        lin.forward = lambda x, name=name, inner=inner: (
+            seen.setdefault(name, []).append(x.reshape(-1, x.shape[-1]).shape[0]), inner(x))[1]
+    monkeypatch.setattr(exact, "layer_row_floor",
+                        lambda f, in_features, *a, **k: 16 if in_features == mlp.down_proj.in_features else 4)
+    record = prove_exact(model)
+    assert record["proven"]
+    applied = record["row_floor_applied"]
+    assert applied[linear_kind(mlp.down_proj)] == [16, 32] and applied[linear_kind(layers["q"])] == [4, 32]
+    seen.clear()
+    with torch.no_grad():
+        layers["q"](torch.randn(1, 1, 64))
+        mlp.down_proj(torch.randn(1, 1, mlp.down_proj.in_features))
+    assert seen == {"q": [4], "down": [16]}  # each kind's own floor: the largest for all gave q 16 rows
+
+
+def test_a_kind_over_the_cap_runs_its_rows_alone_and_the_others_keep_their_floor():
+    seen: dict[str, list[int]] = {}
+    a, b = torch.nn.Linear(8, 3, bias=False), torch.nn.Linear(3, 5, bias=False)
+    for name, lin in (("a", a), ("b", b)):
+        inner = lin.forward
+        lin.forward = lambda x, name=name, inner=inner: (seen.setdefault(name, []).append(x.shape[0]), inner(x))[1]
+    model = torch.nn.Sequential(a, b)
+    apply_row_floor(model, {linear_kind(a): FLOOR_CAP + 1, linear_kind(b): 4}, chunk=32)
+    with torch.no_grad():
+        model(torch.randn(2, 8))
+    assert seen == {"a": [1, 1], "b": [4]}
+
+
 def test_floor_calls_follow_the_padding_of_the_row_floor():
     """The calls a layer gets for n rows under a floor, as ``_floored_forward`` makes them."""
     assert floor_calls(1, 4) == [4] and floor_calls(16, 4) == [16] and floor_calls(3, 5) == [5]
@@ -215,14 +256,14 @@ def test_the_decoding_dtype_probe_times_each_dtype_at_its_own_row_floor(monkeypa
     timed = {}
 
     def forward_seconds(weights, shapes, dtype, calls, reps, backward):
-        timed[str(dtype).replace("torch.", "")] = list(calls)
+        timed[str(dtype).replace("torch.", "")] = {tuple(c) for c in calls.values()}  # the calls per layer
         assert all(callable(m) for m in weights.values())  # the layers as decoding runs them
         return 1.0 if dtype == torch.float32 else 0.5
 
     monkeypatch.setattr(hardware, "_forward_seconds", forward_seconds)
     rows = exact.ExactDecodeCalls(tokens=4)
     choice = hardware.choose_dtype("auto", "cpu", make_tiny_model(), rows=rows)
-    assert timed == {"float32": [16], "bfloat16": [4]} and choice.value == "bfloat16"
+    assert timed == {"float32": {(16,)}, "bfloat16": {(4,)}} and choice.value == "bfloat16"
     assert "row floor float32 16, bfloat16 1" in choice.reason
 
 
@@ -235,7 +276,35 @@ def test_exact_decode_calls_measure_the_floor_of_the_layers_they_time():
                if isinstance(m, torch.nn.Linear)}
     rows = ExactDecodeCalls(tokens=4)
     layers, calls = rows("float32", weights)
-    assert rows.floors["float32"] == linear_row_floor(model)["floor"] and calls == floor_calls(rows.floors["float32"], 4)
+    measured = linear_row_floor(model)["per_kind"]
+    by_shape = {(m.in_features, m.out_features): measured[linear_kind(m)] for m in model.modules()
+                if isinstance(m, torch.nn.Linear)}
+    assert rows.floors["float32"] == by_shape and calls == {s: floor_calls(f, 4) for s, f in by_shape.items()}
     x = torch.randn(5, 64)
     shape = next(iter(weights))
     assert torch.allclose(layers[shape](x), x @ weights[shape].T)
+
+
+def test_the_decoding_dtype_probe_pads_each_layer_to_its_own_floor(monkeypatch):
+    """float32 attention projections proven from 4 rows and MLP layers from 16: the probe times the attention's
+    calls at 4 rows, as decoding will run them, not at the MLP's 16."""
+    import specheads.decoding.exact as exact
+    import specheads.hardware as hardware
+
+    model = make_tiny_model("llama", hidden=64, layers=1)
+    inter = model.config.intermediate_size
+    monkeypatch.setenv(hardware.BF16_ENV, "1")
+    monkeypatch.setattr(exact, "layer_row_floor", lambda m, i, dtype, *a, **k:
+                        1 if dtype != torch.float32 else 16 if inter in (i, m.weight.shape[0]) else 4)
+    timed = {}
+
+    def forward_seconds(weights, shapes, dtype, calls, reps, backward):
+        timed[str(dtype).replace("torch.", "")] = dict(calls)
+        return 1.0
+
+    monkeypatch.setattr(hardware, "_forward_seconds", forward_seconds)
+    rows = exact.ExactDecodeCalls(tokens=4)
+    hardware.choose_dtype("auto", "cpu", model, rows=rows)
+    assert timed["float32"][(64, 64)] == [4] and timed["float32"][(64, inter)] == [16]
+    assert timed["float32"][(inter, 64)] == [16] and set(map(tuple, timed["bfloat16"].values())) == {(4,)}
+    assert "row floor float32 4-16 by layer, bfloat16 1" in rows.describe()

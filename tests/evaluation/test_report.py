@@ -21,3 +21,39 @@ def test_step_cost_splits_a_step_into_verify_draft_decisions_and_the_rest_in_pla
     assert "predicted verify 1.15 and drafting 0.05 from its cost curve: 1.35" in line
     assert "predicted for fan3 alone (no lookup branch) verify" in _step_cost_md(row, "0.0", choice, branch=True)[0]
     assert _step_cost_md({**row, "paired_plain_tokens_per_s": None}, "0.0", None) == []  # unpaired: no unit
+
+
+def _choice(speedups: dict[str, float], v2: float) -> dict:
+    preds = [{"label": k, "kind": "fan", "k": 2, "tau": 1.5, "verify_cost": v2, "draft_forwards": 1, "speedup": s}
+             for k, s in speedups.items()]
+    best = max(preds, key=lambda p: p["speedup"])
+    return {"label": best["label"], "kind": "fan", "k": 2, "predictions": preds, "c": 0.06,
+            "verify_cost_curve": {"1": 1.9, "2": v2}, "plain_forward_s": 0.063, "plain_unit": "plain",
+            "verify_cost_measured": {"1": 1.9, "2": v2}, "reach": [0.5], "fans": {"2": 1.5}}
+
+
+def test_the_shape_choice_says_plainly_when_no_shape_is_predicted_faster_than_plain_decoding():
+    """The AVX2-held run: float32's row floor of 16 made every verify forward cost about two plain ones, and
+    the best shape was predicted at 0.76x; the report must say so, not just list the figures."""
+    from specheads.evaluation.report import _shape_choice_md
+
+    slow = _shape_choice_md(_choice({"fan2": 0.71, "fan6": 0.76}, 1.95))[0]
+    assert "No shape is predicted faster than plain decoding on this machine" in slow
+    assert "fan6, at 0.76×" in slow and "a verify forward of 2 tokens costs 1.95 plain forwards" in slow
+    fast = _shape_choice_md(_choice({"fan2": 0.97, "fan6": 1.35}, 1.02))[0]
+    assert "No shape is predicted faster" not in fast
+
+
+def test_the_precision_line_names_each_kind_of_layer_with_its_own_row_floor():
+    from specheads.evaluation.report import _floor_md
+
+    ex = {"attention": "specheads_exact", "row_floor": 16, "row_chunk": 32,
+          "row_floor_applied": {"Linear 576x576 float32": [4, 32], "Linear 576x1536 float32": [16, 32],
+                                "Linear 576x49152 float32": [1, 1]},
+          "one_token_ms": {"floored": 70.0, "lifted": 40.0}, "proof": {"nodes": 11, "unequal": 0}, "proven": True}
+    line = _floor_md(ex)
+    assert ("at least 16: Linear 576x1536 float32; at least 4: Linear 576x576 float32; "
+            "one row at a time: Linear 576x49152 float32") in line
+    assert "one-token forward 70.0 ms padded, 40.0 ms as the kernels choose" in line
+    same = _floor_md({**ex, "row_floor_applied": {"Linear 576x576 float32": [16, 32]}})
+    assert "linear layers fed at least 16 rows per call" in same
