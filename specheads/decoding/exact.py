@@ -166,15 +166,32 @@ def layer_row_floor(forward, in_features: int, dtype: torch.dtype, device, max_r
     return 1
 
 
-def linear_row_floor(model: nn.Module, max_rows: int = MAX_ROWS, seed: int = 0) -> dict:
+def linear_row_floor(model: nn.Module, max_rows: int = MAX_ROWS, seed: int = 0, forms: bool = False) -> dict:
     """Measure, for each kind of linear layer of ``model`` (as it will run: layout, dtype, thread count
-    already set), its ``layer_row_floor``. Returns {"floor": the largest over kinds, "per_kind": {kind: f}
-    (``linear_kind``), "seconds": s}."""
+    already set), its ``layer_row_floor``. ``forms``: each kind's arithmetic form chosen too (``choose_form``,
+    the copies of Wᵀ within a share of the memory available), the floor that form's. Returns {"floor": the
+    largest over kinds, "per_kind": {kind: f} (``linear_kind``), "seconds": s}, with ``forms``
+    also "forms": {kind: form}, "form_ms": {kind: {form: ms}}."""
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(seed)
-    per_kind = {kind: layer_row_floor(_unfloored(m), m.in_features, m.weight.dtype, m.weight.device, max_rows, gen)
-                for kind, m in _linear_kinds(model).items()}
-    return {"floor": max(per_kind.values(), default=1), "per_kind": per_kind,
+    kinds = _linear_kinds(model)
+    if not forms:
+        per_kind = {kind: layer_row_floor(_unfloored(m), m.in_features, m.weight.dtype, m.weight.device, max_rows,
+                                          gen) for kind, m in kinds.items()}
+        return {"floor": max(per_kind.values(), default=1), "per_kind": per_kind,
+                "seconds": round(time.perf_counter() - t0, 2)}
+    count = {kind: 0 for kind in kinds}
+    for m in model.modules():
+        if type(m) in (nn.Linear, PackedLinear):
+            count[linear_kind(m)] += 1
+    budget = int(_FORM_MEMORY_SHARE * _available_bytes())
+    per_kind, chosen, ms = {}, {}, {}
+    for kind, m in kinds.items():
+        pick = choose_form(m, budget // count[kind], max_rows, gen)
+        per_kind[kind], chosen[kind], ms[kind] = pick["floor"], pick["form"], pick["ms"]
+        if pick["form"] == "xwt":
+            budget -= count[kind] * m.weight.numel() * m.weight.element_size()
+    return {"floor": max(per_kind.values(), default=1), "per_kind": per_kind, "forms": chosen, "form_ms": ms,
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
@@ -192,11 +209,105 @@ def floor_calls(floor: int, tokens: int, chunk: int = MAX_ROWS) -> list[int]:
     return [max(min(chunk, tokens - s), floor) for s in range(0, tokens, chunk)]
 
 
+# ---------------------------------------------------------------- the linear layers' arithmetic form
+# The same product x·Wᵀ can go through other kernels: with the weight as the GEMM's left operand ((W·xᵀ)ᵀ), or
+# against a contiguous copy of Wᵀ (x·Wᵀ as a plain matrix product). Their row floors differ: held to AVX2, SmolLM2's
+# float32 MLP and LM head need 16 rows through ``F.linear`` but 2 through x·Wᵀ-contiguous, where a 2-row call costs
+# about what a one-row one does (LM head: 3.6 ms vs 11.9 ms for ``F.linear`` padded to 16). Exact decoding runs
+# each kind of layer in the form whose padded calls are cheapest (``choose_form``); plain decodes that only time
+# the baseline keep the layer's own forward (``row_floor_lifted``).
+FORMS = ("linear", "xwt", "wxt")
+FORM_TOKENS = (1, 8)  # the verify forwards a form is timed at: one token and a tree of 8
+FORM_GAIN = 0.9  # another form replaces the layer's own only below this share of its cost
+_FORM_MEMORY_SHARE = 0.25  # the copies of Wᵀ take at most this share of the memory available
+# a layer over this many bytes keeps its own form: each form's floor search runs ~60 calls of 32 rows, which on
+# Gemma 3's float32 LM head (262k x 640, 671 MB) at one thread took a minute per form
+FORM_MAX_BYTES = 256 << 20
+
+
+def _rows_form(product, bias):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = product(rows)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], -1)
+    return forward
+
+
+def form_forward(m: nn.Module, form: str):
+    """``m`` (an ``nn.Linear``) computed in ``form``: ``linear`` its own forward, ``wxt`` (W·xᵀ)ᵀ, ``xwt`` x times
+    a contiguous copy of Wᵀ (the copy held by the returned function)."""
+    if form == "linear":
+        return _unfloored(m)
+    w = m.weight.detach()
+    b = None if m.bias is None else m.bias.detach()
+    if form == "wxt":
+        return _rows_form(lambda rows: (w @ rows.T).T, b)
+    if form == "xwt":
+        wt = w.T.contiguous()
+        return _rows_form(lambda rows: rows @ wt, b)
+    raise ValueError(f"unknown linear form {form!r}: one of {', '.join(FORMS)}")
+
+
+def _available_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # pragma: no cover - psutil comes with accelerate
+        return 0
+
+
+def _calls_seconds(forward, in_features: int, dtype, device, floor: int, reps: int = 5) -> float:
+    from specheads.hardware import _median_seconds
+
+    xs = [torch.randn(n, in_features).to(device, dtype) for t in FORM_TOKENS for n in floor_calls(floor, t)]
+
+    def step():
+        with torch.no_grad():
+            for x in xs:
+                forward(x)
+    return _median_seconds(step, reps)
+
+
+def choose_form(m: nn.Module, copy_budget: int | None = None, max_rows: int = MAX_ROWS,
+                gen: torch.Generator | None = None) -> dict:
+    """The arithmetic form for one kind of linear layer under exact forwards: each form's row floor
+    (``layer_row_floor``) and the time of its padded calls for verify forwards of ``FORM_TOKENS`` tokens; the
+    layer's own forward stays unless another is under ``FORM_GAIN`` of its cost. A layer that needs no padding
+    (floor 1), or is no plain ``nn.Linear`` (oneDNN-prepacked), keeps its own. ``copy_budget``: bytes the copy of
+    Wᵀ may take (``xwt`` left out when over); a layer over ``FORM_MAX_BYTES`` keeps its own form. The forms are
+    tried in the order of ``FORMS`` after the layer's own; once one with a floor of 2 or less is taken, the rest
+    are not measured. Returns {"form", "floor", "forward", "ms": {form: ms}, "floors"}."""
+    own = _unfloored(m)
+    dtype, device = m.weight.dtype, m.weight.device
+    floor = layer_row_floor(own, m.in_features, dtype, device, max_rows, gen)
+    pick = {"form": "linear", "floor": floor, "forward": own, "floors": {"linear": floor}, "ms": {}}
+    size = m.weight.numel() * m.weight.element_size()
+    if floor == 1 or type(m) is not nn.Linear or size > FORM_MAX_BYTES:
+        return pick
+    costs = {"linear": _calls_seconds(own, m.in_features, dtype, device, floor)}
+    for form in FORMS[1:]:
+        if pick["form"] != "linear" and pick["floor"] <= 2:
+            break
+        if form == "xwt" and copy_budget is not None and size > copy_budget:
+            continue
+        forward = form_forward(m, form)
+        f = layer_row_floor(forward, m.in_features, dtype, device, max_rows, gen)
+        pick["floors"][form] = f
+        costs[form] = _calls_seconds(forward, m.in_features, dtype, device, f)
+        if costs[form] < FORM_GAIN * costs["linear"] and costs[form] < costs.get(pick["form"], float("inf")):
+            pick.update(form=form, floor=f, forward=forward)
+    pick["ms"] = {k: round(1000 * v, 3) for k, v in costs.items()}
+    return pick
+
+
 class ExactDecodeCalls:
     """For ``hardware.choose_dtype`` on a target that will decode with exact forwards: per dtype, the linear
-    layers as decoding runs them (oneDNN-prepacked in bfloat16 where the CPU can, as ``make_exact`` does) and
-    the calls a verify forward of ``tokens`` tokens makes to each, padded to the row floor measured on that
-    layer (``layer_row_floor``; each layer its own, as ``apply_row_floor`` pads them). A float32 floor of 16 on a
+    layers as decoding runs them (oneDNN-prepacked in bfloat16 where the CPU can, as ``make_exact`` does), each in
+    its arithmetic form (``choose_form``), and the calls a verify forward of ``tokens`` tokens makes to each,
+    padded to the row floor measured on that layer in that form (each its own, as ``prove_exact`` pads them). A float32 floor of 16 on a
     CPU whose bfloat16 floor is 1 makes float32 decoding dearer than a probe at ``tokens`` rows says (the main job
     measured a one-token forward of 76 ms padded, 40 ms unpadded)."""
 
@@ -215,8 +326,13 @@ class ExactDecodeCalls:
                     layers[shape] = PackedLinear(lin)
                 except RuntimeError:  # oneDNN refused the reorder: plain, as pack_cpu_linears falls back
                     pass
-        floors = {shape: layer_row_floor(m, shape[0], weights[shape].dtype, weights[shape].device)
-                  for shape, m in layers.items()}
+        budget = int(_FORM_MEMORY_SHARE * _available_bytes())
+        floors = {}
+        for shape, m in layers.items():  # each layer in its form (``choose_form``), as ``prove_exact`` runs it
+            pick = choose_form(m, budget)
+            layers[shape], floors[shape] = pick["forward"], pick["floor"]
+            if pick["form"] == "xwt":
+                budget -= m.weight.numel() * m.weight.element_size()
         self.floors[dtype] = floors
         return layers, {shape: floor_calls(f, self.tokens) for shape, f in floors.items()}
 
@@ -231,9 +347,10 @@ class ExactDecodeCalls:
 
 def _floored_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     state = getattr(module, _FLOOR_ATTR)
-    forward, floor, chunk = state["forward"], state["floor"], state["chunk"]
+    floor, chunk = state["floor"], state["chunk"]
     if not state["on"]:
-        return forward(x)
+        return state["forward"](x)
+    forward = state.get("exact") or state["forward"]  # the layer's form under exact forwards (``choose_form``)
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
     if floor <= n <= chunk:
@@ -248,18 +365,23 @@ def _floored_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs).view(*x.shape[:-1], -1)
 
 
-def apply_row_floor(model: nn.Module, floor: int | dict[str, int], chunk: int = MAX_ROWS) -> int:
+def apply_row_floor(model: nn.Module, floor: int | dict[str, int], chunk: int = MAX_ROWS,
+                    forms: dict[str, str] | None = None) -> int:
     """Make every linear layer of ``model`` run calls of fewer than ``floor`` rows padded to ``floor`` and
     calls of more than ``chunk`` rows in chunks (``floor = chunk = 1``: every row alone, the one-row kernel
     for all). ``floor`` a dict: each layer its kind's floor (``linear_kind``: ``linear_row_floor``'s
     ``per_kind``), through ``floor_and_chunk`` (a kind over ``FLOOR_CAP`` runs its rows alone; the others keep
-    their own padding). In place, on the modules as they are (apply after the layout is chosen); returns how many."""
+    their own padding). ``forms``: {kind: form} (``form_forward``), the form each kind computes in while the floor
+    is on. In place, on the modules as they are (apply after the layout is chosen); returns how many."""
     n = 0
     for m in model.modules():
         if type(m) in (nn.Linear, PackedLinear):
             forward = _unfloored(m)
             f, c = floor_and_chunk(floor[linear_kind(m)], chunk) if isinstance(floor, dict) else (floor, chunk)
             setattr(m, _FLOOR_ATTR, {"forward": forward, "floor": f, "chunk": c, "on": True})
+            form = (forms or {}).get(linear_kind(m), "linear")
+            if form != "linear":
+                getattr(m, _FLOOR_ATTR)["exact"] = form_forward(m, form)
             m.forward = _floored_forward.__get__(m)
             n += 1
     return n
@@ -358,8 +480,8 @@ def prove_exact(model: nn.Module, check_sizes=(3, 8), check_contexts=(48,), max_
     the caller falls back. Returns the record for the report: {"row_floor" (the largest floor applied),
     "row_chunk", "row_floor_per_kind" (measured), "row_floor_applied" ({kind: [floor, chunk]}), "floor_seconds",
     "one_token_ms": {"floored", "lifted"}, "proof": {...}, "proven"}."""
-    measured = linear_row_floor(model, max_rows)
-    apply_row_floor(model, measured["per_kind"], max_rows)  # each kind padded to its own floor
+    measured = linear_row_floor(model, max_rows, forms=True)
+    apply_row_floor(model, measured["per_kind"], max_rows, measured["forms"])  # each kind its form and floor
     applied = {kind: floor_and_chunk(f, max_rows) for kind, f in measured["per_kind"].items()}
     floor, chunk = max(applied.values(), default=(1, max_rows))
     t0 = time.perf_counter()
@@ -369,6 +491,7 @@ def prove_exact(model: nn.Module, check_sizes=(3, 8), check_contexts=(48,), max_
     floored, lifted = ms["floored"], ms["lifted"]
     record = {"row_floor": floor, "row_chunk": chunk, "row_floor_per_kind": measured["per_kind"],
               "row_floor_applied": {kind: list(fc) for kind, fc in applied.items()},
+              "row_form": measured["forms"], "row_form_ms": measured["form_ms"],
               "floor_seconds": measured["seconds"], "one_token_ms": ms,
               "proof": proof, "proven": proof["unequal"] == 0}
     log.info("exact forwards: linear row floor %d (chunks of %d), one-token forward %.1f ms floored vs %.1f ms; "

@@ -114,6 +114,11 @@ def _floor_md(ex: dict) -> str:
     by_floor: dict[tuple, list[str]] = {}
     for kind, fc in (ex.get("row_floor_applied") or {}).items():
         by_floor.setdefault(tuple(fc), []).append(kind)
+    forms = {k: f for k, f in (ex.get("row_form") or {}).items() if f != "linear"}
+    if forms:
+        named = {"wxt": "(W·xᵀ)ᵀ", "xwt": "x·Wᵀ against a contiguous copy of Wᵀ"}
+        timed = "; ".join(filter(None, [timed, "computed as " + "; ".join(f"{named.get(f, f)}: {k}"
+                                                                          for k, f in forms.items())]))
     if len(by_floor) > 1:  # each kind padded to its own floor
         def rows(fc: tuple) -> str:
             return "one row at a time" if fc == (1, 1) else "any count" if fc[0] == 1 else f"at least {fc[0]}"

@@ -201,6 +201,7 @@ def test_each_kind_of_linear_layer_is_padded_to_its_own_floor(monkeypatch):
     each kind got."""
     import specheads.decoding.exact as exact
 
+    monkeypatch.setattr(exact, "FORMS", ("linear",))  # the layers' own forward (other forms: tests below)
     model = make_tiny_model("llama", hidden=64, layers=1, heads=4, kv_heads=2)
     mlp = model.model.layers[0].mlp
     make_exact(model, "on")
@@ -286,8 +287,8 @@ def test_exact_decode_calls_measure_the_floor_of_the_layers_they_time():
 
 
 def test_the_decoding_dtype_probe_pads_each_layer_to_its_own_floor(monkeypatch):
-    """float32 attention projections proven from 4 rows and MLP layers from 16: the probe times the attention's
-    calls at 4 rows, as decoding will run them, not at the MLP's 16."""
+    """float32 layers proven from 4 rows and the MLP's down-projection from 16: the probe times the others' calls
+    at 4 rows, as decoding will run them, not at the down-projection's 16."""
     import specheads.decoding.exact as exact
     import specheads.hardware as hardware
 
@@ -295,7 +296,7 @@ def test_the_decoding_dtype_probe_pads_each_layer_to_its_own_floor(monkeypatch):
     inter = model.config.intermediate_size
     monkeypatch.setenv(hardware.BF16_ENV, "1")
     monkeypatch.setattr(exact, "layer_row_floor", lambda m, i, dtype, *a, **k:
-                        1 if dtype != torch.float32 else 16 if inter in (i, m.weight.shape[0]) else 4)
+                        1 if dtype != torch.float32 else 16 if i == inter else 4)
     timed = {}
 
     def forward_seconds(weights, shapes, dtype, calls, reps, backward):
@@ -305,6 +306,68 @@ def test_the_decoding_dtype_probe_pads_each_layer_to_its_own_floor(monkeypatch):
     monkeypatch.setattr(hardware, "_forward_seconds", forward_seconds)
     rows = exact.ExactDecodeCalls(tokens=4)
     hardware.choose_dtype("auto", "cpu", model, rows=rows)
-    assert timed["float32"][(64, 64)] == [4] and timed["float32"][(64, inter)] == [16]
+    assert timed["float32"][(64, 64)] == [4] and timed["float32"][(64, inter)] == [4]
     assert timed["float32"][(inter, 64)] == [16] and set(map(tuple, timed["bfloat16"].values())) == {(4,)}
     assert "row floor float32 4-16 by layer, bfloat16 1" in rows.describe()
+
+
+@pytest.mark.parametrize("form", ["wxt", "xwt"])
+def test_each_linear_form_computes_the_layers_product(form):
+    from specheads.decoding.exact import form_forward
+
+    lin = torch.nn.Linear(24, 10)
+    x = torch.randn(2, 3, 24)
+    assert torch.allclose(form_forward(lin, form)(x), lin(x), atol=1e-6)
+    with pytest.raises(ValueError, match="unknown linear form"):
+        form_forward(lin, "xw")
+
+
+def test_a_form_replaces_the_layers_own_forward_only_where_its_padded_calls_are_cheaper(monkeypatch):
+    """Held to AVX2 here, F.linear's float32 MLP needs 16 rows and x·Wᵀ-contiguous 2: the form whose padded calls
+    cost least is chosen; none is where the layer needs no padding; the copy of Wᵀ is left out over its budget."""
+    import specheads.decoding.exact as exact
+
+    lin = torch.nn.Linear(32, 48, bias=False)
+    own = lin.forward
+    monkeypatch.setattr(exact, "layer_row_floor", lambda f, *a, **k: 16 if f == own else 2)
+    monkeypatch.setattr(exact, "_calls_seconds", lambda f, i, d, dev, floor: float(floor) + (f != own) * 0.5)
+    pick = exact.choose_form(lin)
+    assert pick["form"] == "xwt" and pick["floor"] == 2 and pick["floors"] == {"linear": 16, "xwt": 2}
+    assert exact.choose_form(lin, copy_budget=0)["floors"].keys() == {"linear", "wxt"}
+    monkeypatch.setattr(exact, "FORM_MAX_BYTES", 32 * 48 * 4 - 1)  # a layer over the size: no form measured
+    assert exact.choose_form(lin)["floors"] == {"linear": 16} and exact.choose_form(lin)["form"] == "linear"
+    monkeypatch.setattr(exact, "FORM_MAX_BYTES", 256 << 20)
+    monkeypatch.setattr(exact, "_calls_seconds", lambda f, i, d, dev, floor: 1.0 if f == own else 0.95)
+    assert exact.choose_form(lin)["form"] == "linear"  # under FORM_GAIN's margin: the layer keeps its own
+    monkeypatch.setattr(exact, "layer_row_floor", lambda f, *a, **k: 1)
+    assert exact.choose_form(lin)["form"] == "linear" and exact.choose_form(lin)["ms"] == {}
+
+
+@pytest.mark.parametrize("form", ["wxt", "xwt"])
+def test_a_target_decoding_in_another_linear_form_stays_exact_and_plain_timing_keeps_its_own(form):
+    """Every linear layer in ``form`` padded to that form's measured floor: every node of random draft trees is
+    bitwise what one-token forwards give, and the floor lifted runs the layer's own forward."""
+    from specheads.decoding.exact import form_forward, layer_row_floor
+
+    model = make_tiny_model("llama", hidden=256, layers=2, heads=4, kv_heads=2)
+    make_exact(model, "on")
+    kinds = {linear_kind(m): m for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    floors = {k: layer_row_floor(form_forward(m, form), m.in_features, m.weight.dtype, "cpu") for k, m in kinds.items()}
+    apply_row_floor(model, floors, forms={k: form for k in kinds})
+    unequal, total, _, _ = _tree_vs_sequential(model, contexts=(40,), sizes=(3, 6, 12))
+    assert total == 21 and unequal == 0
+    head = model.lm_head
+    x = torch.randn(1, 256)
+    with torch.no_grad():
+        padded = torch.cat([x, x.expand(max(floors[linear_kind(head)], 1) - 1, -1)])
+        assert torch.equal(head(x), form_forward(head, form)(padded)[:1])
+        with row_floor_lifted(model):
+            assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight))
+
+
+def test_prove_exact_records_each_kinds_form_and_proves_the_model_in_it():
+    model = make_tiny_model("llama", hidden=256, layers=2, heads=4, kv_heads=2)
+    make_exact(model, "on")
+    record = prove_exact(model)
+    assert record["proven"] and set(record["row_form"]) == set(record["row_floor_per_kind"])
+    assert set(record["row_form"].values()) <= {"linear", "wxt", "xwt"}

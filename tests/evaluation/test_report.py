@@ -57,3 +57,15 @@ def test_the_precision_line_names_each_kind_of_layer_with_its_own_row_floor():
     assert "one-token forward 70.0 ms padded, 40.0 ms as the kernels choose" in line
     same = _floor_md({**ex, "row_floor_applied": {"Linear 576x576 float32": [16, 32]}})
     assert "linear layers fed at least 16 rows per call" in same
+
+
+def test_the_precision_line_names_the_form_a_kind_decodes_in():
+    from specheads.evaluation.report import _floor_md
+
+    ex = {"attention": "specheads_exact", "row_floor": 2, "row_chunk": 32,
+          "row_floor_applied": {"Linear 576x576 float32": [2, 32], "Linear 1536x576 float32": [2, 32]},
+          "row_form": {"Linear 576x576 float32": "xwt", "Linear 1536x576 float32": "linear"},
+          "one_token_ms": {"floored": 60.6, "lifted": 46.9}, "proof": {"nodes": 11, "unequal": 0}, "proven": True}
+    line = _floor_md(ex)
+    assert "computed as x·Wᵀ against a contiguous copy of Wᵀ: Linear 576x576 float32" in line
+    assert "Linear 1536x576" not in line.split("computed as")[1]
