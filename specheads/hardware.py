@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BF16_ENV = "SPECHEADS_CPU_BF16"
 # a dtype's name and its weight per (in, out) shape -> the layer per shape as the stage will run it (a weight or a
-# callable module) and the row counts of the calls one forward makes to each layer (one list for all, or a list per
-# shape); one with a ``describe()`` method names what it timed in the choice's reason
-RowsFor = Callable[[str, dict], tuple[dict, Sequence[int] | dict]]
+# callable module) and the row counts of the calls one forward makes to each layer; one with a ``describe()``
+# method names what it timed in the choice's reason
+RowsFor = Callable[[str, dict], tuple[dict, Sequence[int]]]
 
 
 # Dense (no sparsity) peak TFLOP/s of a GPU's tensor cores in bfloat16 and of its float32 units (no TF32), from the
@@ -132,15 +132,14 @@ def _median_seconds(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _forward_seconds(weights: dict, shapes: Counter, dtype: torch.dtype, rows: int | Sequence[int] | dict, reps: int,
+def _forward_seconds(weights: dict, shapes: Counter, dtype: torch.dtype, rows: int | Sequence[int], reps: int,
                      backward: bool) -> float:
     """Seconds for one pass over every linear layer of ``shapes`` (each distinct shape timed once, weighted
-    by its count), ``rows`` input rows (or one call per entry of a sequence of row counts; a dict: a row
-    count or sequence per shape), in ``dtype`` (weights in float32 under bfloat16 autocast for training)."""
+    by its count), ``rows`` input rows (or one call per entry of a sequence of row counts), in ``dtype``
+    (weights in float32 under bfloat16 autocast for training)."""
     total = 0.0
+    calls = [rows] if isinstance(rows, int) else list(rows)
     for shape, count in shapes.items():
-        per = rows[shape] if isinstance(rows, dict) else rows
-        calls = [per] if isinstance(per, int) else list(per)
         w = weights[shape]
         if backward:
             x = torch.randn(calls[0], shape[0], dtype=torch.float32).requires_grad_(True)

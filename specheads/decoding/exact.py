@@ -17,7 +17,7 @@ what a one-token forward after its accepted ancestors gives. Two kinds of operat
   1024 wide (SmolLM2's MLP down-projection, 1536): the bfloat16 main job's report found 4 of 12 prompts
   decoded differently. The row counts from which a layer's rows no longer depend on the call are a fact
   of the machine, the kernel library and the thread count, so ``linear_row_floor`` measures them on the
-  model's own layers, at run time, and ``apply_row_floor`` pads every smaller call up to its kind's floor (and
+  model's own layers, at run time, and ``apply_row_floor`` pads every smaller call up to that floor (and
   splits any call over ``MAX_ROWS`` rows into chunks): every row of every forward then goes through
   kernels proven to give it the same bits.
 
@@ -227,7 +227,7 @@ FORM_MAX_BYTES = 256 << 20
 
 def _rows_form(product, bias):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
         y = product(rows)
         if bias is not None:
             y = y + bias
@@ -277,7 +277,9 @@ def choose_form(m: nn.Module, copy_budget: int | None = None, max_rows: int = MA
     (``layer_row_floor``) and the time of its padded calls for verify forwards of ``FORM_TOKENS`` tokens; the
     layer's own forward stays unless another is under ``FORM_GAIN`` of its cost. A layer that needs no padding
     (floor 1), or is no plain ``nn.Linear`` (oneDNN-prepacked), keeps its own. ``copy_budget``: bytes the copy of
-    Wᵀ may take (``xwt`` left out when over); a layer over ``FORM_MAX_BYTES`` keeps its own form. The forms are
+    Wᵀ may take (``xwt`` left out when over); a layer over ``FORM_MAX_BYTES`` keeps its own form, and so does a
+    reduced-precision one (held to AVX-512 without bfloat16 kernels, a bfloat16 model in the forms passed its floor
+    search and its proof but 1 of 42 tree nodes differed in test_exact_isa.py's wider check). The forms are
     tried in the order of ``FORMS`` after the layer's own; once one with a floor of 2 or less is taken, the rest
     are not measured. Returns {"form", "floor", "forward", "ms": {form: ms}, "floors"}."""
     own = _unfloored(m)
@@ -285,7 +287,7 @@ def choose_form(m: nn.Module, copy_budget: int | None = None, max_rows: int = MA
     floor = layer_row_floor(own, m.in_features, dtype, device, max_rows, gen)
     pick = {"form": "linear", "floor": floor, "forward": own, "floors": {"linear": floor}, "ms": {}}
     size = m.weight.numel() * m.weight.element_size()
-    if floor == 1 or type(m) is not nn.Linear or size > FORM_MAX_BYTES:
+    if floor == 1 or type(m) is not nn.Linear or dtype != torch.float32 or size > FORM_MAX_BYTES:
         return pick
     costs = {"linear": _calls_seconds(own, m.in_features, dtype, device, floor)}
     for form in FORMS[1:]:
@@ -307,15 +309,15 @@ class ExactDecodeCalls:
     """For ``hardware.choose_dtype`` on a target that will decode with exact forwards: per dtype, the linear
     layers as decoding runs them (oneDNN-prepacked in bfloat16 where the CPU can, as ``make_exact`` does), each in
     its arithmetic form (``choose_form``), and the calls a verify forward of ``tokens`` tokens makes to each,
-    padded to the row floor measured on that layer in that form (each its own, as ``prove_exact`` pads them). A float32 floor of 16 on a
+    padded to the largest row floor measured on those layers in their forms (as ``prove_exact`` pads them). A float32 floor of 16 on a
     CPU whose bfloat16 floor is 1 makes float32 decoding dearer than a probe at ``tokens`` rows says (the main job
     measured a one-token forward of 76 ms padded, 40 ms unpadded)."""
 
     def __init__(self, tokens: int = 4):
         self.tokens = tokens
-        self.floors: dict[str, dict] = {}  # dtype -> {(in, out): floor}
+        self.floors: dict[str, int] = {}
 
-    def __call__(self, dtype: str, weights: dict) -> tuple[dict, dict[tuple, list[int]]]:
+    def __call__(self, dtype: str, weights: dict) -> tuple[dict, list[int]]:
         layers = {}
         for shape, w in weights.items():
             lin = nn.Linear(shape[0], shape[1], bias=False, device="meta", dtype=w.dtype)
@@ -333,15 +335,11 @@ class ExactDecodeCalls:
             layers[shape], floors[shape] = pick["forward"], pick["floor"]
             if pick["form"] == "xwt":
                 budget -= m.weight.numel() * m.weight.element_size()
-        self.floors[dtype] = floors
-        return layers, {shape: floor_calls(f, self.tokens) for shape, f in floors.items()}
+        self.floors[dtype] = floor = max(floors.values(), default=1)  # one floor for all, as ``prove_exact``
+        return layers, floor_calls(floor, self.tokens)
 
     def describe(self) -> str:
-        def span(floors: dict) -> str:
-            lo, hi = min(floors.values(), default=1), max(floors.values(), default=1)
-            return f"{lo}" if lo == hi else f"{lo}-{hi} by layer"
-
-        floors = ", ".join(f"{d} {span(f)}" for d, f in self.floors.items())
+        floors = ", ".join(f"{d} {f}" for d, f in self.floors.items())
         return f"as exact decoding runs them, {self.tokens} tokens per forward (row floor {floors})"
 
 
@@ -353,8 +351,8 @@ def _floored_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     forward = state.get("exact") or state["forward"]  # the layer's form under exact forwards (``choose_form``)
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    if floor <= n <= chunk:
-        return forward(x)
+    if floor <= n <= chunk:  # as the floor was measured: one contiguous 2-D call (a 3-D call may take other kernels)
+        return forward(rows.contiguous()).view(*x.shape[:-1], -1)
     outs = []
     for s in range(0, n, chunk):
         part = rows[s:s + chunk]
@@ -365,20 +363,19 @@ def _floored_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs).view(*x.shape[:-1], -1)
 
 
-def apply_row_floor(model: nn.Module, floor: int | dict[str, int], chunk: int = MAX_ROWS,
-                    forms: dict[str, str] | None = None) -> int:
+def apply_row_floor(model: nn.Module, floor: int, chunk: int = MAX_ROWS, forms: dict[str, str] | None = None) -> int:
     """Make every linear layer of ``model`` run calls of fewer than ``floor`` rows padded to ``floor`` and
     calls of more than ``chunk`` rows in chunks (``floor = chunk = 1``: every row alone, the one-row kernel
-    for all). ``floor`` a dict: each layer its kind's floor (``linear_kind``: ``linear_row_floor``'s
-    ``per_kind``), through ``floor_and_chunk`` (a kind over ``FLOOR_CAP`` runs its rows alone; the others keep
-    their own padding). ``forms``: {kind: form} (``form_forward``), the form each kind computes in while the floor
-    is on. In place, on the modules as they are (apply after the layout is chosen); returns how many."""
+    for all). One floor for every kind, the largest measured: a bfloat16 LM head whose own measured floor was 1,
+    padded to 1 while the other layers got 2, left 1 of 42 tree nodes unequal in test_exact_isa.py's wider check
+    (AVX-512 without bfloat16 kernels). ``forms``: {kind: form} (``linear_kind``, ``form_forward``), the form each
+    kind computes in while the floor is on. In place, on the modules as they are (apply after the layout is
+    chosen); returns how many."""
     n = 0
     for m in model.modules():
         if type(m) in (nn.Linear, PackedLinear):
             forward = _unfloored(m)
-            f, c = floor_and_chunk(floor[linear_kind(m)], chunk) if isinstance(floor, dict) else (floor, chunk)
-            setattr(m, _FLOOR_ATTR, {"forward": forward, "floor": f, "chunk": c, "on": True})
+            setattr(m, _FLOOR_ATTR, {"forward": forward, "floor": floor, "chunk": chunk, "on": True})
             form = (forms or {}).get(linear_kind(m), "linear")
             if form != "linear":
                 getattr(m, _FLOOR_ATTR)["exact"] = form_forward(m, form)
@@ -475,22 +472,20 @@ def _one_token_ms(model: nn.Module, rounds: int = 5, reps: int = 3) -> dict[str,
 def prove_exact(model: nn.Module, check_sizes=(3, 8), check_contexts=(48,), max_rows: int = MAX_ROWS) -> dict:
     """Measure and apply the row floor of ``model``'s linear layers (exact forwards on, ``make_exact``), then
     prove the whole model: random draft trees verified in one forward against one-token forwards, bitwise.
-    Each kind of layer is padded to its own floor; a floor above ``FLOOR_CAP`` is refused for its kind (that
-    kind's rows then run alone, which is exact by construction); a failed proof says so (``proven`` False) and
-    the caller falls back. Returns the record for the report: {"row_floor" (the largest floor applied),
-    "row_chunk", "row_floor_per_kind" (measured), "row_floor_applied" ({kind: [floor, chunk]}), "floor_seconds",
+    Each kind of layer computes in its form (``choose_form``), every one padded to the largest floor; a floor
+    above ``FLOOR_CAP`` is refused (every row then runs alone, which is exact by construction); a failed proof
+    says so (``proven`` False) and the caller falls back. Returns the record for the report: {"row_floor",
+    "row_chunk", "row_floor_per_kind" (measured, in each kind's form), "row_form", "row_form_ms", "floor_seconds",
     "one_token_ms": {"floored", "lifted"}, "proof": {...}, "proven"}."""
     measured = linear_row_floor(model, max_rows, forms=True)
-    apply_row_floor(model, measured["per_kind"], max_rows, measured["forms"])  # each kind its form and floor
-    applied = {kind: floor_and_chunk(f, max_rows) for kind, f in measured["per_kind"].items()}
-    floor, chunk = max(applied.values(), default=(1, max_rows))
+    floor, chunk = floor_and_chunk(measured["floor"], max_rows)
+    apply_row_floor(model, floor, chunk, measured["forms"])  # each kind in its form, all at the largest floor
     t0 = time.perf_counter()
     proof = tree_vs_sequential(model, contexts=check_contexts, sizes=check_sizes)
     proof["seconds"] = round(time.perf_counter() - t0, 2)
     ms = _one_token_ms(model)
     floored, lifted = ms["floored"], ms["lifted"]
     record = {"row_floor": floor, "row_chunk": chunk, "row_floor_per_kind": measured["per_kind"],
-              "row_floor_applied": {kind: list(fc) for kind, fc in applied.items()},
               "row_form": measured["forms"], "row_form_ms": measured["form_ms"],
               "floor_seconds": measured["seconds"], "one_token_ms": ms,
               "proof": proof, "proven": proof["unequal"] == 0}

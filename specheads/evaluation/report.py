@@ -111,22 +111,12 @@ def _floor_md(ex: dict) -> str:
     ms = ex.get("one_token_ms") or {}
     timed = (f"one-token forward {ms['floored']:.1f} ms padded, {ms['lifted']:.1f} ms as the kernels choose: the "
              "plain decodes that time the baseline run so") if ms else ""
-    by_floor: dict[tuple, list[str]] = {}
-    for kind, fc in (ex.get("row_floor_applied") or {}).items():
-        by_floor.setdefault(tuple(fc), []).append(kind)
     forms = {k: f for k, f in (ex.get("row_form") or {}).items() if f != "linear"}
     if forms:
         named = {"wxt": "(W·xᵀ)ᵀ", "xwt": "x·Wᵀ against a contiguous copy of Wᵀ"}
         timed = "; ".join(filter(None, [timed, "computed as " + "; ".join(f"{named.get(f, f)}: {k}"
                                                                           for k, f in forms.items())]))
-    if len(by_floor) > 1:  # each kind padded to its own floor
-        def rows(fc: tuple) -> str:
-            return "one row at a time" if fc == (1, 1) else "any count" if fc[0] == 1 else f"at least {fc[0]}"
-
-        groups = "; ".join(f"{rows(fc)}: {', '.join(kinds)}" for fc, kinds in sorted(by_floor.items(), reverse=True))
-        floor = (f"each kind of linear layer fed its own smallest row count per call from which its rows no longer "
-                 f"depend on the call here ({groups}; {timed})")
-    elif ex["row_floor"] == ex.get("row_chunk", 0) == 1:
+    if ex["row_floor"] == ex.get("row_chunk", 0) == 1:
         floor = "every linear layer fed one row at a time (no row floor up to 16 made them row-invariant here)"
     else:
         floor = (f"linear layers fed at least {ex['row_floor']} rows per call, the smallest count from which "

@@ -44,26 +44,10 @@ def test_the_shape_choice_says_plainly_when_no_shape_is_predicted_faster_than_pl
     assert "No shape is predicted faster" not in fast
 
 
-def test_the_precision_line_names_each_kind_of_layer_with_its_own_row_floor():
-    from specheads.evaluation.report import _floor_md
-
-    ex = {"attention": "specheads_exact", "row_floor": 16, "row_chunk": 32,
-          "row_floor_applied": {"Linear 576x576 float32": [4, 32], "Linear 576x1536 float32": [16, 32],
-                                "Linear 576x49152 float32": [1, 1]},
-          "one_token_ms": {"floored": 70.0, "lifted": 40.0}, "proof": {"nodes": 11, "unequal": 0}, "proven": True}
-    line = _floor_md(ex)
-    assert ("at least 16: Linear 576x1536 float32; at least 4: Linear 576x576 float32; "
-            "one row at a time: Linear 576x49152 float32") in line
-    assert "one-token forward 70.0 ms padded, 40.0 ms as the kernels choose" in line
-    same = _floor_md({**ex, "row_floor_applied": {"Linear 576x576 float32": [16, 32]}})
-    assert "linear layers fed at least 16 rows per call" in same
-
-
 def test_the_precision_line_names_the_form_a_kind_decodes_in():
     from specheads.evaluation.report import _floor_md
 
     ex = {"attention": "specheads_exact", "row_floor": 2, "row_chunk": 32,
-          "row_floor_applied": {"Linear 576x576 float32": [2, 32], "Linear 1536x576 float32": [2, 32]},
           "row_form": {"Linear 576x576 float32": "xwt", "Linear 1536x576 float32": "linear"},
           "one_token_ms": {"floored": 60.6, "lifted": 46.9}, "proof": {"nodes": 11, "unequal": 0}, "proven": True}
     line = _floor_md(ex)
