@@ -211,11 +211,11 @@ def floor_calls(floor: int, tokens: int, chunk: int = MAX_ROWS) -> list[int]:
 
 # ---------------------------------------------------------------- the linear layers' arithmetic form
 # The same product x·Wᵀ can go through other kernels: with the weight as the GEMM's left operand ((W·xᵀ)ᵀ), or
-# against a contiguous copy of Wᵀ (x·Wᵀ as a plain matrix product). Their row floors differ: held to AVX2, SmolLM2's
-# float32 MLP and LM head need 16 rows through ``F.linear`` but 2 through x·Wᵀ-contiguous, where a 2-row call costs
-# about what a one-row one does (LM head: 3.6 ms vs 11.9 ms for ``F.linear`` padded to 16). Exact decoding runs
-# each kind of layer in the form whose padded calls are cheapest (``choose_form``); plain decodes that only time
-# the baseline keep the layer's own forward (``row_floor_lifted``).
+# against a contiguous copy of Wᵀ (x·Wᵀ as a plain matrix product). Their row floors differ: held to AVX2,
+# SmolLM2's float32 MLP and LM head need 16 rows through ``F.linear`` but 2 through x·Wᵀ-contiguous, where a
+# 2-row call costs about what a one-row one does (LM head: 3.6 ms vs 11.9 ms for ``F.linear`` padded to 16).
+# Exact decoding runs each kind of layer in the form whose padded calls are cheapest (``choose_form``); plain
+# decodes that only time the baseline keep the layer's own forward (``row_floor_lifted``).
 FORMS = ("linear", "xwt", "wxt")
 FORM_TOKENS = (1, 8)  # the verify forwards a form is timed at: one token and a tree of 8
 FORM_GAIN = 0.9  # another form replaces the layer's own only below this share of its cost
@@ -309,9 +309,9 @@ class ExactDecodeCalls:
     """For ``hardware.choose_dtype`` on a target that will decode with exact forwards: per dtype, the linear
     layers as decoding runs them (oneDNN-prepacked in bfloat16 where the CPU can, as ``make_exact`` does), each in
     its arithmetic form (``choose_form``), and the calls a verify forward of ``tokens`` tokens makes to each,
-    padded to the largest row floor measured on those layers in their forms (as ``prove_exact`` pads them). A float32 floor of 16 on a
-    CPU whose bfloat16 floor is 1 makes float32 decoding dearer than a probe at ``tokens`` rows says (the main job
-    measured a one-token forward of 76 ms padded, 40 ms unpadded)."""
+    padded to the largest row floor measured on those layers in their forms (as ``prove_exact`` pads them). A
+    float32 floor of 16 on a CPU whose bfloat16 floor is 1 makes float32 decoding dearer than a probe at ``tokens``
+    rows says (the main job measured a one-token forward of 76 ms padded, 40 ms unpadded)."""
 
     def __init__(self, tokens: int = 4):
         self.tokens = tokens

@@ -315,7 +315,8 @@ def _shape_choice_md(ch: dict | None) -> list[str]:
             f"drafts, verified together). Verify cost on this machine ({unit} "
             f"{_f(1000 * ch['plain_forward_s'], 1)} ms): {curve}; draft forward c = {_f(ch['c'], 3)}; "
             f"on the head's training-side held-out prompts{rows}, share of steps reaching draft depth d: {reach}"
-            + (f"; fans: {fans}" if fans else "") + f". Predicted speed-up per shape: {preds}." + _none_faster(ch), ""]
+            + (f"; fans: {fans}" if fans else "") + f". Predicted speed-up per shape: {preds}."
+            + _none_faster(ch), ""]
 
 
 def _none_faster(ch: dict) -> str:

@@ -266,7 +266,8 @@ def test_exact_decode_calls_measure_the_floor_of_the_layers_they_time(monkeypatc
                if isinstance(m, torch.nn.Linear)}
     rows = ExactDecodeCalls(tokens=4)
     layers, calls = rows("float32", weights)
-    assert rows.floors["float32"] == linear_row_floor(model)["floor"] and calls == floor_calls(rows.floors["float32"], 4)
+    floor = rows.floors["float32"]
+    assert floor == linear_row_floor(model)["floor"] and calls == floor_calls(floor, 4)
     x = torch.randn(5, 64)
     shape = next(iter(weights))
     assert torch.allclose(layers[shape](x), x @ weights[shape].T)
