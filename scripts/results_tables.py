@@ -77,14 +77,19 @@ def _compared(data: dict) -> set[str]:
     return {store for store, h in heads.items() if len(h) > 1}
 
 
+# a run under these variables ran its CPU as another one (docs/development.md "Any CPU"): not the README's command
+FORCED_CPU = ("ATEN_CPU_CAPABILITY=", "ONEDNN_MAX_CPU_ISA=", "SPECHEADS_CPU_BF16=")
+
+
 def latest_main_job(data: dict) -> dict:
     """The newest fresh-clone run of the main job (EAGLE-3, its own store: not one head of a head-to-head, no stage
-    override, collected by the transformers forward: set up as the README gives it, without the engine's venv)
-    with a recorded commit and per-method figures."""
+    override, collected by the transformers forward, the CPU not held to another instruction set: set up and run as
+    the README gives it, without the engine's venv) with a recorded commit and per-method figures."""
     compared = _compared(data)
     return next(r for r in data["runs"] if r["kind"] == "main_job" and r.get("fresh_clone") and r.get("commit")
                 and r.get("methods") and r.get("head", "eagle3") == "eagle3" and r.get("store") not in compared
-                and not r.get("settings") and r.get("collect_engine", "hf") == "hf")
+                and not r.get("settings") and r.get("collect_engine", "hf") == "hf"
+                and not any(v in (r.get("run") or "") for v in FORCED_CPU))
 
 
 def _family(method: str) -> str:

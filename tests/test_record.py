@@ -216,6 +216,10 @@ def test_the_readme_results_take_a_heads_default_settings_only(tmp_path):
              "collect": {**SUMMARY["collect"], "engine": "hf", "store_id": "fedcba987654"}}
     record(_write(tmp_path, "run_summary.json", plain), results, CHECKOUT, date="2099-01-05", fresh_clone=True)
     assert rt.latest_main_job(rt.load(results))["date"] == "2099-01-05"
+    held = {**plain, "date": "2099-01-06", "collect": {**plain["collect"], "store_id": "0123456789ab"}}
+    record(_write(tmp_path, "run_summary.json", held), results, CHECKOUT, date="2099-01-06", fresh_clone=True,
+           run="bash scripts/setup.sh && ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/specheads run")
+    assert rt.latest_main_job(rt.load(results))["date"] == "2099-01-05"  # a CPU held to AVX2: not the README's run
 
 
 BACKENDS = {"kind": "collect_backends", "target": "smollm2", "dtype": "bfloat16", "samples": 200, "max_length": 512,
