@@ -276,18 +276,18 @@ def choose_form(m: nn.Module, copy_budget: int | None = None, max_rows: int = MA
     """The arithmetic form for one kind of linear layer under exact forwards: each form's row floor
     (``layer_row_floor``) and the time of its padded calls for verify forwards of ``FORM_TOKENS`` tokens; the
     layer's own forward stays unless another is under ``FORM_GAIN`` of its cost. A layer that needs no padding
-    (floor 1), or is no plain ``nn.Linear`` (oneDNN-prepacked), keeps its own. ``copy_budget``: bytes the copy of
-    Wᵀ may take (``xwt`` left out when over); a layer over ``FORM_MAX_BYTES`` keeps its own form, and so does a
-    reduced-precision one (held to AVX-512 without bfloat16 kernels, a bfloat16 model in the forms passed its floor
-    search and its proof but 1 of 42 tree nodes differed in test_exact_isa.py's wider check). The forms are
-    tried in the order of ``FORMS`` after the layer's own; once one with a floor of 2 or less is taken, the rest
-    are not measured. Returns {"form", "floor", "forward", "ms": {form: ms}, "floors"}."""
+    (floor 1), is no plain ``nn.Linear`` (oneDNN-prepacked), is not on the CPU, is not float32 (the forms are
+    measured, and proven under each forced instruction set by test_exact_isa.py, in float32 only) or is over
+    ``FORM_MAX_BYTES`` keeps its own. ``copy_budget``: bytes the copy of Wᵀ may take (``xwt`` left out when
+    over). The forms are tried in the order of ``FORMS`` after the layer's own; once one with a floor of 2 or
+    less is taken, the rest are not measured. Returns {"form", "floor", "forward", "ms": {form: ms}, "floors"}."""
     own = _unfloored(m)
     dtype, device = m.weight.dtype, m.weight.device
     floor = layer_row_floor(own, m.in_features, dtype, device, max_rows, gen)
     pick = {"form": "linear", "floor": floor, "forward": own, "floors": {"linear": floor}, "ms": {}}
     size = m.weight.numel() * m.weight.element_size()
-    if floor == 1 or type(m) is not nn.Linear or dtype != torch.float32 or size > FORM_MAX_BYTES:
+    if (floor == 1 or type(m) is not nn.Linear or dtype != torch.float32 or device.type != "cpu"
+            or size > FORM_MAX_BYTES):
         return pick
     costs = {"linear": _calls_seconds(own, m.in_features, dtype, device, floor)}
     for form in FORMS[1:]:

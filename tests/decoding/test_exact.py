@@ -299,6 +299,9 @@ def test_a_form_replaces_the_layers_own_forward_only_where_its_padded_calls_are_
     monkeypatch.setattr(exact, "FORM_MAX_BYTES", 32 * 48 * 4 - 1)  # a layer over the size: no form measured
     assert exact.choose_form(lin)["floors"] == {"linear": 16} and exact.choose_form(lin)["form"] == "linear"
     monkeypatch.setattr(exact, "FORM_MAX_BYTES", 256 << 20)
+    half = torch.nn.Linear(32, 48, bias=False, dtype=torch.bfloat16)
+    own = half.forward
+    assert exact.choose_form(half)["floors"] == {"linear": 16}  # float32 only: a bfloat16 layer keeps its own
     monkeypatch.setattr(exact, "_calls_seconds", lambda f, i, d, dev, floor: 1.0 if f == own else 0.95)
     assert exact.choose_form(lin)["form"] == "linear"  # under FORM_GAIN's margin: the layer keeps its own
     monkeypatch.setattr(exact, "layer_row_floor", lambda f, *a, **k: 1)
