@@ -227,11 +227,11 @@ FORM_MAX_BYTES = 256 << 20
 
 def _rows_form(product, bias):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        y = product(rows)
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        y = product(rows.contiguous()).contiguous()  # the layer's layout: what follows may read strides bitwise apart
         if bias is not None:
             y = y + bias
-        return y.reshape(*x.shape[:-1], -1)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], -1)
     return forward
 
 
@@ -344,22 +344,26 @@ class ExactDecodeCalls:
 
 
 def _floored_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    state = getattr(module, _FLOOR_ATTR)
-    floor, chunk = state["floor"], state["chunk"]
+    state = module.__dict__[_FLOOR_ATTR]
     if not state["on"]:
         return state["forward"](x)
-    forward = state.get("exact") or state["forward"]  # the layer's form under exact forwards (``choose_form``)
-    rows = x.reshape(-1, x.shape[-1])
-    n = rows.shape[0]
-    if floor <= n <= chunk:  # as the floor was measured: one contiguous 2-D call (a 3-D call may take other kernels)
-        return forward(rows.contiguous()).view(*x.shape[:-1], -1)
+    forward = state["exact"] or state["forward"]  # the layer's form under exact forwards (``choose_form``)
+    floor, chunk = state["floor"], state["chunk"]
+    rows = x.reshape(-1, x.shape[-1])  # one contiguous 2-D call per part, as the floor was measured (a 3-D call
+    n = rows.shape[0]                  # may take other kernels)
+    if n <= chunk:  # one call: a decoding forward's usual case
+        if n >= floor:
+            return forward(rows.contiguous()).reshape(*x.shape[:-1], -1)
+        padded = (rows.expand(floor, -1).contiguous() if n == 1  # copies of the first row: any rows do
+                  else torch.cat((rows, rows[:1].expand(floor - n, -1))))
+        return forward(padded)[:n].reshape(*x.shape[:-1], -1)
     outs = []
     for s in range(0, n, chunk):
         part = rows[s:s + chunk]
         k = part.shape[0]
-        if k < floor:  # pad with copies of the part's first row: any rows do, they are dropped
+        if k < floor:
             part = torch.cat([part, part[:1].expand(floor - k, -1)])
-        outs.append(forward(part)[:k])
+        outs.append(forward(part.contiguous())[:k])
     return torch.cat(outs).view(*x.shape[:-1], -1)
 
 
@@ -375,10 +379,9 @@ def apply_row_floor(model: nn.Module, floor: int, chunk: int = MAX_ROWS, forms: 
     for m in model.modules():
         if type(m) in (nn.Linear, PackedLinear):
             forward = _unfloored(m)
-            setattr(m, _FLOOR_ATTR, {"forward": forward, "floor": floor, "chunk": chunk, "on": True})
             form = (forms or {}).get(linear_kind(m), "linear")
-            if form != "linear":
-                getattr(m, _FLOOR_ATTR)["exact"] = form_forward(m, form)
+            setattr(m, _FLOOR_ATTR, {"forward": forward, "floor": floor, "chunk": chunk, "on": True,
+                                     "exact": None if form == "linear" else form_forward(m, form)})
             m.forward = _floored_forward.__get__(m)
             n += 1
     return n
