@@ -184,14 +184,11 @@ def linear_row_floor(model: nn.Module, max_rows: int = MAX_ROWS, seed: int = 0, 
     for m in model.modules():
         if type(m) in (nn.Linear, PackedLinear):
             count[linear_kind(m)] += 1
-    budget = int(_FORM_MEMORY_SHARE * _available_bytes())
-    per_kind, chosen, ms = {}, {}, {}
-    for kind, m in kinds.items():
-        pick = choose_form(m, budget // count[kind], max_rows, gen)
-        per_kind[kind], chosen[kind], ms[kind] = pick["floor"], pick["form"], pick["ms"]
-        if pick["form"] == "xwt":
-            budget -= count[kind] * m.weight.numel() * m.weight.element_size()
-    return {"floor": max(per_kind.values(), default=1), "per_kind": per_kind, "forms": chosen, "form_ms": ms,
+    picks = choose_forms({kind: (m, count[kind]) for kind, m in kinds.items()}, max_rows, gen)
+    per_kind = {kind: pick["floor"] for kind, pick in picks.items()}
+    return {"floor": max(per_kind.values(), default=1), "per_kind": per_kind,
+            "forms": {kind: pick["form"] for kind, pick in picks.items()},
+            "form_ms": {kind: pick["ms"] for kind, pick in picks.items()},
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
@@ -305,6 +302,19 @@ def choose_form(m: nn.Module, copy_budget: int | None = None, max_rows: int = MA
     return pick
 
 
+def choose_forms(layers: dict, max_rows: int = MAX_ROWS, gen: torch.Generator | None = None) -> dict:
+    """``choose_form`` for each of ``layers`` ({key: (layer, how many layers of the model it stands for)}), the
+    copies of Wᵀ within ``_FORM_MEMORY_SHARE`` of the memory available, the first layers first. Returns
+    {key: choose_form's pick}."""
+    budget = int(_FORM_MEMORY_SHARE * _available_bytes())
+    picks = {}
+    for key, (m, count) in layers.items():
+        picks[key] = choose_form(m, budget // count, max_rows, gen)
+        if picks[key]["form"] == "xwt":
+            budget -= count * m.weight.numel() * m.weight.element_size()
+    return picks
+
+
 class ExactDecodeCalls:
     """For ``hardware.choose_dtype`` on a target that will decode with exact forwards: per dtype, the linear
     layers as decoding runs them (oneDNN-prepacked in bfloat16 where the CPU can, as ``make_exact`` does), each in
@@ -328,14 +338,10 @@ class ExactDecodeCalls:
                     layers[shape] = PackedLinear(lin)
                 except RuntimeError:  # oneDNN refused the reorder: plain, as pack_cpu_linears falls back
                     pass
-        budget = int(_FORM_MEMORY_SHARE * _available_bytes())
-        floors = {}
-        for shape, m in layers.items():  # each layer in its form (``choose_form``), as ``prove_exact`` runs it
-            pick = choose_form(m, budget)
-            layers[shape], floors[shape] = pick["forward"], pick["floor"]
-            if pick["form"] == "xwt":
-                budget -= m.weight.numel() * m.weight.element_size()
-        self.floors[dtype] = floor = max(floors.values(), default=1)  # one floor for all, as ``prove_exact``
+        # each layer in its form, all padded to the largest floor, as ``prove_exact`` runs them
+        picks = choose_forms({shape: (m, 1) for shape, m in layers.items()})
+        layers = {shape: pick["forward"] for shape, pick in picks.items()}
+        self.floors[dtype] = floor = max((pick["floor"] for pick in picks.values()), default=1)
         return layers, floor_calls(floor, self.tokens)
 
     def describe(self) -> str:
