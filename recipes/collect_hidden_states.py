@@ -10,6 +10,7 @@
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import hydra
@@ -18,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from specheads.data.features import CollectOptions, collect_hidden_states
 from specheads.data.prepare import check_prepared_matches, load_prepared
 from specheads.errors import ConfigError, renamed_setting, user_errors
+from specheads.overrides import check_command_line
 from specheads.hardware import machine_description, resolve_device
 from specheads.serving.engine import EngineRefusedError
 from specheads.targets import end_process_group, load_target
@@ -200,4 +202,5 @@ def _collect(cfg: DictConfig, target, spec, dataset, meta: dict, output_dir: str
 
 
 if __name__ == "__main__":
+    check_command_line("collect", "collect_hidden_states", sys.argv[1:])  # a refused override: one line
     main()

@@ -11,6 +11,7 @@
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -24,6 +25,7 @@ from tqdm import tqdm
 from specheads.decoding.drafters import TreeShape
 from specheads.decoding.exact import ExactDecodeCalls
 from specheads.errors import ConfigError, InputNotFoundError, UserError, user_errors
+from specheads.overrides import check_command_line
 from specheads.progress import evaluation_steps
 from specheads.evaluation.prompts import BenchmarkSpec, load_benchmarks
 from specheads.evaluation.report import write_report
@@ -188,6 +190,38 @@ def main(cfg: DictConfig) -> None:
         run(cfg)
 
 
+def method_settings(cfg: DictConfig) -> dict[str, Any]:
+    """``plan_methods``' drafting settings from the recipe's."""
+    return dict(chain_k=cfg.chain_k, tree=TreeShape("dynamic", **cfg.tree), serving=ServingProfiles(**cfg.serving),
+                early_exit_layers=cfg.early_exit_layers, ngram_max=cfg.ngram_max, two_model=cfg.two_model,
+                medusa_choices=OmegaConf.to_container(cfg.medusa_choices) if cfg.medusa_choices else None,
+                medusa_tree_nodes=cfg.medusa_tree_nodes, verify=cfg.verify,
+                lookahead=OmegaConf.to_container(cfg.lookahead), head_shape=cfg.head_shape,
+                head_ngram=cfg.head_ngram, head_ngram_extend=cfg.head_ngram_extend,
+                head_ngram_extend_len=cfg.head_ngram_extend_len, head_ngram_table=cfg.head_ngram_table,
+                head_ngram_table_tokens=cfg.head_ngram_table_tokens, dspark_threshold=cfg.dspark_threshold)
+
+
+def eval_config(cfg: DictConfig, methods: list) -> EvalConfig:
+    """The evaluation's settings (``EvalConfig`` checks each one's range when built)."""
+    ev = OmegaConf.to_container(cfg.eval, resolve=True)
+    max_new, repeats, max_minutes = ev.pop("max_new_tokens"), ev.pop("repeats"), ev.pop("max_minutes", None)
+    ev["mtbench_turns"] = tuple(ev["mtbench_turns"])
+    return EvalConfig(methods, BenchmarkSpec(**ev), max_new, tuple(cfg.temperatures), tuple(cfg.batch_sizes),
+                      cfg.batch_prompts, cfg.seed, repeats=repeats, max_minutes=max_minutes,
+                      exact_forward=cfg.exact_forward, cpu_linears=cfg.cpu_linears, cpu_threads=cfg.cpu_threads,
+                      paired=cfg.paired, grouped_attention=cfg.grouped_attention,
+                      chat_template_kwargs=OmegaConf.to_container(cfg.target.chat_template_kwargs, resolve=True)
+                      if cfg.target.get("chat_template_kwargs") else {})
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Every setting's range, with no file read and nothing loaded (``specheads run`` calls it before its first
+    stage; the head folders are checked when the stage starts)."""
+    check_number("threads", cfg.threads, "?>= 1", integer=True, note="null = torch's default")
+    eval_config(cfg, plan_methods(None, None, list(cfg.baselines), **method_settings(cfg), allow_empty=True))
+
+
 def run(cfg: DictConfig) -> dict:
     # oneDNN keeps 1024 kernels by default: a bfloat16 target verifying many token counts needs more
     # (30 layers x 7 weights x n), or every forward rebuilds them (measured: 75 vs 52 ms per token).
@@ -205,41 +239,14 @@ def run(cfg: DictConfig) -> dict:
     check_number("threads", cfg.threads, "?>= 1", integer=True, note="null = torch's default")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    ev = OmegaConf.to_container(cfg.eval, resolve=True)
-    max_new = ev.pop("max_new_tokens")
-    repeats = ev.pop("repeats")
-    max_minutes = ev.pop("max_minutes", None)
-    ev["mtbench_turns"] = tuple(ev["mtbench_turns"])
-    if ev["chat"] != 0 and not ev["chat_dir"]:
+    if cfg.eval.chat != 0 and not cfg.eval.chat_dir:
         log.warning("no eval.chat_dir given: the chat domain is left out")
-    methods = plan_methods(head_method, cfg.head_dir, list(cfg.baselines), cfg.chain_k,
-                           TreeShape("dynamic", **cfg.tree), ServingProfiles(**cfg.serving),
-                           cfg.early_exit_layers, cfg.ngram_max, cfg.two_model,
-                           OmegaConf.to_container(cfg.medusa_choices) if cfg.medusa_choices else None,
-                           cfg.medusa_tree_nodes, cfg.verify, allow_empty=bool(cfg.heads),
-                           lookahead=OmegaConf.to_container(cfg.lookahead), head_shape=cfg.head_shape,
-                           head_ngram=cfg.head_ngram, head_ngram_extend=cfg.head_ngram_extend,
-                           head_ngram_extend_len=cfg.head_ngram_extend_len, head_ngram_table=cfg.head_ngram_table,
-                           head_ngram_table_tokens=cfg.head_ngram_table_tokens, dspark_threshold=cfg.dspark_threshold)
+    methods = plan_methods(head_method, cfg.head_dir, list(cfg.baselines), **method_settings(cfg),
+                           allow_empty=bool(cfg.heads))
     for kind, path in heads.values():
-        methods[:0] = plan_methods(kind, path, [], cfg.chain_k, TreeShape("dynamic", **cfg.tree),
-                                   ServingProfiles(**cfg.serving), medusa_choices=(
-                                       OmegaConf.to_container(cfg.medusa_choices) if cfg.medusa_choices else None),
-                                   medusa_tree_nodes=cfg.medusa_tree_nodes, verify=cfg.verify, allow_empty=True,
-                                   head_shape=cfg.head_shape if kind in ("eagle1", "eagle3") else "tree",
-                                   ngram_max=cfg.ngram_max, head_ngram=cfg.head_ngram,
-                                   head_ngram_extend=cfg.head_ngram_extend,
-                                   head_ngram_extend_len=cfg.head_ngram_extend_len,
-                                   head_ngram_table=cfg.head_ngram_table,
-                                   head_ngram_table_tokens=cfg.head_ngram_table_tokens,
-                                   dspark_threshold=cfg.dspark_threshold)
-    ecfg = EvalConfig(methods, BenchmarkSpec(**ev), max_new, tuple(cfg.temperatures), tuple(cfg.batch_sizes),
-                      cfg.batch_prompts, cfg.seed, repeats=repeats, max_minutes=max_minutes,
-                      exact_forward=cfg.exact_forward, cpu_linears=cfg.cpu_linears, cpu_threads=cfg.cpu_threads,
-                      paired=cfg.paired,
-                      grouped_attention=cfg.grouped_attention,
-                      chat_template_kwargs=OmegaConf.to_container(cfg.target.chat_template_kwargs, resolve=True)
-                      if cfg.target.get("chat_template_kwargs") else {})
+        methods[:0] = plan_methods(kind, path, [], **{**method_settings(cfg), "head_shape": (
+            cfg.head_shape if kind in ("eagle1", "eagle3") else "tree")}, allow_empty=True)
+    ecfg = eval_config(cfg, methods)
     target_path = cfg.target.name_or_path
     adapted = verifier_for(head_method, cfg.head_dir)
     for name, (kind, path) in heads.items():
@@ -275,4 +282,5 @@ def run(cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
+    check_command_line("evaluate", "evaluate", sys.argv[1:])  # a refused override: one line
     main()

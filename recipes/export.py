@@ -6,6 +6,7 @@
 """
 
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -15,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
 from specheads.errors import renamed_setting, user_errors
+from specheads.overrides import check_command_line
 from specheads.export import export_head
 from specheads.export.serve import exported_lines
 
@@ -66,4 +68,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_command_line("export", "export", sys.argv[1:])  # a refused override: one line
     main()

@@ -338,6 +338,35 @@ def main(cfg: DictConfig) -> None:
     print("\n".join(["", *lines, f"  (recorded in {Path(cfg.run_dir) / SUMMARY_FILE})"]))
 
 
+def check_stages(argv: list[str]) -> None:
+    """Compose the run's settings and every stage's (serve's included), as each stage will, and check the ranges
+    of those a stage's ``check_config`` knows, before the first stage starts: a refused override or a value out
+    of range is one line now, not after the stages before it have run."""
+    import importlib
+
+    from specheads import paths
+    from specheads.errors import ConfigError, user_errors
+    from specheads.overrides import compose
+
+    if any(arg.startswith("-") for arg in argv):  # Hydra's own options (--cfg job, --help): left to Hydra
+        return
+    with user_errors("run"):
+        cfg = compose("pipeline", argv, "run")
+        heads = sorted(p.stem for p in (paths.conf_dir() / "method").glob("*.yaml"))
+        if cfg.head not in heads:
+            raise ConfigError(f"head={cfg.head}: no head named '{cfg.head}'; choose one of: {', '.join(heads)}")
+        for name, recipe, overrides in stage_commands(cfg, serve=True):
+            stem = Path(recipe).stem
+            recipe_module = importlib.import_module(f"{RECIPES_PACKAGE}.{stem}")  # registers its schemas
+            try:
+                settings = compose(stem, overrides, "serve-eval" if name == "serve" else name)
+                if hasattr(recipe_module, "check_config"):  # the ranges of its settings (no file is read)
+                    recipe_module.check_config(settings)
+            except ConfigError as e:
+                raise ConfigError(f"the {name} stage: {e}") from None
+
+
 if __name__ == "__main__":
     sys.argv = [sys.argv[0], *stage_arguments(sys.argv[1:])]
+    check_stages(sys.argv[1:])
     main()

@@ -6,6 +6,7 @@
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import hydra
@@ -14,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specheads.data.prepare import META_FILE
 from specheads.errors import ConfigError, user_errors
+from specheads.overrides import check_command_line
 from specheads.planning import format_plan, make_plan, target_config
 
 log = logging.getLogger("specheads.plan")
@@ -62,4 +64,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_command_line("plan", "plan", sys.argv[1:])  # a refused override: one line
     main()

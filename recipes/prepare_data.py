@@ -5,6 +5,7 @@
 """
 
 import logging
+import sys
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -12,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from specheads.data.prepare import PrepareConfig, prepare, prepared_is_current
 from specheads.data.regenerate import RegenerateConfig
 from specheads.errors import user_errors
+from specheads.overrides import check_command_line
 from specheads.targets import Target, load_target, load_tokenizer
 
 log = logging.getLogger("specheads.prepare")
@@ -53,4 +55,5 @@ def run(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_command_line("prepare", "prepare_data", sys.argv[1:])  # a refused override: one line
     main()

@@ -10,6 +10,7 @@ before an engine starts; a refusal or a missing engine is one line (specheads.er
 """
 
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from specheads.errors import ConfigError, user_errors
+from specheads.overrides import check_command_line
 from specheads.evaluation.prompts import BenchmarkSpec, load_benchmarks
 
 log = logging.getLogger("specheads.serve_eval")
@@ -181,4 +183,5 @@ def _endpoint(cfg, prompts, tokenizer, max_new, template_kwargs):
 
 
 if __name__ == "__main__":
+    check_command_line("serve-eval", "serve_eval", sys.argv[1:])  # a refused override: one line
     main()

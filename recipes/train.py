@@ -15,6 +15,7 @@ import json
 import math
 import os
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
@@ -25,6 +26,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from specheads.errors import ConfigError, user_errors
+from specheads.overrides import check_command_line
 from specheads.hardware import Choice
 
 from specheads.methods import build_method
@@ -160,6 +162,14 @@ def to_configs(cfg: DictConfig) -> tuple[TrainConfig, OptimConfig, dict[str, Any
     return tcfg, ocfg, OmegaConf.to_container(cfg.method, resolve=True)
 
 
+def check_config(cfg: DictConfig) -> tuple[TrainConfig, OptimConfig, dict[str, Any]]:
+    """``to_configs`` with every setting's range checked, no file read and nothing loaded (``specheads run``
+    calls it before its first stage)."""
+    tcfg, ocfg, mcfg = to_configs(cfg)
+    check_settings(tcfg, ocfg, mcfg, OmegaConf.to_container(cfg.data, resolve=True))
+    return tcfg, ocfg, mcfg
+
+
 def build_data(cfg: DictConfig, method, target) -> tuple[DatasetBatches, DatasetBatches | None]:
     """(train source, held-out source) from the feature store or the prepared set."""
     from specheads.data.features import FeatureDataset, TokenDataset
@@ -289,8 +299,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """Compose -> build -> train; returns the train summary."""
     from specheads.targets import load_target
 
-    tcfg, ocfg, mcfg = to_configs(cfg)
-    check_settings(tcfg, ocfg, mcfg, OmegaConf.to_container(cfg.data, resolve=True))  # before any work
+    tcfg, ocfg, mcfg = check_config(cfg)  # before any work
     limit_onednn_cache(tcfg.onednn_cache)  # before anything computes in this process
     method = build_method(mcfg.pop("name"), **mcfg)
     check_store_source(cfg.features_dir, cfg.prepared_dir, method)
@@ -410,4 +419,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_command_line("train", "train", sys.argv[1:])  # a refused override: one line
     main()

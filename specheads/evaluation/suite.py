@@ -826,6 +826,9 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
             out.append(MethodSpec(f"early_exit{early_exit_layers}-chain{chain_k}", "early_exit", chain, verify,
                                   early_exit_layers=early_exit_layers))
         elif b == "two_model":
+            if not two_model:
+                raise ConfigError("baselines=[two_model] needs two_model=<a smaller model sharing the target's "
+                                  "tokenizer> (a folder, .gguf file or hub id)")
             out.append(MethodSpec(f"two_model-chain{chain_k}", "two_model", chain, verify, draft_model=two_model))
         else:
             raise ConfigError(f"baseline '{b}': use ngram, lookahead, early_exit or two_model")
