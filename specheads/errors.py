@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -46,6 +47,21 @@ def missing_setting(error: BaseException) -> UserError | None:
         return None
     key = getattr(error, "full_key", None) or "a setting"
     return ConfigError(f"{key} is required and has no default: give {key}=... on the command line")
+
+
+def check_output_folder(path, setting: str = "output_dir") -> None:
+    """Refuse, before any work, an output folder that cannot be one: the path (or a folder above it) is a file, or
+    the nearest existing folder above it is not writable. The folder itself may exist or not."""
+    p = Path(path).expanduser()
+    for place in (p, *p.parents):
+        if not place.exists():
+            continue
+        if not place.is_dir():
+            what = "is a file" if place == p else f"is inside {place}, which is a file"
+            raise ConfigError(f"{setting}={path} {what}: give a folder (a new one, or one this stage wrote)")
+        if not os.access(place, os.W_OK | os.X_OK):
+            raise ConfigError(f"{setting}={path}: {place} is not writable here: give a folder you can write to")
+        return
 
 
 def renamed_setting(stage: str, old: str, new: str, value):

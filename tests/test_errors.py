@@ -157,3 +157,14 @@ def test_a_required_setting_left_unset_is_one_line(capsys, monkeypatch):
     assert e.value.code == 2
     assert capsys.readouterr().err == ("specheads export: error: out_dir is required and has no default: "
                                        "give out_dir=... on the command line\n")
+
+
+def test_an_output_folder_that_is_a_file_or_inside_one_is_refused(tmp_path):
+    from specheads.errors import check_output_folder
+
+    (tmp_path / "f").write_text("x")
+    check_output_folder(tmp_path)  # an existing folder
+    check_output_folder(tmp_path / "new" / "deeper")  # folders still to make
+    for bad, said in ((tmp_path / "f", "is a file"), (tmp_path / "f" / "x", "which is a file")):
+        with pytest.raises(ConfigError, match=said):
+            check_output_folder(bad, "run_dir")
