@@ -18,6 +18,7 @@ from omegaconf import MISSING, DictConfig
 from specheads.errors import renamed_setting, user_errors
 from specheads.overrides import check_command_line
 from specheads.export import export_head
+from specheads.export.export import check_request
 from specheads.export.serve import exported_lines
 
 log = logging.getLogger("specheads.export")
@@ -42,6 +43,11 @@ class ExportRecipeConfig:
 
 
 ConfigStore.instance().store(name="export_schema", node=ExportRecipeConfig)
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Every setting's value, with no file read (``specheads run`` calls it before its first stage)."""
+    check_request(cfg.engine, cfg.dtype, cfg.spec_tokens)
 
 
 def run(cfg: DictConfig) -> str:

@@ -275,14 +275,26 @@ def run_stages(stages: list[tuple[str, str, list[str]]], run_dir: Path, only: st
     return ran
 
 
+class StageFailed(SystemExit):
+    """A stage's process failed (it said why): the run ends with exit status 2 where the stage's was 2 (a user
+    error, for scripts that tell them apart), else 1."""
+
+    def __init__(self, message: str, returncode: int):
+        super().__init__(2 if returncode == 2 else 1)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def run_stage(name: str, recipe: str, overrides: list[str]) -> float:
     """Run one stage's recipe in its own process; returns its seconds (a failure ends the pipeline)."""
     log.info("[%s] %s %s", name, recipe, " ".join(overrides))
     t0 = time.time()
     res = subprocess.run([sys.executable, "-m", f"{RECIPES_PACKAGE}.{Path(recipe).stem}", *overrides])
     if res.returncode != 0:
-        raise SystemExit(f"specheads run: stage '{name}' failed (exit {res.returncode}); fix the cause and "
-                         "re-run the same command: finished stages are skipped, this one resumes")
+        raise StageFailed(f"specheads run: stage '{name}' failed (exit {res.returncode}); fix the cause and re-run "
+                          "the same command: finished stages are skipped, this one resumes", res.returncode)
     log.info("[%s] done in %.0f s", name, time.time() - t0)
     return round(time.time() - t0, 1)
 
@@ -345,7 +357,8 @@ def check_stages(argv: list[str]) -> None:
     import importlib
 
     from specheads import paths
-    from specheads.errors import ConfigError, user_errors
+    from specheads.errors import ConfigError, UserError, check_output_folder, user_errors
+    from specheads.methods import trains_the_target
     from specheads.overrides import compose
 
     if any(arg.startswith("-") for arg in argv):  # Hydra's own options (--cfg job, --help): left to Hydra
@@ -355,6 +368,17 @@ def check_stages(argv: list[str]) -> None:
         heads = sorted(p.stem for p in (paths.conf_dir() / "method").glob("*.yaml"))
         if cfg.head not in heads:
             raise ConfigError(f"head={cfg.head}: no head named '{cfg.head}'; choose one of: {', '.join(heads)}")
+        if cfg.only is not None and cfg.only not in STAGES:
+            raise ConfigError(f"only={cfg.only}: give one stage of {', '.join(STAGES)}, or null for the whole run")
+        if str(cfg.serve) not in ("auto", "True", "False"):
+            raise ConfigError(f"serve={cfg.serve}: use serve=auto (when vLLM's venv exists), serve=true or serve=false")
+        if not isinstance(cfg.offline, bool):
+            raise ConfigError(f"offline={cfg.offline}: use offline=true (collect a feature store first) or "
+                              "offline=false (train on online features)")
+        if cfg.offline and trains_the_target(cfg.head):
+            raise ConfigError(f"head={cfg.head} trains the target itself, so its features cannot be stored: "
+                              f"run it with offline=false")
+        check_output_folder(cfg.run_dir, "run_dir")
         for name, recipe, overrides in stage_commands(cfg, serve=True):
             stem = Path(recipe).stem
             recipe_module = importlib.import_module(f"{RECIPES_PACKAGE}.{stem}")  # registers its schemas
@@ -362,11 +386,15 @@ def check_stages(argv: list[str]) -> None:
                 settings = compose(stem, overrides, "serve-eval" if name == "serve" else name)
                 if hasattr(recipe_module, "check_config"):  # the ranges of its settings (no file is read)
                     recipe_module.check_config(settings)
-            except ConfigError as e:
+            except UserError as e:
                 raise ConfigError(f"the {name} stage: {e}") from None
 
 
 if __name__ == "__main__":
     sys.argv = [sys.argv[0], *stage_arguments(sys.argv[1:])]
     check_stages(sys.argv[1:])
-    main()
+    try:
+        main()
+    except StageFailed as failed:
+        print(failed, file=sys.stderr)
+        raise SystemExit(failed.code) from None

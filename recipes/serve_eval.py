@@ -9,6 +9,7 @@ Everything the user gives is checked (the export, the engine's python, the evalu
 before an engine starts; a refusal or a missing engine is one line (specheads.errors.UserError).
 """
 
+import json
 import logging
 import sys
 import time
@@ -20,7 +21,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from specheads.errors import ConfigError, user_errors
+from specheads.errors import ConfigError, check_output_folder, user_errors
 from specheads.overrides import check_command_line
 from specheads.evaluation.prompts import BenchmarkSpec, load_benchmarks
 
@@ -69,6 +70,28 @@ def prompt_set(cfg: DictConfig):
         raise ConfigError(f"eval: {e}") from None
 
 
+def check_config(cfg: DictConfig) -> None:
+    """Every setting's value, with no file read (``specheads run`` calls it before its first stage)."""
+    from specheads.evaluation.settings import check_choice, check_number
+
+    check_number("num_speculative_tokens", cfg.num_speculative_tokens, ">= 1", integer=True)
+    if cfg.engine not in ("offline", "endpoint"):
+        raise ConfigError(f"engine={cfg.engine}: use engine=offline (vLLM started here) or engine=endpoint (url=)")
+    for name in ("url", "plain_url"):
+        url = cfg.get(name)
+        if url is not None and not str(url).startswith(("http://", "https://")):
+            raise ConfigError(f"{name}={url}: give the server's base url, e.g. {name}=http://127.0.0.1:8000")
+    if cfg.engine == "endpoint" and not cfg.url:
+        raise ConfigError("engine=endpoint needs url=: the base url of the vLLM server that drafts with the head "
+                          "(e.g. url=http://127.0.0.1:8000)")
+    check_number("vllm.max_model_len", cfg.vllm.max_model_len, "?>= 1", integer=True,
+                 note="null = the target's own context length")
+    check_number("vllm.kv_cache_gib", cfg.vllm.kv_cache_gib, "?>= 1", integer=True)
+    check_number("vllm.timeout_s", cfg.vllm.timeout_s, "> 0")
+    check_choice("vllm.dtype", cfg.vllm.dtype, ("auto", "float32", "bfloat16", "float16"))
+    check_number("eval.max_new_tokens", cfg.eval.max_new_tokens, ">= 1", integer=True)
+
+
 @hydra.main(config_path="../conf", config_name="serve_eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with user_errors("serve-eval"):
@@ -80,11 +103,9 @@ def run(cfg: DictConfig) -> dict:
     from specheads.serving.engine import read_export
     from specheads.targets import load_tokenizer
 
+    check_config(cfg)
+    check_output_folder(cfg.output_dir)
     k = int(cfg.num_speculative_tokens)
-    if k < 1:
-        raise ConfigError(f"num_speculative_tokens={k}: give 1 or more")
-    if cfg.engine not in ("offline", "endpoint"):
-        raise ConfigError(f"engine={cfg.engine}: use engine=offline (vLLM started here) or engine=endpoint (url=)")
     head = read_export(cfg.export_dir) if cfg.export_dir else None
     if head is None and cfg.engine == "offline":
         raise ConfigError("export_dir is required: give a layout folder `specheads export` wrote, "
@@ -119,14 +140,28 @@ def run(cfg: DictConfig) -> dict:
     return report
 
 
+def check_context_length(max_model_len: int | None, model) -> None:
+    """Refuse a ``vllm.max_model_len`` over the target's own context length (its config.json's
+    ``max_position_embeddings``) before the engine starts: vLLM refuses it only in its own log."""
+    config = Path(model) / "config.json"
+    if not max_model_len or not config.is_file():
+        return
+    facts = json.loads(config.read_text())
+    limit = facts.get("max_position_embeddings") or (facts.get("text_config") or {}).get("max_position_embeddings")
+    if limit and max_model_len > int(limit):
+        raise ConfigError(f"vllm.max_model_len={max_model_len} is over the target's context length ({limit}, "
+                          f"max_position_embeddings of {config}): give vllm.max_model_len={limit} or less")
+
+
 def _offline(cfg, head, k, prompts, tokenizer, max_new, template_kwargs):
     from specheads.serving import serve_eval as se
     from specheads.serving.engine import (EngineProcess, EngineRefusedError, engine_settings, find_engine,
                                           model_engine_kwargs, speculative_config)
     from specheads.targets import resolve_target_path
 
-    engine = find_engine(cfg.vllm.python)
     model = head.adapted_target or resolve_target_path(cfg.target.name_or_path)
+    check_context_length(cfg.vllm.max_model_len, model)
+    engine = find_engine(cfg.vllm.python)
     env = engine_settings(engine, cfg.vllm.threads_bind, cfg.vllm.kv_cache_gib)
     log.info("vLLM %s (%s: %s); settings %s", engine.version, engine.found, engine.python, env)
     base = {"model": str(model), "tokenizer": str(model), "dtype": cfg.vllm.dtype,
@@ -168,9 +203,6 @@ def _endpoint(cfg, prompts, tokenizer, max_new, template_kwargs):
     from specheads.serving import serve_eval as se
     from specheads.serving.endpoint import EndpointDecoder
 
-    if not cfg.url:
-        raise ConfigError("engine=endpoint needs url=: the base url of the vLLM server that drafts with the head "
-                          "(e.g. url=http://127.0.0.1:8000)")
     spec = EndpointDecoder(cfg.url, timeout_s=cfg.vllm.timeout_s)
     plain = EndpointDecoder(cfg.plain_url, timeout_s=cfg.vllm.timeout_s) if cfg.plain and cfg.plain_url else None
     if cfg.plain and not cfg.plain_url:

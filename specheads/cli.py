@@ -17,6 +17,7 @@ would, from any directory; outputs go under the current directory.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import runpy
 import sys
@@ -122,7 +123,10 @@ def main(argv: list[str] | None = None) -> None:
         NOT_HYDRA[verb](overrides)
         raise SystemExit(0)
     if verb not in VERBS:
-        raise SystemExit(f"specheads: unknown verb '{verb}'; choose one of: {', '.join([*VERBS, *NOT_HYDRA])}")
+        near = difflib.get_close_matches(verb, [*VERBS, *NOT_HYDRA], n=1)
+        print(f"specheads: error: unknown verb '{verb}'" + (f"; did you mean {near[0]}?" if near else "")
+              + f" (the verbs: {', '.join([*VERBS, *NOT_HYDRA])})", file=sys.stderr)
+        raise SystemExit(2)
     recipes_dir()  # a clear message when specheads.recipes is missing (an install older than the packaging)
     check_group_choices(verb, overrides)
     module = paths.recipe_module(VERBS[verb])

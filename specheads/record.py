@@ -36,7 +36,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from specheads.errors import InputNotFoundError, UserError
+from specheads.errors import ConfigError, InputNotFoundError, UserError
 from specheads.run_summary import MAIN_JOB, serve_record
 
 
@@ -278,6 +278,13 @@ def make_entry(path: str | Path, checkout: Checkout, *, wall_s: float | None = N
                date: str | None = None, run: str | None = None, what: str | None = None,
                fresh_clone: bool | None = None) -> tuple[str, dict]:
     """(the list it belongs in, the entry) for ``path``, stamped with ``checkout``, the date and the machine."""
+    if date is not None:
+        try:
+            dt.date.fromisoformat(date)
+        except ValueError:
+            raise ConfigError(f"--date {date}: give a calendar date as YYYY-MM-DD (default: today)") from None
+    if wall_s is not None and not wall_s > 0:
+        raise ConfigError(f"--wall-s {wall_s}: give the command's wall time in seconds, > 0")
     kind, contents = read_input(path)
     build = {"main_job": main_job_entry, "serve": serve_entry, "export_check": export_check_entry,
              "collect_backends": dict, "train_bench": dict, "eval_bench": dict,

@@ -96,6 +96,15 @@ def pipeline():
     (["evaluate.baselines=[two_model]"], "baselines=[two_model] needs two_model="),
     (["head=nonsense"], "head=nonsense: no head named 'nonsense'"),
     (["headd=eagle3"], "headd=eagle3: no setting headd; did you mean head?"),
+    (["only=foo"], "only=foo: give one stage of prepare"),
+    (["serve=maybe"], "serve=maybe: use serve=auto"),
+    (["offline=maybe"], "offline=maybe: use offline=true"),
+    (["head=medusa2"], "head=medusa2 trains the target itself, so its features cannot be stored: run it with "
+                       "offline=false"),
+    (["export.engine=foo"], "the export stage: engine=foo: use one of vllm"),
+    (["export.spec_tokens=0"], "the export stage: spec_tokens=0: give an integer >= 1"),
+    (["serve.vllm.max_model_len=0"], "the serve stage: vllm.max_model_len=0 is out of range"),
+    (["serve.url=localhost:8000"], "the serve stage: url=localhost:8000: give the server's base url"),
 ])
 def test_the_run_checks_every_stage_before_its_first(capsys, args, said):
     p = pipeline()
@@ -120,3 +129,27 @@ def test_a_refused_stage_setting_ends_the_run_before_any_stage(tmp_path):
     line = one_line(proc, "run")
     assert "did you mean temperatures?" in line and not (tmp_path / "run").exists()
     assert "[prepare]" not in proc.stdout + proc.stderr
+
+
+def test_a_run_dir_that_is_a_file_is_refused_before_any_stage(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    p = pipeline()
+    with pytest.raises(SystemExit) as e:
+        p.check_stages([f"run_dir={tmp_path / 'f'}"])
+    assert e.value.code == 2 and "run_dir=" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("returncode, code", [(2, 2), (1, 1), (-9, 1)])
+def test_a_failed_stage_ends_the_run_with_its_user_error_status(monkeypatch, returncode, code):
+    p = pipeline()
+    monkeypatch.setattr(p.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, returncode))
+    with pytest.raises(SystemExit) as e:
+        p.run_stage("prepare", "prepare_data.py", [])
+    assert e.value.code == code and str(e.value).startswith("specheads run: stage 'prepare' failed")
+
+
+def test_an_unknown_verb_is_one_line_with_the_verb_it_may_mean(tmp_path):
+    proc = specheads("trian", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "specheads: error: unknown verb 'trian'; did you mean train? (the verbs: prepare, collect, train, evaluate, "
+        "export, run, plan, serve-eval, record)")

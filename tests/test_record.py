@@ -362,3 +362,15 @@ def test_a_comparison_with_both_heads_served_records_and_renders_the_engines_fig
     # a comparison recorded without serving shows no engine table
     record(_write(tmp_path, "plain.json", _compare_report(budget={"minutes": 1})), results, CHECKOUT, date="2099-01-02")
     assert rt.trainer_comparisons(rt.load(results), "speculators").count("Served by vLLM") == 1
+
+
+@pytest.mark.parametrize("stamp, words", [({"date": "yesterday"}, "--date yesterday: give a calendar date"),
+                                          ({"date": "2024-13-45"}, "YYYY-MM-DD"),
+                                          ({"wall_s": -5.0}, "--wall-s -5.0")])
+def test_a_bad_date_or_wall_time_is_refused_and_changes_nothing(tmp_path, results, stamp, words):
+    from specheads.errors import ConfigError
+
+    before = results.read_text()
+    with pytest.raises(ConfigError, match=words):
+        record(_write(tmp_path, "ci.log", LOG), results, CHECKOUT, **stamp)
+    assert results.read_text() == before

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specheads.export.card import CardInputs, write_card
+from specheads.errors import check_output_folder
 from specheads.export.checks import (FLOAT_CODES, ExportError, adapted_target, check_draft_vocab, check_tensors,
                                      read_head, read_header, weight_files)
 from specheads.export.engine_targets import vllm_refusal
@@ -99,6 +100,8 @@ def export_head(head_dir: str | Path, out_dir: str | Path, engine: str = "both",
     ``chat_template.jinja`` and its serve lines pass it with ``--chat-template``; the prepared data's template
     (``data`` or the train summary's prepared folder) must be the one the engines will apply.
     """
+    check_request(engine, dtype, spec_tokens)
+    check_output_folder(out_dir)
     head = resolve_head_dir(head_dir)
     if (head / "config.json").is_file() and json.loads((head / "config.json").read_text()).get("model_type") == \
             "specheads_mtp":  # a tuned MTP layer goes back into its target: a stitched checkpoint (export/mtp.py)
@@ -223,6 +226,29 @@ def _copy_medusa_tree(head: Path, sub: Path) -> None:
     shutil.copyfile(head / TREE_FILE, sub / TREE_FILE)
 
 
+def check_request(engine: str, dtype: str | None, spec_tokens: int | None) -> None:
+    """The export's settings alone, before any file is read: the engine names, the dtype, the chain length."""
+    _engine_names(engine)
+    if dtype is not None and dtype not in _DTYPES:
+        raise ExportError(f"dtype={dtype}: use one of {', '.join(_DTYPES)}, or null to keep the head's dtype")
+    if spec_tokens is not None and (isinstance(spec_tokens, bool) or not isinstance(spec_tokens, int)
+                                    or spec_tokens < 1):
+        raise ExportError(f"spec_tokens={spec_tokens}: give an integer >= 1 (the draft tokens of the serve commands' "
+                          "chain), or null for the evaluation's measured profile")
+
+
+def _engine_names(engine: str) -> tuple[str, ...]:
+    """``engine`` as layout names: ``all`` and ``both`` as they are, else the comma-separated list, checked."""
+    if engine in ("all", "both"):
+        return (engine,)
+    names = tuple(e.strip() for e in str(engine).split(",") if e.strip())
+    bad = [e for e in names if e not in ENGINES]
+    if bad or not names or len(set(names)) != len(names):
+        raise ExportError(f"engine={engine}: use one of {', '.join(ENGINES)}, a comma-separated list of them "
+                          "(quoted: engine='vllm,sglang'), both or all")
+    return names
+
+
 def _engines(method: str, engine: str) -> tuple[str, ...]:
     found = engines_for(method)
     if engine == "all":
@@ -233,12 +259,7 @@ def _engines(method: str, engine: str) -> tuple[str, ...]:
         if missing:
             log.warning("%s heads: %s has no loader for them; exporting for %s only", method, missing[0], both[0])
         return both
-    names = tuple(e.strip() for e in str(engine).split(",") if e.strip())
-    bad = [e for e in names if e not in ENGINES]
-    if bad or not names or len(set(names)) != len(names):
-        raise ExportError(f"engine must be one of {', '.join(ENGINES)}, a comma-separated list of them, both or all; "
-                          f"got {engine!r}")
-    return names
+    return _engine_names(engine)
 
 
 def _layout(method: str, engine: str, cfg: dict, info: TargetInfo, head: Path, spec_tokens: int = 3) -> Layout:
@@ -251,8 +272,7 @@ def _layout(method: str, engine: str, cfg: dict, info: TargetInfo, head: Path, s
 def _out_dtype(dtype: str | None, float_code: str) -> torch.dtype:
     if dtype is None:
         return FLOAT_CODES[float_code]
-    if dtype not in _DTYPES:
-        raise ExportError(f"dtype must be one of {sorted(_DTYPES)} or null, got {dtype!r}")
+    check_request("all", dtype, None)
     return _DTYPES[dtype]
 
 

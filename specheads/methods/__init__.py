@@ -26,6 +26,14 @@ class MethodSettingsError(ConfigError, TypeError):
     """A method setting that does not exist (``TypeError`` for callers that caught the old error)."""
 
 
+def trains_the_target(name: str) -> bool:
+    """Whether the method registered as ``name`` trains the target itself (Medusa-2), so that it trains on online
+    features only: a feature store would go stale (its class declares ``feature_spec.online_only``)."""
+    module, cls = METHODS[name].split(":")
+    spec = getattr(getattr(importlib.import_module(module), cls), "feature_spec", None)
+    return isinstance(spec, FeatureSpec) and spec.online_only
+
+
 def build_method(name: str, **kwargs) -> Method:
     """The ``Method`` registered as ``name`` (see ``METHODS``), constructed with ``kwargs``.
 

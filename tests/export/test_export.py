@@ -286,7 +286,7 @@ def test_unsupported_requests_fail_clearly(target, target_dir, tmp_path):
     medusa = save_head(make_head("medusa", target), tmp_path)
     with pytest.raises(ExportError, match="sglang has no loader for medusa"):
         export_head(medusa, tmp_path / "out", "sglang", str(target_dir))
-    with pytest.raises(ExportError, match="engine must be"):
+    with pytest.raises(ExportError, match="engine=tgi: use one of"):
         export_head(medusa, tmp_path / "out", "tgi", str(target_dir))
     with pytest.raises(ExportError, match="repo id"):
         export_head(medusa, tmp_path / "out", "vllm", str(target_dir), push_to_hub="not a repo")

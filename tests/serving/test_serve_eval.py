@@ -306,3 +306,30 @@ def test_a_folder_of_no_known_format_is_still_not_an_exported_head(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"speculators_model_type": "mlp"}))
     with pytest.raises(se.UserError, match="speculators_model_type 'mlp'"):
         read_export(tmp_path)
+
+
+def test_a_context_length_over_the_targets_is_refused_before_the_engine_starts(tmp_path):
+    from specheads.errors import ConfigError
+    from specheads.recipes.serve_eval import check_context_length
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    check_context_length(512, tmp_path)
+    check_context_length(None, tmp_path)  # null: the engine takes the target's own
+    with pytest.raises(ConfigError, match=r"vllm.max_model_len=2048 is over the target's context length \(512"):
+        check_context_length(2048, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 1024}}))
+    with pytest.raises(ConfigError, match="1024"):
+        check_context_length(2048, tmp_path)
+
+
+@pytest.mark.parametrize("override, words", [("url=localhost:8000", "url=localhost:8000: give the server's base url"),
+                                             ("vllm.max_model_len=0", "vllm.max_model_len=0 is out of range"),
+                                             ("vllm.dtype=int8", "vllm.dtype=int8: use one of"),
+                                             ("num_speculative_tokens=0", "num_speculative_tokens=0 is out of range")])
+def test_serve_eval_settings_are_checked_without_reading_a_file(override, words):
+    from specheads.errors import ConfigError
+    from specheads.overrides import compose
+    from specheads.recipes.serve_eval import check_config
+
+    with pytest.raises(ConfigError, match=words):
+        check_config(compose("serve_eval", [override], "serve-eval"))
