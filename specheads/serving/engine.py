@@ -21,6 +21,7 @@ from pathlib import Path
 
 from specheads.errors import ConfigError, InputNotFoundError, UserError
 from specheads.export.serve import VLLM_METHOD, vllm_speculative_config
+from specheads.serving.engine_worker import PARENT_ENV
 
 ENGINE_VENV = ".venv-vllm"
 SETUP_COMMAND = "bash scripts/setup_engine.sh"
@@ -263,7 +264,7 @@ class EngineProcess:
         t = time.perf_counter()
         self.proc = subprocess.Popen([engine.python, str(WORKER), str(config_path)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env={**os.environ, **env}, start_new_session=True)
+                                     env={**os.environ, **env, PARENT_ENV: str(os.getpid())}, start_new_session=True)
         ready = self._read(load_timeout_s)
         self.wall_load_s = time.perf_counter() - t
         if ready.get("event") != "ready":

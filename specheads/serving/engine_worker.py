@@ -42,9 +42,29 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
+
+
+PARENT_ENV = "SPECHEADS_ENGINE_PARENT"  # the pid of the process that started the worker (``EngineProcess``)
+
+
+def die_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """End this process and its children (the engine-core process) once ``parent``, the process that started this
+    one, is gone, killed or ended without a close: a vLLM engine must not outlive the run that asked for it. Only in
+    a process that leads its own group (``EngineProcess`` starts it in a new session): no other group is ours."""
+    if os.getpgrp() != os.getpid():
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
 
 
 def _protocol_stream():
@@ -297,6 +317,7 @@ def generate(llm, request: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    die_with_parent(int(os.environ.get(PARENT_ENV) or os.getppid()))
     proto = _protocol_stream()
     config = json.loads(open(argv[1]).read())
     if config.get("capture"):  # the hooks go to the engine's worker process as pickled functions

@@ -333,3 +333,42 @@ def test_serve_eval_settings_are_checked_without_reading_a_file(override, words)
 
     with pytest.raises(ConfigError, match=words):
         check_config(compose("serve_eval", [override], "serve-eval"))
+
+
+def test_an_engine_worker_ends_with_the_run_that_started_it(tmp_path):
+    """A run killed while its engine loads or decodes (timeout, SIGKILL) leaves no vLLM process behind: the worker,
+    in its own session, ends its whole group once its parent is gone. A worker in its parent's group never does."""
+    import time
+
+    from specheads.serving import engine_worker
+
+    child = ("import sys, time; sys.path.insert(0, sys.argv[1]); from specheads.serving.engine_worker import "
+             "die_with_parent; die_with_parent(int(sys.argv[2]), 0.05); time.sleep(60)")
+    parent = ("import os, subprocess, sys; p = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2], "
+              "str(os.getpid())], "
+              "start_new_session=sys.argv[3] == '1', stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+              "print(p.pid, flush=True); os._exit(0)")
+    root = str(Path(engine_worker.__file__).resolve().parents[2])
+    pids = {}
+    for session in ("1", "0"):
+        out = subprocess.run([sys.executable, "-c", parent, child, root, session], capture_output=True, text=True,
+                             timeout=60)
+        pids[session] = int(out.stdout.split()[0])
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie is gone but not yet reaped
+
+    deadline = time.time() + 20
+    while alive(pids["1"]) and time.time() < deadline:
+        time.sleep(0.1)
+    try:
+        assert not alive(pids["1"]), "the worker outlived its parent"
+        assert alive(pids["0"]), "a worker outside its own group ended a group that is not its own"
+    finally:
+        for pid in pids.values():
+            if alive(pid):
+                os.kill(pid, 9)
