@@ -10,8 +10,9 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from specheads.data.prepare import PrepareConfig, prepare, prepared_is_current
+from specheads.data.prepare import PrepareConfig, check_prepare_output, prepare, prepared_is_current
 from specheads.data.regenerate import RegenerateConfig
+from specheads.data.sources import check_sources
 from specheads.errors import user_errors
 from specheads.overrides import check_command_line
 from specheads.targets import Target, load_target, load_tokenizer
@@ -31,11 +32,19 @@ def template_kwargs(target_cfg: DictConfig) -> dict:
     return OmegaConf.to_container(kw, resolve=True) if kw else {}
 
 
-def run(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig) -> PrepareConfig:
+    """Every setting's value, with no file read (``specheads run`` calls it before its first stage)."""
     regen = cfg.get("regenerate")
-    pcfg = PrepareConfig(**OmegaConf.to_object(cfg.data),
+    return PrepareConfig(**OmegaConf.to_object(cfg.data),
                          regenerate=RegenerateConfig(**OmegaConf.to_container(regen, resolve=True)) if regen else None,
                          chat_template_kwargs=template_kwargs(cfg.target))
+
+
+def run(cfg: DictConfig) -> None:
+    regen = cfg.get("regenerate")
+    pcfg = check_config(cfg)
+    check_prepare_output(cfg.output_dir)  # before the target loads: a folder it must not replace, a missing source
+    check_sources(pcfg.source, pcfg.path, pcfg.parts)
     if regen and regen.get("engine"):  # vLLM answers: the config and tokenizer only, no weights read here
         from specheads.data.engine_features import meta_target
 

@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections import Counter
@@ -32,20 +33,23 @@ from specheads.data.engine_answers import capture_layers
 from specheads.data.regenerate import RegenerateConfig, count_retokenized, count_truncated, regenerate
 from specheads.data.render import (ChatRenderer, TemplateError, ToolTurnError, chat_id, chat_template_sha,
                                    render_samples)
-from specheads.data.sources import (MIXTURE, Conversation, MixturePart, SkipReport, SourceError, iter_conversations,
-                                    iter_mixture, mixture_counts, mixture_parts)
-from specheads.errors import InputNotFoundError, UserError
+from specheads.data.sources import (MIXTURE, Conversation, MixturePart, SkipReport, SourceError, check_sources,
+                                    iter_conversations, iter_mixture, mixture_counts, mixture_parts)
+from specheads.errors import ConfigError, InputNotFoundError, UserError, check_output_folder
 from specheads.targets import Target, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
 FORMAT = "specheads.prepared/1"
 META_FILE = "specheads_meta.json"
+ROWS_FILE = "rows.arrow"  # the rows streamed into the work folder, before save_to_disk
 NO_LOSS_TOKENS = "no assistant token within max_length"
 TEMPLATE_REFUSED = "chat template cannot render the chat"
 NO_REGENERATED_ANSWER = "no regenerated answer (prompt over regenerate.max_prompt_tokens, or empty answer)"
 TOOL_TURN_NOT_RENDERED = "tool turn the chat template does not render"
 REGENERATE_VERSION = 2  # 2: regenerated answers are the target's token ids (1 decoded and re-tokenized them)
+PREPARED_FILES = re.compile(r"(data|cache)-.+\.arrow|dataset_info\.json|state\.json")  # what save_to_disk writes
+STALE_TMP_SECONDS = 3600  # a work folder of a dead process untouched this long is removed (see _remove_stale_tmp)
 
 
 class DataMismatchError(UserError, ValueError):
@@ -86,6 +90,9 @@ class PrepareConfig:
         if self.max_length <= 0 or (self.num_samples is not None and self.num_samples <= 0) or self.chunk_size <= 0:
             raise SourceError(f"data.max_length, data.num_samples and data.chunk_size must be positive (got "
                               f"{self.max_length}, {self.num_samples}, {self.chunk_size})")
+        if self.num_proc is not None and (isinstance(self.num_proc, bool) or self.num_proc < 1):
+            raise ConfigError(f"data.num_proc={self.num_proc}: give the number of processes rendering and "
+                              "tokenizing (1 or more), or null for every core (at most 8)")
 
 
 def read_conversations(cfg: PrepareConfig, report: SkipReport, part_reports: dict[str, SkipReport]):
@@ -206,6 +213,9 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
     """
     t0 = time.time()
     out_dir = Path(out_dir)
+    check_prepare_output(out_dir)
+    check_sources(cfg.source, cfg.path, cfg.parts)
+    _remove_stale_tmp(out_dir)
     engine = cfg.regenerate.engine if cfg.regenerate is not None else None
     if engine is not None and engine.capture:  # before any work: the engine captures whole rows
         if cfg.max_length > engine.max_model_len:
@@ -366,45 +376,124 @@ def _features():
 
 
 def _write_rows(rows: Iterable[tuple], out_dir: Path) -> tuple[Path, dict[str, Any]]:
-    """Stream rows into an Arrow file, then a ``save_to_disk`` folder beside ``out_dir`` (returned with the
-    counts: samples, chats, tokens, loss tokens, per mixture part)."""
-    import datasets
+    """Stream rows into an Arrow file in a work folder beside ``out_dir`` (returned with the counts: samples,
+    chats, tokens, loss tokens, per mixture part); ``_finish`` saves it only once the counts are checked."""
     from datasets.arrow_writer import ArrowWriter
 
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    tmp = _tmp_dir(out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    arrow = tmp / "rows.arrow"
     counts: dict[str, Any] = {"samples": 0, "chats": 0, "tokens": 0, "loss_tokens": 0, "parts": {}}
     last_chat = None
-    with ArrowWriter(features=_features(), path=str(arrow), writer_batch_size=1000) as writer:
-        for rid, ids, mask, domain in rows:
-            writer.write({"id": rid, "input_ids": ids, "loss_mask": mask, "domain": domain})
-            chat = chat_id(rid)
-            part = counts["parts"].setdefault(rid.split(":", 1)[0] if ":" in rid else "", {"chats": 0, "samples": 0,
-                                                                                          "tokens": 0})
-            if chat != last_chat:
-                counts["chats"] += 1
-                part["chats"] += 1
-                last_chat = chat
-            counts["samples"] += 1
-            counts["tokens"] += len(ids)
-            counts["loss_tokens"] += int(mask.sum())
-            part["samples"] += 1
-            part["tokens"] += len(ids)
-        writer.finalize()
-    datasets.Dataset.from_file(str(arrow)).save_to_disk(str(tmp / "data"))
-    arrow.unlink()
+    try:
+        with ArrowWriter(features=_features(), path=str(tmp / ROWS_FILE), writer_batch_size=1000) as writer:
+            for rid, ids, mask, domain in rows:
+                writer.write({"id": rid, "input_ids": ids, "loss_mask": mask, "domain": domain})
+                chat = chat_id(rid)
+                part = counts["parts"].setdefault(rid.split(":", 1)[0] if ":" in rid else "",
+                                                  {"chats": 0, "samples": 0, "tokens": 0})
+                if chat != last_chat:
+                    counts["chats"] += 1
+                    part["chats"] += 1
+                    last_chat = chat
+                counts["samples"] += 1
+                counts["tokens"] += len(ids)
+                counts["loss_tokens"] += int(mask.sum())
+                part["samples"] += 1
+                part["tokens"] += len(ids)
+            writer.finalize()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a source that fails half way leaves no work folder behind
+        raise
     return tmp, counts
 
 
 def _finish(tmp: Path, meta: dict[str, Any], out_dir: Path) -> None:
-    """Move the written folder into place with its metadata (the folder appears complete or not at all)."""
-    data = tmp / "data"
-    (data / META_FILE).write_text(json.dumps(meta, indent=2))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(data, out_dir)
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Save the written rows as a ``save_to_disk`` folder with its metadata and swap it into place: an earlier
+    prepared set there stays whole until the new one is complete, and is restored if the swap fails."""
+    import datasets
+
+    data, old = tmp / "data", tmp / "old"
+    try:
+        datasets.Dataset.from_file(str(tmp / ROWS_FILE)).save_to_disk(str(data))
+        (data / META_FILE).write_text(json.dumps(meta, indent=2))
+        if out_dir.exists():
+            os.replace(out_dir, old)
+        try:
+            os.replace(data, out_dir)
+        except BaseException:
+            if old.exists() and not out_dir.exists():
+                os.replace(old, out_dir)
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _tmp_dir(out_dir: Path) -> Path:
+    """This process's work folder beside ``out_dir`` (same file system, so the finished set moves in at once)."""
+    return out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+
+
+def _remove_stale_tmp(out_dir: Path) -> None:
+    """Remove the work folders beside ``out_dir`` that a killed run left: their process is gone from this machine
+    and nothing in them changed for ``STALE_TMP_SECONDS`` (a run on another machine sharing the folder keeps
+    writing to its own). A set aside earlier prepared set (``old``) is put back if ``out_dir`` is missing."""
+    if not out_dir.parent.is_dir():
+        return
+    pattern = re.compile(re.escape(out_dir.name) + r"\.tmp(\d+)")
+    for tmp in out_dir.parent.iterdir():
+        m = pattern.fullmatch(tmp.name)
+        if not m or not tmp.is_dir() or int(m.group(1)) == os.getpid() or _pid_alive(int(m.group(1))):
+            continue
+        try:
+            newest = max(p.lstat().st_mtime for p in [tmp, *tmp.rglob("*")])
+            if time.time() - newest < STALE_TMP_SECONDS:
+                continue
+            if (tmp / "old" / META_FILE).is_file() and not out_dir.exists():
+                os.replace(tmp / "old", out_dir)
+        except OSError:
+            continue
+        log.info("removing %s, left by a prepare run that was stopped", tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists, owned by someone else
+    return True
+
+
+def check_prepare_output(out_dir: str | Path, setting: str = "output_dir") -> None:
+    """Refuse, before any work, an output folder the stage cannot write or must not replace: a file, inside one or
+    not writable (``check_output_folder``), or an existing folder holding anything but a prepared set (its
+    ``specheads_meta.json`` and what ``save_to_disk`` writes), which replacing it would delete. A new or empty
+    folder, or an earlier prepare's output (replaced when the settings changed), is fine."""
+    check_output_folder(out_dir, setting)
+    path = Path(out_dir).expanduser()
+    if not path.is_dir():
+        return
+    names = sorted(p.name for p in path.iterdir())
+    foreign = [n for n in names if n != META_FILE and not PREPARED_FILES.fullmatch(n)]
+    if names and not foreign and META_FILE not in names:
+        foreign = [f"{names[0]} without {META_FILE}"]
+    elif META_FILE in names and not foreign and _meta_format(path / META_FILE) not in (FORMAT, None):
+        foreign = [f"{META_FILE} of format {_meta_format(path / META_FILE)!r}"]
+    if foreign:
+        raise ConfigError(f"{setting}={out_dir} holds files that are not a prepared dataset (e.g. {foreign[0]}): "
+                          f"give a new or empty folder, or the {setting} of an earlier prepare")
+
+
+def _meta_format(meta_path: Path) -> str | None:
+    """The ``format`` a metadata file names (None when it cannot be read: a prepare killed while writing it)."""
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        return None
+    return meta.get("format", "") if isinstance(meta, dict) else ""
 
 
 def write_prepared(rows: dict[str, list], meta: dict[str, Any], out_dir: str | Path) -> None:

