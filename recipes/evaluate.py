@@ -24,10 +24,12 @@ from tqdm import tqdm
 
 from specheads.decoding.drafters import TreeShape
 from specheads.decoding.exact import ExactDecodeCalls
-from specheads.errors import ConfigError, InputNotFoundError, UserError, user_errors
+from specheads.errors import ConfigError, InputNotFoundError, UserError, check_output_folder, user_errors
 from specheads.overrides import check_command_line
 from specheads.progress import evaluation_steps
-from specheads.evaluation.prompts import BenchmarkSpec, load_benchmarks
+from specheads.evaluation.inputs import (check_auto_shape, check_draft_model, check_medusa_choices,
+                                        check_methods_fit, check_ngram_table, target_facts_from_config)
+from specheads.evaluation.prompts import BenchmarkSpec, check_benchmark_files, load_benchmarks
 from specheads.evaluation.report import write_report
 from specheads.evaluation.settings import check_number
 from specheads.evaluation.suite import (HEAD_MODEL_TYPES, EvalConfig, ServingProfiles, evaluate, head_source,
@@ -222,10 +224,29 @@ def check_config(cfg: DictConfig) -> None:
     eval_config(cfg, plan_methods(None, None, list(cfg.baselines), **method_settings(cfg), allow_empty=True))
 
 
+def check_inputs(cfg: DictConfig, ecfg: EvalConfig, settings: dict[str, str]) -> list:
+    """What the methods and the evaluation set read, before the target loads: the prompt files (read here: a
+    malformed line is named), the two-model baseline's model, the n-gram table's corpus, ``medusa_choices``
+    against each Medusa head, and an automatic shape's training-time measures. Returns the prompts."""
+    check_benchmark_files(ecfg.benchmarks)
+    prompts = load_benchmarks(ecfg.benchmarks)
+    if any(m.drafter == "two_model" for m in ecfg.methods):
+        check_draft_model(cfg.two_model)
+    if any(m.ngram_table for m in ecfg.methods):
+        check_ngram_table(cfg.head_ngram_table)
+    for m in ecfg.methods:
+        if m.drafter == "medusa" and m.shape.choices:
+            check_medusa_choices(settings.get(m.head_dir, "head_dir"), m.head_dir, m.shape.choices)
+    for path in {m.head_dir for m in ecfg.methods if m.auto_shape}:
+        check_auto_shape(settings.get(path, "head_dir"), path, prompts)
+    return prompts
+
+
 def run(cfg: DictConfig) -> dict:
     # oneDNN keeps 1024 kernels by default: a bfloat16 target verifying many token counts needs more
     # (30 layers x 7 weights x n), or every forward rebuilds them (measured: 75 vs 52 ms per token).
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384")
+    check_output_folder(cfg.output_dir)
     # every head folder is checked, and its kind read, before the target loads or anything decodes
     head_method = resolve_head(cfg.head_method, cfg.head_dir)
     heads = {}
@@ -258,23 +279,30 @@ def run(cfg: DictConfig) -> dict:
         log.info("Medusa-2 head: its adapted target %s is the verifier (plain decoding and the lossless check "
                  "run on it; the original %s is not used)", adapted, target_path)
         target_path = adapted
+    settings = {cfg.head_dir: "head_dir", **{path: f"heads.{name}" for name, (_, path) in heads.items()}}
+    prompts = check_inputs(cfg, ecfg, settings)
+    facts = target_facts_from_config(target_path)
+    if facts is not None:
+        check_methods_fit(methods, facts, settings)
     log.info("loading the target %s (%s)", target_path, cfg.target.dtype)
     # dtype auto on a CPU: timed as decoding will run (exact forwards pad small calls to a row floor per dtype)
     rows = 4 if cfg.exact_forward == "off" else ExactDecodeCalls(tokens=4)
     target = load_target(target_path, cfg.target.dtype, cfg.target.device, probe_rows=rows,
                          chat_template=cfg.target.get("chat_template"))
+
     def steps(prompts: int) -> int:
         return evaluation_steps(prompts, ecfg.methods, ecfg.temperatures, ecfg.repeats, ecfg.paired, ecfg.batch_sizes,
                                 ecfg.batch_prompts)
 
-    with tqdm(desc="evaluate", unit="step", total=steps(len(load_benchmarks(ecfg.benchmarks))),
+    with tqdm(desc="evaluate", unit="step", total=steps(len(prompts)),
               dynamic_ncols=True) as bar:
         def resized(total: int) -> None:  # the budget's plan: the steps it will take
             bar.total = total
             bar.refresh()
 
         report = evaluate(target, ecfg, progress=lambda msg: (bar.set_postfix_str(msg), bar.update(1)),
-                          checkpoint=lambda partial: write_report(partial, cfg.output_dir), resized=resized)
+                          checkpoint=lambda partial: write_report(partial, cfg.output_dir), resized=resized,
+                          head_settings=settings)
     paths = write_report(report, cfg.output_dir)
     print(open(paths["markdown"]).read())
     print(f"report -> {paths['json']}, {paths['markdown']}")

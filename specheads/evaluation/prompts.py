@@ -12,7 +12,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from specheads.data.benchmarks import EvalPrompt, load_humaneval, load_jsonl, load_mtbench
+from specheads.data.benchmarks import JSONL_FORMAT, EvalPrompt, load_humaneval, load_jsonl, load_mtbench
+from specheads.errors import ConfigError, InputNotFoundError
 
 
 @dataclass
@@ -98,6 +99,17 @@ def load_chat_heldout(prepared_dir: str | Path, limit: int | None = 4) -> list[E
     return out
 
 
+def check_benchmark_files(spec: BenchmarkSpec) -> None:
+    """The files a spec names exist, refused under the recipe's setting names (``eval.jsonl``, ``eval.chat_dir``)
+    before the target loads; ``load_benchmarks`` then reads them (a malformed line: its file and line number)."""
+    if spec.jsonl and not Path(spec.jsonl).is_file():
+        raise InputNotFoundError(f"eval.jsonl={spec.jsonl}: no such file; give a JSONL file of prompts, "
+                                 f"{JSONL_FORMAT}")
+    if spec.chat != 0 and spec.chat_dir and not Path(spec.chat_dir).is_dir():
+        raise InputNotFoundError(f"eval.chat_dir={spec.chat_dir}: no such folder; give the output_dir of "
+                                 "`specheads prepare` (its held-out chats are scored), or leave eval.chat_dir out")
+
+
 def load_benchmarks(spec: BenchmarkSpec) -> list[EvalPrompt]:
     """All prompts a spec asks for, in a fixed order."""
     out: list[EvalPrompt] = []
@@ -110,7 +122,8 @@ def load_benchmarks(spec: BenchmarkSpec) -> list[EvalPrompt]:
     if spec.jsonl:
         out += load_jsonl(spec.jsonl, spec.jsonl_limit)
     if not out:
-        raise ValueError("the evaluation set is empty: enable MT-bench, HumanEval, chat (with chat_dir) or a JSONL")
+        raise ConfigError("the evaluation set is empty: enable MT-bench (eval.mtbench_per_category), HumanEval "
+                          "(eval.humaneval), chat (eval.chat with eval.chat_dir) or give eval.jsonl (with prompts)")
     return out
 
 

@@ -108,6 +108,11 @@ def check_method_settings(chain_k: int, tree, serving, early_exit_layers: int, n
         if not isinstance(path, (list, tuple)) or not path or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in path):
             raise ConfigError(f"medusa_choices: {path} is no tree path: give lists of ranks >= 0, e.g. [[0], [1], [0, 0]]")
+    paths = {tuple(path) for path in medusa_choices or ()}
+    for path in sorted(paths, key=len):
+        if len(path) > 1 and path[:-1] not in paths:
+            raise ConfigError(f"medusa_choices: the path {list(path)} lacks its parent {list(path[:-1])}: a tree holds "
+                              "every prefix of each of its paths, e.g. [[0], [1], [0, 0]]")
     check_number("head_ngram", head_ngram, ">= 0", integer=True, note="0 = no prompt-lookup branch")
     check_number("head_ngram_extend", head_ngram_extend, ">= 0", integer=True)
     check_number("head_ngram_extend_len", head_ngram_extend_len, ">= 1", integer=True)

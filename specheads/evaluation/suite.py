@@ -43,6 +43,7 @@ from specheads.errors import ConfigError, InputNotFoundError, UserError
 from specheads.export.foreign import head_source
 from specheads.evaluation.prompts import BenchmarkSpec, encode, load_benchmarks, scored_chat_ids, separation_record
 from specheads.evaluation.budget import EvalPlan, full_plan, plan_budget
+from specheads.evaluation.inputs import check_methods_fit, target_facts
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
 from specheads.evaluation.recommend import recommend
 from specheads.evaluation.settings import check_eval_config, check_method_settings
@@ -153,10 +154,14 @@ Progress = Callable[[str], None]
 
 def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
              checkpoint: Callable[[dict], None] | None = None,
-             resized: Callable[[int], None] | None = None) -> dict:
+             resized: Callable[[int], None] | None = None, head_settings: dict[str, str] | None = None) -> dict:
     """The whole evaluation; returns the report dict (see ``report.py``). ``checkpoint(report)`` is
-    called after the plain pass and after each method with the report so far; ``resized(steps)`` when a time
-    budget (``cfg.max_minutes``, ``fit_budget``) leaves ``steps`` progress reports to make (the bar's total)."""
+    called with the report so far after each part of each method (never before the first method's first row:
+    an evaluation that stops in its set-up, plain pass or first drafter leaves an earlier report in place);
+    ``resized(steps)`` when a time budget (``cfg.max_minutes``, ``fit_budget``) leaves ``steps`` progress
+    reports to make (the bar's total). Each head and the early-exit baseline are checked against the target's
+    sizes first (``inputs.check_methods_fit``; ``head_settings``: {head folder: the setting that named it})."""
+    check_methods_fit(cfg.methods, target_facts(target), head_settings)
     started = time.perf_counter()
     progress = progress or (lambda msg: None)
     checkpoint = checkpoint or (lambda r: None)
@@ -196,7 +201,6 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
               "data_separation": separation_record(cfg.benchmarks, prompts),
               "budget": plan.record, "methods": []}
     plain_tokens = {p.id: r for p, r in zip(prompts, ids["tokens"])}
-    checkpoint(report)
     chosen: dict[tuple[str, str | None], dict] = {}  # one shape choice per head (with or without a lookup branch)
     for spec, temps, sizes in zip(cfg.methods, plan.temperatures, plan.batch_sizes):
         if not temps:  # left out for time (the budget's record names it)
@@ -657,7 +661,7 @@ def verifier_for(head_method: str | None, head_dir: str | None) -> str | None:
         return None
     path = head / adapted
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"the Medusa-2 head {head} names its adapted target '{adapted}/' but {path} "
+        raise InputNotFoundError(f"the Medusa-2 head {head} names its adapted target '{adapted}/' but {path} "
                                 f"holds no model (config.json missing); re-save it with `specheads train`")
     return str(path.resolve())
 
