@@ -31,6 +31,7 @@ from specheads.evaluation.inputs import (check_auto_shape, check_draft_model, ch
                                         check_methods_fit, check_ngram_table, target_facts_from_config)
 from specheads.evaluation.prompts import BenchmarkSpec, check_benchmark_files, load_benchmarks
 from specheads.evaluation.report import write_report
+from specheads.evaluation.resume import EvalResume
 from specheads.evaluation.settings import check_number
 from specheads.evaluation.suite import (HEAD_MODEL_TYPES, EvalConfig, ServingProfiles, evaluate, head_source,
                                        plan_methods, verifier_for)
@@ -106,6 +107,7 @@ class EvaluateSchema:
     cpu_threads: Any = "auto"
     paired: bool = True
     grouped_attention: bool = True
+    resume: bool = True
 
 
 ConfigStore.instance().store(name="evaluate_schema", node=EvaluateSchema)
@@ -300,10 +302,14 @@ def run(cfg: DictConfig) -> dict:
             bar.total = total
             bar.refresh()
 
+        resume = EvalResume(cfg.output_dir)
+        if not cfg.resume:
+            resume.clear()
         report = evaluate(target, ecfg, progress=lambda msg: (bar.set_postfix_str(msg), bar.update(1)),
                           checkpoint=lambda partial: write_report(partial, cfg.output_dir), resized=resized,
-                          head_settings=settings)
+                          head_settings=settings, resume=resume)
     paths = write_report(report, cfg.output_dir)
+    resume.clear()  # finished: nothing to take up
     print(open(paths["markdown"]).read())
     print(f"report -> {paths['json']}, {paths['markdown']}")
     return report

@@ -478,16 +478,24 @@ def _one_token_ms(model: nn.Module, rounds: int = 5, reps: int = 3) -> dict[str,
     return {k: round(1000 * statistics.median(v), 2) for k, v in times.items()}
 
 
-def prove_exact(model: nn.Module, check_sizes=(3, 8), check_contexts=(48,), max_rows: int = MAX_ROWS) -> dict:
+def prove_exact(model: nn.Module, check_sizes=(3, 8), check_contexts=(48,), max_rows: int = MAX_ROWS,
+                given: dict | None = None) -> dict:
     """Measure and apply the row floor of ``model``'s linear layers (exact forwards on, ``make_exact``), then
     prove the whole model: random draft trees verified in one forward against one-token forwards, bitwise.
     Each kind of layer computes in its form (``choose_form``), every one padded to the largest floor; a floor
     above ``FLOOR_CAP`` is refused (every row then runs alone, which is exact by construction); a failed proof
     says so (``proven`` False) and the caller falls back. Returns the record for the report: {"row_floor",
     "row_chunk", "row_floor_per_kind" (measured, in each kind's form), "row_form", "row_form_ms", "floor_seconds",
-    "one_token_ms": {"floored", "lifted"}, "proof": {...}, "proven"}."""
-    measured = linear_row_floor(model, max_rows, forms=True)
-    floor, chunk = floor_and_chunk(measured["floor"], max_rows)
+    "one_token_ms": {"floored", "lifted"}, "proof": {...}, "proven"}. ``given``: an earlier record of this model on
+    this machine (an interrupted evaluation's) whose floor, chunks and forms are applied as they were, not measured
+    again (a noisy timing could choose another form); the proof runs all the same."""
+    if given is not None:
+        measured = {"per_kind": given.get("row_floor_per_kind"), "forms": given.get("row_form") or {},
+                    "form_ms": given.get("row_form_ms"), "seconds": 0.0}
+        floor, chunk = given["row_floor"], given["row_chunk"]
+    else:
+        measured = linear_row_floor(model, max_rows, forms=True)
+        floor, chunk = floor_and_chunk(measured["floor"], max_rows)
     apply_row_floor(model, floor, chunk, measured["forms"])  # each kind in its form, all at the largest floor
     t0 = time.perf_counter()
     proof = tree_vs_sequential(model, contexts=check_contexts, sizes=check_sizes)
@@ -504,14 +512,16 @@ def prove_exact(model: nn.Module, check_sizes=(3, 8), check_contexts=(48,), max_
     return record
 
 
-def settle_exact(model: nn.Module, cpu_linears: str = "auto") -> dict:
+def settle_exact(model: nn.Module, cpu_linears: str = "auto", given: dict | None = None) -> dict:
     """Prove exact forwards on ``model`` as it will decode (after ``make_exact``, the layout and the thread
     count) and fall back where the proof fails: a reduced-precision model goes to float32 (its layout chosen
     again) and is proven again, and the record says why. Exact forwards off: nothing to prove ({}). Returns
-    ``prove_exact``'s record, with ``fallback`` {"from", "reason", "first"} where it fell back."""
+    ``prove_exact``'s record, with ``fallback`` {"from", "reason", "first"} where it fell back. ``given``: an
+    earlier record to apply as it was (``prove_exact``), where it has a row floor and no fallback."""
     if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
         return {}
-    record = prove_exact(model)
+    usable = given if given and given.get("row_floor") and not given.get("fallback") else None
+    record = prove_exact(model, given=usable)
     dtype = next(model.parameters()).dtype
     if record["proven"] or dtype == torch.float32:
         if not record["proven"]:

@@ -57,6 +57,10 @@ def markdown(report: dict) -> str:
     lines += ["Plain decoding: " + "; ".join(f"T={t} {_spread(rows['all'], 'tokens_per_s', 1)} tokens/s"
                                              for t, rows in by_t.items()) + ".", ""]
     lines += budget_md(report)
+    for taken in report.get("resumed") or ():
+        lines += [f"Taken up after an interruption: the plain pass and {', '.join(taken['methods_taken_up']) or 'no'} "
+                  "method rows were kept from the interrupted run (same settings, target, heads and measured "
+                  "decisions); the rest was decoded in this one.", ""]
     lines += _precision_md(report)
     lines += separation_md(report.get("data_separation"))
     if report["methods"]:

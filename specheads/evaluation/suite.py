@@ -46,6 +46,7 @@ from specheads.evaluation.budget import EvalPlan, full_plan, plan_budget
 from specheads.evaluation.inputs import check_methods_fit, target_facts
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
 from specheads.evaluation.recommend import recommend
+from specheads.evaluation.resume import EvalResume, EvalState, decisions, evaluation_key
 from specheads.evaluation.settings import check_eval_config, check_method_settings
 from specheads.hardware import machine_description
 from specheads.targets import Target, eos_token_ids
@@ -154,14 +155,20 @@ Progress = Callable[[str], None]
 
 def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
              checkpoint: Callable[[dict], None] | None = None,
-             resized: Callable[[int], None] | None = None, head_settings: dict[str, str] | None = None) -> dict:
+             resized: Callable[[int], None] | None = None, head_settings: dict[str, str] | None = None,
+             resume: EvalResume | None = None) -> dict:
     """The whole evaluation; returns the report dict (see ``report.py``). ``checkpoint(report)`` is
     called with the report so far after each part of each method (never before the first method's first row:
     an evaluation that stops in its set-up, plain pass or first drafter leaves an earlier report in place);
     ``resized(steps)`` when a time budget (``cfg.max_minutes``, ``fit_budget``) leaves ``steps`` progress
     reports to make (the bar's total). Each head and the early-exit baseline are checked against the target's
-    sizes first (``inputs.check_methods_fit``; ``head_settings``: {head folder: the setting that named it})."""
+    sizes first (``inputs.check_methods_fit``; ``head_settings``: {head folder: the setting that named it}).
+    ``resume``: keep the plain pass and each finished method there, and take up what an interrupted evaluation of
+    the same settings, target and heads left (``resume.py``)."""
     check_methods_fit(cfg.methods, target_facts(target), head_settings)
+    # before an automatic shape is set; the target's dtype is part of it (the measured choices below depend on it)
+    key = evaluation_key(cfg, target) if resume is not None else None
+    state = resume.load(key) if resume is not None else None
     started = time.perf_counter()
     progress = progress or (lambda msg: None)
     checkpoint = checkpoint or (lambda r: None)
@@ -170,40 +177,61 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     exact = make_exact(target.model, cfg.exact_forward)  # before any forward: plain and speculative alike
     if cfg.grouped_attention and use_grouped_attention(target.model):
         exact["attention"] = GROUPED_ATTENTION
-    if cfg.cpu_linears == "auto":
+    # an interrupted evaluation's measured choices are applied as they were (timings on a busy machine could
+    # choose otherwise now, and its finished rows were decoded under them); the proof runs all the same
+    taken = state.report if state is not None else {}
+    linears_mode = (taken.get("cpu_linears") or {}).get("linears") or cfg.cpu_linears
+    if linears_mode == "auto":
         log.info("timing the target's linear layers packed and plain")  # a phase, not a step of the bar
-    linears = choose_cpu_linears(target.model, cfg.cpu_linears)  # the baseline never gets the slower layout
-    threads = choose_cpu_threads(target.model, cfg.cpu_threads)  # plain and speculative decoding alike
-    exact.update(settle_exact(target.model, cfg.cpu_linears))  # the row floor, the proof, float32 where unproven
+    linears = choose_cpu_linears(target.model, linears_mode)  # the baseline never gets the slower layout
+    threads = choose_cpu_threads(target.model, (taken.get("cpu_threads") or {}).get("threads") or cfg.cpu_threads)
+    # the row floor, the proof, float32 where unproven (plain and speculative decoding alike)
+    exact.update(settle_exact(target.model, cfg.cpu_linears, given=taken.get("exact_forward")))
     if exact.get("fallback"):
         linears = exact["fallback"]["cpu_linears"]
     runner = TargetRunner(target.model)
-    if cfg.max_minutes is None:
-        plan = full_plan(prompts, cfg.methods, cfg.temperatures, cfg.batch_sizes)
+    measured = {"exact_forward": exact, "cpu_linears": linears, "cpu_threads": threads,
+                "target_dtype": str(target.dtype)}
+    if state is not None and decisions(state.report) != decisions(measured):
+        log.warning("this machine now decodes the target otherwise than the interrupted evaluation did (%s vs %s): "
+                    "the evaluation starts over", decisions(measured), decisions(state.report))
+        state = None
+    if state is None:
+        if cfg.max_minutes is None:
+            plan = full_plan(prompts, cfg.methods, cfg.temperatures, cfg.batch_sizes)
+        else:
+            plan = fit_budget(prompts, target, runner, cfg, eos, time.perf_counter() - started)
+            if resized is not None:
+                resized(plan.steps(cfg.methods, cfg.repeats, cfg.paired, cfg.batch_prompts))
+        prompts = plan.prompts
+        t0 = time.perf_counter()
+        ids, plain = _plain_pass(target, runner, prompts, cfg, eos, progress)
+        plain = _plain_passes(runner, prompts, ids, plain, cfg, eos, progress, plan.plain_temperatures())
+        plain_seconds = time.perf_counter() - t0
+        report = {"target": target.name, "num_prompts": len(prompts), "prompt_ids": [p.id for p in prompts],
+                  "max_new_tokens": cfg.max_new_tokens,
+                  "temperatures": list(cfg.temperatures), "target_params": _nparams(target.model),
+                  "repeats": cfg.repeats, "paired": cfg.paired, "plain": _timed_rows(plain[0.0]),
+                  "plain_by_temperature": {str(T): _timed_rows(passes) for T, passes in plain.items()},
+                  "plain_seconds": plain_seconds, **measured,
+                  "target_dtype_choice": target.dtype_choice.record() if getattr(target, "dtype_choice", None)
+                  else None,
+                  "machine": machine_description(target.device),
+                  "data_separation": separation_record(cfg.benchmarks, prompts),
+                  "budget": plan.record, "methods": []}
+        chosen: dict[tuple[str, str | None], dict] = {}  # one shape per head (with or without a lookup branch)
+        state = EvalState(key, plan, ids, plain, report, chosen, done=0)
     else:
-        plan = fit_budget(prompts, target, runner, cfg, eos, time.perf_counter() - started)
-        if resized is not None:
-            resized(plan.steps(cfg.methods, cfg.repeats, cfg.paired, cfg.batch_prompts))
-    prompts = plan.prompts
-    t0 = time.perf_counter()
-    ids, plain = _plain_pass(target, runner, prompts, cfg, eos, progress)
-    plain = _plain_passes(runner, prompts, ids, plain, cfg, eos, progress, plan.plain_temperatures())
-    plain_seconds = time.perf_counter() - t0
-    report = {"target": target.name, "num_prompts": len(prompts), "prompt_ids": [p.id for p in prompts],
-              "max_new_tokens": cfg.max_new_tokens,
-              "temperatures": list(cfg.temperatures), "target_params": _nparams(target.model),
-              "repeats": cfg.repeats, "paired": cfg.paired, "plain": _timed_rows(plain[0.0]),
-              "plain_by_temperature": {str(T): _timed_rows(passes) for T, passes in plain.items()},
-              "plain_seconds": plain_seconds, "exact_forward": exact, "cpu_linears": linears, "cpu_threads": threads,
-              "target_dtype": str(target.dtype),
-              "target_dtype_choice": target.dtype_choice.record() if getattr(target, "dtype_choice", None) else None,
-              "machine": machine_description(target.device),
-              "data_separation": separation_record(cfg.benchmarks, prompts),
-              "budget": plan.record, "methods": []}
+        plan, ids, plain, report, chosen = state.plan, state.ids, state.plain, state.report, state.chosen
+        prompts = plan.prompts
+        report.setdefault("resumed", []).append({"methods_taken_up": [r["name"] for r in report["methods"]]})
+        log.info("taking up an interrupted evaluation: the plain pass and %d of %d methods are done (%s)",
+                 state.done, len(cfg.methods), resume.path)
+    if resume is not None:
+        resume.save(state)
     plain_tokens = {p.id: r for p, r in zip(prompts, ids["tokens"])}
-    chosen: dict[tuple[str, str | None], dict] = {}  # one shape choice per head (with or without a lookup branch)
-    for spec, temps, sizes in zip(cfg.methods, plan.temperatures, plan.batch_sizes):
-        if not temps:  # left out for time (the budget's record names it)
+    for i, (spec, temps, sizes) in enumerate(zip(cfg.methods, plan.temperatures, plan.batch_sizes)):
+        if i < state.done or not temps:  # done before an interruption; left out for time (the budget's record)
             continue
         if spec.auto_shape:
             key = (spec.drafter, spec.head_dir)
@@ -224,6 +252,9 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
 
         partial(_eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_tokens, cfg, eos,
                              progress, partial, temps, sizes))
+        state.done = i + 1
+        if resume is not None:
+            resume.save(state)
     report["recommendation"] = recommend(report, cfg.recommend_ks)
     return report
 
