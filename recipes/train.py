@@ -25,14 +25,16 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from specheads.errors import ConfigError, user_errors
+from specheads.errors import ConfigError, check_output_folder, user_errors
 from specheads.overrides import check_command_line
 from specheads.hardware import Choice
 
 from specheads.methods import build_method
 from specheads.training.accelerator import limit_onednn_cache, make_accelerator
 from specheads.training.batches import DatasetBatches, split_rows
-from specheads.training.config import OptimConfig, TrainConfig, check_settings, check_store_source
+from specheads.training.checkpoint import check_resume_settings, resume_checkpoint
+from specheads.training.config import (OptimConfig, TrainConfig, check_data_source, check_settings,
+                                       check_store_source)
 from specheads.training.engine import train
 
 log = logging.getLogger("specheads.train")
@@ -300,9 +302,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from specheads.targets import load_target
 
     tcfg, ocfg, mcfg = check_config(cfg)  # before any work
+    check_output_folder(cfg.output_dir)
+    check_data_source(cfg.features_dir, cfg.prepared_dir)
+    check_resume(cfg, tcfg, mcfg)
     limit_onednn_cache(tcfg.onednn_cache)  # before anything computes in this process
     method = build_method(mcfg.pop("name"), **mcfg)
-    check_store_source(cfg.features_dir, cfg.prepared_dir, method)
+    if cfg.features_dir:
+        check_store_source(cfg.features_dir, cfg.prepared_dir, method, target_config(cfg.target.name_or_path),
+                           cfg.target.name_or_path)
     precision = training_precision(tcfg, cfg.target.name_or_path)
     acc = make_accelerator(tcfg, method)
     target_dtype = cfg.target.dtype
@@ -335,6 +342,34 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         else:
             atomic_write_json(Path(cfg.output_dir) / "train_summary.json", summary)
     return summary
+
+
+def check_resume(cfg: DictConfig, tcfg: TrainConfig, mcfg: dict[str, Any]) -> None:
+    """Before the target loads: record what the run is built from (``tcfg.settings``: the method's settings, the
+    target; each checkpoint keeps them), pick the checkpoint ``train.resume`` resumes from (auto: the newest intact
+    one under output_dir/checkpoints, a corrupt newer one passed over with a warning) and pin ``tcfg.resume`` to it,
+    and refuse one written with other settings, naming them."""
+    tcfg.settings = {"method": dict(mcfg), "target": {"name_or_path": cfg.target.name_or_path}}
+    folder = resume_checkpoint(Path(cfg.output_dir) / "checkpoints", tcfg.resume)
+    if folder is None:
+        return
+    where = f"output_dir={cfg.output_dir}" if tcfg.resume == "auto" else f"train.resume={tcfg.resume}"
+    check_resume_settings(folder, tcfg.settings, where)
+    tcfg.resume = str(folder)
+
+
+def target_config(name_or_path: str):
+    """The target's ``transformers`` config, read before the target loads (None where it cannot be: the target's
+    own load says why, later)."""
+    from transformers import AutoConfig
+
+    from specheads.targets import resolve_target_path
+
+    try:
+        return AutoConfig.from_pretrained(resolve_target_path(name_or_path))
+    except (OSError, ValueError) as e:
+        log.debug("cannot read the target's config before loading it: %s", e)
+        return None
 
 
 def device_record(acc, target) -> dict[str, str]:

@@ -331,3 +331,61 @@ def test_collect_and_export_write_to_output_dir_and_the_former_out_dir_still_wor
         assert warned == ([f"specheads {stage}: warning: out_dir= is deprecated; use output_dir= (it names the "
                            "same folder)"] if spelling == "out_dir" else [])
     assert (store / "manifest.json").is_file() and (export / "config.json").is_file()
+
+
+# --------------------------------------------------------------------------- 10: train's folders, before its target
+
+
+def _checkpoint(out: Path, settings: dict | None, corrupt: bool = False) -> None:
+    """A checkpoint under out/checkpoints, as a run with ``settings`` wrote it (a tiny module: the refusals below
+    come before any module is built)."""
+    from accelerate import Accelerator
+
+    from specheads.training.checkpoint import save_checkpoint
+
+    acc = Accelerator(cpu=True)
+    model, opt = acc.prepare(torch.nn.Linear(2, 2), torch.optim.AdamW(torch.nn.Linear(1, 1).parameters()))
+    folder = save_checkpoint(acc, out / "checkpoints", 2, {"settings": settings} if settings else {})
+    if corrupt:
+        victim = folder / "model.safetensors"
+        victim.write_bytes(victim.read_bytes()[:-10])
+
+
+@pytest.mark.parametrize("case", ["other_settings", "corrupt_checkpoint", "output_in_a_file", "no_prepared_dir",
+                                  "store_of_another_target"])
+def test_train_refuses_its_folders_in_one_line_before_the_target_loads(fx, tmp_path, case):
+    out, extra = tmp_path / "train", [f"prepared_dir={fx['A']}"]
+    if case == "other_settings":
+        _checkpoint(out, {"method": {"name": "medusa1", "num_heads": 2}})
+    elif case == "corrupt_checkpoint":
+        _checkpoint(out, None, corrupt=True)
+    elif case == "output_in_a_file":
+        (tmp_path / "a_file").write_text("x")
+        out = tmp_path / "a_file" / "train"
+    elif case == "no_prepared_dir":
+        extra = [f"prepared_dir={tmp_path / 'nonexistent'}"]
+    else:
+        from specheads.data.store import MANIFEST, STORE_FORMAT
+
+        store = tmp_path / "store"
+        store.mkdir()
+        (store / MANIFEST).write_text(json.dumps({"format": STORE_FORMAT, "target": "/models/other", "hidden_size": 32,
+                                                  "num_layers": 2, "shards": []}))
+        extra = [f"features_dir={store}"]
+    before = sorted(p.name for p in out.rglob("*")) if out.is_dir() else None
+    proc = specheads("train", "method=medusa1", "method.num_heads=3", *fx["target"], *extra, f"output_dir={out}",
+                     *TRAIN_QUICK, cwd=tmp_path)
+    line = one_line(proc, "train")
+    assert "training precision" not in proc.stdout  # refused before the precision probe and the target's load
+    assert (sorted(p.name for p in out.rglob("*")) if out.is_dir() else None) == before  # nothing written or removed
+    want = {"other_settings": [f"output_dir={out}: checkpoint step_0000002 was written by a run with other settings "
+                               "(method.num_heads=2 there, 3 now)", "give a new output_dir, or train.resume=never"],
+            "corrupt_checkpoint": ["corrupt checkpoint", "model.safetensors has", "no earlier checkpoint",
+                                   "train.resume=never"],
+            "output_in_a_file": [f"output_dir={out} is inside {tmp_path / 'a_file'}, which is a file"],
+            "no_prepared_dir": [f"prepared_dir={tmp_path / 'nonexistent'}: no such folder", "specheads prepare"],
+            "store_of_another_target": ["collected from target '/models/other' (hidden size 32, 2 layers), not from "
+                                        f"target.name_or_path={fx['model']} (hidden size 64, 4 layers)",
+                                        "specheads collect"]}[case]
+    for part in want:
+        assert part in line

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from specheads.methods.base import Method
-from specheads.training.checkpoint import latest_checkpoint
+from specheads.training.checkpoint import resume_checkpoint
 from specheads.training.config import OptimConfig, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -160,14 +160,9 @@ def make_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimize
 
 
 def resume_path(cfg: TrainConfig, ckpt_root: Path) -> Path | None:
-    if cfg.resume == "never":
-        return None
-    if cfg.resume == "auto":
-        return latest_checkpoint(ckpt_root)
-    path = Path(cfg.resume)
-    if not path.is_dir():
-        raise FileNotFoundError(f"resume={cfg.resume!r}: no such checkpoint folder (use auto, never or a folder)")
-    return path
+    """The checkpoint ``cfg.resume`` names (``checkpoint.resume_checkpoint``: auto takes the newest intact one; a
+    folder named is verified as it loads)."""
+    return resume_checkpoint(ckpt_root, cfg.resume, verify_named=False)
 
 
 def peak_rss_mb() -> float:

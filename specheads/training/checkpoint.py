@@ -5,8 +5,10 @@ optimizer, registered scheduler, each process's RNG state; ZeRO shards under Dee
 ``trainer_state.json`` (step, data position, counters) and ``manifest.json`` (size and SHA-256 of
 every file). It is written under a temporary name, flushed to disk (fsync) and renamed only when
 complete, so a run killed mid-save leaves the previous checkpoint as the latest one; a file changed
-afterwards fails the manifest check with an error naming it. The root must be on a file system all
-processes share.
+afterwards fails the manifest check with an error naming it, and ``train.resume=auto`` passes over such a
+checkpoint to the newest intact one, with a warning (``resume_checkpoint``). ``trainer_state.json`` also records
+the run's settings (method, target: ``TrainConfig.settings``), so a rerun with other ones is refused by name before
+the target loads (``check_resume_settings``). The root must be on a file system all processes share.
 
 ``Checkpointer`` is the engine's writer. Synchronous, ``save`` returns once the checkpoint is on disk.
 Asynchronous (``train.async_checkpoint``), training waits only while the model's and optimizer's
@@ -46,7 +48,7 @@ from typing import Any
 
 import torch
 
-from specheads.errors import ConfigError
+from specheads.errors import ConfigError, InputNotFoundError, UserError
 from specheads.training.config import ASYNC_CHECKPOINT
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,19 @@ _OWN_MODEL_FILES = {"DEEPSPEED", "FSDP", "MEGATRON_LM"}
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt, or its background write failed."""
+    """A checkpoint cannot be written or read. A failed background write is one (it keeps its traceback: a full disk
+    or a bug); what is wrong with a checkpoint on disk is one of the user errors below."""
+
+
+class CorruptCheckpointError(CheckpointError, UserError):
+    """A checkpoint on disk is incomplete, altered or unreadable (the message names the file)."""
+
+
+class CheckpointMismatchError(CheckpointError, UserError):
+    """A checkpoint was written by a run with other settings (method, target): it cannot resume this one."""
+
+
+START_OVER = "give a new output_dir, or train.resume=never to train from step 0 here (its checkpoints are replaced)"
 
 
 def checkpoint_path(root: str | Path, step: int) -> Path:
@@ -118,25 +132,25 @@ def _fsync(path: Path) -> None:
 
 
 def verify_checkpoint(folder: str | Path) -> None:
-    """Raise ``CheckpointError`` naming the first missing, extra-truncated or altered file."""
+    """Raise ``CorruptCheckpointError`` naming the first missing, truncated or altered file."""
     folder = Path(folder)
     manifest_file = folder / MANIFEST
     if not manifest_file.is_file():
-        raise CheckpointError(f"{folder} has no {MANIFEST}: incomplete checkpoint (killed while saving?)")
+        raise CorruptCheckpointError(f"{folder} has no {MANIFEST}: incomplete checkpoint (killed while saving?)")
     try:
         manifest = json.loads(manifest_file.read_text())
         entries = manifest["files"]
     except (json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"{manifest_file} is unreadable ({e}): corrupt checkpoint") from e
+        raise CorruptCheckpointError(f"{manifest_file} is unreadable ({e}): corrupt checkpoint") from e
     for rel, want in entries.items():
         p = folder / rel
         if not p.is_file():
-            raise CheckpointError(f"corrupt checkpoint {folder}: {rel} is missing")
+            raise CorruptCheckpointError(f"corrupt checkpoint {folder}: {rel} is missing")
         if p.stat().st_size != want["size"]:
-            raise CheckpointError(f"corrupt checkpoint {folder}: {rel} has {p.stat().st_size} bytes, "
+            raise CorruptCheckpointError(f"corrupt checkpoint {folder}: {rel} has {p.stat().st_size} bytes, "
                                   f"manifest says {want['size']}")
         if _sha256(p) != want["sha256"]:
-            raise CheckpointError(f"corrupt checkpoint {folder}: {rel} fails its SHA-256 check")
+            raise CorruptCheckpointError(f"corrupt checkpoint {folder}: {rel} fails its SHA-256 check")
 
 
 def save_checkpoint(accelerator, root: str | Path, step: int, state: dict[str, Any], keep: int = 2,
@@ -211,7 +225,8 @@ def frozen_fingerprints(accelerator) -> dict[str, dict] | None:
 
 
 def _check_frozen(accelerator, folder: Path) -> None:
-    """Raise ``CheckpointError`` when a frozen weight this run built is not the one the checkpoint trained with."""
+    """Raise ``CheckpointMismatchError`` when a frozen weight this run built is not the one the checkpoint trained
+    with."""
     if not (folder / FROZEN).is_file() or _launcher(accelerator) in _OWN_MODEL_FILES:
         return  # written before frozen weights were left out: the model file holds them
     saved = json.loads((folder / FROZEN).read_text())
@@ -226,13 +241,16 @@ def _check_frozen(accelerator, folder: Path) -> None:
             same = ((got["shape"], got["dtype"]) == (want["shape"], want["dtype"])
                     and all(abs(x - y) <= tol for x, y in zip(want["sum"], got["sum"])))
             if not same:
-                raise CheckpointError(f"{folder}: frozen weight {k!r} is not the one this checkpoint was trained "
-                                      "with (frozen weights are rebuilt from the target, not saved: resume with the "
-                                      "same target, seed and method settings)")
+                raise CheckpointMismatchError(
+                    f"{folder}: frozen weight {k!r} is not the one this checkpoint was trained with (frozen weights "
+                    f"are rebuilt from the target, not saved: resume with the same target, seed and method settings), "
+                    f"or {START_OVER}")
 
 
 def _check_model_keys(accelerator, folder: Path) -> None:
-    """Raise ``CheckpointError`` naming a trained weight a model file lacks or a name no module has."""
+    """Raise ``CheckpointMismatchError`` naming a trained weight a model file lacks, a name no module has or a
+    weight of another shape (a checkpoint written before the run's settings were recorded with it:
+    ``check_resume_settings`` refuses a newer one before the target loads)."""
     from accelerate.utils.modeling import id_tensor_storage
     from safetensors import safe_open
 
@@ -242,21 +260,28 @@ def _check_model_keys(accelerator, folder: Path) -> None:
         path = folder / _indexed("model.safetensors", i)
         if path.is_file():
             with safe_open(str(path), framework="pt") as f:
-                names = set(f.keys())
+                shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
         else:
             path = folder / _indexed("pytorch_model.bin", i)
-            names = set(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+            shapes = {k: list(v.shape) for k, v in torch.load(path, map_location="cpu", weights_only=True,
+                                                               mmap=True).items()}
+        names = set(shapes)
         state = model.state_dict()
         unknown = sorted(names - state.keys())
         if unknown:
-            raise CheckpointError(f"{path} holds {unknown[0]!r}, which the module this run built does not have "
-                                  "(another method or method settings?)")
+            raise CheckpointMismatchError(f"{path} holds {unknown[0]!r}, which the module this run built does not "
+                                          f"have (another method or method settings?): {START_OVER}")
+        for k in sorted(names):
+            if isinstance(state[k], torch.Tensor) and list(state[k].shape) != shapes[k]:
+                raise CheckpointMismatchError(f"{path} holds {k!r} of shape {shapes[k]}, the module this run built "
+                                              f"has {list(state[k].shape)} (other method settings or target?): "
+                                              f"{START_OVER}")
         stored = {id_tensor_storage(state[k]) for k in names if isinstance(state[k], torch.Tensor)}
         frozen = frozen_keys(model)
         for k, v in state.items():  # a tied name is written once, under one of its names
             if k not in frozen and k not in names and not (isinstance(v, torch.Tensor) and id_tensor_storage(v) in stored):
-                raise CheckpointError(f"{path} lacks the trained weight {k!r} (a checkpoint of another method or "
-                                      "method settings?)")
+                raise CheckpointMismatchError(f"{path} lacks the trained weight {k!r} (a checkpoint of another "
+                                              f"method or method settings?): {START_OVER}")
 
 
 def _begin(accelerator, root: str | Path, step: int) -> tuple[Path, Path]:
@@ -305,10 +330,15 @@ def remove_partial(root: str | Path) -> None:
 def load_checkpoint(accelerator, folder: str | Path) -> dict[str, Any]:
     """Verify ``folder``, restore model/optimizer/scheduler/RNG into ``accelerator``; return the engine state."""
     folder = Path(folder)
-    verify_checkpoint(folder)
+    try:
+        verify_checkpoint(folder)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"{e}; resume from an intact checkpoint (train.resume=auto takes the newest), "
+                                     f"or {START_OVER}") from None
     state = json.loads((folder / STATE).read_text())
     if state.get("format") != FORMAT:
-        raise CheckpointError(f"{folder / STATE} has format {state.get('format')!r}, expected {FORMAT!r}")
+        raise CheckpointMismatchError(f"{folder / STATE} has format {state.get('format')!r}, expected {FORMAT!r}: "
+                                      f"{START_OVER}")
     _check_model_keys(accelerator, folder)
     _check_frozen(accelerator, folder)
     if _launcher(accelerator) in _OWN_MODEL_FILES:
@@ -316,6 +346,91 @@ def load_checkpoint(accelerator, folder: str | Path) -> dict[str, Any]:
     else:  # frozen weights are absent from the file: they stay as the build made them (checked above)
         accelerator.load_state(str(folder), strict=False)
     return state
+
+
+def resume_checkpoint(root: str | Path, resume: str = "auto", verify_named: bool = True) -> Path | None:
+    """The checkpoint a run resumes from (``train.resume``), verified. ``auto``: the newest intact one under ``root``;
+    a newer corrupt one is passed over with a warning naming it (it stays on disk, untrusted, until training
+    reaches its step again and replaces it), and a ``CorruptCheckpointError`` when every one is corrupt; None when
+    there is none. ``never``: None. A folder: that one (verified unless ``verify_named`` is False: the engine's
+    ``load_checkpoint`` verifies what it loads, and the recipe has verified it before the target loaded)."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        folder = Path(resume)
+        if not folder.is_dir():
+            raise InputNotFoundError(f"train.resume={resume}: no such checkpoint folder; use auto (the latest under "
+                                     "output_dir/checkpoints), never, or a step_* folder there")
+        if not verify_named:
+            return folder
+        try:
+            verify_checkpoint(folder)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"train.resume={resume}: {e}; resume from an intact checkpoint "
+                                         f"(train.resume=auto takes the newest), or {START_OVER}") from None
+        return folder
+    corrupt: list[CorruptCheckpointError] = []
+    for folder in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(folder)
+        except CorruptCheckpointError as e:
+            corrupt.append(e)
+            continue
+        for e in corrupt:
+            log.warning("%s: resuming from %s, the newest intact checkpoint, instead (the corrupt one is left as it "
+                        "is, and replaced once training reaches its step)", e, folder.name)
+        return folder
+    if corrupt:
+        raise CorruptCheckpointError(f"{corrupt[0]}, and no earlier checkpoint under {root} is intact to resume "
+                                     f"from: {START_OVER}")
+    return None
+
+
+def check_resume_settings(folder: str | Path, settings: dict[str, Any], where: str) -> None:
+    """Refuse, before the target loads, to resume from the checkpoint ``folder`` when the run that wrote it had other
+    ``settings`` (``TrainConfig.settings``: the method's settings, the target) than this one; ``where`` names the
+    folder for the user (``output_dir=runs/m1``). A checkpoint written without them is left to ``load_checkpoint``'s
+    checks; a setting only one side has (a newer or older specheads) is not compared."""
+    state_file = Path(folder) / STATE
+    try:
+        saved = json.loads(state_file.read_text()).get("settings")
+    except (OSError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{state_file} is unreadable ({e}): corrupt checkpoint; {START_OVER}") from None
+    if not saved:
+        return
+    was, now = _flat(saved), _flat(settings)
+    differ = [f"{k}={_show(was[k])} there, {_show(now[k])} now" for k in now if k in was and not _same(was[k], now[k])]
+    if differ:
+        raise CheckpointMismatchError(f"{where}: checkpoint {Path(folder).name} was written by a run with other "
+                                      f"settings ({'; '.join(differ)}), so it cannot resume this one: train with its "
+                                      f"settings, or {START_OVER}")
+
+
+def _flat(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"method": {"num_heads": 5}}`` -> ``{"method.num_heads": 5}`` (as the user writes the setting)."""
+    out = {}
+    for k, v in settings.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _show(value) -> str:
+    """A setting's value as the command line writes it (null, true, [1, 2])."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _same(a, b) -> bool:
+    """Equal settings; two strings naming the same existing file or folder are (a relative and an absolute path)."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    if a == b:
+        return True
+    if isinstance(a, str) and isinstance(b, str) and Path(a).expanduser().exists() and Path(b).expanduser().exists():
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    return False
 
 
 # --------------------------------------------------------------------------- written in the background

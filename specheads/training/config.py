@@ -41,12 +41,12 @@ class TrainConfig:
     mixed_precision: str = "no"  # no | bf16 | fp16 | auto (bf16 where the GPU has it)
     seed: int = 0
     deterministic: bool = True
-    log_every: int = 10
+    log_every: int = 10  # sample memory and log to wandb every N steps (metrics.jsonl has every step)
     eval_every: int = 0  # 0: only after the last step
     save_every: int = 100  # 0: only after the last step
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # the newest N checkpoints are kept; 0 keeps all
     async_checkpoint: str = "auto"  # auto | always | never: write checkpoints in a background thread (checkpoint.py)
-    resume: str = "auto"  # auto (latest checkpoint if any) | never | a checkpoint folder
+    resume: str = "auto"  # auto (the newest intact checkpoint, if any) | never | a checkpoint folder
     wandb_mode: str = "offline"  # offline | online | disabled; WANDB_MODE in the environment wins
     wandb_project: str = "specheads"
     run_name: str | None = None
@@ -67,6 +67,9 @@ class TrainConfig:
     # forwards, and a fan's τ still grows with its width (a TTT-2 quickstart head: 1.49, 1.56, 1.61, 1.65
     # for w = 2, 3, 4, 6); a few seconds of decoding per width at the end of training.
     measure_fans: tuple[int, ...] = field(default_factory=lambda: (2, 3, 4, 6))
+    # What the run is built from (the method's settings, the target: the recipe sets it): recorded in each
+    # checkpoint, so that a resume with other ones is refused by name (checkpoint.check_resume_settings).
+    settings: dict[str, Any] | None = None
 
     def __post_init__(self):
         if self.malloc_trim_every < 0:
@@ -123,7 +126,8 @@ def check_settings(train: TrainConfig, optim: OptimConfig, method: Mapping[str, 
         check_value("optim.betas", beta, "in [0, 1)")
     check_choice("optim.schedule", optim.schedule, SCHEDULES)
     for name, rule in (("max_steps", ">= 1"), ("grad_accum", ">= 1"), ("max_grad_norm", "?> 0"),
-                       ("log_every", ">= 0"), ("eval_every", ">= 0"), ("save_every", ">= 0"),
+                       ("log_every", ">= 1"), ("eval_every", ">= 0"), ("save_every", ">= 0"),
+                       ("keep_checkpoints", ">= 0"),
                        ("max_minutes", "?> 0"), ("onednn_cache", "?>= 1"), ("malloc_trim_every", ">= 0"),
                        ("measure_prompts", ">= 0"), ("measure_k", ">= 1"), ("measure_tokens", ">= 1")):
         check_value(f"train.{name}", getattr(train, name), rule)
@@ -143,12 +147,40 @@ def check_settings(train: TrainConfig, optim: OptimConfig, method: Mapping[str, 
             check_value(f"method.{name}", method[name], rule)
 
 
-def check_store_source(features_dir: str | None, prepared_dir: str | None, method=None) -> None:
+def check_data_source(features_dir: str | None, prepared_dir: str | None) -> None:
+    """Refuse, before the target loads, a training run with no data: neither ``features_dir`` (which wins) nor
+    ``prepared_dir`` given, or the one read missing, a file, or (``prepared_dir``) a folder that holds no prepared
+    set. A feature store's own checks are ``check_store_source``'s."""
+    from specheads.data.prepare import META_FILE
+
+    if features_dir:
+        setting, value, what, make = "features_dir", features_dir, "feature store", "specheads collect"
+    elif prepared_dir:
+        setting, value, what, make = "prepared_dir", prepared_dir, "prepared set", "specheads prepare"
+    else:
+        raise ConfigError("no training data: give features_dir=<a feature store from `specheads collect`> or "
+                          "prepared_dir=<a prepared set from `specheads prepare`>")
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise InputNotFoundError(f"{setting}={value}: no such folder; give the folder of a {what} "
+                                 f"(`{make} output_dir=...` makes one)")
+    if not path.is_dir():
+        raise InputNotFoundError(f"{setting}={value} is a file: give the folder of a {what} "
+                                 f"(`{make} output_dir=...` makes one)")
+    if not features_dir and not (path / META_FILE).is_file():
+        raise InputNotFoundError(f"prepared_dir={value} holds no prepared set (no {META_FILE}): give the output_dir "
+                                 f"of a `specheads prepare` run, or run `specheads prepare output_dir={value}`")
+
+
+def check_store_source(features_dir: str | None, prepared_dir: str | None, method=None,
+                       target_config=None, target_name: str | None = None) -> None:
     """Refuse a ``features_dir`` for a ``method`` that trains the target (it needs online features), a
-    ``features_dir`` that holds no finished store, and, when ``prepared_dir`` is a prepared set too, a
-    store collected from other data (the trainer looks the store's row ids up in the prepared set: the
-    evaluator's chat slice, EAGLE-3's draft vocabulary): the sample ids and lengths the store recorded
-    must be the prepared set's."""
+    ``features_dir`` that holds no finished store, a store collected from a target of another hidden size or
+    depth than ``target_config`` (the target's ``transformers`` config, read before the target loads; the
+    loaded target's config hash and tokenizer are checked against the store once it is loaded), and, when
+    ``prepared_dir`` is a prepared set too, a store collected from other data (the trainer looks the store's
+    row ids up in the prepared set: the evaluator's chat slice, EAGLE-3's draft vocabulary): the sample ids
+    and lengths the store recorded must be the prepared set's."""
     from specheads.data.features import sample_lengths
     from specheads.data.prepare import META_FILE, load_prepared
     from specheads.data.store import StoreError, StoreMismatchError, read_manifest
@@ -166,6 +198,8 @@ def check_store_source(features_dir: str | None, prepared_dir: str | None, metho
         raise
     except StoreError as e:
         raise InputNotFoundError(f"features_dir={features_dir}: {e}") from None
+    if target_config is not None:
+        _check_store_target(features_dir, manifest, target_config, target_name)
     if not prepared_dir or not (Path(prepared_dir) / META_FILE).is_file():
         return
     stored = {i: n for shard in manifest.get("shards", []) for i, n in zip(shard["ids"], shard["lengths"])}
@@ -183,3 +217,20 @@ def check_store_source(features_dir: str | None, prepared_dir: str | None, metho
         f"(store: {len(stored)} samples, {sum(stored.values())} tokens; prepared set: {len(prepared)} samples, "
         f"{sum(prepared.values())} tokens; {differ} of the store's samples missing there or of another length); "
         f"pass {where}, or collect the store again from this prepared set (`specheads collect prepared_dir={prepared_dir} output_dir=<new folder>`)")
+
+
+def _check_store_target(features_dir: str, manifest: Mapping[str, Any], config, target_name: str | None) -> None:
+    """Refuse a store whose recorded hidden size or layer count is not the target's (``config``, its text part
+    for a multimodal model): features of another model. Where either side does not say, nothing is refused here."""
+    from specheads.data.store import StoreMismatchError
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    store = (manifest.get("hidden_size"), manifest.get("num_layers"))
+    target = (getattr(text, "hidden_size", None), getattr(text, "num_hidden_layers", None))
+    if None in store or None in target or store == target:
+        return
+    raise StoreMismatchError(
+        f"features_dir={features_dir} was collected from target '{manifest.get('target')}' (hidden size {store[0]}, "
+        f"{store[1]} layers), not from target.name_or_path={target_name} (hidden size {target[0]}, {target[1]} "
+        f"layers): collect features with this target (`specheads collect target.name_or_path={target_name} "
+        f"output_dir=<new folder>`), or train with the store's target")

@@ -32,7 +32,7 @@ from specheads.methods.base import Method, TrainingModule
 from specheads.targets import Target
 from specheads.training.accelerator import peak_rss_mb, resume_path, rss_anon_mb, trim_heap, gathered, make_accelerator, make_optimizer
 from specheads.training.batches import BatchSource, micro_batches, prepare_batch
-from specheads.training.checkpoint import Checkpointer, load_checkpoint, remove_partial
+from specheads.training.checkpoint import Checkpointer, check_resume_settings, load_checkpoint, remove_partial
 from specheads.training.config import NonFiniteLossError, OptimConfig, TrainConfig
 from specheads.training.heldout import evaluate
 from specheads.training.run_log import SUMMARY_FILE, RunLogger, read_losses
@@ -84,6 +84,8 @@ def train(method: Method, target: Target, train_data: BatchSource, cfg: TrainCon
     acc.register_for_checkpointing(scheduler)  # stepped by hand: once per optimizer step at any world size
 
     resumed = resume_path(cfg, ckpt_root)
+    if resumed is not None and cfg.settings:
+        check_resume_settings(resumed, cfg.settings, f"output_dir={cfg.output_dir}")
     if resumed is not None:
         saved = load_checkpoint(acc, resumed)
         st = _State(saved["step"], saved["epoch"], saved["pos"], saved["tokens"], saved["train_s"])
@@ -111,7 +113,7 @@ def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, sch
         if cfg.max_minutes is not None and st.train_s >= 60 * cfg.max_minutes:
             log.info("time budget of %.1f min reached at step %d of %d; stopping there", cfg.max_minutes,
                      st.step, cfg.max_steps)
-            saver.save(st.step, _ckpt_state(st))
+            saver.save(st.step, _ckpt_state(st, cfg))
             break
         if hasattr(method, "on_step_start"):
             method.on_step_start(st.step)
@@ -139,7 +141,7 @@ def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, sch
             last_eval = evaluate(method, model, target, eval_data, acc, _measure_opts(cfg))
             logger.log(st.step, {f"eval/{k}": v for k, v in last_eval.items()})
         if (cfg.save_every and st.step % cfg.save_every == 0) or st.step == cfg.max_steps:
-            saver.save(st.step, _ckpt_state(st))
+            saver.save(st.step, _ckpt_state(st, cfg))
     return last_eval
 
 
@@ -161,8 +163,9 @@ def _peak_anon(st: _State) -> float | None:
     return max(seen) if seen else None
 
 
-def _ckpt_state(st: _State) -> dict[str, Any]:
-    return {"epoch": st.epoch, "pos": st.pos, "tokens": st.tokens, "train_s": st.train_s}
+def _ckpt_state(st: _State, cfg: TrainConfig) -> dict[str, Any]:
+    state = {"epoch": st.epoch, "pos": st.pos, "tokens": st.tokens, "train_s": st.train_s}
+    return {**state, "settings": cfg.settings} if cfg.settings else state
 
 
 def _optimizer_step(method, model, target, stream, cfg, acc, optimizer, params, st):
