@@ -16,16 +16,19 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from specheads.data.features import CollectOptions, collect_hidden_states
+from specheads.data.features import CollectOptions, check_collect_options, collect_hidden_states
 from specheads.data.prepare import check_prepared_matches, load_prepared
-from specheads.errors import ConfigError, renamed_setting, user_errors
+from specheads.errors import ConfigError, check_output_folder, renamed_setting, user_errors
+from specheads.evaluation.settings import check_number, check_numbers
 from specheads.overrides import check_command_line
 from specheads.hardware import machine_description, resolve_device
 from specheads.serving.engine import EngineRefusedError
 from specheads.targets import end_process_group, load_target
+from specheads.targets.chat_templates import resolve as resolve_chat_template
+from specheads.targets.loading import check_parallel
 from specheads.targets.parallel import leave_unless_first_rank
 from specheads.methods import build_method
-from specheads.methods.base import FeatureSpec
+from specheads.methods.base import FeatureSpec, FusedLayers
 try:  # the method/ group's schemas (conf/method/medusa*.yaml extend them)
     from specheads.recipes.train import register_configs
 except ModuleNotFoundError as e:  # an install older than the packaged recipes: recipes/ is sys.path[0]
@@ -63,17 +66,50 @@ def main(cfg: DictConfig) -> None:
     leave_unless_first_rank()  # after every rank wrote its shards: see specheads.targets.parallel
 
 
-def collect(cfg: DictConfig) -> None:
-    rank = int(os.environ.get("RANK", 0))
-    output_dir = renamed_setting("collect", "out_dir", "output_dir", cfg.out_dir) or cfg.output_dir
+ENGINES = ("hf", "vllm", "auto")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Every setting's range, with no file read and nothing loaded (``specheads run`` calls it before its first
+    stage; the folders, the target's layers and a store already in output_dir are checked when the stage starts)."""
     engine = cfg.get("engine", "hf")
-    if engine not in ("hf", "vllm", "auto"):
+    if engine not in ENGINES:
         raise ConfigError(f"engine={engine}: use hf (a transformers forward here), vllm (the engine venv's vLLM) or "
                           "auto (vllm where its venv exists)")
+    resolve_device(cfg.target.get("device", "cpu"), "target.device")
+    check_parallel(cfg.target.get("parallel", "none"))
+    check_number("target.tp_size", cfg.target.get("tp_size"), "?>= 0", integer=True,
+                  note="0 = the processes of a node")
+    check_collect_options(CollectOptions(**OmegaConf.to_container(cfg.collect, resolve=True)))
+    check_number("vllm.max_model_len", cfg.vllm.max_model_len, ">= 1", integer=True,
+                 note="at least the longest prepared row")
+    check_number("vllm.kv_cache_gib", cfg.vllm.kv_cache_gib, "?> 0")
+    check_number("vllm.tensor_parallel_size", cfg.vllm.tensor_parallel_size, ">= 1", integer=True)
+    method = OmegaConf.to_container(cfg.method, resolve=True)
+    if method.get("aux_layers") is not None:
+        check_numbers("method.aux_layers", method["aux_layers"], ">= 0", integer=True, allow_empty=False,
+                      note="inputs of decoder layers counted from 0 (null: the method's default for the target)")
+    built = build_method(method.pop("name"), **method)  # its constructor checks its own settings
+    layers_unknown = isinstance(built, FusedLayers) and built.aux_layers is None  # until the target is read
+    if not layers_unknown and built.feature_spec.online_only:
+        raise ConfigError(f"method={cfg.method.name} trains the target itself (online only): it has no features to "
+                          "collect; train it online (specheads train with prepared_dir and no features_dir; "
+                          "specheads run offline=false)")
+
+
+def collect(cfg: DictConfig) -> None:
+    check_config(cfg)  # before any work
+    rank = int(os.environ.get("RANK", 0))
+    output_dir = renamed_setting("collect", "out_dir", "output_dir", cfg.out_dir) or cfg.output_dir
+    check_output_folder(output_dir, "out_dir" if cfg.out_dir else "output_dir")
+    if cfg.target.get("chat_template"):  # a missing template file: one line now, not after the target loads
+        resolve_chat_template(cfg.target.chat_template)
+    engine = cfg.get("engine", "hf")
     auto = engine == "auto"
     if auto:
         engine = auto_engine(cfg)
     dataset, meta = load_prepared(cfg.prepared_dir)
+    check_before_loading(cfg, dataset, output_dir)
     captured = _captured_target(cfg, meta, output_dir, dataset, engine, rank) if cfg.get("captured", True) else None
     if captured is not None:
         target, spec = captured
@@ -92,6 +128,43 @@ def collect(cfg: DictConfig) -> None:
     finally:
         if hasattr(target, "close"):
             target.close()
+
+
+def described_target(name_or_path: str):
+    """The target built on the meta device from its folder's config.json (its layers and width, no weights read),
+    or None where that is not cheap and sure: a target that is no local model folder, or a config this
+    transformers cannot build (the loaded target's own checks then apply)."""
+    from specheads.planning import meta_target
+    from specheads.targets import resolve_target_path
+
+    path = Path(resolve_target_path(name_or_path))
+    if not (path / "config.json").is_file():
+        return None
+    try:
+        from transformers import AutoConfig
+
+        return meta_target(AutoConfig.from_pretrained(str(path)), str(name_or_path))
+    except Exception as e:  # noqa: BLE001 - an early check only: loading the target reports its own failure
+        log.debug("no early description of %s: %s", name_or_path, e)
+        return None
+
+
+def check_before_loading(cfg: DictConfig, dataset, output_dir: str) -> None:
+    """What can be refused before the target loads: aux layers the target lacks (its depth from config.json) and
+    a store in ``output_dir`` begun with another target, layers, dtype or data (its plan.json)."""
+    from specheads.data.features import check_store_plan, sample_lengths
+    from specheads.data.store import canonical_dtype
+
+    described = described_target(cfg.target.name_or_path)
+    spec = feature_spec(cfg.method, described) if described is not None else None
+    whole = cfg.collect.get("max_minutes") is None  # a time budget collects a share of the rows
+    check_store_plan(output_dir, target=str(cfg.target.name_or_path), dtype=canonical_dtype(cfg.collect.dtype),
+                     num_layers=described.num_layers if described is not None else None,
+                     hidden_size=described.hidden_size if described is not None else None,
+                     aux_layers=list(spec.aux_layers) if spec is not None else None,
+                     has_last=spec.need_last if spec is not None else None,
+                     num_samples=len(dataset) if whole else None,
+                     num_tokens=int(sum(sample_lengths(dataset))) if whole else None)
 
 
 def auto_engine(cfg: DictConfig) -> str:

@@ -6,17 +6,19 @@
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specheads.data.prepare import META_FILE
+from specheads.data.store import canonical_dtype
 from specheads.errors import ConfigError, user_errors
+from specheads.hardware import resolve_device
 from specheads.overrides import check_command_line
-from specheads.planning import format_plan, make_plan, target_config
+from specheads.planning import check_sizes, format_plan, make_plan, target_config
 
 log = logging.getLogger("specheads.plan")
 SHAREGPT_TOKENS_PER_SAMPLE = 1350  # packaged ShareGPT rendered for SmolLM2 at max_length 2048: 21.1M tokens / 15,689 chats
@@ -34,12 +36,51 @@ def tokens_per_sample(cfg: DictConfig) -> float:
     return float(SHAREGPT_TOKENS_PER_SAMPLE)
 
 
+def check_config(cfg: DictConfig) -> None:
+    """Every setting's range, with no file read and nothing loaded (the folders are checked when the plan starts)."""
+    plan = cfg.plan
+    counts = ("plan.num_samples", "plan.processes", "plan.probe_tokens", "plan.train_tokens", "collect.batch_tokens")
+    sizes = {name: OmegaConf.select(cfg, name) for name in (*counts, "plan.epochs", "plan.device_gib")}
+    if plan.tokens_per_sample is not None:  # null: the prepared set's mean, else ShareGPT's
+        sizes["plan.tokens_per_sample"] = plan.tokens_per_sample
+    check_sizes(sizes, counts)
+    canonical_dtype(cfg.collect.dtype)
+    if plan.get("engine") not in (None, "hf", "vllm"):
+        raise ConfigError(f"plan.engine={plan.engine}: use vllm (time vLLM's collection too) or leave it null")
+    resolve_device(plan.device, "plan.device")
+
+
+def check_paths(cfg: DictConfig) -> None:
+    """``plan.disk_dir`` names a folder (one that exists, or a relative one a stage makes under this one) and
+    ``plan.json`` a file whose folder can be written, before the probe runs."""
+    disk = cfg.plan.disk_dir
+    if disk is not None:
+        path = Path(disk).expanduser()
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"plan.disk_dir={disk} is a file: give the folder the store would go to (or null)")
+        if not path.exists() and path.is_absolute():
+            raise ConfigError(f"plan.disk_dir={disk} does not exist: give an existing folder on the filesystem the "
+                              "store would go to (its free space is compared), or null")
+    if cfg.plan.json:
+        out = Path(cfg.plan.json).expanduser()
+        if out.is_dir():
+            raise ConfigError(f"plan.json={cfg.plan.json} is a folder: give a file name, e.g. "
+                              f"plan.json={out / 'plan.json'}")
+        for place in out.parents:  # the nearest folder that exists takes the file (and the folders it needs)
+            if place.exists():
+                if not place.is_dir():
+                    raise ConfigError(f"plan.json={cfg.plan.json} is inside {place}, which is a file: give a file "
+                                      "name in a folder")
+                if not os.access(place, os.W_OK | os.X_OK):
+                    raise ConfigError(f"plan.json={cfg.plan.json}: {place} is not writable here: give a file in a "
+                                      "folder you can write to")
+                break
+
+
 def run(cfg: DictConfig):
-    device = cfg.plan.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"plan.device={device}: this machine has no CUDA device; use plan.device=cpu or auto")
+    check_config(cfg)
+    check_paths(cfg)
+    device = resolve_device(cfg.plan.device, "plan.device")
     method = OmegaConf.to_container(cfg.method, resolve=True)
     target = OmegaConf.to_container(cfg.target, resolve=True)
     config = target_config(target["name_or_path"], target.get("architecture"))
@@ -53,7 +94,9 @@ def run(cfg: DictConfig):
                      engine_python=cfg.plan.get("engine_python"))
     print(format_plan(plan))
     if cfg.plan.json:
-        Path(cfg.plan.json).write_text(json.dumps(plan.to_dict(), indent=1))
+        out = Path(cfg.plan.json).expanduser()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(plan.to_dict(), indent=1))
     return plan
 
 

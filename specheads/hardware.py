@@ -53,10 +53,32 @@ def peak_tflops(device_name: str, dtype: str) -> float | None:
     return None
 
 
-def resolve_device(device: str | torch.device | None) -> str:
-    """``auto`` (or None): ``cuda`` when a GPU is present, else ``cpu``; anything else as given."""
+def resolve_device(device: str | torch.device | None, setting: str = "target.device") -> str:
+    """``auto`` (or None): ``cuda`` when a GPU is present, else ``cpu``; ``cpu``, ``cuda`` or ``cuda:N`` as given,
+    once this machine is known to have it. Anything else is a ``ConfigError`` naming ``setting``, raised here, where
+    every stage resolves its device, before a target loads."""
+    from specheads.errors import ConfigError
+
     if device is None or str(device) == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        kind = None
+    backend = getattr(torch, kind.type, None) if kind is not None else None  # torch.mps, torch.xpu, ...
+    if kind is not None and kind.type not in ("cpu", "cuda") and getattr(backend, "is_available", lambda: False)():
+        return str(device)  # another accelerator torch has here: the stages were not tried on it, but it is one
+    if kind is None or kind.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{setting}={device}: not a device here; use auto (a GPU when present, else the CPU), "
+                          "cpu, cuda or cuda:N")
+    if kind.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{setting}={device}: this machine has no CUDA device (torch.cuda.is_available() is "
+                              "False); use auto or cpu")
+        count = torch.cuda.device_count()
+        if kind.index is not None and kind.index >= count:
+            raise ConfigError(f"{setting}={device}: this machine has {count} CUDA device(s) (cuda:0..cuda:"
+                              f"{count - 1}); use auto, cuda or one of those")
     return str(device)
 
 

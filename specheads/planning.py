@@ -18,6 +18,7 @@ training's loss computes it again on the columns it needs (a draft vocabulary, o
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from collections import Counter
@@ -301,13 +302,26 @@ def stage_dtype(requested: str, target, device: str):
     return choose_dtype(str(requested), device, shapes=probe_shapes(linear_shapes(target.model)))
 
 
+def check_sizes(sizes: dict[str, Any], counts: tuple[str, ...] = ()) -> None:
+    """Refuse a size that is not a positive finite number (a whole one for the names in ``counts``): one
+    ``ConfigError`` naming each bad one as ``sizes`` names it."""
+    def ok(name, v):
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        return number and (name not in counts or float(v).is_integer())
+
+    bad = [f"{k}={v} (give {'a whole number >= 1' if k in counts else 'a number > 0'})"
+           for k, v in sizes.items() if not ok(k, v)]
+    if bad:
+        raise ConfigError(f"plan needs positive sizes: {', '.join(bad)}")
+
+
 def make_plan(*, target_name: str, config, method_name: str, method_settings: dict, dtype: str, store_dtype: str,
               num_samples: int, tokens_per_sample: float, epochs: float, batch_tokens: int, device: str,
               processes: int = 1, device_gib: float = 80.0, probe_tokens: int = 256, disk_dir: str | Path | None = None,
               train_tokens: int = 4096, engine: str | None = None, engine_python: str | None = None) -> Plan:
-    if num_samples <= 0 or tokens_per_sample <= 0 or epochs <= 0 or processes <= 0:
-        raise ConfigError(f"plan needs positive sizes: num_samples={num_samples}, tokens_per_sample="
-                          f"{tokens_per_sample}, epochs={epochs}, processes={processes}")
+    check_sizes({"num_samples": num_samples, "tokens_per_sample": tokens_per_sample, "epochs": epochs,
+                 "processes": processes, "device_gib": device_gib, "probe_tokens": probe_tokens,
+                 "train_tokens": train_tokens, "batch_tokens": batch_tokens})
     if engine not in (None, "hf", "vllm"):
         raise ConfigError(f"plan.engine={engine}: use vllm (time vLLM's collection too) or leave it null")
     store_dtype = canonical_dtype(store_dtype)

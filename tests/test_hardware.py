@@ -19,7 +19,31 @@ NO_GPU = not torch.cuda.is_available()
 @pytest.mark.skipif(not NO_GPU, reason="the CPU side of auto")
 def test_auto_device_is_the_cpu_without_a_gpu():
     assert resolve_device("auto") == "cpu" and resolve_device(None) == "cpu"
-    assert resolve_device("cuda:1") == "cuda:1" and resolve_device("cpu") == "cpu"
+    assert resolve_device("cpu") == "cpu" and resolve_device(torch.device("cpu")) == "cpu"
+
+
+@pytest.mark.skipif(not NO_GPU, reason="a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_a_cuda_device_without_cuda_is_one_line_naming_the_setting(device):
+    with pytest.raises(ConfigError, match=rf"^target.device={device}: this machine has no CUDA device \(torch.cuda"
+                                          r".is_available\(\) is False\); use auto or cpu$"):
+        resolve_device(device)
+    with pytest.raises(ConfigError, match=rf"^plan.device={device}: this machine has no CUDA device"):
+        resolve_device(device, "plan.device")
+
+
+@pytest.mark.parametrize("device", ["foo", "tpu", "meta", "cuda:x"])
+def test_a_device_that_is_none_here_names_the_ones_taken(device):
+    with pytest.raises(ConfigError, match=rf"^target.device={device}: not a device here; use auto .*cpu, cuda or "
+                                          "cuda:N$"):
+        resolve_device(device)
+
+
+@pytest.mark.skipif(NO_GPU, reason="needs a GPU")
+def test_a_cuda_index_past_the_machines_gpus_is_refused():
+    assert resolve_device("cuda") == "cuda" and resolve_device("cuda:0") == "cuda:0"
+    with pytest.raises(ConfigError, match=r"^target.device=cuda:99: this machine has \d+ CUDA device"):
+        resolve_device("cuda:99")
 
 
 def test_the_bfloat16_check_can_be_forced_either_way(monkeypatch):
@@ -109,3 +133,12 @@ def test_target_rows_in_bfloat16_score_a_float32_head_state():
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)
     assert column_logits(target, cols)(hidden.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("device, parallel, words", [("foo", "none", "target.device=foo: not a device here"),
+                                                     ("cpu", "foo", "target.parallel=foo: use one of none, tp")])
+def test_every_stage_loading_a_target_refuses_a_bad_device_before_reading_it(tmp_path, device, parallel, words):
+    from specheads.targets import load_target
+
+    with pytest.raises(ConfigError, match=f"^{words}"):
+        load_target(str(tmp_path / "no-such-model"), device=device, parallel=parallel)

@@ -33,6 +33,8 @@ from specheads.data.store import (
     StoreMismatchError, atomic_write_json, bytes_per_token, canonical_dtype, check_shard_file, decode_hidden,
     disk_slack, fits_on_disk, read_manifest, read_record, record_file, remove_stale_temps,
 )
+from specheads.errors import ConfigError
+from specheads.evaluation.settings import check_number
 from specheads.targets import Target, default_eagle3_layers
 from specheads.methods.base import ARGMAX_KEY, FeatureSpec
 from specheads.methods.losses import target_argmax
@@ -268,6 +270,42 @@ class CollectOptions:
     max_minutes: float | None = None  # a time budget: the prepared rows, in order, that fit it (``data.budget``)
 
 
+COLLECT_RULES = {"shard_bytes": (">= 1", "bytes per shard (sets its tokens)"),
+                 "shard_samples": (">= 1", "samples per shard at most"),
+                 "batch_tokens": (">= 1", "padded tokens per forward pass"),
+                 "max_batch_size": (">= 1", "samples per forward pass at most")}
+
+
+def check_collect_options(opts: CollectOptions) -> None:
+    """Every setting of ``opts`` in its range, named as the recipe's ``collect.<name>`` (a ``ConfigError`` with
+    the values it takes), before any work: a zero or negative size would plan one-row shards or no batches."""
+    canonical_dtype(opts.dtype)
+    for name, (rule, note) in COLLECT_RULES.items():
+        check_number(f"collect.{name}", getattr(opts, name), rule, integer=True, note=note)
+    check_number("collect.max_minutes", opts.max_minutes, "?> 0",
+                 note="a time budget in minutes; null collects every prepared row")
+    for name in ("check_disk", "verify_done", "estimate_time", "write", "progress"):
+        if not isinstance(getattr(opts, name), bool):
+            raise ConfigError(f"collect.{name}={getattr(opts, name)}: use true or false")
+    if not 0 <= opts.rank < opts.world_size:
+        raise ValueError(f"rank {opts.rank} is outside world_size {opts.world_size}")
+
+
+def check_store_plan(root: str | Path, **facts: Any) -> None:
+    """Refuse, before the target loads, to collect into ``root`` when it holds a store begun with other settings or
+    data. ``facts``: the keys of ``store_header`` known without the target (``target``, ``num_layers``,
+    ``hidden_size``, ``aux_layers``, ``has_last``, ``dtype``, ``num_samples``, ``num_tokens``); one that is None is
+    not compared (``open_plan`` compares the whole plan once the target is loaded)."""
+    try:
+        old = json.loads((Path(root) / PLAN).read_text())
+    except (OSError, ValueError):  # no store yet (or an unreadable plan: ``open_plan`` reports it)
+        return
+    diff = [f"{k} {old[k]} (now {v})" for k, v in facts.items() if v is not None and k in old and old[k] != v]
+    if diff:
+        raise StoreMismatchError(f"{root} holds a store begun with other settings or data (differs in: "
+                                 f"{'; '.join(diff)}); collect into a new output_dir or delete {root}")
+
+
 def plan_shards(lengths: Sequence[int], shard_tokens: int, shard_samples: int) -> list[list[int]]:
     """Sort samples by length (ties by index) and cut them into shards of at most ``shard_tokens``
     tokens and ``shard_samples`` samples. The plan depends only on the data, never on the process count."""
@@ -490,8 +528,7 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
     if spec.online_only:
         raise ValueError("this method trains the target itself (online_only); its features cannot be stored, "
                          "train it in online mode")
-    if not 0 <= opts.rank < opts.world_size:
-        raise ValueError(f"rank {opts.rank} is outside world_size {opts.world_size}")
+    check_collect_options(opts)
     root = Path(out_dir)
     tokens = TokenDataset(dataset)
     if opts.max_minutes is not None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from specheads.data.prepare import DataMismatchError
-from specheads.errors import UserError
+from specheads.errors import ConfigError, UserError
 
 STORE_FORMAT = "specheads.features/1"
 MANIFEST = "manifest.json"
@@ -76,11 +76,12 @@ def fits_on_disk(needed: int, free: int) -> bool:
     return needed + disk_slack(needed) <= free
 
 
-def canonical_dtype(name: str) -> str:
-    """'bf16' -> 'bfloat16' etc.; an unknown name is refused with the accepted ones."""
+def canonical_dtype(name: str, setting: str = "collect.dtype") -> str:
+    """'bf16' -> 'bfloat16' etc.; an unknown name is a ``ConfigError`` naming ``setting`` and the accepted ones."""
     name = DTYPE_ALIASES.get(str(name), str(name))
     if name not in STORE_DTYPES:
-        raise ValueError(f"unknown store dtype {name!r}; use one of {sorted(STORE_DTYPES)} (or bf16/fp16/fp8)")
+        raise ConfigError(f"{setting}={name}: unknown store dtype; use one of {', '.join(STORE_DTYPES)} (or bf16, "
+                          "fp16, fp8)")
     return name
 
 

@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from specheads.errors import ConfigError
 from specheads.hardware import RowsFor
 from specheads.targets.chat_templates import apply as apply_chat_template
 from specheads.targets.files import EMBEDDED_TARGET, TARGET_HINT, TargetLoadError, resolve_target_path
@@ -23,6 +24,15 @@ log = logging.getLogger(__name__)
 def load_tokenizer(name_or_path: str = EMBEDDED_TARGET, chat_template: str | None = None):
     """The target's tokenizer; ``chat_template`` (``specheads.targets.chat_templates``) replaces or adds its template."""
     return apply_chat_template(own_tokenizer(name_or_path), chat_template)
+
+
+def check_parallel(parallel: str | None) -> str:
+    """``target.parallel`` as ``load_target`` reads it (None: ``none``), or a ``ConfigError`` naming the modes."""
+    mode = str(parallel or "none").lower()
+    if mode not in PARALLEL_MODES:
+        raise ConfigError(f"target.parallel={parallel}: use one of {', '.join(PARALLEL_MODES)} (whole on "
+                          "target.device; tensor parallel under torchrun; the layers spread over this process's GPUs)")
+    return mode
 
 
 def load_target(
@@ -55,6 +65,7 @@ def load_target(
 
     from specheads.hardware import DTYPES, Choice, choose_dtype, cpu_bf16_supported, resolve_device
 
+    mode = check_parallel(parallel)
     device = resolve_device(device)
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
@@ -62,9 +73,6 @@ def load_target(
     # as set, or the GPU's answer; None: auto on the CPU, decided below on the model loaded in float32
     choice = None if dtype == "auto" and not on_gpu else choose_dtype(dtype, "cuda" if on_gpu else "cpu")
     dtype = DTYPES[choice.value] if choice else torch.float32
-    mode = str(parallel or "none").lower()
-    if mode not in PARALLEL_MODES:
-        raise ValueError(f"target.parallel={parallel!r}: use one of {', '.join(PARALLEL_MODES)}")
     kwargs, layout = split_kwargs(mode, tp_size, max_memory)
     path = resolve_target_path(name_or_path)
     try:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specheads.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 PARALLEL_MODES = ("none", "tp", "device_map")
@@ -126,7 +128,7 @@ def device_map_devices(num_devices: int, local_rank: int = 0, local_world: int =
         raise ValueError(f"local rank {local_rank} of {local_world}")
     mine = list(range(local_rank, num_devices, local_world))
     if not mine:
-        raise ValueError(f"{local_world} processes on this node but only {num_devices} devices: a device_map "
+        raise ConfigError(f"{local_world} processes on this node but only {num_devices} devices: a device_map "
                          f"target needs at least one device per process")
     return mine
 
@@ -150,7 +152,7 @@ def _tensor_parallel_kwargs(tp_size: int | None) -> tuple[dict, ParallelLayout]:
     processes of one node, LOCAL_WORLD_SIZE), the groups being plain replicas, and the layout."""
     rank, world = launch_rank_world()
     if world < 2:
-        raise ValueError("target.parallel=tp needs several processes (torchrun / accelerate launch, one per device); "
+        raise ConfigError("target.parallel=tp needs several processes (torchrun / accelerate launch, one per device); "
                          "a single process can split a target with target.parallel=device_map")
     tp = int(tp_size or os.environ.get("LOCAL_WORLD_SIZE", world))
     layout = ParallelLayout("tp", world, rank, tp)
