@@ -14,6 +14,7 @@ from specheads.data.prepare import PrepareConfig, check_prepare_output, prepare,
 from specheads.data.regenerate import RegenerateConfig
 from specheads.data.sources import check_sources
 from specheads.errors import user_errors
+from specheads.hardware import resolve_device
 from specheads.overrides import check_command_line
 from specheads.targets import Target, load_target, load_tokenizer
 
@@ -43,6 +44,7 @@ def check_config(cfg: DictConfig) -> PrepareConfig:
 def run(cfg: DictConfig) -> None:
     regen = cfg.get("regenerate")
     pcfg = check_config(cfg)
+    resolve_device(cfg.target.device)  # a device this machine lacks, though only regeneration loads the target
     check_prepare_output(cfg.output_dir)  # before the target loads: a folder it must not replace, a missing source
     check_sources(pcfg.source, pcfg.path, pcfg.parts)
     if regen and regen.get("engine"):  # vLLM answers: the config and tokenizer only, no weights read here

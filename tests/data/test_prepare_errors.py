@@ -172,3 +172,15 @@ def test_the_run_refuses_num_proc_below_one_before_its_first_stage(capsys):
     with pytest.raises(SystemExit) as e:
         p.check_stages(p.stage_arguments(["prepare.data.num_proc=0"]))
     assert e.value.code == 2 and "the prepare stage: data.num_proc=0: " in capsys.readouterr().err
+
+
+def test_a_device_this_machine_lacks_is_refused_before_preparing(tmp_path):
+    import torch
+
+    from tests.test_cli_errors import one_line, specheads
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    proc = specheads("prepare", "target.device=cuda", f"output_dir={tmp_path / 'out'}", cwd=tmp_path)
+    assert "target.device=cuda: this machine has no CUDA device" in one_line(proc, "prepare")
+    assert not (tmp_path / "out").exists()
