@@ -165,10 +165,12 @@ def to_configs(cfg: DictConfig) -> tuple[TrainConfig, OptimConfig, dict[str, Any
 
 
 def check_config(cfg: DictConfig) -> tuple[TrainConfig, OptimConfig, dict[str, Any]]:
-    """``to_configs`` with every setting's range checked, no file read and nothing loaded (``specheads run``
-    calls it before its first stage)."""
+    """``to_configs`` with every setting's range checked and the method built once from its settings (its
+    constructor refuses what it cannot take), no file read and nothing loaded (``specheads run`` calls it before
+    its first stage)."""
     tcfg, ocfg, mcfg = to_configs(cfg)
     check_settings(tcfg, ocfg, mcfg, OmegaConf.to_container(cfg.data, resolve=True))
+    build_method(**mcfg)
     return tcfg, ocfg, mcfg
 
 
