@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from specheads.data.features import CollectOptions, check_collect_options, collect_hidden_states
 from specheads.data.prepare import check_prepared_matches, load_prepared
 from specheads.errors import ConfigError, check_output_folder, renamed_setting, user_errors
-from specheads.evaluation.settings import check_number, check_numbers
+from specheads.ranges import check_number, check_numbers
 from specheads.overrides import check_command_line
 from specheads.hardware import machine_description, resolve_device
 from specheads.serving.engine import EngineRefusedError

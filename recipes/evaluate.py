@@ -32,7 +32,7 @@ from specheads.evaluation.inputs import (check_auto_shape, check_draft_model, ch
 from specheads.evaluation.prompts import BenchmarkSpec, check_benchmark_files, load_benchmarks
 from specheads.evaluation.report import write_report
 from specheads.evaluation.resume import EvalResume
-from specheads.evaluation.settings import check_number
+from specheads.ranges import check_number
 from specheads.evaluation.suite import (HEAD_MODEL_TYPES, EvalConfig, ServingProfiles, evaluate, head_source,
                                        plan_methods, verifier_for)
 from specheads.export.foreign import (FORMATS, check_format, foreign_format, formats_looked_for, read_foreign_head,

@@ -72,7 +72,7 @@ def prompt_set(cfg: DictConfig):
 
 def check_config(cfg: DictConfig) -> None:
     """Every setting's value, with no file read (``specheads run`` calls it before its first stage)."""
-    from specheads.evaluation.settings import check_choice, check_number
+    from specheads.ranges import check_choice, check_number
 
     check_number("num_speculative_tokens", cfg.num_speculative_tokens, ">= 1", integer=True)
     if cfg.engine not in ("offline", "endpoint"):

@@ -34,7 +34,7 @@ from specheads.data.store import (
     disk_slack, fits_on_disk, read_manifest, read_record, record_file, remove_stale_temps,
 )
 from specheads.errors import ConfigError
-from specheads.evaluation.settings import check_number
+from specheads.ranges import check_number
 from specheads.targets import Target, default_eagle3_layers
 from specheads.methods.base import ARGMAX_KEY, FeatureSpec
 from specheads.methods.losses import target_argmax
