@@ -1,6 +1,7 @@
 """A setting's value in its range, checked before any work: one ``ConfigError`` naming the setting as the user writes
 it (``temperatures``, ``collect.batch_tokens``, ``vllm.max_model_len``...) and the values it takes. Every stage's
-checks use these (evaluation's in ``evaluation/settings.py``, collection's, serve-eval's)."""
+checks use these (training's in ``training/config.py``, evaluation's in ``evaluation/settings.py``, collection's,
+serve-eval's)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any, Iterable
 
 from specheads.errors import ConfigError
 
-_RULES = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, ">= 2": lambda v: v >= 2}
+_RULES = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, ">= 2": lambda v: v >= 2,
+          "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 1)": lambda v: 0 <= v < 1}
 
 
 def check_number(setting: str, value: Any, rule: str, integer: bool = False, note: str = "") -> None:

@@ -161,13 +161,14 @@ def test_a_folder_without_config_json_is_not_a_target(fx, tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("optim.lr=-1", "optim.lr=-1.0 is out of range: give a number > 0"),
-    ("optim.weight_decay=-0.1", "optim.weight_decay=-0.1 is out of range: give a number >= 0"),
+    ("optim.lr=-1", "optim.lr=-1.0 is out of range: give a finite number > 0"),
+    ("optim.lr=inf", "optim.lr=inf is out of range: give a finite number > 0"),  # inf > 0 passed the old check
+    ("optim.weight_decay=-0.1", "optim.weight_decay=-0.1 is out of range: give a finite number >= 0"),
     ("optim.warmup_steps=-5", "optim.warmup_steps=-5 is out of range"),
-    ("train.max_steps=0", "train.max_steps=0 is out of range: give a number >= 1"),
-    ("data.batch_size=0", "data.batch_size=0 is out of range: give a number >= 1 (or null)"),
-    ("data.epochs=-1", "data.epochs=-1.0 is out of range: give a number > 0 (or null)"),
-    ("method.num_heads=0", "method.num_heads=0 is out of range: give a number >= 1"),
+    ("train.max_steps=0", "train.max_steps=0 is out of range: give an integer >= 1"),
+    ("data.batch_size=0", "data.batch_size=0 is out of range: give an integer >= 1 (or null)"),
+    ("data.epochs=-1", "data.epochs=-1.0 is out of range: give a finite number > 0 (or null)"),
+    ("method.num_heads=0", "method.num_heads=0 is out of range: give an integer >= 1"),
     ("train.resume=/no/such/step", "train.resume=/no/such/step: no such checkpoint folder"),
 ])
 def test_out_of_range_training_settings_are_one_line_before_work(fx, tmp_path, override, message):
@@ -175,6 +176,16 @@ def test_out_of_range_training_settings_are_one_line_before_work(fx, tmp_path, o
     line = one_line(specheads("train", "method=medusa1", *fx["target"], f"prepared_dir={fx['A']}",
                               f"output_dir={out}", *TRAIN_QUICK, override, cwd=tmp_path), "train")
     assert message in line
+    assert not out.exists()
+
+
+def test_a_float_count_of_a_method_without_a_schema_is_one_line_before_work(fx, tmp_path):
+    """EAGLE-3's settings have no typed schema, so method.ttt_steps=2.5 reached range(ttt_steps) mid-training."""
+    out = tmp_path / "train"
+    line = one_line(specheads("train", "method=eagle3", "method.draft_vocab_size=64", *fx["target"],
+                              f"prepared_dir={fx['A']}", f"output_dir={out}", *TRAIN_QUICK, "method.ttt_steps=2.5",
+                              cwd=tmp_path), "train")
+    assert line.endswith("method.ttt_steps=2.5 is out of range: give an integer >= 1")
     assert not out.exists()
 
 

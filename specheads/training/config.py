@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from specheads.errors import ConfigError, InputNotFoundError
+from specheads.ranges import check_choice, check_number
 
 
 class NonFiniteLossError(RuntimeError):
@@ -82,8 +83,6 @@ SCHEDULES = ("cosine", "constant")
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 WANDB_MODES = ("offline", "online", "disabled")
 ASYNC_CHECKPOINT = ("auto", "always", "never")
-_RULES = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, ">= 2": lambda v: v >= 2,
-          "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 1)": lambda v: 0 <= v < 1}
 
 # method settings (conf/method/*.yaml) with a range, whichever methods have them; "?" = null allowed
 METHOD_RULES = {
@@ -96,21 +95,20 @@ METHOD_RULES = {
 }
 DATA_RULES = {"max_tokens": "?>= 1", "batch_size": "?>= 1", "eval_samples": ">= 0", "eval_max_tokens": "?>= 1",
               "max_length": "?>= 2", "pad_to_multiple_of": ">= 1", "epochs": "?> 0"}
+# Counts that must be integers: a float there fails or goes wrong later (range(), slicing, tensor sizes, a step
+# count never reached exactly, DeepSpeed's micro-batch size). Other counts (warmup_steps, log_every, max_tokens...)
+# only meet comparisons, where a float does what it says.
+INTEGER_SETTINGS = frozenset({
+    "train.max_steps", "train.grad_accum", "train.keep_checkpoints", "train.onednn_cache", "train.measure_k",
+    "train.measure_fans", "data.batch_size", "data.eval_samples", "data.max_length", "data.pad_to_multiple_of",
+    *(f"method.{name}" for name in ("num_heads", "num_layers", "top_k", "lora_r", "draft_vocab_size", "ttt_steps",
+                                    "target_chunk", "head_chunk", "eval_steps", "block_size", "anchors",
+                                    "eval_anchors")),
+})
 
 
-def check_value(setting: str, value: Any, rule: str) -> None:
-    """Refuse ``value`` unless it is a number obeying ``rule`` (a key of ``_RULES``; a leading "?" lets null through)."""
-    optional = rule.startswith("?")
-    rule = rule.lstrip("?")
-    if value is None and optional:
-        return
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and _RULES[rule](value)):
-        raise ConfigError(f"{setting}={value} is out of range: give a number {rule}" + (" (or null)" if optional else ""))
-
-
-def check_choice(setting: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{setting}={value}: use one of {', '.join(choices)}")
+def _check(setting: str, value: Any, rule: str) -> None:
+    check_number(setting, value, rule, integer=setting in INTEGER_SETTINGS)
 
 
 def check_settings(train: TrainConfig, optim: OptimConfig, method: Mapping[str, Any], data: Mapping[str, Any]) -> None:
@@ -119,20 +117,20 @@ def check_settings(train: TrainConfig, optim: OptimConfig, method: Mapping[str, 
     ``method.num_heads``...), and ``train.resume``'s folder, before the target loads."""
     for name, rule in (("lr", "> 0"), ("weight_decay", ">= 0"), ("eps", "> 0"), ("warmup_steps", ">= 0"),
                        ("min_lr_ratio", "in [0, 1]")):
-        check_value(f"optim.{name}", getattr(optim, name), rule)
+        _check(f"optim.{name}", getattr(optim, name), rule)
     if len(optim.betas) != 2:
         raise ConfigError(f"optim.betas={list(optim.betas)}: give two numbers in [0, 1), e.g. [0.9, 0.95]")
     for beta in optim.betas:
-        check_value("optim.betas", beta, "in [0, 1)")
+        _check("optim.betas", beta, "in [0, 1)")
     check_choice("optim.schedule", optim.schedule, SCHEDULES)
     for name, rule in (("max_steps", ">= 1"), ("grad_accum", ">= 1"), ("max_grad_norm", "?> 0"),
                        ("log_every", ">= 1"), ("eval_every", ">= 0"), ("save_every", ">= 0"),
                        ("keep_checkpoints", ">= 0"),
                        ("max_minutes", "?> 0"), ("onednn_cache", "?>= 1"), ("malloc_trim_every", ">= 0"),
                        ("measure_prompts", ">= 0"), ("measure_k", ">= 1"), ("measure_tokens", ">= 1")):
-        check_value(f"train.{name}", getattr(train, name), rule)
+        _check(f"train.{name}", getattr(train, name), rule)
     for width in train.measure_fans:
-        check_value("train.measure_fans", width, ">= 1")
+        _check("train.measure_fans", width, ">= 1")
     check_choice("train.mixed_precision", train.mixed_precision, MIXED_PRECISION)
     check_choice("wandb.mode", train.wandb_mode, WANDB_MODES)
     check_choice("train.async_checkpoint", train.async_checkpoint, ASYNC_CHECKPOINT)
@@ -141,10 +139,10 @@ def check_settings(train: TrainConfig, optim: OptimConfig, method: Mapping[str, 
                                  f"under output_dir/checkpoints), never, or a step_* folder there")
     for name, rule in DATA_RULES.items():
         if name in data:
-            check_value(f"data.{name}", data[name], rule)
+            _check(f"data.{name}", data[name], rule)
     for name, rule in METHOD_RULES.items():
         if name in method:
-            check_value(f"method.{name}", method[name], rule)
+            _check(f"method.{name}", method[name], rule)
 
 
 def check_data_source(features_dir: str | None, prepared_dir: str | None) -> None:

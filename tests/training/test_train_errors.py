@@ -177,3 +177,44 @@ def test_checkpoint_and_log_counts(tmp_path, setting, value, ok):
         return
     with pytest.raises(ConfigError, match=rf"^train.{setting}={value} is out of range"):
         check_settings(cfg, OptimConfig(), {}, {})
+
+
+@pytest.mark.parametrize("where, setting, value", [
+    ("train", "max_steps", 2.5), ("train", "grad_accum", 1.5), ("train", "keep_checkpoints", 2.0),
+    ("train", "measure_k", 3.5), ("data", "batch_size", 2.5), ("data", "max_length", 32.5),
+    ("data", "pad_to_multiple_of", 8.0), ("method", "num_heads", 4.5), ("method", "ttt_steps", 2.5),
+    ("method", "block_size", 16.0),
+])
+def test_a_float_count_is_refused_in_one_line_naming_it(tmp_path, where, setting, value):
+    """Counts that feed range(), slices or tensor sizes (a 2.5-step run never reached its last step's save)."""
+    parts = {"train": TrainConfig(output_dir=str(tmp_path)), "optim": OptimConfig(), "method": {}, "data": {}}
+    if where == "train":
+        setattr(parts["train"], setting, value)
+    else:
+        parts[where][setting] = value
+    with pytest.raises(ConfigError) as e:
+        check_settings(parts["train"], parts["optim"], parts["method"], parts["data"])
+    said = str(e.value)
+    assert said.startswith(f"{where}.{setting}={value} is out of range: give an integer >= ") and "\n" not in said
+
+
+def test_counts_that_only_meet_comparisons_still_take_a_float(tmp_path):
+    cfg = TrainConfig(output_dir=str(tmp_path), log_every=2.5, measure_tokens=16.5)
+    check_settings(cfg, OptimConfig(warmup_steps=2.5), {"heads_warmup_steps": 1.5}, {"max_tokens": 512.5})
+
+
+@pytest.mark.parametrize("setting, value", [("lr", float("inf")), ("lr", float("nan")), ("eps", float("inf")),
+                                            ("weight_decay", float("inf"))])
+def test_a_non_finite_number_is_refused(tmp_path, setting, value):
+    """inf passed the old check (inf > 0); nan never did (nan > 0 is False)."""
+    with pytest.raises(ConfigError, match=rf"^optim\.{setting}={value} is out of range: give a finite number "):
+        check_settings(TrainConfig(output_dir=str(tmp_path)), OptimConfig(**{setting: value}), {}, {})
+
+
+def test_a_beta_and_a_ratio_keep_their_intervals(tmp_path):
+    train = TrainConfig(output_dir=str(tmp_path))
+    check_settings(train, OptimConfig(betas=(0.0, 0.999), min_lr_ratio=1.0), {"offpath_weight": 0.0}, {})
+    with pytest.raises(ConfigError, match=r"^optim\.betas=1\.0 is out of range: give a finite number in \[0, 1\)$"):
+        check_settings(train, OptimConfig(betas=(0.9, 1.0)), {}, {})
+    with pytest.raises(ConfigError, match=r"^method\.lk_weight=1\.5 is out of range: give a finite number in \[0, 1\]"):
+        check_settings(train, OptimConfig(), {"lk_weight": 1.5}, {})
