@@ -441,17 +441,20 @@ def eval_benches(data: dict) -> str:
     return "\n".join(lines).rstrip()
 
 
+FAMILY_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE", "dflash": "DFlash"}  # a trainer comparison's heading
+
+
 def trainer_comparisons(data: dict, peer: str) -> str:
-    """docs/benchmarks.md: the newest ``compare_<peer>.py --json`` record per machine, kind of budget (epochs or
-    minutes) and recipe (each trainer's extra flags: e.g. speculators' default recipe, or its head in our
+    """docs/benchmarks.md: the newest ``compare_<peer>.py --json`` record per drafter family, machine, kind of budget
+    (epochs or minutes) and recipe (each trainer's extra flags: e.g. speculators' default recipe, or its head in our
     architecture): training figures of both trainers per setting, then α / τ per domain of both heads."""
     seen, runs = set(), []
     for r in data.get("trainer_comparisons") or []:
         if r.get("peer", "speculators") != peer:
             continue
         st = r.get("settings") or {}
-        key = (r.get("machine"), tuple(sorted(r["budget"])), tuple(st.get("our_args") or ()),
-               tuple(st.get("their_args") or ()))
+        key = (r.get("method", "eagle3"), r.get("machine"), tuple(sorted(r["budget"])),
+               tuple(st.get("our_args") or ()), tuple(st.get("their_args") or ()))
         if key not in seen:
             seen.add(key)
             runs.append(r)
@@ -470,8 +473,15 @@ def _trainer_comparison(r: dict, peer: str) -> str:
     v = r.get("versions") or {}
     extra = "".join(f"; {who} also given {' '.join(f'`{a}`' for a in st[key])}"
                     for who, key in (("ours", "our_args"), (peer, "their_args")) if st.get(key))
-    lines = [f"{r['date']}, commit {_commit(r)}, {r['machine']}; target {r['target']}; {budget}; draft vocabulary "
-             f"{st['draft_vocab_size']}, {st['max_tokens']} tokens per batch, learning rate {st['lr']:g}, "
+    family = FAMILY_NAMES.get(r.get("method", "eagle3"), r.get("method"))
+    matched = "".join(f", {label} {st[key]}" for key, label in (("num_depths", "depths per forward"),
+                                                                  ("block_size", "block size"),
+                                                                  ("anchors", "blocks per row (ours)"),
+                                                                  ("mask_token_id", "mask token")) if key in st)
+    vocab = ("the target's whole vocabulary" if r.get("method") == "dflash"
+             else f"draft vocabulary {st['draft_vocab_size']}")
+    lines = [f"**{family}**: {r['date']}, commit {_commit(r)}, {r['machine']}; target {r['target']}; {budget}; "
+             f"{vocab}{matched}, {st['max_tokens']} tokens per batch, learning rate {st['lr']:g}, "
              f"{st['threads']} thread{'s' if st['threads'] != 1 else ''}{extra}; {peer} {v.get(peer, '?')}, "
              f"torch {v.get('torch', '?')}"
              + (f". {r['what']}" if r.get("what") else "") + (f" (`{r['run']}`)" if r.get("run") else "") + ":", "",

@@ -14,8 +14,9 @@
   peak per method) -> an entry of ``train_benches``, of ``scripts/bench/bench_evaluate.py`` (a decoding step's
   time split by phase per batch size, tree size and verification backend) -> an entry of ``eval_benches``;
 * the ``--json`` report of ``scripts/bench/compare_speculators.py``, ``compare_modelopt.py`` or
-  ``compare_specforge.py`` (our EAGLE-3 trainer and another toolkit's, its ``peer``, on one store: tokens/s, memory,
-  held-out figures and, with ``--evaluate``, α and τ per domain of both heads) -> an entry of ``trainer_comparisons``
+  ``compare_specforge.py`` (our trainer and another toolkit's for one drafter family, its ``peer``, on one store:
+  tokens/s, memory, held-out figures and, with ``--evaluate``, α and τ per domain of both heads) -> an entry of
+  ``trainer_comparisons``
   (``trainer_compare_entry``: the figures, not the commands or log paths).
 
 Every entry carries ``commit`` (``git rev-parse HEAD`` of the checkout it was measured in), ``dirty`` (whether
@@ -232,7 +233,8 @@ def _round(x, nd: int):
 
 def trainer_compare_entry(report: dict) -> dict:
     """A ``trainer_comparisons`` entry from a ``compare_<peer>.py --json`` report: the peer toolkit (``peer``; a
-    report without one is compare_speculators.py's, kind ``speculators_compare``), the budget and settings, the
+    report without one is compare_speculators.py's, kind ``speculators_compare``), the drafter family both trainers
+    trained (``method``; EAGLE-3 where the report names none), the budget and settings, the
     store's training rows, and per run (setting x trainer) its training figures, held-out figures, the
     evaluator's α / τ per domain for each shape and, where served, the engine's τ per domain (rounded: 4 places
     for α and τ, whole tokens/s and MiB)."""
@@ -241,7 +243,8 @@ def trainer_compare_entry(report: dict) -> dict:
         raise RecordError(f"a trainer comparison against {peer!r}: the peers recorded are {', '.join(PEERS)}")
     try:
         runs = [_compare_run(r) for r in report["runs"]]
-        return {"kind": "trainer_compare", "peer": peer, "machine": report.get("machine"), "target": report["target"],
+        return {"kind": "trainer_compare", "peer": peer, "method": report.get("method", "eagle3"),
+                "machine": report.get("machine"), "target": report["target"],
                 "versions": report.get("versions"), "budget": report["budget"], "settings": report["settings"],
                 "store": report.get("store"), "evaluation": report.get("evaluation"),
                 "serving": report.get("serving"), "runs": runs}

@@ -78,6 +78,70 @@ def test_an_equal_token_budget_sets_epochs_on_both_trainers_and_no_clock():
     assert bench.theirs_flags(timed, "float32", 3, data, Path("out"))[theirs.index("--epochs") + 1] == "1000"
 
 
+DATA = {"data_path": "d", "hidden_states_path": "h", "aux_layers": [2, 15, 27], "train_data_ratio": 0.97,
+        "num_train": 400, "train_tokens": 200000}  # rows of 500 tokens on average: about 4 per 2048-token batch
+
+
+def _family(method: str, *extra: str):
+    args = bench.parse_args(["--features", "f", "--prepared", "p", "--epochs", "1", "--method", method, *extra])
+    args.mask_token = 7
+    return args, bench.ours_command(args, "bfloat16", 1, Path("out")), bench.theirs_flags(args, "bfloat16", 1, DATA,
+                                                                                          Path("out"))
+
+
+def _flag(flags: list[str], name: str) -> str:
+    return flags[flags.index(name) + 1]
+
+
+def test_p_eagle_both_trainers_train_one_architecture_the_evaluator_decodes():
+    args, ours, theirs = _family("peagle", "--num-depths", "5")
+    assert args.settings == ["bfloat16"] and bench.setting_label(args, "bfloat16", 1) == "bfloat16"
+    assert {"method=peagle", "method.num_depths=5", "method.mask_token_id=7", "method.draft_vocab_size=4096",
+            "method.freeze_lm_head=true", "method.num_layers=1"} <= set(ours)
+    assert not any(a.startswith("method.ttt_steps") for a in ours)
+    assert (_flag(theirs, "--speculator-type"), _flag(theirs, "--num-depths"), _flag(theirs, "--mask-token-id"),
+            _flag(theirs, "--draft-vocab-size"), _flag(theirs, "--draft-arch"),
+            _flag(theirs, "--full-attention-indices")) == ("peagle", "5", "7", "4096", "llama", "0")
+    assert {"--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output"} <= set(theirs)
+    assert _flag(theirs, "--max-anchors") == "2048" and "--ttt-steps" not in theirs
+
+
+def test_dflash_both_trainers_use_the_whole_vocabulary_d_pace_and_as_many_blocks_per_token():
+    args, ours, theirs = _family("dflash", "--anchors", "16", "--block-size", "4")
+    assert {"method=dflash", "method.block_size=4", "method.loss=dpace", "method.anchors=16",
+            "method.mask_token_id=7", "method.num_layers=1"} <= set(ours)
+    assert not any(a.startswith(("method.draft_vocab_size", "method.ttt_steps", "method.freeze")) for a in ours)
+    assert "--draft-vocab-size" not in theirs and "--no-sample-from-anchor" in theirs
+    assert (_flag(theirs, "--block-size"), _flag(theirs, "--per-position-loss-weight"), _flag(theirs, "--loss-fn"),
+            _flag(theirs, "--full-attention-indices")) == ("4", "dpace", "ce", "0")
+    # 16 blocks per 500-token row of ours: 16 x 2048 / 500 per packed 2048-token row of theirs
+    assert _flag(theirs, "--max-anchors") == str(round(16 * 2048 / 500))
+
+
+def test_a_family_without_ttt_steps_refuses_a_ttt_setting():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--features", "f", "--prepared", "p", "--method", "dflash", "--settings", "bfloat16:3"])
+    assert bench.parse_args(["--features", "f", "--prepared", "p"]).settings == ["float32:3", "bfloat16:3"]
+
+
+@pytest.mark.skipif(MISSING is not None, reason=f"speculators not importable: {MISSING}")
+@pytest.mark.parametrize("method", ["peagle", "dflash"])
+def test_speculators_reads_the_family_flags_as_the_architecture_ours_trains(method):
+    from speculators.train.config import TrainConfig
+
+    _, _, theirs = _family(method)
+    config = TrainConfig.resolve(theirs).model_dump()
+    draft = config["draft"]
+    assert (config["speculator_type"], draft["num_layers"], draft["full_attention_indices"], draft["mask_token_id"]) \
+        == (method, 1, [0], 7)
+    if method == "peagle":
+        assert draft["draft_arch"] == "llama" and draft["draft_vocab_size"] == 4096
+        assert not (draft["norm_before_residual"] or draft["norm_before_fc"] or draft["norm_output"])
+    else:
+        assert draft["draft_vocab_size"] is None and config["dflash"]["block_size"] == 8
+        assert config["dflash"]["per_position_loss_weight"] == "dpace"
+
+
 def test_both_heads_are_evaluated_on_the_main_jobs_prompts_in_the_same_shapes():
     from omegaconf import OmegaConf
 

@@ -305,7 +305,7 @@ def test_a_speculators_comparison_is_recorded_without_commands_and_rendered(tmp_
     record(_write(tmp_path, "minutes.json", _compare_report(budget={"minutes": 2.5}, runs=[
         {**r, "eval": None} for r in _compare_report()["runs"]])), results, CHECKOUT, date="2099-01-02")
     text = rt.trainer_comparisons(rt.load(results), "speculators")
-    assert text.startswith("2099-01-02") and "2.5 minutes of training each" in text and text.count("Acceptance") == 1
+    assert text.startswith("**EAGLE-3**: 2099-01-02") and "2.5 minutes of training each" in text and text.count("Acceptance") == 1
     assert "No record yet" in rt.trainer_comparisons({"runs": []}, "speculators")
     other = _compare_report()
     other["runs"][1]["eval"] = {**other["runs"][1]["eval"], "target_dtype": "bfloat16"}
@@ -315,7 +315,29 @@ def test_a_speculators_comparison_is_recorded_without_commands_and_rendered(tmp_
     default["settings"] = {**default["settings"], "their_args": []}
     record(_write(tmp_path, "default.json", default), results, CHECKOUT, date="2099-01-04")
     text = rt.trainer_comparisons(rt.load(results), "speculators")
-    assert text.startswith("2099-01-04") and "2099-01-03" in text and text.count("speculators also given") == 2
+    assert text.startswith("**EAGLE-3**: 2099-01-04") and "2099-01-03" in text
+    assert text.count("speculators also given") == 2
+
+
+def test_a_comparison_of_another_family_is_its_own_record_beside_eagle3s(tmp_path, results):
+    """compare_speculators.py --method peagle|dflash: the family heads its record and keeps it from replacing the
+    newest EAGLE-3 one (same machine, budget and flags); the family's matched settings are named."""
+    rt, _ = _results_tables()
+    record(_write(tmp_path, "eagle3.json", _compare_report()), results, CHECKOUT, date="2099-01-01")
+    for method, extra in (("peagle", {"num_depths": 4, "mask_token_id": 2}),
+                          ("dflash", {"block_size": 8, "anchors": 32, "mask_token_id": 2})):
+        report = _compare_report(method=method)
+        report["settings"] = {**report["settings"], **extra}
+        report["runs"] = [{**r, "setting": "bfloat16"} for r in report["runs"]]
+        entry = record(_write(tmp_path, f"{method}.json", report), results, CHECKOUT, date="2099-01-02")
+        assert entry["method"] == method
+    entries = rt.load(results)["trainer_comparisons"]
+    assert [e["method"] for e in entries] == ["dflash", "peagle", "eagle3"]
+    text = rt.trainer_comparisons(rt.load(results), "speculators")
+    assert text.index("**DFlash**: 2099-01-02") < text.index("**P-EAGLE**: 2099-01-02") < text.index("**EAGLE-3**")
+    assert "the target's whole vocabulary, block size 8, blocks per row (ours) 32, mask token 2, 2048 tokens" in text
+    assert "draft vocabulary 4096, depths per forward 4, mask token 2, 2048 tokens per batch" in text
+    assert "| bfloat16 | ours (specheads) |" in text
 
 
 def test_each_peers_comparison_is_rendered_in_its_own_section(tmp_path, results):

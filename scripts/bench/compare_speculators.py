@@ -63,15 +63,34 @@ by default with a sliding-window draft layer (window 2048) and three normalisati
 ``method.norm_*``, off in our defaults), so their default recipe is evaluated as it is. ``--their-arg=--no-norm-...``
 and ``--their-arg=--full-attention-indices=0`` give their head the original EAGLE-3 architecture, ours, so that the
 trainers differ only in how they train it.
+``--method peagle`` and ``--method dflash`` compare speculators' P-EAGLE and DFlash trainers with ours on the same
+store (both read EAGLE-3's three fused layers and the last state; each setting is then ``DTYPE``, no TTT steps). Both
+trainers get one architecture, the one our evaluator decodes and vLLM serves: one Llama-style full-attention layer
+and none of speculators' three normalisations for P-EAGLE (``--draft-arch llama --full-attention-indices 0
+--no-norm-before-residual --no-norm-before-fc --no-norm-output``), ``--num-depths`` tokens per forward, the draft
+vocabulary, a frozen LM head; one full-attention Qwen3-style layer for DFlash, blocks of ``--block-size``, the
+target's whole vocabulary (our DFlash has no reduced one), D-PACE weights (their default; ``method.loss=dpace``
+here), ``--anchors`` blocks per row for ours and as many per packed row of theirs (their ``--max-anchors``: ours
+times the rows a 2048-token batch holds on average). The masked slots read one token for both (our default
+mask-token rule, given to theirs as ``--mask-token-id``). Ours starts from the target's highest fused layer and LM
+head rows as the main job does (P-EAGLE; DFlash: a random layer, as the main job's); speculators starts its layers
+at random. Differences no flag removes: P-EAGLE's loss (theirs one mean over every sampled depth, ours one mean per
+depth, summed), its anchors (theirs assistant positions only) and ``mask_hidden``'s starting scale; DFlash's anchor
+rule (theirs needs the anchor itself in the loss mask, ours the token after it). speculators 0.9's P-EAGLE trains the
+token embedding whatever ``--embed-requires-grad`` says (its ``from_training_args`` drops the flag), which would
+give a head whose embedding is no longer the target's: the child freezes it (patch 5 below), as EAGLE-3's flag does.
+Their held-out figure is ``position_0_acc`` (P-EAGLE: depth 0) or ``position_1_acc`` (DFlash: the first drafted
+slot), beside our ``step0_acc`` of the same slot.
+
 Prints the exact command of every run, one JSON line per run and tables. ``--json`` writes a report that
 ``specheads record`` files under ``trainer_comparisons`` (peer speculators) in docs/benchmarks.json.
 
 speculators 0.9 assumes an accelerator; its run here (``--theirs-child``, in this file) patches, at run
 time and only in that process: the device the trainer moves the model and batches to (``cpu`` instead of
 ``get_local_rank()``, i.e. cuda:0), the autocast device type (``cpu`` instead of its ``cuda`` fallback),
-``torch.accelerator.synchronize`` (a no-op without an accelerator; their step timer calls it), and the
+``torch.accelerator.synchronize`` (a no-op without an accelerator; their step timer calls it), the
 draft's ``verifier_norm`` (identity: our store holds the target's post-norm last state, vLLM's
-pre-norm one). Documented flags pick CPU-capable paths: ``--draft-attn-impl sdpa`` (flex attention
+pre-norm one) and, for P-EAGLE, the embedding's gradient (off). Documented flags pick CPU-capable paths: ``--draft-attn-impl sdpa`` (flex attention
 is compiled only on CUDA), ``--loss-implementation eager`` (the fused loss is a Triton kernel),
 ``--num-workers 0`` (one process, like ours; the sampled memory is then the whole run's). When the time
 budget ends their run, the child saves its checkpoint and runs their validation pass first, as their
@@ -96,6 +115,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CONVERT_FORMAT = "specheads.compare_speculators/1"
+METHODS = ("eagle3", "peagle", "dflash")  # the families both trainers train here (speculators' --speculator-type)
 
 
 def common_arguments(description: str) -> argparse.ArgumentParser:
@@ -136,13 +156,25 @@ def checked_args(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.reuse and not (args.features and args.prepared):
         p.error("--features and --prepared are required (unless --reuse)")
+    if hasattr(args, "method"):
+        if args.settings is None:
+            args.settings = ["float32:3", "bfloat16:3"] if args.method == "eagle3" else ["bfloat16"]
+        for text in args.settings:
+            if args.method != "eagle3" and parse_setting(text)[1] != 1:
+                p.error(f"--settings {text}: {args.method} has no TTT steps; give the dtype alone")
     return args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = common_arguments(__doc__)
-    p.add_argument("--settings", nargs="+", default=["float32:3", "bfloat16:3"], metavar="DTYPE:TTT",
-                   help="float32|bfloat16 and TTT steps, each trained by both (default: float32:3 bfloat16:3)")
+    p.add_argument("--method", choices=METHODS, default="eagle3", help="the drafter family both trainers train")
+    p.add_argument("--settings", nargs="+", default=None, metavar="DTYPE:TTT",
+                   help="float32|bfloat16 and TTT steps (EAGLE-3; DTYPE alone for the others), each trained by both "
+                        "(default: float32:3 bfloat16:3; bfloat16 for P-EAGLE and DFlash)")
+    p.add_argument("--num-depths", type=int, default=4, help="P-EAGLE: tokens one forward drafts (both)")
+    p.add_argument("--block-size", type=int, default=8, help="DFlash: the block, the anchor and B-1 drafts (both)")
+    p.add_argument("--anchors", type=int, default=32,
+                   help="DFlash: blocks per row (ours); theirs gets as many per packed row of --max-tokens")
     p.add_argument("--minutes", type=float, default=2.5, help="training time per run (sum of step times)")
     p.add_argument("--epochs", type=int, default=None,
                    help="train N passes over the same training rows instead (equal tokens; --minutes unused)")
@@ -302,10 +334,41 @@ def rates(steps: list[dict], skip: int) -> dict:
 
 
 def parse_setting(text: str) -> tuple[str, int]:
+    """``DTYPE:TTT`` -> (dtype, TTT steps); ``DTYPE`` alone is one step (the families without a TTT unroll)."""
     dtype, _, ttt = text.partition(":")
+    ttt = ttt or "1"
     if dtype not in ("float32", "bfloat16") or not ttt.isdigit() or int(ttt) < 1:
         raise SystemExit(f"--settings {text!r}: expected float32:N or bfloat16:N with N >= 1")
     return dtype, int(ttt)
+
+
+def method_of(args) -> str:
+    """The family a run trains (the other compare_<peer>.py scripts and older reports: EAGLE-3)."""
+    return getattr(args, "method", None) or "eagle3"
+
+
+def setting_label(args, dtype: str, ttt: int) -> str:
+    """A setting's name in the runs, the tables and the record: ``bfloat16:ttt3`` for EAGLE-3, the dtype alone
+    for a family without TTT steps."""
+    return f"{dtype}:ttt{ttt}" if method_of(args) == "eagle3" else dtype
+
+
+def run_folder(args, trainer: str, dtype: str, ttt: int) -> str:
+    return f"{trainer}-{setting_label(args, dtype, ttt).replace(':', '-')}"
+
+
+def mask_token(target: str) -> int:
+    """The token the masked slots read (P-EAGLE, DFlash): our default rule, given to both trainers."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specheads.models.dflash import default_mask_token
+    from specheads.targets import resolve_target_path
+
+    path = resolve_target_path(target)
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    return default_mask_token(SimpleNamespace(vocab_size=vocab, tokenizer=AutoTokenizer.from_pretrained(path)))
 
 
 def env_for(args) -> dict:
@@ -314,11 +377,26 @@ def env_for(args) -> dict:
             "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 
+def our_method_overrides(args, ttt: int) -> list[str]:
+    """Our method's settings for the family compared (the module doc says what each matches)."""
+    method = method_of(args)
+    if method == "dflash":
+        return ["method=dflash", "method.num_layers=1", f"method.block_size={args.block_size}", "method.loss=dpace",
+                "method.labels=target", f"method.anchors={args.anchors}", f"method.mask_token_id={args.mask_token}",
+                "method.init_layer_from_target=false"]
+    vocab = [f"method.draft_vocab_size={args.draft_vocab_size}", "method.init_layer_from_target=true",
+             "method.init_lm_head_from_target=true", "method.freeze_lm_head=true"]
+    if method == "peagle":
+        return ["method=peagle", "method.num_layers=1", f"method.num_depths={args.num_depths}",
+                f"method.mask_token_id={args.mask_token}", *vocab]
+    return ["method=eagle3", f"method.ttt_steps={ttt}", *vocab]
+
+
 def ours_command(args, dtype: str, ttt: int, out: Path) -> list[str]:
     exe = Path(sys.executable).with_name("specheads")
     head = [str(exe)] if exe.exists() else [sys.executable, "-m", "specheads.cli"]
     return head + [
-        "train", f"target.name_or_path={args.target}", "target.dtype=float32", "target.device=cpu", "method=eagle3",
+        "train", f"target.name_or_path={args.target}", "target.dtype=float32", "target.device=cpu",
         f"output_dir={out}", f"prepared_dir={Path(args.prepared).resolve()}",
         f"features_dir={Path(args.features).resolve()}", f"seed={args.seed}",
         f"optim.lr={args.lr}", f"optim.warmup_steps={args.warmup_steps}", "train.max_steps=1000000",
@@ -326,13 +404,11 @@ def ours_command(args, dtype: str, ttt: int, out: Path) -> list[str]:
         f"train.mixed_precision={'bf16' if dtype == 'bfloat16' else 'no'}",
         "train.eval_every=0", "train.save_every=0", "train.measure_prompts=0", "train.progress=false",
         "train.resume=never", "wandb.mode=disabled", f"data.max_tokens={args.max_tokens}",
-        f"data.eval_samples={args.eval_samples}", f"method.draft_vocab_size={args.draft_vocab_size}",
-        f"method.ttt_steps={ttt}", "method.init_layer_from_target=true", "method.init_lm_head_from_target=true",
-        "method.freeze_lm_head=true", *args.our_arg]
+        f"data.eval_samples={args.eval_samples}", *our_method_overrides(args, ttt), *args.our_arg]
 
 
 def run_ours(args, dtype: str, ttt: int, root: Path) -> dict:
-    out = root / f"ours-{dtype}-ttt{ttt}"
+    out = root / run_folder(args, "ours", dtype, ttt)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     cmd = ours_command(args, dtype, ttt, out)
@@ -353,24 +429,40 @@ def run_ours(args, dtype: str, ttt: int, root: Path) -> dict:
             "self_reported": {k: summary.get(k) for k in ("steps", "tokens_per_s", "peak_rss_mb", "peak_anon_mb")}}
 
 
+def their_method_flags(args, ttt: int, data: dict) -> list[str]:
+    """speculators' flags for the family compared: the architecture ours trains (the module doc)."""
+    method = method_of(args)
+    vocab = ["--draft-vocab-size", str(args.draft_vocab_size)]
+    if method == "dflash":  # the whole vocabulary (no --draft-vocab-size), as ours
+        per_row = args.max_tokens / max(data["train_tokens"] / max(data["num_train"], 1), 1)
+        return ["--block-size", str(args.block_size), "--full-attention-indices", "0",
+                "--mask-token-id", str(args.mask_token), "--no-sample-from-anchor", "--loss-fn", "ce",
+                "--per-position-loss-weight", "dpace", "--max-anchors", str(max(1, round(args.anchors * per_row)))]
+    if method == "peagle":  # no cap on the anchors (ours: none), Llama's layer, none of the three norms
+        return [*vocab, "--num-depths", str(args.num_depths), "--down-sample-ratio", "0.7",
+                "--down-sample-ratio-min", "0.2", "--max-anchors", str(args.max_tokens), "--draft-arch", "llama",
+                "--full-attention-indices", "0", "--no-norm-before-residual", "--no-norm-before-fc",
+                "--no-norm-output", "--mask-token-id", str(args.mask_token)]
+    return [*vocab, "--ttt-steps", str(ttt), "--ttt-step-loss-decay", "0.8"]
+
+
 def theirs_flags(args, dtype: str, ttt: int, data: dict, out: Path) -> list[str]:
     from specheads.targets import resolve_target_path
 
     return [
-        "--speculator-type", "eagle3", "--verifier-name-or-path", str(resolve_target_path(args.target)),
+        "--speculator-type", method_of(args), "--verifier-name-or-path", str(resolve_target_path(args.target)),
         "--data-path", data["data_path"], "--hidden-states-path", data["hidden_states_path"],
-        "--target-layer-ids", *map(str, data["aux_layers"]), "--draft-vocab-size", str(args.draft_vocab_size),
+        "--target-layer-ids", *map(str, data["aux_layers"]), *their_method_flags(args, ttt, data),
         "--num-layers", "1", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
         "--total-seq-len", str(args.max_tokens), "--hidden-states-dtype", dtype,
         "--train-data-ratio", repr(data["train_data_ratio"]), "--num-workers", "0", "--on-missing", "raise",
         "--optimizer", "adamw", "--lr", str(args.lr), "--weight-decay", "0", "--scheduler-type", "cosine",
-        "--scheduler-warmup-steps", str(args.warmup_steps), "--ttt-steps", str(ttt), "--ttt-step-loss-decay", "0.8",
-        "--epochs", str(args.epochs or 1000), "--seed", str(args.seed), "--save-path", str(out / "checkpoints"),
+        "--scheduler-warmup-steps", str(args.warmup_steps), "--epochs", str(args.epochs or 1000), "--seed", str(args.seed), "--save-path", str(out / "checkpoints"),
         "--log-dir", str(out / "logs"), *args.their_arg]
 
 
 def run_theirs(args, dtype: str, ttt: int, root: Path, data: dict) -> dict:
-    out = root / f"theirs-{dtype}-ttt{ttt}"
+    out = root / run_folder(args, "theirs", dtype, ttt)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     steps_path = out / "steps.jsonl"
@@ -384,7 +476,8 @@ def run_theirs(args, dtype: str, ttt: int, root: Path, data: dict) -> dict:
     val = json.loads((out / "val.json").read_text()) if (out / "val.json").exists() else None
     return {**result, **rates(steps, args.skip_steps), "command": cmd, "log": str(out.parent / f"{out.name}.log"),
             "first_loss": steps[0]["loss"] if steps else None, "last_loss": steps[-1]["loss"] if steps else None,
-            "heldout": {"loss": val.get("loss_epoch"), "full_acc_step0": val.get("full_acc_0_epoch")} if val else None,
+            "heldout": {"loss": val.get("loss_epoch"), "full_acc_step0": val.get(HELDOUT_KEY[method_of(args)])}
+            if val else None,
             "head_dir": last_checkpoint(out / "checkpoints")}
 
 
@@ -392,6 +485,10 @@ def last_checkpoint(folder: Path) -> str | None:
     """speculators' newest epoch folder (``<save-path>/<epoch>``, config.json + model.safetensors), if any."""
     epochs = [d for d in folder.glob("*") if d.name.isdigit() and (d / "config.json").exists()] if folder.is_dir() else []
     return str(max(epochs, key=lambda d: int(d.name))) if epochs else None
+
+
+# their validation figure of the first drafted token: EAGLE-3's step 0, P-EAGLE's depth 0, DFlash's slot 1
+HELDOUT_KEY = {"eagle3": "full_acc_0_epoch", "peagle": "position_0_acc_epoch", "dflash": "position_1_acc_epoch"}
 
 
 class BudgetReached(Exception):
@@ -414,17 +511,20 @@ def theirs_child(steps_path: str, minutes: float, flags: list[str]) -> None:
         torch.accelerator.synchronize = lambda *a, **k: None
     budget, log = 60 * minutes if minutes > 0 else float("inf"), open(steps_path, "w")
     val_path = Path(steps_path).with_name("val.json")
+    kind = flags[flags.index("--speculator-type") + 1]
 
     class BenchTrainer(trainer_mod.Trainer):
         def __init__(self, model, config, train_loader, val_loader=None):
             # Patch 3: our store holds the target's post-norm last state (vLLM hands over the pre-norm
             # one, which the draft normalises with the target's norm before the verifier lm_head).
             model.verifier_norm = torch.nn.Identity()
+            if kind == "peagle":  # Patch 5: PEagleDraftModel trains the target's embedding whatever the flag says
+                model.embed_tokens.weight.requires_grad_(False)
             forward = model.forward
 
             def counted(**batch):  # real tokens: each packed sample lost its first token to shift_batch
-                doc = batch["document_ids"]
-                self._tokens = int((doc >= 0).sum()) + int(doc.max()) + 1
+                doc = batch["document_ids"]  # (but DFlash's batches are not shifted)
+                self._tokens = int((doc >= 0).sum()) + (0 if kind == "dflash" else int(doc.max()) + 1)
                 out = forward(**batch)
                 self._loss = float(out[1].detach())
                 return out
@@ -680,18 +780,29 @@ def report(args, root: Path, data: dict | None, results: list[dict]) -> dict:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     store = {k: data[k] for k in ("num_train", "num_heldout", "train_tokens", "hidden_dtype", "plan_hash")} if data else None
-    return {"kind": "speculators_compare", "machine": cpu_description(), "target": args.target, "versions": versions,
+    return {"kind": "speculators_compare", "method": method_of(args), "machine": cpu_description(),
+            "target": args.target, "versions": versions,
             "budget": {"epochs": args.epochs} if args.epochs else {"minutes": args.minutes},
             "settings": {"draft_vocab_size": args.draft_vocab_size, "max_tokens": args.max_tokens, "lr": args.lr,
                          "warmup_steps": args.warmup_steps, "eval_samples": args.eval_samples, "seed": args.seed,
                          "threads": args.threads, "skip_steps": args.skip_steps, "our_args": args.our_arg,
-                         "their_args": args.their_arg},
+                         "their_args": args.their_arg, **method_settings(args)},
             "evaluation": {"prompts": main_job_prompts(), "fixed": EVAL_FIXED, "extra": args.eval_arg}
             if args.evaluate or any(r.get("eval") for r in results) else None,
             "serving": {"engine": "vLLM CPU build (specheads serve-eval)", "num_speculative_tokens": SERVE_TOKENS,
                         "prompts": "those the evaluation scored", "greedy": True}
             if any(r.get("serve") for r in results) else None,
             "store": store, "args": vars(args), "workdir": str(root), "runs": results}
+
+
+def method_settings(args) -> dict:
+    """The family's own matched settings, for the report (none for EAGLE-3: its TTT steps are in each setting)."""
+    method = method_of(args)
+    if method == "peagle":
+        return {"num_depths": args.num_depths, "mask_token_id": args.mask_token}
+    if method == "dflash":
+        return {"block_size": args.block_size, "anchors": args.anchors, "mask_token_id": args.mask_token}
+    return {}
 
 
 def main(argv=None) -> None:
@@ -716,6 +827,7 @@ def main(argv=None) -> None:
             return
     root = Path(args.workdir or tempfile.mkdtemp(prefix="compare-speculators-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
+    args.mask_token = mask_token(args.target) if args.method != "eagle3" else None
     data = None
     if "theirs" in trainers:
         from transformers import AutoConfig
@@ -741,7 +853,7 @@ def train_both(args, settings, trainers: list[str], root: Path, data: dict | Non
     for dtype, ttt in settings:
         for trainer in trainers:
             r = run_ours(args, dtype, ttt, root) if trainer == "ours" else run_theirs(dtype, ttt)
-            r = {"setting": f"{dtype}:ttt{ttt}", "trainer": trainer, **r}
+            r = {"setting": setting_label(args, dtype, ttt), "trainer": trainer, **r}
             if r["rc"] != 0 or not r["steps"]:
                 print(f"{trainer} {r['setting']}: failed (exit {r['rc']}); log {r['log']}:\n"
                       + "".join(Path(r["log"]).read_text().splitlines(keepends=True)[-30:]), file=sys.stderr)
