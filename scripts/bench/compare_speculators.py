@@ -91,7 +91,8 @@ time and only in that process: the device the trainer moves the model and batche
 ``torch.accelerator.synchronize`` (a no-op without an accelerator; their step timer calls it), the
 draft's ``verifier_norm`` (identity: our store holds the target's post-norm last state, vLLM's
 pre-norm one) and, for P-EAGLE, the embedding's gradient (off). Documented flags pick CPU-capable paths:
-``--draft-attn-impl sdpa`` (flex attention is compiled only on CUDA), ``--loss-implementation eager`` (the fused loss is a Triton kernel),
+``--draft-attn-impl sdpa`` (flex attention is compiled only on CUDA), ``--loss-implementation eager`` (the fused
+loss is a Triton kernel),
 ``--num-workers 0`` (one process, like ours; the sampled memory is then the whole run's). When the time
 budget ends their run, the child saves its checkpoint and runs their validation pass first, as their
 trainer does at an epoch's end.
@@ -458,7 +459,8 @@ def theirs_flags(args, dtype: str, ttt: int, data: dict, out: Path) -> list[str]
         "--train-data-ratio", repr(data["train_data_ratio"]), "--num-workers", "0", "--on-missing", "raise",
         "--optimizer", "adamw", "--lr", str(args.lr), "--weight-decay", "0", "--scheduler-type", "cosine",
         "--scheduler-warmup-steps", str(args.warmup_steps), "--epochs", str(args.epochs or 1000),
-        "--seed", str(args.seed), "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"), *args.their_arg]
+        "--seed", str(args.seed), "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
+        *args.their_arg]
 
 
 def run_theirs(args, dtype: str, ttt: int, root: Path, data: dict) -> dict:
