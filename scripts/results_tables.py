@@ -441,7 +441,7 @@ def eval_benches(data: dict) -> str:
     return "\n".join(lines).rstrip()
 
 
-FAMILY_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE", "dflash": "DFlash"}  # a trainer comparison's heading
+FAMILY_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE", "dflash": "DFlash", "dspark": "DSpark"}  # a trainer comparison's heading
 
 
 def trainer_comparisons(data: dict, peer: str) -> str:
@@ -478,7 +478,7 @@ def _trainer_comparison(r: dict, peer: str) -> str:
                                                                   ("block_size", "block size"),
                                                                   ("anchors", "blocks per row (ours)"),
                                                                   ("mask_token_id", "mask token")) if key in st)
-    vocab = ("the target's whole vocabulary" if r.get("method") == "dflash"
+    vocab = ("the target's whole vocabulary" if r.get("method") in ("dflash", "dspark")
              else f"draft vocabulary {st['draft_vocab_size']}")
     lines = [f"**{family}**: {r['date']}, commit {_commit(r)}, {r['machine']}; target {r['target']}; {budget}; "
              f"{vocab}{matched}, {st['max_tokens']} tokens per batch, learning rate {st['lr']:g}, "
@@ -502,14 +502,15 @@ def _trainer_comparison(r: dict, peer: str) -> str:
     if evaluated:
         e = evaluated[0]["eval"]
         cols = [(x, m) for x in evaluated for m in x["eval"]["methods"]]
-        cols.sort(key=lambda c: (c[1]["shape"] or "", c[0]["setting"], c[0]["trainer"]))
+        cols.sort(key=lambda c: (c[1]["shape"] or "", c[1]["name"], c[0]["setting"], c[0]["trainer"]))
         domains = list(dict.fromkeys(d for _, m in cols for d in m["domains"] if d != "all")) + ["all"]
         lossless = "exact" if all(m.get("lossless") for _, m in cols) else "MISMATCH"
         dtypes = sorted({x["eval"].get("target_dtype") or "–" for x in evaluated})
         dtype = dtypes[0] if len(dtypes) == 1 else f"{' / '.join(dtypes)} (differs between heads)"
         lines += ["", f"Acceptance by the evaluator, T=0, {e['prompts']} prompts × {e['max_new_tokens']} new tokens, "
                   f"target {dtype}, batch 1; lossless {lossless}; α / τ:", "",
-                  "| domain | " + " | ".join(f"{x['trainer']} {x['setting']}, {m['shape']}" for x, m in cols) + " |",
+                  "| domain | " + " | ".join(f"{x['trainer']} {x['setting']}, {_row_label(x, m)}" for x, m in cols)
+                  + " |",
                   "|---|" + "---|" * len(cols)]
         for d in domains:
             cells = [m["domains"].get(d) or {} for _, m in cols]
@@ -533,6 +534,13 @@ def _trainer_comparison(r: dict, peer: str) -> str:
             f"{(x['serve']['domains'].get('all') or {}).get('identical')} of "
             f"{(x['serve']['domains'].get('all') or {}).get('compared')}" for x in served) + " |")
     return "\n".join(lines)
+
+
+def _row_label(run: dict, method: dict) -> str:
+    """An evaluator row's column label in a trainer comparison: its shape, or its name where another row of the
+    same head has that shape (DSpark's chain and its scheduled chain)."""
+    shapes = [m.get("shape") for m in run["eval"]["methods"]]
+    return method["shape"] if shapes.count(method.get("shape")) == 1 else method["name"]
 
 
 def _newest_per(runs: list[dict]) -> list[dict]:

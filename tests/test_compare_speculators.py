@@ -118,6 +118,17 @@ def test_dflash_both_trainers_use_the_whole_vocabulary_d_pace_and_as_many_blocks
     assert _flag(theirs, "--max-anchors") == str(round(16 * 2048 / 500))
 
 
+def test_dspark_adds_the_markov_and_confidence_heads_on_d_pace_cross_entropy_alone():
+    _, ours, theirs = _family("dspark")
+    assert {"method=dspark", "method.loss=dpace", "method.ce_weight=1.0", "method.l1_weight=0.0",
+            "method.markov_rank=256", "method.enable_confidence_head=true", "method.anchors=32"} <= set(ours)
+    assert "--draft-vocab-size" not in theirs and "--no-sample-from-anchor" in theirs
+    assert (_flag(theirs, "--speculator-type"), _flag(theirs, "--loss-fn"), _flag(theirs, "--per-position-loss-weight"),
+            _flag(theirs, "--markov-rank"), _flag(theirs, "--dflash-decay-gamma")) == ("dspark", "ce", "dpace", "256",
+                                                                                       "1e9")
+    assert {"--enable-confidence-head", "--confidence-head-with-markov"} <= set(theirs)
+
+
 def test_a_family_without_ttt_steps_refuses_a_ttt_setting():
     with pytest.raises(SystemExit):
         bench.parse_args(["--features", "f", "--prepared", "p", "--method", "dflash", "--settings", "bfloat16:3"])
@@ -125,7 +136,7 @@ def test_a_family_without_ttt_steps_refuses_a_ttt_setting():
 
 
 @pytest.mark.skipif(MISSING is not None, reason=f"speculators not importable: {MISSING}")
-@pytest.mark.parametrize("method", ["peagle", "dflash"])
+@pytest.mark.parametrize("method", ["peagle", "dflash", "dspark"])
 def test_speculators_reads_the_family_flags_as_the_architecture_ours_trains(method):
     from speculators.train.config import TrainConfig
 
@@ -140,6 +151,7 @@ def test_speculators_reads_the_family_flags_as_the_architecture_ours_trains(meth
     else:
         assert draft["draft_vocab_size"] is None and config["dflash"]["block_size"] == 8
         assert config["dflash"]["per_position_loss_weight"] == "dpace"
+        assert config["loss"]["loss_fn"] == "ce"
 
 
 def test_both_heads_are_evaluated_on_the_main_jobs_prompts_in_the_same_shapes():

@@ -338,6 +338,16 @@ def test_a_comparison_of_another_family_is_its_own_record_beside_eagle3s(tmp_pat
     assert "the target's whole vocabulary, block size 8, blocks per row (ours) 32, mask token 2, 2048 tokens" in text
     assert "draft vocabulary 4096, depths per forward 4, mask token 2, 2048 tokens per batch" in text
     assert "| bfloat16 | ours (specheads) |" in text
+    # DSpark's two rows share a shape: its columns are named by row
+    report = _compare_report(method="dspark")
+    for r in report["runs"]:
+        first = r["eval"]["methods"][0]
+        r["eval"] = {**r["eval"], "methods": [{**first, "name": "dspark-chain7", "shape": "chain7"},
+                                              {**first, "name": "dspark-sched0.5", "shape": "chain7"}]}
+    record(_write(tmp_path, "dspark.json", report), results, CHECKOUT, date="2099-01-03")
+    text = rt.trainer_comparisons(rt.load(results), "speculators")
+    assert ("| domain | ours bfloat16:ttt1, dspark-chain7 | theirs bfloat16:ttt1, dspark-chain7 | "
+            "ours bfloat16:ttt1, dspark-sched0.5 | theirs bfloat16:ttt1, dspark-sched0.5 |") in text
 
 
 def test_each_peers_comparison_is_rendered_in_its_own_section(tmp_path, results):

@@ -63,24 +63,29 @@ by default with a sliding-window draft layer (window 2048) and three normalisati
 ``method.norm_*``, off in our defaults), so their default recipe is evaluated as it is. ``--their-arg=--no-norm-...``
 and ``--their-arg=--full-attention-indices=0`` give their head the original EAGLE-3 architecture, ours, so that the
 trainers differ only in how they train it.
-``--method peagle`` and ``--method dflash`` compare speculators' P-EAGLE and DFlash trainers with ours on the same
-store (both read EAGLE-3's three fused layers and the last state; each setting is then ``DTYPE``, no TTT steps). Both
+``--method peagle``, ``--method dflash`` and ``--method dspark`` compare speculators' P-EAGLE, DFlash and DSpark
+trainers with ours on the same store (both read EAGLE-3's three fused layers and the last state; each setting is then ``DTYPE``, no TTT steps). Both
 trainers get one architecture, the one our evaluator decodes and vLLM serves: one Llama-style full-attention layer
 and none of speculators' three normalisations for P-EAGLE (``--draft-arch llama --full-attention-indices 0
 --no-norm-before-residual --no-norm-before-fc --no-norm-output``), ``--num-depths`` tokens per forward, the draft
 vocabulary, a frozen LM head; one full-attention Qwen3-style layer for DFlash, blocks of ``--block-size``, the
 target's whole vocabulary (our DFlash has no reduced one), D-PACE weights (their default; ``method.loss=dpace``
 here), ``--anchors`` blocks per row for ours and as many per packed row of theirs (their ``--max-anchors``: ours
-times the rows a 2048-token batch holds on average). The masked slots read one token for both (our default
+times the rows a 2048-token batch holds on average). DSpark: DFlash's setting plus the Markov head (rank 256) and
+the confidence head fed by it, trained on D-PACE's cross-entropy alone (theirs allows D-PACE only with ``--loss-fn ce``,
+so neither trains the paper's L1 term; ``--dflash-decay-gamma 1e9`` makes their confidence loss the plain mean ours
+is); vLLM's CPU build does not serve DSpark, so ``--serve`` records its refusal. The masked slots read one token for both (our default
 mask-token rule, given to theirs as ``--mask-token-id``). Ours starts from the target's highest fused layer and LM
 head rows as the main job does (P-EAGLE; DFlash: a random layer, as the main job's); speculators starts its layers
 at random. Differences no flag removes: P-EAGLE's loss (theirs one mean over every sampled depth, ours one mean per
-depth, summed), its anchors (theirs assistant positions only) and ``mask_hidden``'s starting scale; DFlash's anchor
-rule (theirs needs the anchor itself in the loss mask, ours the token after it). speculators 0.9's P-EAGLE trains the
+depth, summed), its anchors (theirs assistant positions only) and ``mask_hidden``'s starting scale; DFlash's and
+DSpark's anchor rule (theirs needs the anchor itself in the loss mask, ours the token after it); DSpark's Markov input
+past the first drafted slot (theirs the data's tokens under the target's labels, ours the target's tokens) and its
+starting Markov bias (theirs random, ours zero). speculators 0.9's P-EAGLE trains the
 token embedding whatever ``--embed-requires-grad`` says (its ``from_training_args`` drops the flag), which would
 give a head whose embedding is no longer the target's: the child freezes it (patch 5 below), as EAGLE-3's flag does.
-Their held-out figure is ``position_0_acc`` (P-EAGLE: depth 0) or ``position_1_acc`` (DFlash: the first drafted
-slot), beside our ``step0_acc`` of the same slot.
+Their held-out figure is ``position_0_acc`` (P-EAGLE: depth 0) or ``position_1_acc`` (DFlash, DSpark: the first
+drafted slot), beside our ``step0_acc`` of the same slot.
 
 Prints the exact command of every run, one JSON line per run and tables. ``--json`` writes a report that
 ``specheads record`` files under ``trainer_comparisons`` (peer speculators) in docs/benchmarks.json.
@@ -116,7 +121,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CONVERT_FORMAT = "specheads.compare_speculators/1"
-METHODS = ("eagle3", "peagle", "dflash")  # the families both trainers train here (speculators' --speculator-type)
+METHODS = ("eagle3", "peagle", "dflash", "dspark")  # the families both trainers train here (speculators' --speculator-type)
 
 
 def common_arguments(description: str) -> argparse.ArgumentParser:
@@ -381,10 +386,14 @@ def env_for(args) -> dict:
 def our_method_overrides(args, ttt: int) -> list[str]:
     """Our method's settings for the family compared (the module doc says what each matches)."""
     method = method_of(args)
-    if method == "dflash":
-        return ["method=dflash", "method.num_layers=1", f"method.block_size={args.block_size}", "method.loss=dpace",
-                "method.labels=target", f"method.anchors={args.anchors}", f"method.mask_token_id={args.mask_token}",
-                "method.init_layer_from_target=false"]
+    if method in ("dflash", "dspark"):
+        block = [f"method={method}", "method.num_layers=1", f"method.block_size={args.block_size}", "method.loss=dpace",
+                 "method.labels=target", f"method.anchors={args.anchors}", f"method.mask_token_id={args.mask_token}",
+                 "method.init_layer_from_target=false"]
+        if method == "dspark":  # D-PACE's CE alone (their dpace takes no L1 term), Markov rank and confidence head
+            block += ["method.ce_weight=1.0", "method.l1_weight=0.0", "method.markov_rank=256",
+                      "method.enable_confidence_head=true", "method.confidence_weight=1.0"]
+        return block
     vocab = [f"method.draft_vocab_size={args.draft_vocab_size}", "method.init_layer_from_target=true",
              "method.init_lm_head_from_target=true", "method.freeze_lm_head=true"]
     if method == "peagle":
@@ -434,11 +443,15 @@ def their_method_flags(args, ttt: int, data: dict) -> list[str]:
     """speculators' flags for the family compared: the architecture ours trains (the module doc)."""
     method = method_of(args)
     vocab = ["--draft-vocab-size", str(args.draft_vocab_size)]
-    if method == "dflash":  # the whole vocabulary (no --draft-vocab-size), as ours
+    if method in ("dflash", "dspark"):  # the whole vocabulary (no --draft-vocab-size), as ours
         per_row = args.max_tokens / max(data["train_tokens"] / max(data["num_train"], 1), 1)
-        return ["--block-size", str(args.block_size), "--full-attention-indices", "0",
-                "--mask-token-id", str(args.mask_token), "--no-sample-from-anchor", "--loss-fn", "ce",
-                "--per-position-loss-weight", "dpace", "--max-anchors", str(max(1, round(args.anchors * per_row)))]
+        block = ["--block-size", str(args.block_size), "--full-attention-indices", "0",
+                 "--mask-token-id", str(args.mask_token), "--no-sample-from-anchor", "--loss-fn", "ce",
+                 "--per-position-loss-weight", "dpace", "--max-anchors", str(max(1, round(args.anchors * per_row)))]
+        if method == "dspark":  # gamma drives only their confidence loss under dpace: 1e9 makes it a plain mean
+            block += ["--dflash-decay-gamma", "1e9", "--markov-rank", "256", "--markov-head-type", "vanilla",
+                      "--enable-confidence-head", "--confidence-head-with-markov", "--confidence-head-alpha", "1.0"]
+        return block
     if method == "peagle":  # no cap on the anchors (ours: none), Llama's layer, none of the three norms
         return [*vocab, "--num-depths", str(args.num_depths), "--down-sample-ratio", "0.7",
                 "--down-sample-ratio-min", "0.2", "--max-anchors", str(args.max_tokens), "--draft-arch", "llama",
@@ -490,7 +503,8 @@ def last_checkpoint(folder: Path) -> str | None:
 
 
 # their validation figure of the first drafted token: EAGLE-3's step 0, P-EAGLE's depth 0, DFlash's slot 1
-HELDOUT_KEY = {"eagle3": "full_acc_0_epoch", "peagle": "position_0_acc_epoch", "dflash": "position_1_acc_epoch"}
+HELDOUT_KEY = {"eagle3": "full_acc_0_epoch", "peagle": "position_0_acc_epoch", "dflash": "position_1_acc_epoch",
+               "dspark": "position_1_acc_epoch"}
 
 
 class BudgetReached(Exception):
@@ -526,7 +540,7 @@ def theirs_child(steps_path: str, minutes: float, flags: list[str]) -> None:
 
             def counted(**batch):  # real tokens: each packed sample lost its first token to shift_batch
                 doc = batch["document_ids"]  # (but DFlash's batches are not shifted)
-                self._tokens = int((doc >= 0).sum()) + (0 if kind == "dflash" else int(doc.max()) + 1)
+                self._tokens = int((doc >= 0).sum()) + (0 if kind in ("dflash", "dspark") else int(doc.max()) + 1)
                 out = forward(**batch)
                 self._loss = float(out[1].detach())
                 return out
@@ -739,16 +753,17 @@ def print_table(results: list[dict]) -> None:
 
 
 def print_acceptance(results: list[dict]) -> None:
-    """α and τ per domain of every evaluated head, one column pair per (setting, trainer), per shape."""
+    """α and τ per domain of every evaluated head, one column pair per (setting, trainer), per evaluator row (a
+    shape: DSpark's two rows share one)."""
     evaluated = [r for r in results if r.get("eval")]
     if not evaluated:
         return
-    shapes = list(dict.fromkeys(m["shape"] for r in evaluated for m in r["eval"]["methods"]))
-    for shape in shapes:
-        cols = [(r, next((m for m in r["eval"]["methods"] if m["shape"] == shape), None)) for r in evaluated]
+    names = list(dict.fromkeys(m["name"] for r in evaluated for m in r["eval"]["methods"]))
+    for name in names:
+        cols = [(r, next((m for m in r["eval"]["methods"] if m["name"] == name), None)) for r in evaluated]
         cols = [(r, m) for r, m in cols if m]
         domains = list(dict.fromkeys(d for _, m in cols for d in m["domains"]))
-        print(f"\nacceptance at T=0, {shape}: α / τ" + "".join(
+        print(f"\nacceptance at T=0, {name} ({cols[0][1]['shape']}): α / τ" + "".join(
             f"; {r['trainer']} {r['setting']} lossless {m['lossless']}" for r, m in cols))
         print(f"{'domain':<12}" + "".join(f" {r['trainer'] + ' ' + r['setting']:>24}" for r, _ in cols))
         for d in domains:
@@ -802,7 +817,7 @@ def method_settings(args) -> dict:
     method = method_of(args)
     if method == "peagle":
         return {"num_depths": args.num_depths, "mask_token_id": args.mask_token}
-    if method == "dflash":
+    if method in ("dflash", "dspark"):
         return {"block_size": args.block_size, "anchors": args.anchors, "mask_token_id": args.mask_token}
     return {}
 
