@@ -441,7 +441,8 @@ def eval_benches(data: dict) -> str:
     return "\n".join(lines).rstrip()
 
 
-FAMILY_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE", "dflash": "DFlash", "dspark": "DSpark"}  # a trainer comparison's heading
+# a trainer comparison's heading
+FAMILY_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE", "dflash": "DFlash", "dspark": "DSpark"}
 
 
 def trainer_comparisons(data: dict, peer: str) -> str:

@@ -64,28 +64,28 @@ by default with a sliding-window draft layer (window 2048) and three normalisati
 and ``--their-arg=--full-attention-indices=0`` give their head the original EAGLE-3 architecture, ours, so that the
 trainers differ only in how they train it.
 ``--method peagle``, ``--method dflash`` and ``--method dspark`` compare speculators' P-EAGLE, DFlash and DSpark
-trainers with ours on the same store (both read EAGLE-3's three fused layers and the last state; each setting is then ``DTYPE``, no TTT steps). Both
-trainers get one architecture, the one our evaluator decodes and vLLM serves: one Llama-style full-attention layer
-and none of speculators' three normalisations for P-EAGLE (``--draft-arch llama --full-attention-indices 0
---no-norm-before-residual --no-norm-before-fc --no-norm-output``), ``--num-depths`` tokens per forward, the draft
-vocabulary, a frozen LM head; one full-attention Qwen3-style layer for DFlash, blocks of ``--block-size``, the
-target's whole vocabulary (our DFlash has no reduced one), D-PACE weights (their default; ``method.loss=dpace``
-here), ``--anchors`` blocks per row for ours and as many per packed row of theirs (their ``--max-anchors``: ours
-times the rows a 2048-token batch holds on average). DSpark: DFlash's setting plus the Markov head (rank 256) and
-the confidence head fed by it, trained on D-PACE's cross-entropy alone (theirs allows D-PACE only with ``--loss-fn ce``,
-so neither trains the paper's L1 term; ``--dflash-decay-gamma 1e9`` makes their confidence loss the plain mean ours
-is); vLLM's CPU build does not serve DSpark, so ``--serve`` records its refusal. The masked slots read one token for both (our default
-mask-token rule, given to theirs as ``--mask-token-id``). Ours starts from the target's highest fused layer and LM
-head rows as the main job does (P-EAGLE; DFlash: a random layer, as the main job's); speculators starts its layers
-at random. Differences no flag removes: P-EAGLE's loss (theirs one mean over every sampled depth, ours one mean per
-depth, summed), its anchors (theirs assistant positions only) and ``mask_hidden``'s starting scale; DFlash's and
-DSpark's anchor rule (theirs needs the anchor itself in the loss mask, ours the token after it); DSpark's Markov input
-past the first drafted slot (theirs the data's tokens under the target's labels, ours the target's tokens) and its
-starting Markov bias (theirs random, ours zero). speculators 0.9's P-EAGLE trains the
-token embedding whatever ``--embed-requires-grad`` says (its ``from_training_args`` drops the flag), which would
-give a head whose embedding is no longer the target's: the child freezes it (patch 5 below), as EAGLE-3's flag does.
-Their held-out figure is ``position_0_acc`` (P-EAGLE: depth 0) or ``position_1_acc`` (DFlash, DSpark: the first
-drafted slot), beside our ``step0_acc`` of the same slot.
+trainers with ours on the same store (both read EAGLE-3's three fused layers and the last state; each setting is
+then ``DTYPE``, no TTT steps). Both trainers get one architecture, the one our evaluator decodes and vLLM serves:
+one Llama-style full-attention layer and none of speculators' three normalisations for P-EAGLE (``--draft-arch llama
+--full-attention-indices 0 --no-norm-before-residual --no-norm-before-fc --no-norm-output``), ``--num-depths``
+tokens per forward, the draft vocabulary, a frozen LM head; one full-attention Qwen3-style layer for DFlash, blocks
+of ``--block-size``, the target's whole vocabulary (our DFlash has no reduced one), D-PACE weights (their default;
+``method.loss=dpace`` here), ``--anchors`` blocks per row for ours and as many per packed row of theirs (their
+``--max-anchors``: ours times the rows a 2048-token batch holds on average). DSpark: DFlash's setting plus the
+Markov head (rank 256) and the confidence head fed by it, trained on D-PACE's cross-entropy alone (theirs allows
+D-PACE only with ``--loss-fn ce``, so neither trains the paper's L1 term; ``--dflash-decay-gamma 1e9`` makes their
+confidence loss the plain mean ours is); vLLM's CPU build does not serve DSpark, so ``--serve`` records its refusal.
+The masked slots read one token for both (our default mask-token rule, given to theirs as ``--mask-token-id``). Ours
+starts from the target's highest fused layer and LM head rows as the main job does (P-EAGLE; DFlash: a random layer,
+as the main job's); speculators starts its layers at random. Differences no flag removes: P-EAGLE's loss (theirs one
+mean over every sampled depth, ours one mean per depth, summed), its anchors (theirs assistant positions only) and
+``mask_hidden``'s starting scale; DFlash's and DSpark's anchor rule (theirs needs the anchor itself in the loss
+mask, ours the token after it); DSpark's Markov input past the first drafted slot (theirs the data's tokens under
+the target's labels, ours the target's tokens) and its starting Markov bias (theirs random, ours zero). speculators
+0.9's P-EAGLE trains the token embedding whatever ``--embed-requires-grad`` says (its ``from_training_args`` drops
+the flag), which would give a head whose embedding is no longer the target's: the child freezes it (patch 5 below),
+as EAGLE-3's flag does. Their held-out figure is ``position_0_acc`` (P-EAGLE: depth 0) or ``position_1_acc``
+(DFlash, DSpark: the first drafted slot), beside our ``step0_acc`` of the same slot.
 
 Prints the exact command of every run, one JSON line per run and tables. ``--json`` writes a report that
 ``specheads record`` files under ``trainer_comparisons`` (peer speculators) in docs/benchmarks.json.
@@ -121,7 +121,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CONVERT_FORMAT = "specheads.compare_speculators/1"
-METHODS = ("eagle3", "peagle", "dflash", "dspark")  # the families both trainers train here (speculators' --speculator-type)
+# the families both trainers train here (speculators' --speculator-type)
+METHODS = ("eagle3", "peagle", "dflash", "dspark")
 
 
 def common_arguments(description: str) -> argparse.ArgumentParser:
