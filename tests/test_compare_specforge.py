@@ -1,7 +1,9 @@
 """scripts/bench/compare_specforge.py without SpecForge: our feature store as SpecForge's offline rows (our training and
 held-out rows, the same tokens and hidden states, the answer mask at SpecForge's position, our draft vocabulary as its
-vocab mapping), the check of which side of the final norm the store's last state is on, the target folder SpecForge's
-target head reads, and the mapping of our settings to SpecForge's run config."""
+vocab mapping; DFlash's rows), the check of which side of the final norm the store's last state is on, the target
+folder SpecForge's target head reads, and the mapping of our settings to SpecForge's run config (EAGLE-3, DFlash).
+With SpecForge importable (``SPECFORGE_SITE=<folder holding it>``): its schema accepts the run configs, and its DFlash
+export is read by our evaluator as a head whose states equal SpecForge's."""
 
 from __future__ import annotations
 
@@ -184,3 +186,177 @@ def test_the_report_is_a_trainer_comparison_specheads_record_files(tmp_path):
     assert _json_kind(json.loads(json.dumps(out))) == "trainer_compare"
     entry = trainer_compare_entry(out)
     assert entry["peer"] == "specforge" and entry["runs"][0]["heldout"] == {"loss": 4.0, "top1_step0": 0.3}
+
+
+# --------------------------------------------------------------------------- --method dflash
+
+
+def dflash_args(*extra: str):
+    args = bench.parse_args(["--features", "f", "--prepared", "p", "--method", "dflash", *extra])
+    args.mask_token = 5  # main() sets it: compare_speculators' mask_token (our default rule)
+    return args
+
+
+def final(command: list[str], key: str) -> str:
+    """The value a Hydra command line gives ``key`` (its last override wins)."""
+    return [a for a in command if a.startswith(key + "=")][-1].partition("=")[2]
+
+
+def test_the_store_converts_to_specforges_dflash_rows(store, tmp_path):
+    prepared, features, target_dir = store
+    info = bench.convert_store(features, prepared, tmp_path / "sf", target_dir, 64, eval_samples=3, method="dflash")
+    ours = FeatureDataset(features)
+    train, held = bench.cs.heldout_split(ours, 3, 0)
+    assert info["ids"] == [ours.ids[i] for i in list(train) + list(held)] and info["left_out"] == []
+    assert info["vocab_mapping"] is None and info["last_state"] == {"state": "unused"}  # data labels, whole vocab
+    for split, rows in (("train", train), ("heldout", held)):
+        for k, i in enumerate(rows):
+            row, want = torch.load(bench.row_file(Path(info[f"{split}_dir"]), k), weights_only=True), ours[i]
+            assert set(row) == {"input_ids", "loss_mask", "hidden_states"}  # SpecForge's DFlash feature keys
+            assert torch.equal(row["input_ids"], want["input_ids"].long())
+            assert torch.equal(row["loss_mask"], want["loss_mask"].long())  # unshifted: both count token a+j at a+j
+            assert row["hidden_states"].dtype == torch.bfloat16
+            assert torch.equal(row["hidden_states"][0].float(), want["hidden_aux"])
+    # an EAGLE-3 conversion of the same store is another format: not reused as DFlash rows
+    again = bench.convert_store(features, prepared, tmp_path / "sf", target_dir, 64, eval_samples=3)
+    assert again["method"] == "eagle3" and again["vocab_mapping"]
+
+
+def test_rows_without_two_consecutive_answer_tokens_are_left_out_as_specforge_does():
+    item = {"id": "x", "input_ids": torch.arange(6), "hidden_aux": torch.zeros(6, 12),
+            "loss_mask": torch.tensor([0, 1, 0, 1, 0, 0])}
+    assert bench.dflash_row(item) is None  # SpecForge's offline reader raises on it; its own prep filters it
+    item["loss_mask"] = torch.tensor([0, 0, 0, 1, 1, 0])
+    assert bench.dflash_row(item)["hidden_states"].shape == (1, 6, 12)
+
+
+def test_dflash_settings_map_to_specforges_dflash_run_and_draft_config(store, tmp_path):
+    _, _, target_dir = store
+    args = dflash_args("--epochs", "2", "--max-tokens", "400", "--warmup-steps", "3")
+    assert args.settings == ["bfloat16"] and bench.parse_setting(args.settings[0]) == ("bfloat16", 1)
+    data = {"num_train": 40, "lengths": [100] * 44, "max_length": 100, "aux_layers": [1, 2, 3],
+            "train_dir": "tr", "heldout_dir": "he", "vocab_mapping": None, "lm_head_key": "lm_head.weight"}
+    cfg = bench.specforge_config(args, 1, data, tmp_path, "tgt", "draft.json")
+    m, t = cfg["model"], cfg["training"]
+    assert (t["strategy"], t["num_anchors"], t["loss_type"], t["loss_decay_gamma"]) == ("dflash", 32, "dflash", 4.0)
+    assert m["mask_token_id"] == 5 and "vocab_mapping_path" not in m and "ttt_length" not in t
+    assert t["batch_size"] == 4 and t["save_interval"] == t["eval_interval"] == 20 and "max_steps" not in t
+    draft = bench.dflash_draft_config(target_dir, [1, 2, 3], args.block_size, args.mask_token)
+    assert draft["architectures"] == ["DFlashDraftModel"] and draft["model_type"] == "qwen3"
+    assert (draft["num_hidden_layers"], draft["layer_types"], draft["block_size"]) == (1, ["full_attention"], 8)
+    assert draft["dflash_config"] == {"target_layer_ids": [0, 1, 2], "mask_token_id": 5}  # decoder-layer outputs
+    assert draft["vocab_size"] == 256 and "draft_vocab_size" not in draft  # the whole vocabulary
+    assert (draft["hidden_size"], draft["num_attention_heads"], draft["num_key_value_heads"], draft["head_dim"]) == (
+        64, 4, 2, 16)
+    # ours: one full-attention layer, block 8, 32 anchors a row, the mask token, SpecForge's data labels and loss
+    ours = bench.cs.ours_command(args, "bfloat16", 1, tmp_path)
+    assert {k: final(ours, k) for k in ("method", "method.num_layers", "method.block_size", "method.anchors",
+                                        "method.mask_token_id", "method.labels", "method.loss", "method.gamma",
+                                        "method.init_layer_from_target", "train.mixed_precision")} == {
+        "method": "dflash", "method.num_layers": "1", "method.block_size": "8", "method.anchors": "32",
+        "method.mask_token_id": "5", "method.labels": "data", "method.loss": "ce", "method.gamma": "4.0",
+        "method.init_layer_from_target": "false", "train.mixed_precision": "bf16"}
+    assert not any(a.startswith(("method.ttt_steps", "method.draft_vocab_size", "method.freeze_lm_head")) for a in ours)
+    dpace = dflash_args("--loss", "dpace", "--max-tokens", "400", "--warmup-steps", "3")
+    t = bench.specforge_config(dpace, 1, data, tmp_path, "tgt", "draft.json")["training"]
+    assert (t["loss_type"], t["loss_decay_gamma"]) == ("dpace", None)
+    assert final(bench.cs.ours_command(dpace, "bfloat16", 1, tmp_path), "method.loss") == "dpace"
+
+
+def test_a_step_cap_stops_both_and_the_schedules_are_checked_first(tmp_path):
+    data = {"num_train": 40, "lengths": [100] * 44, "max_length": 100, "aux_layers": [1, 2, 3],
+            "train_dir": "tr", "heldout_dir": "he", "vocab_mapping": None, "lm_head_key": "lm_head.weight"}
+    args = dflash_args("--max-tokens", "400", "--max-steps", "5", "--warmup-steps", "2")
+    t = bench.specforge_config(args, 1, data, tmp_path, "tgt", "draft.json")["training"]
+    assert t["max_steps"] == t["save_interval"] == t["eval_interval"] == 5 and int(t["warmup_ratio"] * 5) == 2
+    ours = bench.cs.ours_command(args, "bfloat16", 1, tmp_path)
+    assert final(ours, "train.max_steps") == "5" and final(ours, "data.epochs") == "null"  # data.epochs sets steps
+    with pytest.raises(SystemExit, match="warm-up"):  # SpecForge's cosine would divide by zero
+        bench.specforge_steps(dflash_args("--max-tokens", "400", "--max-steps", "5", "--warmup-steps", "5"), data)
+    with pytest.raises(SystemExit, match="--max-steps 11"):  # one epoch is 10 steps
+        bench.specforge_steps(dflash_args("--max-tokens", "400", "--max-steps", "11"), data)
+
+
+@pytest.mark.parametrize("method, why", [("peagle", "flex attention"), ("dspark", "anchor \\+ k \\+ 1")])
+def test_the_families_specforge_cannot_compare_are_refused_with_the_reason(method, why, capsys):
+    assert sorted((*bench.METHODS, *bench.REFUSED)) == sorted(bench.cs.METHODS)  # each family compared or refused
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--features", "f", "--prepared", "p", "--method", method])
+    assert __import__("re").search(why, capsys.readouterr().err.replace("\n", " "))
+
+
+def test_dflash_reports_specforges_accuracy_under_its_own_name(tmp_path):
+    val = {"eval/avg_loss": 3.0, "eval/avg_acc": 0.2}
+    assert bench.their_heldout(dflash_args(), val) == {"loss": 3.0, "top1_all_slots": 0.2}
+    eagle3 = bench.parse_args(["--features", "f", "--prepared", "p"])
+    assert bench.their_heldout(eagle3, val) == {"loss": 3.0, "top1_step0": 0.2}
+    out = bench.report(dflash_args("--max-steps", "4"), tmp_path, None, [])
+    assert out["method"] == "dflash" and out["budget"] == {"epochs": 1, "max_steps": 4}
+    assert {k: out["settings"][k] for k in ("block_size", "anchors", "mask_token_id", "labels", "loss", "gamma")} == {
+        "block_size": 8, "anchors": 32, "mask_token_id": 5, "labels": "data", "loss": "ce", "gamma": 4.0}
+
+
+# --------------------------------------------------------------------------- against SpecForge itself (skipped without)
+
+
+@pytest.fixture
+def specforge(monkeypatch):
+    """SpecForge 0.2 from ``SPECFORGE_SITE`` (a folder holding it, the script's --specforge-site) or the path."""
+    import os
+
+    if os.environ.get("SPECFORGE_SITE"):
+        monkeypatch.syspath_prepend(os.environ["SPECFORGE_SITE"])
+    return pytest.importorskip("specforge.config.schema", reason="SpecForge is not importable (set SPECFORGE_SITE)")
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_specforges_schema_accepts_the_run_configs(specforge, method, tmp_path):
+    short = ["--max-tokens", "400", "--warmup-steps", "3"]  # 40 rows of 100 tokens: 10 steps
+    args = dflash_args(*short) if method == "dflash" else bench.parse_args(["--features", "f", "--prepared", "p",
+                                                                            *short])
+    data = {"num_train": 40, "lengths": [100] * 44, "max_length": 100, "aux_layers": [1, 2, 3],
+            "train_dir": "tr", "heldout_dir": "he", "vocab_mapping": "vm.pt", "lm_head_key": "lm_head.weight"}
+    cfg = specforge.Config.model_validate(bench.specforge_config(args, 3, data, tmp_path, "tgt", "draft.json"))
+    assert cfg.mode == "offline" and cfg.training.strategy == method
+    if method == "dflash":
+        assert (cfg.training.num_anchors, cfg.training.loss_type, cfg.model.mask_token_id) == (32, "dflash", 5)
+
+
+def test_specforges_dflash_export_is_read_and_decoded_as_it_trained(specforge, store, tiny_target, tmp_path):
+    """SpecForge builds its DFlash draft from our draft config and exports it (``specforge export --to hf``); our
+    evaluator reads that folder as a DFlash head of the same settings whose states equal SpecForge's forward."""
+    from specforge.algorithms.common.dflash_family_model import create_dflash_sdpa_mask
+    from specforge.export.to_hf import export_to_hf
+    from specforge.modeling.auto import AutoDraftModel, AutoDraftModelConfig
+
+    from specheads.export.foreign import foreign_format, load_foreign_head
+    from specheads.models.dflash import block_attention_mask
+
+    _, _, target_dir = store
+    draft_path = tmp_path / "draft_config.json"
+    draft_path.write_text(json.dumps(bench.dflash_draft_config(target_dir, [1, 2, 3], 4, 5)))
+    config = AutoDraftModelConfig.from_file(str(draft_path))
+    config._attn_implementation = "sdpa"  # what its builder sets from training.attention_backend
+    torch.manual_seed(0)
+    theirs = AutoDraftModel.from_config(config).eval()
+    for p in theirs.parameters():  # away from the init's ones and zeros, at the bf16 values its export writes
+        p.data.add_(torch.randn_like(p) * 0.1)
+        p.data.copy_(p.data.bfloat16().float())
+    torch.save({"draft_state_dict": theirs.state_dict(), "strategy": "dflash"}, tmp_path / "training_state.pt")
+    export_to_hf(str(tmp_path / "training_state.pt"), str(draft_path), str(tmp_path / "export"))
+    assert foreign_format(tmp_path / "export") == "dflash"
+    ours = load_foreign_head(tmp_path / "export", tiny_target).float().attach(tiny_target).eval()
+    assert (ours.config.aux_layers, ours.block_size, ours.config.mask_token_id) == ([1, 2, 3], 4, 5)
+
+    S, anchors = 12, torch.tensor([[3, 7]])
+    aux = torch.randn(1, S, 3 * 64, generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 256, (1, S), generator=torch.Generator().manual_seed(2))
+    block_ids = ours.block_inputs(ids.gather(1, anchors)).reshape(1, -1)
+    block_pos = (anchors[:, :, None] + torch.arange(4)).reshape(1, -1)
+    with torch.no_grad():
+        want = theirs(position_ids=torch.cat([torch.arange(S)[None], block_pos], 1),
+                      noise_embedding=tiny_target.raw_embedding(block_ids), target_hidden=aux,
+                      attention_mask=create_dflash_sdpa_mask(anchors, torch.ones(1, 2, dtype=torch.bool), S, 4, "cpu"))
+        cache = ours.extend_context(ours.new_cache(), ours.fuse(aux), torch.arange(S)[None])
+        got = ours.norm(ours.decode(block_ids, block_pos, cache, block_attention_mask(anchors, 4, S)))
+    torch.testing.assert_close(got, want)

@@ -1,8 +1,11 @@
-"""Benchmark our EAGLE-3 trainer against SGLang SpecForge's on the same target, rows and settings (run by hand).
+"""Benchmark our EAGLE-3 or DFlash trainer against SGLang SpecForge's on the same target, rows and settings (run by
+hand).
 
     python scripts/bench/compare_specforge.py --specforge-site /tmp/specforge-site \
         --features runs/quickstart/features --prepared runs/quickstart/prepared --epochs 1 --evaluate --json sf.json
     ... --settings bfloat16:3 bfloat16:7     # TTT steps (bfloat16 only: see below), each trained by both
+    ... --method dflash --evaluate --json sf-dflash.json   # DFlash (block 8, 32 anchors a row: the section below)
+    ... --method dflash --max-steps 4 --warmup-steps 1     # a smoke test: 4 optimizer steps each
     ... --only ours                          # our trainer alone (SpecForge need not be installed)
     python scripts/bench/compare_specforge.py --reuse sf.json --json sf-eval.json   # evaluate those heads again
     python scripts/bench/compare_specforge.py --reuse sf.json --serve --json sf-served.json  # serve both in vLLM
@@ -69,6 +72,8 @@ Differences left:
 - Batches: SpecForge draws random rows, pads them to the longest and drops the last incomplete batch of each epoch.
   Ours pads length-grouped rows up to ``--max-tokens``.
 - The learning-rate decay: SpecForge's cosine goes to 0, ours to 0.1 x the peak.
+- AdamW's betas: SpecForge's are torch's (0.9, 0.999), ours (0.9, 0.95) (``--our-arg=optim.betas=[0.9,0.999]`` gives
+  ours SpecForge's; SpecForge has no setting for them).
 - The loss's normaliser: SpecForge takes the mean over all B x T positions of a batch, padding and unmasked rows
   included; ours takes the mean over the counted rows.
 - The initialisations' random draws.
@@ -83,6 +88,44 @@ Reported per run as compare_speculators.py reports:
 on the main job's prompts, greedy and lossless-checked, in the same shapes (compare_speculators.py's ``run_eval``).
 ``--json`` writes the report (``kind: trainer_compare``, ``peer: specforge``), which ``specheads record`` files under
 ``trainer_comparisons``.
+
+``--method dflash`` compares SpecForge's DFlash trainer (``training.strategy=dflash``) with ours (``method=dflash``).
+SpecForge's DFlash path runs on a CPU unpatched: its DFlash layer is plain torch (the Triton/Liger kernels of
+``dflash_kernels.py`` load only with ``model.use_liger_kernel``), ``training.attention_backend=sdpa`` builds a dense
+mask, and its loss is plain ``F.cross_entropy``. Its data (``<workdir>/specforge-data-dflash``, same files and split):
+``input_ids``, ``loss_mask`` (ours as it is: both count the token at ``anchor + j`` with ``loss_mask[anchor + j]``) and
+``hidden_states [1,T,3H]``, the store's fused layers; no last state (its labels are the data's tokens) and no vocab
+mapping. SpecForge refuses a row without two consecutive answer tokens (its anchors need ``loss_mask[a]`` and
+``loss_mask[a + 1]``) and its own data preparation filters such rows out: they are left out of its rows (listed as
+``left_out`` in convert.json), while ours trains them. Its draft config (z-lab's DFlash format: ``DFlashDraftModel``,
+a Qwen3 layer with q/k norms) names ``dflash_config.target_layer_ids`` (our aux layers minus one) and
+``mask_token_id`` itself: SpecForge sets them at run time only, and its export copies the draft config. The checkpoint
+becomes a model folder through ``specforge export --to hf`` (its ``sglang`` exporter takes EAGLE-3 only), which
+``specheads.export.foreign`` reads as z-lab's DFlash format, each tensor computing what SpecForge's layer computes (a
+test checks the states). Matched (each setting is then ``bfloat16``, no TTT steps):
+- one full-attention draft layer of the target's shape, blocks of ``--block-size`` (8), the target's frozen embedding
+  and LM head over its whole vocabulary, the aux layers;
+- the mask token (our default rule, ``model.mask_token_id``);
+- ``--anchors`` (32) blocks per row per step, drawn without replacement (``training.num_anchors``; both per padded row);
+- the labels: the data's tokens (SpecForge has no other; ours ``method.labels=data``, unlike the main job's ``target``);
+- the loss: ``--loss ce``, slot j weighted ``exp(-(j-1)/--gamma)`` (4), the weighted mean over the counted slots
+  (SpecForge's ``loss_type=dflash`` with ``loss_decay_gamma``; ours ``method.loss=ce``: the same formula and
+  normaliser), or ``--loss dpace``, D-PACE's weights (``loss_type=dpace``; ``method.loss=dpace``), whose normaliser
+  differs: SpecForge divides by the batch's rows, ours by its counted slots (a factor of about anchors x (B - 1), the
+  counted slots of a row, which AdamW undoes but gradient clipping at 1.0 does not);
+- the random start of the draft layer (``method.init_layer_from_target=false``), AdamW, warm-up, clipping and steps
+  as for EAGLE-3.
+Differences left (DFlash):
+- the anchors: SpecForge's need the anchor itself in the loss mask (``loss_mask[a]``, ``a >= 0``), ours the token after
+  it (``a >= 1``): ours also anchors at the last prompt token, the one that drafts an answer's first tokens;
+- SpecForge's RoPE: its draft is cast to bf16 whole, its rotary inverse frequencies included, and transformers' Qwen3
+  rotary embedding recomputes cos/sin from them at every forward; serving (and our evaluator) computes them in
+  float32. The angles differ by up to 0.7 rad at position 500 for SmolLM2 (theta 1e5, head size 64);
+- precision (bf16 weights and LM head vs our bf16 autocast over float32), batches, the learning-rate floor and AdamW's
+  betas, as for EAGLE-3;
+- the held-out figures: ours is slot 1's top-1 (``step0_acc``, against the data's tokens now), SpecForge's
+  ``eval/avg_acc`` is every counted slot's top-1 together (reported as ``top1_all_slots``).
+Refused families: ``--method peagle`` and ``--method dspark`` (``REFUSED`` says why, with SpecForge's file and line).
 """
 
 from __future__ import annotations
@@ -107,29 +150,68 @@ MATCH_OURS = ["method.init_layer_from_target=false", "method.init_lm_head_from_t
 OUR_MAX_GRAD_NORM = 1.0  # conf/train.yaml's train.max_grad_norm, given to SpecForge too
 ROWS_PER_FOLDER = 2000  # SpecForge's own capture writes rows_{g}-{g+2000}/data_{i}.ckpt
 MASK_SHIFT = 2  # SpecForge weighs the prediction of token p + 2 with loss_mask[p]
+# the families SpecForge 0.2 trains offline on a CPU into a folder our evaluator reads (compare_speculators' METHODS)
+METHODS = ("eagle3", "dflash")
+REFUSED = {  # the other families of compare_speculators' METHODS: why this script cannot compare them
+    "peagle": "SpecForge 0.2.0's P-EAGLE attends through flex attention only (modeling/draft/peagle.py:75, no "
+              "sdpa path), and torch's flex attention has no backward on a CPU ('FlexAttention does not support "
+              "backward on CPU'); its export (specforge export --to hf: architectures [PEagleDraftModel]) is no "
+              "format specheads evaluate reads (specheads/export/foreign.py reads P-EAGLE in speculators' format "
+              "only)",
+    "dspark": "SpecForge 0.2.0's DSpark trains block slot k on the token at anchor + k + 1 (algorithms/common/"
+              "dflash_family_model.py:764; its DFlash and the specheads DSpark head: anchor + k), and its export "
+              "(architectures [DSparkDraftModel]) is no format specheads evaluate reads (specheads/export/foreign.py "
+              "reads DSpark in speculators' format only)",
+}
+DFLASH_LOSSES = {"ce": "dflash", "dpace": "dpace"}  # our method.loss -> SpecForge's training.loss_type
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = cs.common_arguments(__doc__)
     p.add_argument("--specforge-site", default=None, help="the folder holding SpecForge (on the child's PYTHONPATH)")
-    p.add_argument("--settings", nargs="+", default=["bfloat16:3"], metavar="bfloat16:TTT",
-                   help="TTT steps, each trained by both (default: bfloat16:3; SpecForge trains in bf16 only)")
+    p.add_argument("--method", choices=cs.METHODS, default="eagle3",
+                   help=f"the drafter family both trainers train ({', '.join(METHODS)}; the others are refused)")
+    p.add_argument("--settings", nargs="+", default=None, metavar="bfloat16[:TTT]",
+                   help="each trained by both: TTT steps for EAGLE-3 (default bfloat16:3), the dtype alone for DFlash "
+                        "(bfloat16); SpecForge trains in bf16 only")
+    p.add_argument("--block-size", type=int, default=8, help="DFlash: the block, the anchor and B-1 drafts (both)")
+    p.add_argument("--anchors", type=int, default=32, help="DFlash: blocks per row per step (both)")
+    p.add_argument("--loss", choices=sorted(DFLASH_LOSSES), default="ce",
+                   help="DFlash: ce, slot j weighted exp(-(j-1)/--gamma) (SpecForge's dflash loss); dpace: D-PACE's "
+                        "weights (SpecForge's dpace loss, which divides by the batch's rows: see the module doc)")
+    p.add_argument("--gamma", type=float, default=4.0, help="DFlash, --loss ce: the slot decay (both)")
     p.add_argument("--epochs", type=int, default=1, help="passes over the training rows (both trainers)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="train N optimizer steps, fewer than --epochs gives (a smoke test: both learning-rate "
+                        "schedules then span N steps)")
     p.add_argument("--max-tokens", type=int, default=2048,
                    help="tokens per batch (ours: padded); SpecForge gets rows per step for the same step count")
     p.add_argument("--their-arg", action="append", default=[], metavar="DOTTED=VALUE",
                    help="an extra SpecForge config override (e.g. --their-arg=training.max_grad_norm=0.5)")
+    known, _ = p.parse_known_args(argv)
+    p.set_defaults(settings=["bfloat16:3"] if known.method == "eagle3" else ["bfloat16"])
     args = cs.checked_args(p, argv)
-    args.our_arg = MATCH_OURS + args.our_arg
+    if args.method in REFUSED:
+        p.error(f"--method {args.method}: {REFUSED[args.method]}")
+    args.our_arg = match_ours(args) + args.our_arg
     args.minutes = None  # what compare_speculators' shared functions read
     return args
+
+
+def match_ours(args) -> list[str]:
+    """Our overrides (after compare_speculators' ``our_method_overrides``) that give SpecForge's recipe: EAGLE-3's
+    random draft layer and trained LM head; DFlash's data labels and loss."""
+    cap = ["data.epochs=null", f"train.max_steps={args.max_steps}"] if args.max_steps else []  # data.epochs sets it
+    if args.method == "dflash":
+        return ["method.labels=data", f"method.loss={args.loss}", f"method.gamma={args.gamma}", *cap]
+    return MATCH_OURS + cap
 
 
 def parse_setting(text: str) -> tuple[str, int]:
     dtype, ttt = cs.parse_setting(text)
     if dtype != "bfloat16":
         raise SystemExit(f"--settings {text!r}: SpecForge trains in bfloat16 only (its target head is cast to bf16 and "
-                         "the draft's weights follow); give bfloat16:N")
+                         "the draft's weights follow); give bfloat16:N (EAGLE-3) or bfloat16")
     return dtype, ttt
 
 
@@ -214,22 +296,43 @@ def specforge_target(target_dir: str | Path, out: str | Path) -> str:
     return str(out)
 
 
-def draft_config(target_dir: str | Path, draft_vocab_size: int) -> dict:
-    """SpecForge's draft config (``LlamaForCausalLMEagle3``): one layer of the target's shape."""
+def target_text_config(target_dir: str | Path):
     from transformers import AutoConfig
 
     tc = AutoConfig.from_pretrained(str(target_dir))
-    tc = getattr(tc, "text_config", None) or tc
+    return getattr(tc, "text_config", None) or tc
+
+
+def layer_fields(tc) -> dict:
+    """One draft layer of the target's shape (heads, kv heads, head size, MLP width, norm eps, rope theta), the
+    target's vocabulary and special tokens: what both of SpecForge's draft configs take from the target."""
     theta = (getattr(tc, "rope_parameters", None) or {}).get("rope_theta") or getattr(tc, "rope_theta", 10000.0)
-    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": tc.hidden_size,
-            "intermediate_size": tc.intermediate_size, "num_attention_heads": tc.num_attention_heads,
-            "num_key_value_heads": tc.num_key_value_heads,
+    return {"hidden_size": tc.hidden_size, "intermediate_size": tc.intermediate_size,
+            "num_attention_heads": tc.num_attention_heads, "num_key_value_heads": tc.num_key_value_heads,
             "head_dim": getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
             "num_hidden_layers": 1, "hidden_act": tc.hidden_act, "rms_norm_eps": tc.rms_norm_eps,
             "max_position_embeddings": tc.max_position_embeddings, "rope_theta": theta, "rope_scaling": None,
             "attention_bias": False, "tie_word_embeddings": False, "vocab_size": tc.vocab_size,
-            "draft_vocab_size": draft_vocab_size, "pad_token_id": tc.pad_token_id, "bos_token_id": tc.bos_token_id,
-            "eos_token_id": tc.eos_token_id, "torch_dtype": "bfloat16"}
+            "pad_token_id": tc.pad_token_id, "bos_token_id": tc.bos_token_id, "eos_token_id": tc.eos_token_id,
+            "torch_dtype": "bfloat16"}
+
+
+def draft_config(target_dir: str | Path, draft_vocab_size: int) -> dict:
+    """SpecForge's EAGLE-3 draft config (``LlamaForCausalLMEagle3``): one layer of the target's shape."""
+    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+            **layer_fields(target_text_config(target_dir)), "draft_vocab_size": draft_vocab_size}
+
+
+def dflash_draft_config(target_dir: str | Path, aux_layers: list[int], block_size: int, mask_token_id: int) -> dict:
+    """SpecForge's DFlash draft config (``DFlashDraftModel``, a Qwen3 config: q/k norms), z-lab's format, which its
+    export writes as it is: one full-attention layer of the target's shape, ``block_size``, the target's whole
+    vocabulary, ``dflash_config.target_layer_ids`` (decoder-layer outputs: our aux layers minus one) and
+    ``dflash_config.mask_token_id`` (SpecForge sets both at run time only, so the export would lack them)."""
+    tc = target_text_config(target_dir)
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **layer_fields(tc),
+            "block_size": block_size, "num_target_layers": tc.num_hidden_layers, "target_hidden_size": tc.hidden_size,
+            "layer_types": ["full_attention"], "use_sliding_window": False, "sliding_window": None,
+            "dflash_config": {"target_layer_ids": [i - 1 for i in aux_layers], "mask_token_id": mask_token_id}}
 
 
 # --------------------------------------------------------------------------- data: our store -> SpecForge's rows
@@ -257,81 +360,139 @@ def our_batch_count(lengths: list[int], max_tokens: int) -> int:
 
 
 def convert_store(features: str | Path, prepared: str | Path, out: str | Path, target_dir: str | Path,
-                  draft_vocab_size: int, eval_samples: int = 16, seed: int = 0, check_rows: int = 4) -> dict:
-    """Write our feature store as SpecForge's offline rows in ``out`` (see the module doc); returns what was written
-    (also ``out/convert.json``; an ``out`` whose convert.json matches the store and settings is reused)."""
+                  draft_vocab_size: int, eval_samples: int = 16, seed: int = 0, check_rows: int = 4,
+                  method: str = "eagle3") -> dict:
+    """Write our feature store as SpecForge's offline rows of ``method``'s layout in ``out`` (see the module doc);
+    returns what was written (also ``out/convert.json``; an ``out`` whose convert.json matches the store and settings
+    is reused)."""
     import torch
 
     from specheads.data.features import ARGMAX_KEY
     from specheads.models.vocab import build_draft_vocab, count_loss_tokens
 
     out = Path(out)
-    store, key, earlier = cs.cached_conversion(features, out, CONVERT_FORMAT, draft_vocab_size, eval_samples, seed)
+    fmt = CONVERT_FORMAT if method == "eagle3" else f"{CONVERT_FORMAT}+{method}"
+    store, key, earlier = cs.cached_conversion(features, out, fmt, draft_vocab_size, eval_samples, seed)
     if earlier:
         return earlier
     done = out / "convert.json"
     out.mkdir(parents=True)
     head = target_weights(target_dir)
     train_idx, eval_idx = cs.heldout_split(store, eval_samples, seed)
-    probe = [store[i] for i in list(train_idx)[:check_rows]]
     norm = {"state": None}
-    if all(ARGMAX_KEY in item for item in probe):
-        norm = final_norm_check([(it["hidden_last"], it[ARGMAX_KEY]) for it in probe], head["lm_head"], head["norm"],
-                                head["eps"])
+    if method == "dflash":  # SpecForge's DFlash reads no last state (its labels are the data's tokens)
+        norm = {"state": "unused"}
+    else:
+        probe = [store[i] for i in list(train_idx)[:check_rows]]
+        if all(ARGMAX_KEY in item for item in probe):
+            norm = final_norm_check([(it["hidden_last"], it[ARGMAX_KEY]) for it in probe], head["lm_head"],
+                                    head["norm"], head["eps"])
     if norm["state"] is None:  # no stored argmax, or it cannot tell: the manifest says which state the store holds
         said = store.manifest.get("last", "")
         norm = {**norm, "state": "pre-norm" if said.startswith("pre-norm") else "post-norm", "from_manifest": said}
-    ids, lengths = {}, []
+    ids, lengths, left_out = {}, [], []
     for split, rows in (("train", train_idx), ("heldout", eval_idx)):
         ids[split] = []
-        for k, i in enumerate(rows):
+        for i in rows:
             item = store[i]
-            last = item["hidden_last"]
-            if norm["state"] == "pre-norm":
-                last = rms_norm(last, head["norm"], head["eps"])
-            path = row_file(out / split, k)
+            row = dflash_row(item) if method == "dflash" else eagle3_row(item, norm["state"], head)
+            if row is None:
+                left_out.append(str(item["id"]))
+                continue
+            path = row_file(out / split, len(ids[split]))
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"input_ids": item["input_ids"].long(), "loss_mask": specforge_loss_mask(item["loss_mask"]),
-                        "aux_hidden_state": item["hidden_aux"].to(torch.bfloat16)[None].contiguous(),
-                        "hidden_state": last.to(torch.bfloat16)[None].contiguous()}, path)
+            torch.save(row, path)
             ids[split].append(str(item["id"]))
             lengths.append(int(item["input_ids"].numel()))
-    vocab = count_loss_tokens(str(prepared), int(head["lm_head"].shape[0]), rows=ids["train"])
-    d2t, t2d = build_draft_vocab(vocab, draft_vocab_size)
-    torch.save({"d2t": d2t.long(), "t2d": t2d.bool()}, out / "vocab_mapping.pt")
-    n_train = len(train_idx)
-    info = {**key, "train_dir": str(out / "train"), "heldout_dir": str(out / "heldout"),
-            "vocab_mapping": str(out / "vocab_mapping.pt"), "num_train": n_train, "num_heldout": len(eval_idx),
+    n_train = len(ids["train"])
+    info = {**key, "method": method, "train_dir": str(out / "train"), "heldout_dir": str(out / "heldout"),
+            "vocab_mapping": None, "num_train": n_train, "num_heldout": len(ids["heldout"]), "left_out": left_out,
             "ids": ids["train"] + ids["heldout"], "train_tokens": int(sum(lengths[:n_train])),
             "lengths": lengths, "max_length": max(lengths), "aux_layers": list(store.manifest["aux_layers"]),
             "num_layers": store.manifest.get("num_layers"), "last_state": norm,
             "store_dtype": store.manifest["dtype"], "hidden_dtype": "bfloat16", "lm_head_key": head["lm_head_key"]}
+    if method == "eagle3":  # our draft vocabulary as SpecForge's vocab mapping (DFlash drafts over the whole one)
+        vocab = count_loss_tokens(str(prepared), int(head["lm_head"].shape[0]), rows=ids["train"])
+        d2t, t2d = build_draft_vocab(vocab, draft_vocab_size)
+        torch.save({"d2t": d2t.long(), "t2d": t2d.bool()}, out / "vocab_mapping.pt")
+        info["vocab_mapping"] = str(out / "vocab_mapping.pt")
     done.write_text(json.dumps(info))
     return info
+
+
+def eagle3_row(item: dict, state: str, head: dict) -> dict:
+    """One row of SpecForge's EAGLE-3 (offline) layout: the answer mask shifted, the fused layers and the target's
+    post-norm last state (a pre-norm store's gets the target's final norm here)."""
+    import torch
+
+    last = item["hidden_last"]
+    if state == "pre-norm":
+        last = rms_norm(last, head["norm"], head["eps"])
+    return {"input_ids": item["input_ids"].long(), "loss_mask": specforge_loss_mask(item["loss_mask"]),
+            "aux_hidden_state": item["hidden_aux"].to(torch.bfloat16)[None].contiguous(),
+            "hidden_state": last.to(torch.bfloat16)[None].contiguous()}
+
+
+def dflash_row(item: dict) -> dict | None:
+    """One row of SpecForge's DFlash (offline) layout: our answer mask as it is (both count the token at
+    ``anchor + j`` with ``loss_mask[anchor + j]``) and the fused layers as ``hidden_states``. None for a row without
+    two consecutive answer tokens, which SpecForge's offline reader refuses (its anchors need ``loss_mask[a]`` and
+    ``loss_mask[a + 1]``; algorithms/common/dflash_family_data.py, ``normalize_offline_sample``) and its own data
+    preparation leaves out (``loss_mask_filter``)."""
+    import torch
+
+    mask = item["loss_mask"].bool()
+    if not bool((mask[:-1] & mask[1:]).any()):
+        return None
+    return {"input_ids": item["input_ids"].long(), "loss_mask": item["loss_mask"].long(),
+            "hidden_states": item["hidden_aux"].to(torch.bfloat16)[None].contiguous()}
 
 
 # --------------------------------------------------------------------------- the settings mapping
 
 
-def specforge_config(args, ttt: int, data: dict, out: Path, target_dir: str, draft_config_path: str) -> dict:
-    """SpecForge's run config (its typed schema) for one setting: ours mapped as the module doc says."""
+def specforge_steps(args, data: dict) -> tuple[int, int]:
+    """(SpecForge's rows per step, its optimizer steps): our steps per epoch of ``--max-tokens`` batches over the
+    training rows, times ``--epochs``, or ``--max-steps`` (fewer). Refuses a warm-up as long as the run, which
+    SpecForge's cosine schedule cannot take (it divides by the steps left after the warm-up: ZeroDivisionError)."""
     n_train = data["num_train"]
     lengths = data["lengths"][:n_train]
     batch = max(1, round(n_train / our_batch_count(lengths, args.max_tokens)))
     total = (n_train // batch) * args.epochs
+    if args.max_steps and args.max_steps > total:
+        raise SystemExit(f"--max-steps {args.max_steps}: --epochs {args.epochs} gives SpecForge {total} steps; cap "
+                         "fewer (or leave --max-steps out)")
+    total = args.max_steps or total
+    if args.warmup_steps >= total:
+        raise SystemExit(f"--warmup-steps {args.warmup_steps} >= SpecForge's {total} optimizer steps: its cosine "
+                         "schedule needs steps after the warm-up; give fewer warm-up steps")
+    return batch, total
+
+
+def specforge_config(args, ttt: int, data: dict, out: Path, target_dir: str, draft_config_path: str) -> dict:
+    """SpecForge's run config (its typed schema) for one setting: ours mapped as the module doc says."""
+    batch, total = specforge_steps(args, data)
     warmup_ratio = min(1.0, (args.warmup_steps + 0.5) / total) if args.warmup_steps else 0.0
+    model = {"target_model_path": target_dir, "draft_model_config": draft_config_path,
+             "embedding_key": "model.embed_tokens.weight", "lm_head_key": data["lm_head_key"],
+             "torch_dtype": "bfloat16"}
+    training = {"num_epochs": args.epochs, "batch_size": batch, "learning_rate": args.lr, "lr_scheduler": "cosine",
+                "warmup_ratio": warmup_ratio, "max_grad_norm": OUR_MAX_GRAD_NORM, "attention_backend": "sdpa",
+                "fsdp_sharding": "NO_SHARD", "save_interval": total, "eval_interval": total, "log_interval": 10,
+                "seed": args.seed, **({"max_steps": total} if args.max_steps else {})}
+    if cs.method_of(args) == "dflash":
+        model["mask_token_id"] = args.mask_token
+        training.update({"strategy": "dflash", "num_anchors": args.anchors, "loss_type": DFLASH_LOSSES[args.loss],
+                         "loss_decay_gamma": args.gamma if args.loss == "ce" else None})
+    else:
+        model.update({"vocab_mapping_path": data["vocab_mapping"], "load_target_embedding": True,
+                      "aux_hidden_state_layer_ids": [i - 1 for i in data["aux_layers"]]})
+        training.update({"strategy": "eagle3", "ttt_length": ttt})
     return {
-        "model": {"target_model_path": target_dir, "draft_model_config": draft_config_path,
-                  "embedding_key": "model.embed_tokens.weight", "lm_head_key": data["lm_head_key"],
-                  "vocab_mapping_path": data["vocab_mapping"], "load_target_embedding": True,
-                  "aux_hidden_state_layer_ids": [i - 1 for i in data["aux_layers"]], "torch_dtype": "bfloat16"},
+        "model": model,
         "data": {"hidden_states_path": data["train_dir"], "eval_hidden_states_path": data["heldout_dir"],
                  "max_length": data["max_length"], "cache_dir": str(out / "cache"), "dataloader_num_workers": 0},
-        "training": {"strategy": "eagle3", "num_epochs": args.epochs, "batch_size": batch,
-                     "learning_rate": args.lr, "lr_scheduler": "cosine", "warmup_ratio": warmup_ratio,
-                     "max_grad_norm": OUR_MAX_GRAD_NORM, "ttt_length": ttt, "attention_backend": "sdpa",
-                     "fsdp_sharding": "NO_SHARD", "save_interval": total, "eval_interval": total,
-                     "log_interval": 10, "seed": args.seed},
+        "training": training,
         "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}},
         "run_id": "compare", "output_dir": str(out / "output"),
     }
@@ -376,21 +537,31 @@ def install_loss_shim() -> None:
     eagle3_model.LogSoftmaxLoss = TorchKL
 
 
+def real_tokens(tensors) -> int:
+    """The non-padding tokens of one of SpecForge's batches: its attention mask's (EAGLE-3), else the rows whose
+    fused states are not all zero (DFlash's batches carry no mask; its collator pads every tensor with zeros)."""
+    mask = tensors.get("attention_mask")
+    if mask is not None:
+        return int(mask.sum())
+    return int(tensors["hidden_states"].ne(0).any(-1).sum())
+
+
 def specforge_child(config_path: str, steps_path: str) -> int:
-    """Train with SpecForge's own CLI in this process (loss shim installed); one JSON line per optimizer step to
-    ``steps_path`` and its held-out metrics to ``val.json`` beside it."""
+    """Train with SpecForge's own CLI in this process (EAGLE-3: loss shim installed); one JSON line per optimizer step
+    to ``steps_path`` and its held-out metrics to ``val.json`` beside it."""
     import specforge.training.assembly as assembly
     import specforge.training.controller as controller
     from specforge.cli import main as specforge_main
 
-    install_loss_shim()
+    if json.loads(Path(config_path).read_text())["training"]["strategy"] == "eagle3":
+        install_loss_shim()
     log, val_path = open(steps_path, "w"), Path(steps_path).with_name("val.json")
     state = {"tokens": 0, "train_s": 0.0, "last": None, "steps": 0}
     train_step = controller.TrainerCore.train_step
 
     def timed(self, batch, ctx=None):
         state["last"] = state["last"] or time.perf_counter()
-        state["tokens"] += int(batch.tensors["attention_mask"].sum())  # real tokens (padding is 0)
+        state["tokens"] += real_tokens(batch.tensors)
         result = train_step(self, batch, ctx)
         if result.optimizer_stepped:
             now = time.perf_counter()
@@ -424,14 +595,17 @@ def specforge_env(args) -> dict:
             "PYTHONPATH": os.pathsep.join(filter(None, [args.specforge_site, os.environ.get("PYTHONPATH")]))}
 
 
-def specforge_missing(site: str | None) -> str | None:
-    """None when SpecForge's trainer imports with ``site`` on the path (checked in a child), else why not."""
+def specforge_missing(site: str | None, method: str = "eagle3") -> str | None:
+    """None when SpecForge's ``method`` trainer imports with ``site`` on the path (checked in a child), else why
+    not."""
     import subprocess
 
+    family = {"eagle3": "specforge.algorithms.eagle3.model",
+              "dflash": "specforge.algorithms.common.dflash_family_model"}[method]
     env = {**os.environ, "SPECFORGE_DEVICE": "cpu",
            "PYTHONPATH": os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))}
-    r = subprocess.run([sys.executable, "-c", "import specforge.cli, specforge.algorithms.eagle3.model"], env=env,
-                       capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", f"import specforge.cli, {family}"], env=env, capture_output=True,
+                       text=True)
     return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["import failed"])[-1]
 
 
@@ -453,14 +627,40 @@ def add_aux_layers(export_dir: Path, aux_layers: list[int], num_layers: int | No
     return True
 
 
-def run_specforge(args, dtype: str, ttt: int, root: Path, data: dict, target_dir: str) -> dict:
+def their_draft_config(args, data: dict) -> dict:
     from specheads.targets import resolve_target_path
 
-    out = root / f"theirs-{dtype}-ttt{ttt}"
+    target = resolve_target_path(args.target)
+    if cs.method_of(args) == "dflash":
+        return dflash_draft_config(target, data["aux_layers"], args.block_size, args.mask_token)
+    return draft_config(target, args.draft_vocab_size)
+
+
+def export_command(args, ckpt: str, draft_path: Path, out: Path, data: dict) -> list[str]:
+    """SpecForge's own exporter: EAGLE-3 to SGLang's layout (with our vocab mapping), DFlash to the HF folder
+    (``--to hf``: its ``sglang`` exporter takes EAGLE-3 only), which is z-lab's DFlash format."""
+    head = [sys.executable, "-m", "specforge.cli", "export", "--checkpoint", ckpt, "--draft-config", str(draft_path),
+            "--output-dir", str(out)]
+    if cs.method_of(args) == "dflash":
+        return head + ["--to", "hf"]
+    return head + ["--to", "sglang", "--vocab-mapping", data["vocab_mapping"]]
+
+
+def their_heldout(args, val: dict | None) -> dict | None:
+    """SpecForge's held-out figures: ``eval/avg_loss`` and ``eval/avg_acc`` (EAGLE-3: TTT step 0's top-1; DFlash:
+    the top-1 of every counted block slot together, against the data's tokens)."""
+    if not val:
+        return None
+    acc = "top1_all_slots" if cs.method_of(args) == "dflash" else "top1_step0"
+    return {"loss": val.get("eval/avg_loss"), acc: val.get("eval/avg_acc")}
+
+
+def run_specforge(args, dtype: str, ttt: int, root: Path, data: dict, target_dir: str) -> dict:
+    out = root / cs.run_folder(args, "theirs", dtype, ttt)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     draft_path = out / "draft_config.json"
-    draft_path.write_text(json.dumps(draft_config(resolve_target_path(args.target), args.draft_vocab_size), indent=1))
+    draft_path.write_text(json.dumps(their_draft_config(args, data), indent=1))
     config = with_overrides(specforge_config(args, ttt, data, out, target_dir, str(draft_path)), args.their_arg)
     (out / "run.json").write_text(json.dumps(config, indent=1))
     env = specforge_env(args)
@@ -473,21 +673,19 @@ def run_specforge(args, dtype: str, ttt: int, root: Path, data: dict, target_dir
     val = json.loads((out / "val.json").read_text()) if (out / "val.json").exists() else None
     head_dir, ckpt = None, last_checkpoint(out / "output")
     if result["rc"] == 0 and ckpt:
-        export = [sys.executable, "-m", "specforge.cli", "export", "--to", "sglang", "--checkpoint", ckpt,
-                  "--draft-config", str(draft_path), "--output-dir", str(out / "export"),
-                  "--vocab-mapping", data["vocab_mapping"]]
+        export = export_command(args, ckpt, draft_path, out / "export", data)
         print(f"$ {shlex.join(export)}", flush=True)
         exported = cs.measure(export, env, root / f"{out.name}-export.log")
         if exported["rc"] == 0 and (out / "export" / "config.json").exists():
-            add_aux_layers(out / "export", data["aux_layers"], data.get("num_layers"))
+            if cs.method_of(args) == "eagle3":
+                add_aux_layers(out / "export", data["aux_layers"], data.get("num_layers"))
             head_dir = str(out / "export")
         else:
             print(f"SpecForge export failed (exit {exported['rc']}); log {out.name}-export.log", file=sys.stderr)
     return {**result, **cs.rates(steps, args.skip_steps), "command": cmd, "log": str(root / f"{out.name}.log"),
             "toolkit": "specforge", "batch_size": config["training"]["batch_size"],
             "first_loss": steps[0]["loss"] if steps else None, "last_loss": steps[-1]["loss"] if steps else None,
-            "heldout": {"loss": val.get("eval/avg_loss"), "top1_step0": val.get("eval/avg_acc")} if val else None,
-            "head_dir": head_dir}
+            "heldout": their_heldout(args, val), "head_dir": head_dir}
 
 
 # --------------------------------------------------------------------------- main
@@ -501,8 +699,12 @@ def report(args, root: Path, data: dict | None, results: list[dict]) -> dict:
     dist = next(Path(site).glob("specforge-*.dist-info"), None) if site else None
     versions["specforge"] = dist.name.removesuffix(".dist-info").split("-")[1] if dist else None
     store = {**out["store"], "last_state": (data or {}).get("last_state")} if out.get("store") else out.get("store")
+    settings = out["settings"]
+    if cs.method_of(args) == "dflash":  # the loss both train (ours: labels=data, SpecForge's only labels)
+        settings = {**settings, "labels": "data", "loss": args.loss, "gamma": args.gamma if args.loss == "ce" else None}
+    budget = {"epochs": args.epochs, **({"max_steps": args.max_steps} if getattr(args, "max_steps", None) else {})}
     return {**out, "kind": "trainer_compare", "peer": "specforge", "versions": versions, "store": store,
-            "budget": {"epochs": args.epochs}}
+            "settings": settings, "budget": budget}
 
 
 def main(argv=None) -> int | None:
@@ -515,24 +717,27 @@ def main(argv=None) -> int | None:
         return cs.finish(args, Path(args.workdir), data, results, report)
     settings = [parse_setting(s) for s in args.settings]
     trainers = [args.only] if args.only else ["ours", "theirs"]
-    if "theirs" in trainers and (why := specforge_missing(args.specforge_site)):
+    if "theirs" in trainers and (why := specforge_missing(args.specforge_site, args.method)):
         print(f"SKIP SpecForge: {why}; give --specforge-site (a folder holding specforge 0.2)", file=sys.stderr)
         trainers.remove("theirs")
         if not trainers:
             return None
     root = Path(args.workdir or tempfile.mkdtemp(prefix="compare-specforge-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
+    args.mask_token = cs.mask_token(args.target) if args.method != "eagle3" else None
     data, target_dir = None, None
     if "theirs" in trainers:
         from specheads.targets import resolve_target_path
 
         target_path = resolve_target_path(args.target)
         t0 = time.perf_counter()
-        data = convert_store(args.features, args.prepared, root / "specforge-data", target_path,
-                             args.draft_vocab_size, args.eval_samples, args.seed)
+        folder = root / ("specforge-data" if args.method == "eagle3" else f"specforge-data-{args.method}")
+        data = convert_store(args.features, args.prepared, folder, target_path, args.draft_vocab_size,
+                             args.eval_samples, args.seed, method=args.method)
         target_dir = specforge_target(target_path, root / "specforge-target")
+        specforge_steps(args, data)  # its schedule checked before either trainer runs
         print(f"SpecForge data: {data['num_train']} training rows ({data['train_tokens']} tokens) + "
-              f"{data['num_heldout']} held out, last state {data['last_state']}, in {root / 'specforge-data'} "
+              f"{data['num_heldout']} held out, last state {data['last_state']}, in {folder} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     results = cs.train_both(args, settings, trainers, root, data,
                             lambda dtype, ttt: run_specforge(args, dtype, ttt, root, data, target_dir))
