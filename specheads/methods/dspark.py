@@ -37,38 +37,125 @@ from torch.utils.checkpoint import checkpoint
 from specheads.errors import UserError
 from specheads.methods.base import StepOutput
 from specheads.methods.dflash import DFlashMethod, block_chain, init_from_target
-from specheads.methods.losses import dpace_weights, pad_rows
+from specheads.methods.losses import dpace_weights, logit_chunk_rows, pad_rows
 from specheads.models.dspark import DSparkConfig, DSparkModel
 from specheads.targets import Target
 
 log = logging.getLogger(__name__)
 
 
+SLOT_CHUNK_BYTES = 1 << 26
+"""Float32 (rows, V) scratch one chunk of ``ce_and_l1`` makes at a time: 64 MiB (320 rows at a 49152 vocabulary)."""
+
+
+def _pair_chunks(a, b, labels, probs, chunk: int, keep: bool, l1_grad: bool):
+    """(CE (n,), L1 (n,), argmax (n,), q (n, V) float32 or None, sign(q - p) (n, V) int8 or None), ``chunk`` rows
+    at a time; q and the sign are kept (``keep``; the sign only with ``l1_grad``) for ``_SlotPair.backward``."""
+    n, V = labels.shape[0], a.shape[-1]
+    ce = torch.empty(n, dtype=torch.float32, device=a.device)
+    l1, pred = torch.empty_like(ce), torch.empty(n, dtype=torch.long, device=a.device)
+    q_all = torch.empty((n, V), dtype=torch.float32, device=a.device) if keep else None
+    sign_all = torch.empty((n, V), dtype=torch.int8, device=a.device) if keep and l1_grad else None
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        z = a[s:e].to(torch.float32, copy=True).add_(b[s:e])  # float(a) + float(b), a left as it is
+        logq = torch.log_softmax(z, dim=-1)
+        del z
+        ce[s:e] = -logq.gather(1, labels[s:e, None]).squeeze(1)
+        pred[s:e] = logq.argmax(-1)
+        q = logq.exp_() if q_all is None else torch.exp(logq, out=q_all[s:e])
+        d = probs(s, e).neg_().add_(q)  # q - p, exactly -(p - q)
+        del logq, q
+        if sign_all is not None:
+            sign_all[s:e] = d.sign()
+        l1[s:e] = d.abs_().sum(-1)
+    return ce, l1, pred, q_all, sign_all
+
+
+class _SlotPair(torch.autograd.Function):
+    """CE and L1 of ``softmax(a + b)``; saves q (float32) and sign(q - p) (int8), not the chain of (n, V)
+    intermediates autograd keeps for the plain formula (log q, q, p - q and abs's input)."""
+
+    @staticmethod
+    def forward(ctx, a, b, labels, probs, l1_grad, chunk):
+        ce, l1, pred, q, sign = _pair_chunks(a, b, labels, probs, chunk, True, l1_grad)
+        ctx.save_for_backward(q, sign, labels)
+        ctx.rows, ctx.dtypes, ctx.chunk = a.shape[0], (a.dtype, b.dtype), chunk
+        ctx.mark_non_differentiable(pred, *(() if l1_grad else (l1,)))
+        return ce, l1, pred
+
+    @staticmethod
+    def backward(ctx, g_ce, g_l1, g_pred):
+        # with q = softmax(z) and s = sign(q - p): dCE/dz = q - onehot(label), dL1/dz_j = q_j (s_j - sum_i q_i s_i)
+        q, sign, labels = ctx.saved_tensors
+        n, V = q.shape
+        out = {dt: q.new_empty((ctx.rows, V), dtype=dt)
+               for dt, need in zip(ctx.dtypes, ctx.needs_input_grad[:2]) if need}
+        for g in out.values():
+            g[n:] = 0  # the padding rows
+        for s in range(0, n, ctx.chunk):
+            e = min(n, s + ctx.chunk)
+            qc, gc = q[s:e], g_ce[s:e, None]
+            if sign is not None:
+                t = sign[s:e].float()
+                t.sub_((qc * t).sum(-1, keepdim=True)).mul_(g_l1[s:e, None]).add_(gc).mul_(qc)
+            else:
+                t = qc * gc
+            t.scatter_add_(1, labels[s:e, None], -gc)
+            for g in out.values():
+                g[s:e] = t
+        grads = [out[dt] if need else None for dt, need in zip(ctx.dtypes, ctx.needs_input_grad[:2])]
+        return (*grads, None, None, None, None)
+
+
+def ce_and_l1(a: torch.Tensor, b: torch.Tensor, labels: torch.Tensor, probs, l1_grad: bool = True,
+              chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CE and ||p - q||_1 of the draft ``q = softmax(float(a) + float(b))`` for the first n rows.
+
+    a, b: (n', V) with n' >= n rows (the rest padding, their gradient zero), the backbone's logits and the Markov
+    bias in their own dtypes; labels: (n,) long; probs(s, e): a new (e - s, V) float32 tensor (overwritten here),
+    the target distribution of rows s:e. Returns (CE (n,), L1 (n,), argmax (n,)): as ``log_softmax`` then
+    ``nll_loss`` and ``(p - q).abs().sum(-1)``, ``chunk`` rows at a time (default ``SLOT_CHUNK_BYTES`` of float32).
+    For the backward pass only q (n, V) float32 and, with ``l1_grad``, sign(q - p) (n, V) int8 are kept; without
+    ``l1_grad`` the L1 carries no gradient.
+    """
+    chunk = chunk or logit_chunk_rows(a.shape[-1], SLOT_CHUNK_BYTES)
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _SlotPair.apply(a, b, labels, probs, l1_grad, chunk)
+    return _pair_chunks(a, b, labels, probs, chunk, False, False)[:3]
+
+
 def slot_terms(model: DSparkModel, target_logits, h: torch.Tensor, prev: torch.Tensor, labels: torch.Tensor,
-               target_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+               target_h: torch.Tensor, l1_grad: bool = True,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per-slot pieces of the DSpark loss for N counted slots.
 
     h: (N, H) pre-norm slot states; prev: (N,) the token before each slot; labels: (N,); target_h: (N, H_t)
     post-norm target states whose logits (``target_logits``) give p. Returns (CE (N,), ||p - q||_1 (N,),
-    confidence logits (N,) or None, draft argmax (N,)), float32.
+    confidence logits (N,) or None, draft argmax (N,)), float32; the L1 without gradient unless ``l1_grad``.
+    The draft logits are ``model.draft_logits``'s, made on rows padded to ``ROW_MULTIPLE`` (recurring matmul
+    shapes: ``losses``' module docstring) and scored by ``ce_and_l1``.
     """
-    n = h.shape[0]
-    logq = torch.log_softmax(model.draft_logits(h, prev), dim=-1)
-    with torch.no_grad():
-        p = torch.softmax(target_logits(pad_rows(target_h))[:n].float(), dim=-1)
-    ce = F.nll_loss(logq, labels, reduction="none")
-    l1 = (p - logq.exp()).abs().sum(-1)
+    a = model.logits(pad_rows(h))
+    b = model.markov_bias(pad_rows(prev))
+
+    def probs(s: int, e: int) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.softmax(target_logits(pad_rows(target_h[s:e]))[: e - s].float(), dim=-1)
+
+    ce, l1, pred = ce_and_l1(a, b, labels, probs, l1_grad)
     conf = model.confidence(h, prev, logit=True) if model.confidence_head is not None else None
-    return ce, l1, conf, logq.argmax(-1)
+    return ce, l1, conf, pred
 
 
-def chunked_slot_terms(model, target_logits, h, prev, labels, target_h, chunk: int):
+def chunked_slot_terms(model, target_logits, h, prev, labels, target_h, chunk: int, l1_grad: bool = True):
     """``slot_terms`` ``chunk`` rows at a time; past one chunk the draft logits are recomputed in backward."""
     if h.shape[0] <= chunk:
-        return slot_terms(model, target_logits, h, prev, labels, target_h)
+        return slot_terms(model, target_logits, h, prev, labels, target_h, l1_grad)
     parts = []
     for s in range(0, h.shape[0], chunk):
-        args = (model, target_logits, h[s:s + chunk], prev[s:s + chunk], labels[s:s + chunk], target_h[s:s + chunk])
+        args = (model, target_logits, h[s:s + chunk], prev[s:s + chunk], labels[s:s + chunk], target_h[s:s + chunk],
+                l1_grad)
         parts.append(checkpoint(slot_terms, *args, use_reentrant=False) if torch.is_grad_enabled()
                      else slot_terms(*args))
     ce, l1, conf, pred = zip(*parts)
@@ -117,7 +204,8 @@ class DSparkMethod(DFlashMethod):
         if init_from and init_layer_from_target:
             raise ValueError("dspark: init_from and init_layer_from_target both set the backbone; choose one")
         self.markov_rank, self.enable_confidence_head = markov_rank, bool(enable_confidence_head)
-        self.ce_weight, self.l1_weight, self.confidence_weight = float(ce_weight), float(l1_weight), float(confidence_weight)
+        self.ce_weight, self.l1_weight = float(ce_weight), float(l1_weight)
+        self.confidence_weight = float(confidence_weight)
         self.init_from = init_from
 
     def build(self, target: Target) -> DSparkModel:
@@ -148,7 +236,8 @@ class DSparkMethod(DFlashMethod):
         prev = self.previous_tokens(batch, labels, source)
         rows = torch.arange(h.shape[0], device=h.device)[:, None, None].expand_as(source)
         target_h = batch["hidden_last"][rows[sel], source[sel]]
-        terms = chunked_slot_terms(model, target.logits, h[sel], prev[sel], labels[sel], target_h, self.head_chunk)
+        terms = chunked_slot_terms(model, target.logits, h[sel], prev[sel], labels[sel], target_h, self.head_chunk,
+                                   l1_grad=self.l1_weight > 0)  # else L1 is only the confidence's detached target
         return terms, labels, weights, sel
 
     def loss(self, model: DSparkModel, batch: dict, target: Target) -> StepOutput:

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from specheads.data.features import add_features
 from specheads.methods import build_method
-from specheads.methods.dspark import combine, slot_terms
+from specheads.methods import dspark
+from specheads.methods.dspark import ce_and_l1, combine, slot_terms
+from specheads.methods.losses import pad_rows
 from specheads.models.dspark import DSparkConfig, DSparkModel
 from tests.conftest import make_tiny_target
 from tests.methods.test_dflash import batch_of
@@ -175,7 +177,8 @@ def test_a_few_steps_lower_the_loss_on_a_tiny_store(tmp_path):
 
 def test_dpace_weights_each_block_from_its_draft_cross_entropies(setup):
     """loss=dpace: sum_j w_j (0.1 CE_j + 0.9 L1_j) / counted slots with D-PACE's detached weights computed from the
-    draft's (Markov-biased) CE of each block, plus the unchanged confidence BCE; the default decay gives another loss."""
+    draft's (Markov-biased) CE of each block, plus the unchanged confidence BCE; the default decay gives another
+    loss."""
     from specheads.methods.losses import dpace_weights
 
     target, plain, model, batch = setup
@@ -202,3 +205,76 @@ def test_dpace_weights_each_block_from_its_draft_cross_entropies(setup):
 def test_dspark_refuses_an_unknown_loss():
     with pytest.raises(ValueError, match="loss must be one of ce, dpace"):
         build_method("dspark", block_size=4, loss="dpase")
+
+
+def plain_slot_terms(model, target_logits, h, prev, labels, target_h, l1_grad=True):
+    """``slot_terms`` before ``ce_and_l1`` (the reference): plain autograd, which keeps every (N, V) step."""
+    n = h.shape[0]
+    logq = torch.log_softmax(model.draft_logits(h, prev), dim=-1)
+    with torch.no_grad():
+        p = torch.softmax(target_logits(pad_rows(target_h))[:n].float(), dim=-1)
+    ce = F.nll_loss(logq, labels, reduction="none")
+    l1 = (p - logq.exp()).abs().sum(-1)
+    conf = model.confidence(h, prev, logit=True) if model.confidence_head is not None else None
+    return ce, l1, conf, logq.argmax(-1)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32)], ids=["f32", "bf16", "bf16+f32"])
+@pytest.mark.parametrize("chunk", [1, 3, 7, None])
+@pytest.mark.parametrize("l1_grad", [True, False])
+def test_ce_and_l1_and_their_gradients_are_the_plain_formulas(dtypes, chunk, l1_grad):
+    """Against the plain formula in float64: CE, L1, argmax, and the gradient of any weighted sum of CE and L1
+    with respect to both logit inputs (zero on the padding rows); without ``l1_grad`` L1 is a constant."""
+    g = torch.Generator().manual_seed(3)
+    n, rows, V = 7, 9, 50
+    a = (3 * torch.randn(rows, V, generator=g)).to(dtypes[0]).requires_grad_()
+    b = torch.randn(rows, V, generator=g).to(dtypes[1]).requires_grad_()
+    labels = torch.randint(0, V, (n,), generator=g)
+    p = torch.softmax(2 * torch.randn(n, V, generator=g, dtype=torch.float64), -1)
+    w_ce, w_l1 = torch.rand(n, generator=g), torch.rand(n, generator=g)
+    ce, l1, pred = ce_and_l1(a, b, labels, lambda s, e: p[s:e].float(), l1_grad, chunk)
+    assert l1.requires_grad == l1_grad and not pred.requires_grad
+    (w_ce * ce + w_l1 * l1).sum().backward()
+    a64, b64 = (x.detach().double().requires_grad_() for x in (a, b))
+    logq = torch.log_softmax(a64[:n] + b64[:n], dim=-1)
+    ce64, l164 = F.nll_loss(logq, labels, reduction="none"), (p - logq.exp()).abs().sum(-1)
+    (w_ce * ce64 + w_l1 * (l164 if l1_grad else l164.detach())).sum().backward()
+    torch.testing.assert_close(ce, ce64.float())
+    torch.testing.assert_close(l1, l164.float())
+    assert torch.equal(pred, logq.argmax(-1))
+    for x, x64 in ((a, a64), (b, b64)):
+        torch.testing.assert_close(x.grad, x64.grad.to(x.dtype))
+        assert not x.grad[n:].any()
+    with torch.no_grad():
+        ce0, l10, pred0 = ce_and_l1(a, b, labels, lambda s, e: p[s:e].float(), l1_grad, chunk)
+    torch.testing.assert_close((ce0, l10), (ce.detach(), l1.detach()))
+    assert torch.equal(pred0, pred)
+
+
+@pytest.mark.parametrize("l1_weight, head_chunk, loss, autocast", [
+    (0.9, 2048, "ce", False), (0.9, 5, "ce", False), (0.0, 2048, "dpace", False), (0.0, 5, "ce", False),
+    (0.9, 7, "dpace", False), (0.9, 2048, "ce", True), (0.0, 5, "dpace", True)])
+def test_the_loss_and_its_gradients_are_the_plain_formulas(monkeypatch, setup, l1_weight, head_chunk, loss, autocast):
+    """The whole DSpark loss and every parameter's gradient, as with ``plain_slot_terms``, with and without
+    the L1 term, in one chunk of slots or several (recomputed in backward), in float32 or under bfloat16
+    autocast (bfloat16 logits: a bfloat16 rounding apart at most)."""
+    target, _, model, batch = setup
+    method = build_method("dspark", block_size=4, anchors=6, num_layers=2, l1_weight=l1_weight,
+                          head_chunk=head_chunk, loss=loss)
+
+    def run():
+        model.zero_grad()
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = method.loss(model, batch, target)
+        out.loss.backward()
+        return out.loss.detach(), {k: v.grad.clone() for k, v in model.named_parameters() if v.grad is not None}
+
+    got, got_grads = run()
+    monkeypatch.setattr(dspark, "slot_terms", plain_slot_terms)
+    want, want_grads = run()
+    tol = dict(rtol=1.6e-2, atol=1e-5) if autocast else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, want, **tol)
+    assert got_grads.keys() == want_grads.keys() and "markov_head.markov_w2.weight" in got_grads
+    torch.testing.assert_close(got_grads, want_grads, **tol)
