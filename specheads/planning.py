@@ -18,7 +18,6 @@ training's loss computes it again on the columns it needs (a draft vocabulary, o
 
 from __future__ import annotations
 
-import math
 import shutil
 import time
 from collections import Counter
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 
 from specheads.data.store import bytes_per_token, canonical_dtype, fits_on_disk
 from specheads.errors import ConfigError
+from specheads.ranges import check_number
 from specheads.methods.losses import TARGET_CHUNK
 
 GiB = 2**30
@@ -303,16 +303,10 @@ def stage_dtype(requested: str, target, device: str):
 
 
 def check_sizes(sizes: dict[str, Any], counts: tuple[str, ...] = ()) -> None:
-    """Refuse a size that is not a positive finite number (a whole one for the names in ``counts``): one
-    ``ConfigError`` naming each bad one as ``sizes`` names it."""
-    def ok(name, v):
-        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-        return number and (name not in counts or float(v).is_integer())
-
-    bad = [f"{k}={v} (give {'a whole number >= 1' if k in counts else 'a number > 0'})"
-           for k, v in sizes.items() if not ok(k, v)]
-    if bad:
-        raise ConfigError(f"plan needs positive sizes: {', '.join(bad)}")
+    """Refuse a size that is not a positive finite number (an integer >= 1 for the names in ``counts``), by
+    ``ranges.check_number``: one ``ConfigError`` naming the first bad one as ``sizes`` names it."""
+    for name, value in sizes.items():
+        check_number(name, value, ">= 1" if name in counts else "> 0", integer=name in counts)
 
 
 def make_plan(*, target_name: str, config, method_name: str, method_settings: dict, dtype: str, store_dtype: str,

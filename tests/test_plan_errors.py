@@ -23,13 +23,13 @@ def settings(*overrides: str):
 
 
 @pytest.mark.parametrize("override, words", [
-    ("plan.probe_tokens=0", "plan needs positive sizes: plan.probe_tokens=0 (give a whole number >= 1)"),
-    ("plan.device_gib=0", "plan needs positive sizes: plan.device_gib=0 (give a number > 0)"),
-    ("plan.train_tokens=0", "plan needs positive sizes: plan.train_tokens=0 (give a whole number >= 1)"),
-    ("collect.batch_tokens=-1", "plan needs positive sizes: collect.batch_tokens=-1 (give a whole number >= 1)"),
-    ("plan.processes=1.5", "plan needs positive sizes: plan.processes=1.5 (give a whole number >= 1)"),
-    ("plan.tokens_per_sample=-3", "plan needs positive sizes: plan.tokens_per_sample=-3 (give a number > 0)"),
-    ("plan.num_samples=0", "plan needs positive sizes: plan.num_samples=0"),
+    ("plan.probe_tokens=0", "plan.probe_tokens=0 is out of range: give an integer >= 1"),
+    ("plan.device_gib=0", "plan.device_gib=0 is out of range: give a finite number > 0"),
+    ("plan.train_tokens=0", "plan.train_tokens=0 is out of range: give an integer >= 1"),
+    ("collect.batch_tokens=-1", "collect.batch_tokens=-1 is out of range: give an integer >= 1"),
+    ("plan.processes=1.5", "plan.processes=1.5 is out of range: give an integer >= 1"),
+    ("plan.tokens_per_sample=-3", "plan.tokens_per_sample=-3 is out of range: give a finite number > 0"),
+    ("plan.num_samples=0", "plan.num_samples=0 is out of range"),
     ("plan.device=tpu", "plan.device=tpu: not a device here; use auto (a GPU when present, else the CPU), cpu, cuda"),
     ("collect.dtype=int8", "collect.dtype=int8: unknown store dtype; use one of float32, bfloat16, float16, fp8_e4m3"),
     ("plan.engine=sglang", "plan.engine=sglang: use vllm"),
@@ -69,7 +69,7 @@ def test_a_disk_folder_that_does_not_exist_or_a_json_that_is_a_folder_is_refused
 def test_make_plan_refuses_a_zero_probe_before_dividing_by_it():
     from specheads.planning import make_plan
 
-    with pytest.raises(ConfigError, match=r"^plan needs positive sizes: probe_tokens=0 \(give a number > 0\)$"):
+    with pytest.raises(ConfigError, match=r"^probe_tokens=0 is out of range: give a finite number > 0$"):
         make_plan(target_name="t", config=None, method_name="eagle3", method_settings={}, dtype="float32",
                   store_dtype="bfloat16", num_samples=10, tokens_per_sample=10.0, epochs=1.0, batch_tokens=64,
                   device="cpu", probe_tokens=0)

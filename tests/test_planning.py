@@ -92,7 +92,7 @@ def test_plan_through_the_cli(tmp_path):
     assert "128 experts per layer, 3.0" in out.stdout
     bad = run_cli("plan.num_samples=0", cwd=tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert bad.stderr.strip().splitlines()[-1].startswith("specheads plan: error: plan needs positive sizes")
+    assert bad.stderr.strip().splitlines()[-1].startswith("specheads plan: error: plan.num_samples=0 is out of range")
     other = run_cli("plan.engine=sglang", cwd=tmp_path)
     assert other.returncode == 2 and other.stderr.strip().splitlines()[-1] == (
         "specheads plan: error: plan.engine=sglang: use vllm (time vLLM's collection too) or leave it null")
