@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 
 from specheads.methods.base import ARGMAX_KEY, FusedLayers, StepOutput
-from specheads.methods.losses import dpace_weights, hard_cross_entropy, target_argmax
+from specheads.methods.losses import (dpace_weights, hard_cross_entropy, linear_cross_entropy, logit_chunk_rows,
+                                     target_argmax)
 from specheads.methods.ttt import summarize_steps
 from specheads.models.dflash import DFlashConfig, DFlashModel, block_attention_mask
-from specheads.targets import Target
+from specheads.targets import Target, logit_softcap
 
 log = logging.getLogger(__name__)
 
@@ -139,13 +140,14 @@ class DFlashMethod(FusedLayers):
         sel = weights > 0
         if not bool(sel.any()):
             return StepOutput(loss=h.sum() * 0.0, metrics={"blocks": 0.0})
-        target_h = None
         if self.lk_weight:
             B = h.shape[0]
             rows = torch.arange(B, device=h.device)[:, None, None].expand_as(source)
             target_h = batch["hidden_last"][rows[sel], source[sel]]
-        ce, pred = hard_cross_entropy(model.logits, h[sel], labels[sel], self.head_chunk, target_hidden=target_h,
-                                      target_head=target.logits, lk_weight=self.lk_weight)
+            ce, pred = hard_cross_entropy(model.logits, h[sel], labels[sel], self.head_chunk, target_hidden=target_h,
+                                          target_head=target.logits, lk_weight=self.lk_weight)
+        else:
+            ce, pred = slot_cross_entropy(model, target, h[sel], labels[sel], self.head_chunk)
         if self.loss_name == "dpace":
             per_slot = ce.new_zeros(sel.shape)
             per_slot[sel] = ce.detach()
@@ -198,6 +200,20 @@ class DFlashMethod(FusedLayers):
     def save(self, model: DFlashModel, out_dir: str, target: Target) -> None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out_dir)
+
+
+def slot_cross_entropy(model: DFlashModel, target: Target, h: torch.Tensor, labels: torch.Tensor, chunk: int):
+    """Each row's cross-entropy (N,) of ``model.logits(h)`` against ``labels``, and the argmax (N,).
+
+    Through the target's frozen LM head, ``losses.linear_cross_entropy`` makes each chunk's logits and their
+    gradient in the forward pass and keeps only the (N, H) gradient of the normed states, where autograd would keep
+    several (N, V) tensors. A head that is not a frozen linear layer goes through ``hard_cross_entropy``."""
+    head = target.lm_head
+    if not isinstance(head, torch.nn.Linear) or head.weight.requires_grad:
+        return hard_cross_entropy(model.logits, h, labels, chunk)
+    rows = min(chunk, logit_chunk_rows(head.weight.shape[0]))
+    return linear_cross_entropy(model.norm(h).to(head.weight.dtype), head.weight, labels, head.bias,
+                                logit_softcap(target.config), chunk=rows, reduction="none")
 
 
 def block_chain(shape, block_size: int):

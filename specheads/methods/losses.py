@@ -5,8 +5,9 @@
   columns and renormalised there), plus the target's full-vocabulary argmax.
 * ``soft_cross_entropy``: -sum p log softmax(head(h)) over rows, chunked; with ``checkpoint`` the
   draft logits of a chunk are recomputed in the backward pass instead of being kept.
-* ``linear_cross_entropy``: the summed hard-label cross-entropy of a linear output layer, its gradients
-  computed chunk by chunk in the forward pass, so no (N, V) logits (or their gradient) ever exist.
+* ``linear_cross_entropy``: the summed (or, through a frozen layer, per-row) hard-label cross-entropy of a linear
+  output layer, its gradients computed chunk by chunk in the forward pass, so no (N, V) logits (or their
+  gradient) ever exist.
 * ``feature_loss``: EAGLE-1's smooth-L1 regression of the next feature.
 * ``dpace_weights``: D-PACE's detached per-slot weights of a drafted block's cross-entropy.
 
@@ -35,8 +36,8 @@ TARGET_CHUNK = 1024
 
 def pad_rows(x: torch.Tensor, multiple: int = ROW_MULTIPLE) -> torch.Tensor:
     """(N, ...) -> (ceil(N / multiple) * multiple, ...), zero rows appended (``x`` itself when none are)."""
-    extra = -x.shape[0] % multiple
-    return x if not extra else torch.cat([x, x.new_zeros((extra, *x.shape[1:]))])
+    extra = -x.shape[0] % multiple  # F.pad, not torch.cat: CPU autocast's cat refuses float16 tensors
+    return x if not extra else F.pad(x, (0, 0) * (x.dim() - 1) + (0, extra))
 
 
 @torch.no_grad()
@@ -195,7 +196,8 @@ def logit_chunk_rows(vocab: int, budget: int | None = None) -> int:
 
 def _ce_chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
               softcap: float | None, ignore_index: int, grad: bool):
-    """One chunk's (summed CE, argmax (n,), d sum / d logits (n, V) in the layer's compute dtype or None).
+    """One chunk's (CE of each row (n,) float32, 0 on ignored rows; argmax (n,); d CE_i / d logits (n, V) in the
+    layer's compute dtype, or None).
 
     The logits are made in the dtype the plain layer would give (autocast's, else the weights'), then taken to
     float32, as ``F.cross_entropy(layer(h).float(), ...)`` takes them; they and their gradient live only here."""
@@ -213,7 +215,7 @@ def _ce_chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     picked = logits.gather(1, y).squeeze(1)
     probs = logits.sub_(top[:, None]).exp_()  # in place: the logits are not needed past here
     total = probs.sum(-1)
-    loss = torch.where(valid, top + total.log() - picked, 0.0).sum()
+    loss = torch.where(valid, top + total.log() - picked, 0.0)
     if not grad:
         return loss, pred, None
     probs.div_(total[:, None]).scatter_add_(1, y, -valid.to(probs.dtype)[:, None])  # softmax - one_hot(y)
@@ -223,10 +225,11 @@ def _ce_chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     return loss, pred, probs.to(compute)
 
 
-def _chunked_linear_ce(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs):
-    """(summed CE, argmax (N,), [d sum / d hidden, weight, bias] with None where not needed)."""
+def _chunked_linear_ce(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs, per_row=False):
+    """(summed CE, or each row's (N,) with ``per_row``; argmax (N,); [d sum / d hidden, weight, bias] with None
+    where not needed: row i of the first is d CE_i / d hidden_i)."""
     N, grad = hidden.shape[0], any(needs)
-    loss = hidden.new_zeros((), dtype=torch.float32)
+    loss = hidden.new_zeros((N,) if per_row else (), dtype=torch.float32)
     pred = torch.empty(N, dtype=torch.long, device=hidden.device)
     grad_h = torch.empty_like(hidden) if needs[0] else None
     # float32 sums across chunks, whatever the weights' dtype (as one matmul over all rows would accumulate)
@@ -239,7 +242,10 @@ def _chunked_linear_ce(hidden, weight, bias, labels, softcap, chunk, ignore_inde
         if rows > n:
             h, y = pad_rows(h, rows), torch.cat([y, y.new_full((rows - n,), ignore_index)])
         part, top, g = _ce_chunk(h, weight, bias, y, softcap, ignore_index, grad)
-        loss += part
+        if per_row:
+            loss[s:s + n] = part[:n]
+        else:
+            loss += part.sum()
         pred[s:s + n] = top[:n]
         if g is None:
             continue
@@ -258,25 +264,31 @@ def _chunked_linear_ce(hidden, weight, bias, labels, softcap, chunk, ignore_inde
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """The gradients of the sum are made in the forward pass (no logits kept); backward scales them."""
+    """The gradients of the sum are made in the forward pass (no logits kept); backward scales them (row by row,
+    for per-row losses: only the hidden states' gradient then exists)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, softcap, chunk, ignore_index, needs):
-        loss, pred, grads = _chunked_linear_ce(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs)
+    def forward(ctx, hidden, weight, bias, labels, softcap, chunk, ignore_index, needs, per_row):
+        loss, pred, grads = _chunked_linear_ce(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs,
+                                               per_row)
         ctx.mark_non_differentiable(pred)
         ctx.save_for_backward(*grads)
+        ctx.per_row = per_row
         return loss, pred
 
     @staticmethod
     def backward(ctx, grad_loss, grad_pred):
         # scaled in place: each is used once (a second backward through the graph fails on its version counter)
-        grads = [None if g is None else g.mul_(grad_loss) for g in ctx.saved_tensors]
-        return (*grads, None, None, None, None, None)
+        if ctx.per_row:
+            grad_loss = grad_loss[:, None]
+        grads = [None if g is None else g.mul_(grad_loss.to(g.dtype) if ctx.per_row else grad_loss)
+                 for g in ctx.saved_tensors]
+        return (*grads, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          bias: torch.Tensor | None = None, softcap: float | None = None, chunk: int | None = None,
-                         ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+                         ignore_index: int = -100, reduction: str = "sum") -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of the logits ``hidden @ weight.T + bias`` (soft-capped to ``softcap * tanh(z /
     softcap)`` when set) against ``labels``, and their argmax, without ever holding all the logits.
 
@@ -289,15 +301,25 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     weight's gradient is summed over chunks in float32.
     The weight is read in the forward pass only, where DeepSpeed ZeRO-3 gathers a parameter that is used outside
     its own module's ``forward``.
+    ``reduction="none"`` returns each row's cross-entropy (N,) float32 instead of the sum (0 on ignored rows), for a
+    frozen output layer only (a weight or bias that needs a gradient is refused: its gradient sums over rows with
+    weights the forward pass cannot know); any later weighting of the rows scales their gradients in backward.
     """
+    if reduction not in ("sum", "none"):
+        raise ValueError(f"linear_cross_entropy: reduction must be 'sum' or 'none', got {reduction!r}")
     chunk = chunk or logit_chunk_rows(weight.shape[0])
     on = torch.is_grad_enabled()
     needs = tuple(bool(on and t is not None and t.requires_grad) for t in (hidden, weight, bias))
+    per_row = reduction == "none"
+    if per_row and (needs[1] or needs[2]):
+        raise ValueError("linear_cross_entropy: reduction='none' needs a frozen output layer (its weight and bias "
+                         "must not require gradients)")
     if not any(needs):
         with torch.no_grad():
-            loss, pred, _ = _chunked_linear_ce(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs)
+            loss, pred, _ = _chunked_linear_ce(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs,
+                                               per_row)
         return loss, pred
-    return _LinearCrossEntropy.apply(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs)
+    return _LinearCrossEntropy.apply(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs, per_row)
 
 
 DPACE_ALPHA = 0.5

@@ -115,6 +115,32 @@ def test_lk_weight_mixes_the_acceptance_objective_into_the_loss(setup):
     assert model.fc.weight.grad is not None and model.fc.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("loss", ["ce", "dpace"])
+def test_the_slots_cross_entropy_through_the_frozen_lm_head_equals_the_plain_logits(setup, monkeypatch, loss):
+    """slot_cross_entropy (no (N, V) tensor kept for backward) gives the loss, metrics and gradients that
+    cross-entropy on ``model.logits`` gives."""
+    import specheads.methods.dflash as dflash
+    from specheads.methods.losses import hard_cross_entropy
+
+    target, _, model, batch = setup
+    method = build_method("dflash", block_size=4, anchors=6, num_layers=2, loss=loss, head_chunk=8)  # several chunks
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        out = method.loss(model, batch, target)
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    got, got_grads = run()
+    monkeypatch.setattr(dflash, "slot_cross_entropy", lambda m, t, h, y, chunk: hard_cross_entropy(m.logits, h, y))
+    want, want_grads = run()
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert got.metrics == want.metrics and set(got_grads) == set(want_grads) and "norm.weight" in got_grads
+    for name, g in got_grads.items():
+        torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("bad, match", [({"block_size": 1}, "block_size"), ({"labels": "x"}, "labels"),
                                         ({"lk_weight": 1.5}, "lk_weight"),
                                         ({"gamma": 0}, "gamma"), ({"anchors": 0}, "anchors")])

@@ -187,6 +187,46 @@ def test_linear_cross_entropy_refuses_a_second_backward_through_its_graph():
         loss.backward()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("chunk", [7, 64, 1000])
+def test_per_row_linear_cross_entropy_weighted_later_equals_the_plain_loss_and_gradients(dtype, softcap, chunk):
+    from specheads.methods.losses import linear_cross_entropy
+
+    hidden, weight, bias, labels = _leaves(dtype)
+    weight.requires_grad_(False)
+    bias.requires_grad_(False)  # a frozen output layer: the target's LM head, as DFlash trains through it
+    w = torch.rand(hidden.shape[0], generator=torch.Generator().manual_seed(1))  # per-row weights made afterwards
+
+    def plain():
+        logits = torch.nn.functional.linear(hidden, weight, bias).float()
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        return torch.nn.functional.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
+
+    rows, pred = linear_cross_entropy(hidden, weight, labels, bias, softcap, chunk=chunk, reduction="none")
+    want_rows, want_pred = plain()
+    assert rows.shape == (hidden.shape[0],) and rows.dtype == torch.float32
+    torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pred, want_pred) and float(rows[::7].abs().sum()) == 0.0  # ignored rows count nothing
+    (rows * w).sum().backward()
+    got = hidden.grad.clone()
+    hidden.grad = None
+    (plain()[0] * w).sum().backward()
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, hidden.grad, **TOL[dtype])
+
+
+def test_per_row_linear_cross_entropy_refuses_an_output_layer_that_trains():
+    from specheads.methods.losses import linear_cross_entropy
+
+    hidden, weight, bias, labels = _leaves(torch.float32)  # weight and bias require gradients
+    with pytest.raises(ValueError, match="frozen output layer"):
+        linear_cross_entropy(hidden, weight, labels, bias, reduction="none")
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(hidden, weight, labels, bias, reduction="mean")
+
+
 class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the most elements of any tensor an operator returns (forward and backward alike)."""
 
