@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from specheads.methods.base import ARGMAX_KEY, FusedLayers, StepOutput
-from specheads.methods.losses import (dpace_weights, hard_cross_entropy, linear_cross_entropy, logit_chunk_rows,
+from specheads.methods.losses import (dpace_weights, frozen_linear, hard_cross_entropy, head_cross_entropy,
                                      target_argmax)
 from specheads.methods.ttt import summarize_steps
 from specheads.models.dflash import DFlashConfig, DFlashModel, block_attention_mask
@@ -205,15 +205,13 @@ class DFlashMethod(FusedLayers):
 def slot_cross_entropy(model: DFlashModel, target: Target, h: torch.Tensor, labels: torch.Tensor, chunk: int):
     """Each row's cross-entropy (N,) of ``model.logits(h)`` against ``labels``, and the argmax (N,).
 
-    Through the target's frozen LM head, ``losses.linear_cross_entropy`` makes each chunk's logits and their
+    Through the target's frozen LM head, ``losses.head_cross_entropy`` makes each chunk's logits and their
     gradient in the forward pass and keeps only the (N, H) gradient of the normed states, where autograd would keep
     several (N, V) tensors. A head that is not a frozen linear layer goes through ``hard_cross_entropy``."""
-    head = target.lm_head
-    if not isinstance(head, torch.nn.Linear) or head.weight.requires_grad:
+    head = frozen_linear(target.lm_head)
+    if head is None:
         return hard_cross_entropy(model.logits, h, labels, chunk)
-    rows = min(chunk, logit_chunk_rows(head.weight.shape[0]))
-    return linear_cross_entropy(model.norm(h).to(head.weight.dtype), head.weight, labels, head.bias,
-                                logit_softcap(target.config), chunk=rows, reduction="none")
+    return head_cross_entropy(head, model.norm(h), labels, chunk, logit_softcap(target.config))
 
 
 def block_chain(shape, block_size: int):

@@ -322,6 +322,24 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return _LinearCrossEntropy.apply(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs, per_row)
 
 
+def frozen_linear(module) -> torch.nn.Linear | None:
+    """``module`` when it is a linear layer whose weight and bias take no gradient (a target's LM head, which
+    ``linear_cross_entropy(..., reduction="none")`` can score row by row), else None."""
+    if not isinstance(module, torch.nn.Linear) or module.weight.requires_grad:
+        return None
+    return None if module.bias is not None and module.bias.requires_grad else module
+
+
+def head_cross_entropy(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, chunk: int,
+                       softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's cross-entropy (N,) through the frozen linear ``head`` (``frozen_linear``) and the argmax:
+    ``linear_cross_entropy`` at most ``chunk`` rows (and 256 MiB of logits) at a time, ``hidden`` taken to the
+    head's dtype as the head's own call would take it."""
+    rows = min(chunk, logit_chunk_rows(head.weight.shape[0]))
+    return linear_cross_entropy(hidden.to(head.weight.dtype), head.weight, labels, head.bias, softcap, chunk=rows,
+                                reduction="none")
+
+
 DPACE_ALPHA = 0.5
 """D-PACE's floor on each slot's acceptance term: q~ = (1 - alpha) exp(-CE) + alpha (the paper's alpha)."""
 

@@ -17,7 +17,7 @@ import torch
 
 from specheads.errors import ConfigError
 from specheads.methods.base import ARGMAX_KEY, FeatureSpec, StepOutput
-from specheads.methods.losses import hard_cross_entropy, target_argmax
+from specheads.methods.losses import frozen_linear, hard_cross_entropy, head_cross_entropy, target_argmax
 from specheads.methods.ttt import step_rows, summarize_steps, unroll, unrolled_accuracy
 from specheads.models.mtp import MTPConfig, MTPModel
 from specheads.models.mtp_checkpoint import check_mtp_tensors, read_mtp_tensors, target_folder
@@ -78,7 +78,11 @@ class MTPMethod:
         for k, h_out in unroll(model, model.fuse(batch["hidden_last"]), batch["input_ids"], self.num_steps):
             b, t = step_rows(batch, k)
             labels = self._labels(batch, target, b, t, k)
-            ce, pred = hard_cross_entropy(model.logits, h_out[b, t], labels, chunk=self.head_chunk)
+            head = frozen_linear(target.lm_head)  # no (N, V) logits kept for backward through a frozen head
+            if head is None:
+                ce, pred = hard_cross_entropy(model.logits, h_out[b, t], labels, chunk=self.head_chunk)
+            else:
+                ce, pred = head_cross_entropy(head, h_out[b, t], labels, self.head_chunk)
             step_loss = ce.sum() / max(b.numel(), 1)
             metrics[f"step{k}_loss"] = float(step_loss.detach())
             metrics[f"step{k}_acc"] = float((pred == labels).float().mean()) if b.numel() else 0.0

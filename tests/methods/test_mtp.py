@@ -165,6 +165,34 @@ def train_briefly(method, target, rows, tmp_path_factory, steps: int = 30):
     return losses, head, model, batch
 
 
+def test_the_loss_through_the_frozen_lm_head_equals_the_plain_logits(mimo, monkeypatch):
+    """head_cross_entropy (no (N, V) tensor kept for backward) gives the loss, metrics and gradients that
+    cross-entropy on ``model.logits`` gives."""
+    import specheads.methods.mtp as mtp
+    from specheads.data.features import add_features
+
+    folder, target = mimo
+    method = build_method("mtp", num_steps=3, head_chunk=8)  # several chunks
+    model = method.bind(target).build(target)
+    batch = add_features(greedy_rows(target), target, method.feature_spec)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = method.loss(model, batch, target)
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    got, got_grads = run()
+    monkeypatch.setattr(mtp, "frozen_linear", lambda module: None)  # the plain path: hard_cross_entropy
+    want, want_grads = run()
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert got.metrics.keys() == want.metrics.keys() and got_grads.keys() == want_grads.keys() and got_grads
+    for key, value in got.metrics.items():
+        assert value == pytest.approx(want.metrics[key], rel=1e-5, abs=1e-6), key
+    for name, g in got_grads.items():
+        torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_training_lowers_the_loss_and_leaves_the_target_alone(mimo, trained):
     folder, target = mimo
     losses, head, metrics, model = trained
