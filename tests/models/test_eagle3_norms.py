@@ -1,5 +1,7 @@
 """Eagle3Model's normalisation options (speculators' norm_before_fc, norm_before_residual, norm_output): each one
-against a reference written here from its formula, and the default path bit for bit as before the options existed.
+against a reference written here from its formula, and the default path as before
+the options existed (to float32 rounding: the saved outputs were made on another CPU, whose kernels may round a
+last bit otherwise).
 
 ``data/eagle3_default*.safetensors`` hold a tiny head's state dict, inputs and outputs (``fuse``, two ``step``s)
 written by the code before these options (commit 56e7f59), without and with ``fc_norm``.
@@ -19,6 +21,9 @@ from specheads.models.eagle3 import Eagle3Config, Eagle3Model
 from tests.conftest import make_tiny_target
 
 DATA = Path(__file__).parent / "data"
+SAVED_TOL = dict(rtol=1e-5, atol=1e-5)
+"""A few float32 ulps at these magnitudes (a CPU rounds a matmul's last bit its own way); an option leaking into
+the default path moves the outputs by orders more."""
 AUX, DV, EPS = (0, 1, 3), 50, 1e-6
 
 
@@ -52,7 +57,7 @@ def _layer(model, hidden, ids, pos, residual_from_norm: bool):
 
 
 @pytest.mark.parametrize("name", ["eagle3_default", "eagle3_default_fc_norm"])
-def test_default_head_computes_bit_for_bit_what_it_did_before_the_options(name):
+def test_default_head_computes_what_it_did_before_the_options(name):
     saved = load_file(str(DATA / f"{name}.safetensors"))
     target = make_tiny_target("llama", vocab=97, hidden=32, layers=4, heads=4, kv_heads=2)
     model = Eagle3Model(Eagle3Config.from_target(target, DV, AUX, "fc_norm" in name)).eval().attach(target)
@@ -65,7 +70,7 @@ def test_default_head_computes_bit_for_bit_what_it_did_before_the_options(name):
         h1, l1 = model.step(h0, saved["ids"], saved["pos"])
         h2, l2 = model.step(h1, saved["ids"].roll(-1, 1), saved["pos"] + 1)
     for got, key in ((h0, "h0"), (h1, "h1"), (l1, "l1"), (h2, "h2"), (l2, "l2")):
-        assert torch.equal(got, saved[key]), key
+        torch.testing.assert_close(got, saved[key], **SAVED_TOL, msg=key)
 
 
 def test_a_config_json_written_before_the_options_reads_them_as_off(target, tmp_path):
