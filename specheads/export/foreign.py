@@ -56,7 +56,11 @@ SpecForge's, z-lab's and FasterDecoding's code (docs/evaluate.md):
   16), ``num_target_layers``, ``target_hidden_size``, ``dflash_config.mask_token_id`` and
   ``dflash_config.target_layer_ids`` (decoder-layer outputs: ours = id + 1; either key may sit at the top level, as
   z-lab's loader reads them; a top-level ``eagle_aux_hidden_state_layer_ids`` is vLLM's, layer inputs, read first);
-  tensors as speculators' DFlash, no embedding or LM head. Our ``vllm`` DFlash layout.
+  tensors as speculators' DFlash, no embedding or LM head. Our ``vllm`` DFlash layout. NVIDIA ModelOpt 0.47's DFlash
+  export (``export_speculative_decoding``) is this format (``dflash_config.causal`` false, its bidirectional blocks),
+  with ``num_target_layers`` 0 after an offline run (its base model loaded without layers): read as not written;
+  its DSpark and Domino exports (``dflash_config.projector_type`` ``dspark``/``domino``, ``shift_label`` true: block
+  slot k drafts the token at anchor + k + 1, from the anchor slot on) are refused.
 * ``medusa``: the original Medusa format (FasterDecoding, TGI): ``config.json`` with ``medusa_num_heads`` (default 4),
   ``medusa_num_layers`` (default 1), ``base_model_name_or_path``, the sizes left to the target; tensors
   ``{k}.{j}.linear.weight|bias`` and ``{k}.{layers}.weight`` in ``medusa_lm_head.safetensors`` or ``.pt``. Our
@@ -348,8 +352,9 @@ def _dflash_aux_layers(folder: Path, fmt: str, cfg: dict, target: TargetInfo) ->
 
 
 def _dflash_refusals(folder: Path, fmt: str, cfg: dict, layer) -> None:
-    """What the specheads DFlash head does not compute: causal or sliding-window layers, a sampled anchor, rescaled
-    embeddings or logits, a reduced draft vocabulary, a separate mask embedding."""
+    """What the specheads DFlash head does not compute: causal or sliding-window layers, another head beside the
+    layers or slots shifted by one (ModelOpt's DSpark, Domino), a sampled anchor, rescaled embeddings or logits, a
+    reduced draft vocabulary, a separate mask embedding."""
     dcfg = cfg.get("dflash_config") or {}
     causal = [k for k, v in (("is_causal", getattr(layer, "is_causal", None)), ("dflash_config.causal",
                                                                                 dcfg.get("causal"))) if v]
@@ -359,6 +364,13 @@ def _dflash_refusals(folder: Path, fmt: str, cfg: dict, layer) -> None:
                 else "dflash_config.use_swa: true")
         raise _fail(folder, fmt, f"{what}; the specheads DFlash head runs every layer as full, bidirectional "
                                  "attention")
+    projector = _dflash_value(cfg, "projector_type")
+    if projector not in (None, "dflash"):
+        raise _fail(folder, fmt, f"dflash_config.projector_type {projector!r} (a {projector} head beside the DFlash "
+                                 "layers, ModelOpt's); the specheads DFlash head has none")
+    if _dflash_value(cfg, "shift_label"):
+        raise _fail(folder, fmt, "dflash_config.shift_label: true (block slot k drafts the token at anchor + k + 1, "
+                                 "the anchor slot too); the specheads DFlash head's slot k drafts anchor + k")
     if _dflash_value(cfg, "sample_from_anchor"):
         raise _fail(folder, fmt, "sample_from_anchor: true (the anchor slot drafts too); the specheads DFlash head "
                                  "drafts slots 1..B-1 after a bonus anchor")
@@ -386,7 +398,9 @@ def _dflash_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dic
     return {"model_type": "specheads_dflash", **_draft_fields(layer), "block_size": dflash_block_size(folder),
             "aux_layers": _dflash_aux_layers(folder, fmt, cfg, target), "mask_token_id": int(mask),
             "target_hidden_size": cfg.get("target_hidden_size") or layer.hidden_size,
-            "num_target_layers": None if spec else cfg.get("num_target_layers"), "target": verifier or target.name}
+            # 0: ModelOpt's offline export, whose base model was loaded without layers (as if not written)
+            "num_target_layers": None if spec else (cfg.get("num_target_layers") or None),
+            "target": verifier or target.name}
 
 
 def peagle_depths(folder: str | Path) -> int:
