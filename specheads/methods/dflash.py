@@ -27,7 +27,7 @@ import torch
 
 from specheads.methods.base import ARGMAX_KEY, FusedLayers, StepOutput
 from specheads.methods.losses import (dpace_weights, frozen_linear, hard_cross_entropy, head_cross_entropy,
-                                     target_argmax)
+                                     logit_chunk_rows, target_argmax)
 from specheads.methods.ttt import summarize_steps
 from specheads.models.dflash import DFlashConfig, DFlashModel, block_attention_mask
 from specheads.targets import Target, logit_softcap
@@ -173,7 +173,8 @@ class DFlashMethod(FusedLayers):
         counted = weights > 0
         right = torch.zeros_like(counted)
         if bool(counted.any()):
-            right[counted] = model.logits(h[counted]).argmax(-1) == labels[counted]
+            rows = min(self.head_chunk, logit_chunk_rows(model.config.vocab_size))  # never all rows' logits at once
+            right[counted] = target_argmax(model.logits, h[counted], rows) == labels[counted]
         out: dict[str, float] = {}
         chain = torch.ones_like(counted[:, :, 0])  # slots 1..j-1 counted and right
         for j in range(1, self.block_size):

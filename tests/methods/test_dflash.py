@@ -141,6 +141,30 @@ def test_the_slots_cross_entropy_through_the_frozen_lm_head_equals_the_plain_log
         torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_held_out_metrics_never_hold_every_rows_logits(setup):
+    """evaluate scores the counted slots ``head_chunk`` rows of logits at a time (it once made all of them at once:
+    the training run's peak memory), with the metrics that whole-vocabulary argmax gives."""
+    target, _, model, batch = setup
+    V = model.config.vocab_size
+
+    class WidestLogits(torch.utils._python_dispatch.TorchDispatchMode):
+        """The most rows of any (..., V) product: the logits (the LM head's own weight is (V, H))."""
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in ("mm", "addmm", "bmm", "linear") and out.shape[-1] == V:
+                self.rows = max(self.rows, out.numel() // V)
+            return out
+
+    small = build_method("dflash", block_size=4, anchors=6, num_layers=2, head_chunk=4, target_chunk=4)
+    whole = build_method("dflash", block_size=4, anchors=6, num_layers=2, head_chunk=10**6)
+    with WidestLogits() as seen:
+        got = small.evaluate(model, batch, target)
+    assert 0 < seen.rows <= 4
+    assert got == whole.evaluate(model, batch, target) and sum(v for k, v in got.items() if k.endswith("_total")) > 4
+
+
 @pytest.mark.parametrize("bad, match", [({"block_size": 1}, "block_size"), ({"labels": "x"}, "labels"),
                                         ({"lk_weight": 1.5}, "lk_weight"),
                                         ({"gamma": 0}, "gamma"), ({"anchors": 0}, "anchors")])
