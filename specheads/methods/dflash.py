@@ -27,7 +27,7 @@ import torch
 
 from specheads.methods.base import ARGMAX_KEY, FusedLayers, StepOutput
 from specheads.methods.losses import (dpace_weights, frozen_linear, hard_cross_entropy, head_cross_entropy,
-                                     logit_chunk_rows, target_argmax)
+                                     target_argmax)
 from specheads.methods.ttt import summarize_steps
 from specheads.models.dflash import DFlashConfig, DFlashModel, block_attention_mask
 from specheads.targets import Target, logit_softcap
@@ -173,8 +173,8 @@ class DFlashMethod(FusedLayers):
         counted = weights > 0
         right = torch.zeros_like(counted)
         if bool(counted.any()):
-            rows = min(self.head_chunk, logit_chunk_rows(model.config.vocab_size))  # never all rows' logits at once
-            right[counted] = target_argmax(model.logits, h[counted], rows) == labels[counted]
+            _, pred = slot_cross_entropy(model, target, h[counted], labels[counted], self.head_chunk)  # as training's
+            right[counted] = pred == labels[counted]
         out: dict[str, float] = {}
         chain = torch.ones_like(counted[:, :, 0])  # slots 1..j-1 counted and right
         for j in range(1, self.block_size):

@@ -75,10 +75,10 @@ class MTPMethod:
     def loss(self, model: MTPModel, batch: dict, target) -> StepOutput:
         weights = step_weights(self.num_steps, self.beta)
         total, metrics = None, {}
+        head = frozen_linear(target.lm_head)  # no (N, V) logits kept for backward through a frozen head
         for k, h_out in unroll(model, model.fuse(batch["hidden_last"]), batch["input_ids"], self.num_steps):
             b, t = step_rows(batch, k)
             labels = self._labels(batch, target, b, t, k)
-            head = frozen_linear(target.lm_head)  # no (N, V) logits kept for backward through a frozen head
             if head is None:
                 ce, pred = hard_cross_entropy(model.logits, h_out[b, t], labels, chunk=self.head_chunk)
             else:
