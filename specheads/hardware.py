@@ -94,6 +94,38 @@ def cpu_bf16_supported() -> bool:
         return False
 
 
+# The CPU flags (as /proc/cpuinfo names them) each instruction set needs before a process may be made to dispatch it:
+# PyTorch's AVX-512 kernels and oneDNN's AVX512_CORE need F, BW, VL and DQ; oneDNN's AVX512_CORE_BF16 also the
+# bfloat16 instructions. ``ATEN_CPU_CAPABILITY`` is not a cap but an order (PyTorch takes it without looking at the
+# CPU), so forcing a set the CPU lacks kills the process with SIGILL: ask ``cpu_can_run`` first.
+ISA_FLAGS = {"avx2": ("avx2", "fma"),
+             "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+             "avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")}
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The instruction-set flags of this CPU as the kernel lists them (the first ``flags`` line of ``cpuinfo``), or
+    None where that file is missing or has no such line (not Linux on x86)."""
+    try:
+        with open(cpuinfo) as f:
+            line = next((line for line in f if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return frozenset(line.split(":", 1)[1].split()) if line is not None else None
+
+
+def cpu_can_run(isa: str, flags: frozenset[str] | None = None) -> tuple[bool, str]:
+    """Whether this CPU (or one with ``flags``) has every flag ``ISA_FLAGS[isa]`` names, and, when not, why (the flags
+    it lacks, or that its flags cannot be read): a test forces only the sets the hardware has."""
+    flags = cpu_flags() if flags is None else flags
+    if flags is None:
+        return False, "this CPU's flags cannot be read (no flags line in /proc/cpuinfo)"
+    missing = [flag for flag in ISA_FLAGS[isa] if flag not in flags]
+    if missing:
+        return False, f"this CPU lacks {', '.join(missing)}: forcing {isa} would kill the process (SIGILL)"
+    return True, ""
+
+
 def cpu_description() -> str:
     """The CPU's model name and the instruction set PyTorch dispatches (for reports and benchmarks)."""
     name = ""
