@@ -5,11 +5,12 @@
 
 docs/benchmarks.json is the one record of measured runs (newest first), written by ``specheads record FILE``
 (specheads/record.py): every entry names its commit, date and machine. Entries from before the record command
-whose commit was never noted sit apart, under ``unrecorded``, rendered only as docs/benchmarks.md's
-"Unrecorded history". Each block sits between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in its file;
-everything outside the markers is left alone, so the figures are written once, in the JSON.
-tests/test_docs.py checks that the files match this script and that no prose outside the blocks states a
-measured figure the JSON does not hold.
+whose commit was never noted sit apart, under ``unrecorded``, rendered as docs/benchmarks.md's "Unrecorded
+history" and, labelled as such, as docs/dflash.md's DFlash-against-EAGLE-3 table (its entry's ``id``). Each
+block sits between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in its file; everything outside the markers
+is left alone, so the figures are written once, in the JSON.
+tests/test_docs.py checks that the files match this script and that prose outside the blocks states a measured
+figure, a prompt count or a dtype only beside the record that holds it (its commit, or an unrecorded entry's id).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ EXPORT = REPO / "docs" / "export.md"
 SERVING = REPO / "docs" / "serving.md"
 METHODS = REPO / "docs" / "methods.md"
 COLLECT = REPO / "docs" / "collect.md"
+DFLASH = REPO / "docs" / "dflash.md"
+# the unrecorded entry docs/dflash.md's head-to-head table is rendered from
+DFLASH_RECORD = "dflash-eagle3-2026-12-02"
 # method key -> what a reader calls it (the order of the README's results table)
 METHOD_NAMES = {
     "eagle3+lookup+table": "EAGLE-3 + prompt-lookup branch + n-gram table (main job's default)",
@@ -97,9 +101,9 @@ def _family(method: str) -> str:
     return re.split(r"[+-]", method)[0]
 
 
-def results_table(data: dict) -> str:
-    """README: one row per method, from the newest main-job clone; methods it did not run from the newest
-    run that has them (a head-to-head comparison), each row naming its date, commit and where it is described."""
+def results_rows(data: dict) -> list[tuple[dict, dict]]:
+    """The README results table's rows as (method figures, run): the newest main-job clone's methods, then the
+    methods it did not run from the newest run that has them (a head-to-head comparison)."""
     main = latest_main_job(data)
     rows = [(m, main) for m in main["methods"]]
     seen = {m["method"] for m in main["methods"]}
@@ -111,6 +115,12 @@ def results_table(data: dict) -> str:
                and _family(m["method"]) not in families]
         rows += [(m, run) for m in new]
         seen |= {m["method"] for m in new}
+    return rows
+
+
+def results_table(data: dict) -> str:
+    """README: one row per method (``results_rows``), each row naming its date, commit and where it is described."""
+    rows = results_rows(data)
     lines = ["| method | shape | τ | α | CPU speed-up T=0 | T=1 | served by vLLM | measured |",
              "|---|---|---|---|---|---|---|---|"]
     for m, run in rows:
@@ -119,6 +129,24 @@ def results_table(data: dict) -> str:
                      f"{_f(m.get('alpha'))} | {_x(m.get('speedup'))} | {_x(m.get('t1_speedup'))} | "
                      f"{served_cell(run, m['method'])} | {run['date']}, commit {_commit(run)}, "
                      f"[{Path(where).stem}]({where}) |")
+    return "\n".join(lines)
+
+
+def results_set(data: dict) -> str:
+    """README: what each run of the results table evaluated, as its record says: the evaluation set (``eval_set``:
+    the prompts scored, new tokens, batch) and the target's dtype (``target_dtype``), one line per run."""
+    runs: list[dict] = []
+    for _, run in results_rows(data):
+        if not any(run is r for r in runs):
+            runs.append(run)
+    lines = []
+    for run in runs:
+        families = list(dict.fromkeys(FAMILY_NAMES.get(_family(m["method"]), "n-gram") for m, r in results_rows(data)
+                                      if r is run))
+        which = " and ".join([", ".join(families[:-1]), families[-1]] if len(families) > 1 else families)
+        dtype = f"target in {run['target_dtype']}" if run.get("target_dtype") else "target dtype not recorded"
+        lines.append(f"- the {which} rows, commit {_commit(run)} ({run['date']}): "
+                     f"{run.get('eval_set') or 'evaluation set not recorded'}; {dtype}")
     return "\n".join(lines)
 
 
@@ -555,10 +583,77 @@ def _newest_per(runs: list[dict]) -> list[dict]:
     return out
 
 
+def _shape_words(shape: str | None) -> str:
+    """A shape as docs/dflash.md's table says it: ``chain7`` -> ``chain of 7``, ``tree`` -> ``tree of per-slot
+    candidates``, ``fan`` -> ``fan chosen``."""
+    if shape and re.fullmatch(r"chain\d+", shape):
+        return f"chain of {shape[5:]}"
+    return {"tree": "tree of per-slot candidates", "fan": "fan chosen"}.get(shape or "", shape or "–")
+
+
+def dflash_vs_eagle3(data: dict) -> str:
+    """docs/dflash.md: DFlash against EAGLE-3 on one store and budget, from the unrecorded entry ``DFLASH_RECORD``
+    (measured by hand before runs were recorded with their commit), labelled as unrecorded history."""
+    r = next((x for x in unrecorded(data).get("runs", []) if x.get("id") == DFLASH_RECORD), None)
+    if r is None:
+        return f"_No entry `{DFLASH_RECORD}` under `unrecorded` in docs/benchmarks.json._"
+    heads = ("eagle3", "dflash")
+    train = {h: (r.get("train") or {}).get(h) or {} for h in heads}
+    alone = {h: [m for m in r["methods"] if m["method"] == h] for h in heads}
+    branch = {h: [m for m in r["methods"] if m["method"] == f"{h}+lookup"] for h in heads}
+
+    def each(h, key, label=None, rows=None):
+        """The figure of each row of head ``h``, each with its shape where the head has more than one (in words
+        where ``label``)."""
+        ms = [m for m in (alone[h] if rows is None else rows[h]) if m.get(key) is not None]
+        def shape(m):
+            return _shape_words(m.get("shape")) if label else re.sub(r"\d+$", "", m.get("shape") or "")
+        named = len(ms) > 1 or bool(label)
+        return ", ".join(_f(m[key]) + (f" ({shape(m)})" if named else "") for m in ms) or "–"
+
+    def positions(h):
+        out = []
+        for m in alone[h]:
+            if m.get("alpha_by_position"):
+                n = int(m["shape"][5:]) if re.fullmatch(r"chain\d+", m.get("shape") or "") else 0
+                later = "; later positions never reached" if len(m["alpha_by_position"]) < n else ""
+                note = f" ({re.sub(r'[0-9]+$', '', m['shape'])}{later})" if len(alone[h]) > 1 or later else ""
+                out.append(", ".join(_f(a) for a in m["alpha_by_position"]) + note)
+        return "; ".join(out) or "–"
+
+    def top1(h):
+        t = train[h]
+        if t.get("heldout_step1_top1") is None:
+            return _f(t.get("heldout_step0_top1"), 3)
+        return f"{_f(t.get('heldout_step0_top1'), 3)} (slot 1), {_f(t['heldout_step1_top1'], 3)} (slot 2)"
+
+    rows = [(f"training steps in {r.get('budget_min', '–')} min", lambda h: str(train[h].get("steps", "–"))),
+            ("training tokens/s", lambda h: str(train[h].get("tokens_per_s", "–"))),
+            ("peak anonymous memory (MiB)", lambda h: str(train[h].get("peak_anon_mib", "–"))),
+            ("held-out first-draft agreement", top1),
+            ("training-time τ (held-out, chain)", lambda h: _f(train[h].get("heldout_tau"))),
+            (f"measured τ, {r.get('measure_prompts', '–')} held-out prompts, chain 3",
+             lambda h: _f(train[h].get("measured_tau_chain3"))),
+            ("τ at T=0, the head alone", lambda h: each(h, "tau", label=True)),
+            ("α at T=0, the head alone", lambda h: each(h, "alpha")),
+            ("α per draft position, T=0", positions),
+            ("τ at T=0 with the n-gram lookup branch", lambda h: each(h, "tau", rows=branch)),
+            ("CPU speed-up at T=0, head alone / with branch",
+             lambda h: f"{each(h, 'speedup')} / {each(h, 'speedup', rows=branch)}"),
+            ("τ at T=1, head alone", lambda h: each(h, "t1_tau")),
+            ("lossless", lambda h: r.get("lossless", "–"))]
+    lines = [f"*Unrecorded history (record `{r['id']}`, {r['date']}, {r['machine']}): measured by hand before figures "
+             "were recorded with their commit; not re-measured.*", "",
+             "| | " + " | ".join(FAMILY_NAMES[h] for h in heads) + " |", "|---|" + "---|" * len(heads)]
+    lines += [f"| {name} | " + " | ".join(cell(h) for h in heads) + " |" for name, cell in rows]
+    return "\n".join(lines)
+
+
 def blocks(data: dict) -> dict[Path, dict[str, str]]:
     """{file: {marker name: the text between its markers}}."""
-    return {README: {"results": results_table(data), "quickstart-times": quickstart_times(data),
-                     "run-summary": run_summary(data), "run-domains": run_domains(data), "served": served_line(data)},
+    return {README: {"results-set": results_set(data), "results": results_table(data),
+                     "quickstart-times": quickstart_times(data), "run-summary": run_summary(data),
+                     "run-domains": run_domains(data), "served": served_line(data)},
             BENCHMARKS: {"history": history_table(data), "history-notes": followups_list(data),
                          "test-runs": tests_table(data), "unrecorded-history": unrecorded_history(data),
                          "train-benches": train_benches(data), "eval-benches": eval_benches(data),
@@ -566,7 +661,8 @@ def blocks(data: dict) -> dict[Path, dict[str, str]]:
             EXPORT: {"export-check": export_check(data)},
             SERVING: {"served": served_line(data)},
             METHODS: {"head-to-head": head_to_head(data)},
-            COLLECT: {"backends": backends(data)}}
+            COLLECT: {"backends": backends(data)},
+            DFLASH: {"dflash-vs-eagle3": dflash_vs_eagle3(data)}}
 
 
 def render(text: str, name: str, content: str, path: Path | str = "") -> str:

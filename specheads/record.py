@@ -169,6 +169,8 @@ def main_job_entry(summary: dict) -> dict:
         out["lossless"] = ev["lossless"]
     if ev.get("prompts"):
         out["eval_set"] = f"{ev['prompts']} prompts, {ev.get('max_new_tokens')} new tokens, batch 1"
+    if ev.get("target_dtype"):  # the dtype the evaluation ran the target at (the README's results state it)
+        out["target_dtype"] = str(ev["target_dtype"]).removeprefix("torch.")
     if summary.get("methods"):
         out["methods"] = [{"method": method_key(m["name"]), **m} for m in summary["methods"]]
     if summary.get("per_domain"):

@@ -60,6 +60,14 @@ def test_a_run_summary_becomes_a_main_job_entry_newest_first(tmp_path, results):
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []  # the temp file was renamed
 
 
+def test_a_run_summary_keeps_the_dtype_its_evaluation_ran_the_target_at(tmp_path, results):
+    """The README's results state each run's prompt count and target dtype from its entry."""
+    summary = {**SUMMARY, "evaluate": {**SUMMARY["evaluate"], "target_dtype": "torch.bfloat16"}}
+    entry = record(_write(tmp_path, "run_summary.json", summary), results, CHECKOUT)
+    assert entry["eval_set"] == "9 prompts, 32 new tokens, batch 1" and entry["target_dtype"] == "bfloat16"
+    assert "target_dtype" not in record(_write(tmp_path, "run_summary.json", SUMMARY), results, CHECKOUT)
+
+
 def test_a_serve_report_a_test_log_and_a_loader_check_are_recorded(tmp_path, results):
     serve = record(_write(tmp_path, "serve_report.json", SERVE), results, CHECKOUT, machine="box")
     assert (serve["kind"], serve["tau"], serve["speedup"], serve["identical"], serve["machine"]) == \
