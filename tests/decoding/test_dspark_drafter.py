@@ -1,9 +1,12 @@
 """DSpark as a drafter: greedy speculative decoding equals plain greedy with the confidence schedule off and on
 (batch 1 and batched, random and trained heads), the Markov bias follows the drafted prefix, the schedule cuts
-chains where the survival of the confidences falls below the threshold, and a sampled chain's q is the law each
-token was drawn from."""
+chains where the survival of the confidences falls below the threshold, a sampled chain's q is the law each
+token was drawn from, and sampling with the schedule on stays exact at T = 1 and T = 0.7 (the χ² harness of
+test_sampling.py, plus the first two tokens' law) while a planted off-by-one schedule fails it."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -156,3 +159,110 @@ def test_the_method_hands_out_this_drafter_cut_to_the_block(target, heads):
 
     d = build_method("dspark", block_size=BLOCK).drafter(heads["random"], TreeShape("chain", k=9))
     assert isinstance(d, DSparkDrafter) and d.shape.k == BLOCK - 1 and d.threshold is None
+
+
+# ------------------------------------------------------------------ sampling: the χ² harness of test_sampling.py
+
+@pytest.fixture(scope="module")
+def small():
+    """test_sampling's vocabulary-6 target; a random DSpark head (B = 4: a chain of 3) whose confidence reads
+    mostly the previous token (the Markov part of ``confidence_head.proj`` scaled up: sharply high after some
+    tokens, low after others), so that the schedule cuts chains after 1, 2 or 3 drafts depending on what was
+    drafted."""
+    import test_sampling as harness
+
+    target = harness.peaky_model(vocab=harness.V, seed=0, scale=8.0, embed=5.0)
+    tgt = Target(target, name="tiny6")
+    torch.manual_seed(4)
+    cfg = DSparkConfig.from_target(tgt, num_layers=1, block_size=BLOCK, aux_layers=(0, 1), markov_rank=4)
+    head = DSparkModel(cfg).double().attach(tgt)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p))
+        head.confidence_head.proj.weight[:, cfg.hidden_size:].mul_(10.0)
+    return harness, target, head.eval()
+
+
+def _exact_law(harness, target, temperature: float) -> torch.Tensor:
+    """(V, V, V) exact probabilities of the first three tokens at ``temperature`` (harness.exact_law's, at T)."""
+    V, L = harness.V, len(harness.PROMPT)
+    seqs = torch.tensor([harness.PROMPT + list(c) for c in itertools.product(range(V), repeat=3)])
+    with torch.no_grad():
+        logp = torch.log_softmax(target(seqs).logits.double() / temperature, -1)
+    cols = [logp[torch.arange(len(seqs)), L - 1 + i, seqs[:, L + i]] for i in range(3)]
+    return torch.exp(sum(cols)).reshape(V, V, V)
+
+
+def _pair_pvalue(samples: list[list[int]], exact: torch.Tensor) -> float:
+    """Pearson χ² of the first two tokens (36 cells, fewer than the joint test's 216: more power at position 2,
+    where a schedule's cut acts first) against the marginal of ``exact``; cells expecting < 5 pooled."""
+    counts = torch.zeros(exact.shape[:2], dtype=torch.float64)
+    for s in samples:
+        counts[s[0], s[1]] += 1
+    e, o = (exact.sum(-1) * len(samples)).flatten(), counts.flatten()
+    small = e < 5
+    e = torch.cat([e[~small], e[small].sum()[None]])
+    o = torch.cat([o[~small], o[small].sum()[None]])
+    stat = ((o - e) ** 2 / e).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(e) - 1) / 2.0), stat / 2))
+
+
+def _sample_scheduled(harness, target, head, temperature, threshold=0.5, seed=0):
+    """Decode 3 tokens for N copies of the prompt with the schedule on -> (tokens, size of every verified chain);
+    checks drafts are both accepted and rejected."""
+    d = DSparkDrafter(head, None, threshold)
+    sizes: list[int] = []
+    real = d.propose
+
+    def propose(seqs, active, temperature, generator):
+        trees = real(seqs, active, temperature, generator)
+        sizes.extend(t.size for t, a in zip(trees, active) if a)
+        return trees
+
+    d.propose = propose
+    res = speculative_generate(TargetRunner(target), d, [harness.PROMPT] * harness.N, 3, temperature=temperature,
+                               method="chain", generator=torch.Generator().manual_seed(seed))
+    assert all(len(t) == 3 for t in res.tokens)
+    accepted = sum(sum(s.accepted) for s in res.stats)
+    tested = sum(sum(s.tested) for s in res.stats)
+    assert 0.05 * tested < accepted < 0.95 * tested  # drafts are both accepted and rejected
+    return res.tokens, sizes
+
+
+def _lossless_pvalue(harness, tokens, exact) -> float:
+    """The check: the joint law of the first three tokens (harness.chi2_pvalue) and the pairs' law; the smaller
+    p-value (a correct sampler fails it with probability at most 2 x THRESH)."""
+    return min(harness.chi2_pvalue(tokens, exact), _pair_pvalue(tokens, exact))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampling_with_the_confidence_schedule_is_lossless(small, temperature):
+    """At T > 0 the schedule cuts sampled chains by the confidences of the drafted prefix (c_j reads x_{j-1},
+    never x_j): the emitted tokens follow the target's law. The schedule does act: chains of 1, 2 and 3 drafts
+    are each verified in at least a tenth of the proposals (unscheduled, every chain has 3)."""
+    harness, target, head = small
+    tokens, sizes = _sample_scheduled(harness, target, head, temperature)
+    for n in (1, 2, 3):
+        assert sizes.count(n) > 0.1 * len(sizes), (n, {k: sizes.count(k) for k in (1, 2, 3)})
+    assert _lossless_pvalue(harness, tokens, _exact_law(harness, target, temperature)) > harness.THRESH
+
+
+def test_planted_bug_the_schedule_reads_each_slots_own_draft(small, monkeypatch):
+    """Off by one: the schedule reads c_j with the token drafted in slot j (not the one before it), so whether
+    x_j is verified depends on x_j itself; a verified x_j then follows q cut to the confident tokens, not the q
+    verification divides by, and the draft's law leaks into the output: the same check fails."""
+    harness, target, head = small
+    real_chain, real_lengths = DSparkDrafter.markov_chain, DSparkDrafter.scheduled_lengths
+
+    def chain_kept(self, h, anchors, temperature, generator):
+        out = self.drafted = real_chain(self, h, anchors, temperature, generator)
+        return out
+
+    def lengths_from_own_drafts(self, h, prev):
+        return real_lengths(self, h, self.drafted[0])
+
+    monkeypatch.setattr(DSparkDrafter, "markov_chain", chain_kept)
+    monkeypatch.setattr(DSparkDrafter, "scheduled_lengths", lengths_from_own_drafts)
+    tokens, sizes = _sample_scheduled(harness, target, head, 1.0)
+    assert len(set(sizes)) == 3  # the buggy schedule cuts too
+    assert _lossless_pvalue(harness, tokens, _exact_law(harness, target, 1.0)) < harness.THRESH
