@@ -75,6 +75,12 @@ class Drafter:
                 generator: torch.Generator | None) -> list[DraftTree]:
         return [DraftTree.empty() for _ in seqs]
 
+    def draft_modules(self) -> tuple[nn.Module, ...]:
+        """The modules one call of which is one draft forward (a pass of the draft network): the decoding loop counts
+        their calls (``generate.ForwardCounter``), so the draft forwards it reports are the ones that ran. None for
+        a drafter that runs no network (prompt lookup, lookahead: the target's own forward drafts)."""
+        return ()
+
 
 NoDrafter = Drafter
 
@@ -146,6 +152,9 @@ class PromptLookupBranch(Drafter):
     def start(self, prompts, feats):
         self.inner.start(prompts, feats)
 
+    def draft_modules(self):
+        return self.inner.draft_modules()  # the lookup runs no network
+
     def observe(self, row, tokens, hidden_last, hidden_aux):
         self.inner.observe(row, tokens, hidden_last, hidden_aux)
 
@@ -183,6 +192,11 @@ class ModelDrafter(Drafter):
         self.params_per_forward = sum(p.numel() for p in model.parameters())
         if shape.kind == "static":
             raise ValueError("a model drafter builds chains or dynamic trees, not static Medusa trees")
+
+    def draft_modules(self):
+        # the draft model's decoder: one call per runner forward (an early exit's is a copy of the target's decoder,
+        # whose own calls the counter tells apart)
+        return (self.runner.decoder,)
 
     def start(self, prompts, feats):
         """Prefill the draft cache with every prompt but its last (pending) token."""
@@ -227,7 +241,7 @@ class ModelDrafter(Drafter):
                 toks[b].append(t[b]); qs[b].append(q[b])
             if i + 1 < k:
                 logits = self.runner.forward_chain([[x] for x in t]).logits[:, 0].double()
-        return [DraftTree.chain(toks[b], torch.stack(qs[b]), draft_forwards=k) for b in range(B)]
+        return [DraftTree.chain(toks[b], torch.stack(qs[b])) for b in range(B)]
 
     def _expand(self, nodes, tokens, parents) -> torch.Tensor:
         """Feed one tree level; node n of row b becomes scratch entry ``self._slot[b][n]``."""

@@ -76,7 +76,7 @@ class DSparkDrafter(DFlashDrafter):
         self.last_logits = logits
         keep = self.scheduled_lengths(h, prev) if self.threshold is not None else [self.depth] * len(seqs)
         toks = toks.cpu()
-        trees = [DraftTree.chain(toks[b, :keep[b]].tolist(), None if q is None else q[b, :keep[b]], draft_forwards=1)
+        trees = [DraftTree.chain(toks[b, :keep[b]].tolist(), None if q is None else q[b, :keep[b]])
                  if active[b] else DraftTree.empty() for b in range(len(seqs))]
         return trees
 

@@ -5,15 +5,20 @@ one (the *pending* token). A step feeds [pending] + the draft tree in ONE target
 whole batch, verifies each row, commits the pending token and the accepted path, and appends the
 accepted tokens plus the target's bonus token (the new pending token). Plain decoding is the same
 step with an empty draft.
+
+Draft forwards are counted, not declared: ``ForwardCounter`` hooks the modules a drafter names as its draft network
+(``Drafter.draft_modules``) and counts their calls in each step, so "one draft forward per step" is what ran.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
+from torch import nn
 
 from specheads.decoding.drafters import Drafter, NoDrafter
 from specheads.decoding.runner import TargetRunner
@@ -33,7 +38,9 @@ class RowStats:
     when that position reaches the output. A draft beyond the cap or after EOS never reaches the
     output and counts as neither accepted nor rejected, so τ = emitted / steps and α = accepted ÷
     tested describe the output that was produced. nodes_by_depth: draft tree nodes per depth (all
-    steps), draft_forwards/draft_nodes: what drafting cost (whether or not it reached the output).
+    steps), draft_forwards/draft_nodes: what drafting cost (whether or not it reached the output); draft_forwards
+    counts the draft network's forward calls in the row's steps (``ForwardCounter``: a batched forward counts once
+    for every row it drafted for).
     """
 
     steps: int = 0
@@ -44,12 +51,13 @@ class RowStats:
     draft_nodes: int = 0
     nodes_by_depth: list[int] = field(default_factory=list)
 
-    def add(self, v: Verdict, tree: DraftTree, emitted: int | None = None) -> None:
-        """One step; ``emitted``: how many of its ``v.tokens_emitted`` tokens reached the output."""
+    def add(self, v: Verdict, tree: DraftTree, emitted: int | None = None, draft_forwards: int = 0) -> None:
+        """One step; ``emitted``: how many of its ``v.tokens_emitted`` tokens reached the output;
+        ``draft_forwards``: the draft forwards the step ran (counted by ``ForwardCounter``)."""
         n = v.tokens_emitted if emitted is None else min(emitted, v.tokens_emitted)
         self.steps += 1
         self.emitted += n
-        self.draft_forwards += tree.draft_forwards
+        self.draft_forwards += draft_forwards
         self.draft_nodes += tree.size
         depth: list[int] = []
         for p in tree.parents.tolist():
@@ -72,6 +80,7 @@ class GenerationResult:
     ``verify_time`` (the accept/reject decisions) and the rest of ``wall_time - prefill_time`` (committing the kept
     cache entries, feeding the drafter, the counts). On a GPU these are host times unless the call asked for
     ``sync``: work a phase queued is otherwise paid by whichever phase next waits for the device.
+    ``draft_forwards_by_step``: the draft network's forward calls in each step, for the whole batch (counted).
     """
 
     tokens: list[list[int]]
@@ -83,6 +92,53 @@ class GenerationResult:
     wall_time: float
     batch_forward_sizes: list[int] = field(default_factory=list)
     verify_time: float = 0.0
+    draft_forwards_by_step: list[int] = field(default_factory=list)
+
+
+class ForwardCounter:
+    """Counts the forward calls of ``modules``: a forward pre-hook on each adds one to a Python int (no device work,
+    no wait). A context manager: the hooks are removed on exit.
+
+    A hook counts only calls of the module it was registered on: a shallow copy of a module (``shallow_model``'s
+    decoder) shares its hook table with the original, whose own calls (the target's) must not count. Nothing counts
+    while ``paused``: the decoding loop pauses it over the target's verification forward, which runs the very modules
+    of a drafter that drafts with the target itself (``ModelDrafter(target)``).
+    """
+
+    def __init__(self, modules: Iterable[nn.Module]):
+        self.count = 0
+        self._on = True
+        self._handles = []
+        seen: set[int] = set()
+        for m in modules:
+            if id(m) not in seen:
+                seen.add(id(m))
+                self._handles.append(m.register_forward_pre_hook(self._hook(m)))
+
+    def _hook(self, module: nn.Module):
+        def hook(mod, args):
+            if self._on and mod is module:
+                self.count += 1
+        return hook
+
+    @contextmanager
+    def paused(self):
+        self._on = False
+        try:
+            yield
+        finally:
+            self._on = True
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> "ForwardCounter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts: Sequence[Sequence[int]],
@@ -114,47 +170,58 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts:
     eos = set(eos_ids)
     target_time = draft_time = verify_time = 0.0
     forwards0 = runner.forward_calls
-    sizes = []
-    while any(active):
-        t0 = time.perf_counter()
-        trees = drafter.propose(seqs, active, temperature, generator)
-        wait()
-        t1 = time.perf_counter()
-        out = _verify_forward(runner, seqs, trees, active)
-        wait()
-        t2 = time.perf_counter()
-        draft_time += t1 - t0
-        target_time += t2 - t1
-        sizes.append(sum(1 + trees[b].fed for b in range(len(seqs)) if active[b]))
-        for b, tree in enumerate(trees):
-            if active[b] and tree.fed > tree.size:
-                drafter.observe_forward(b, out.logits[b, : tree.fed + 1], tree)
-        t3 = time.perf_counter()
-        keeps, news, verdicts = [], [], []
-        batched = _verify_batch(out.logits, trees, active, verify_backend) \
-            if verify_backend and (temperature <= 0 or method == "greedy") else None
-        for b, tree in enumerate(trees):
-            if not active[b]:
-                keeps.append([]); news.append([]); verdicts.append(None)
-                continue
-            v = batched[b] if batched is not None else \
-                verify_fn(method, out.logits[b, : tree.size + 1], tree, temperature, generator)
-            verdicts.append(v)
-            keeps.append([0] + [i + 1 for i in v.path])
-            news.append([int(tree.tokens[i]) for i in v.path] + [v.bonus])
-        verify_time += time.perf_counter() - t3
-        runner.commit(keeps)
-        for b in range(len(seqs)):
-            if active[b]:
-                stats[b].add(verdicts[b], trees[b], _append(b, news[b], seqs, new, active, max_new_tokens, eos))
-                if drafter.needs_features:
-                    drafter.observe(b, news[b], _rows(out.hidden_last, b, keeps[b]),
-                                    _rows(out.hidden_aux, b, keeps[b]))
-                else:
-                    drafter.observe(b, news[b], None, None)
-        wait()
+    sizes: list[int] = []
+    by_step: list[int] = []
+    counter = ForwardCounter(drafter.draft_modules())  # the draft forwards that ran, step by step
+    try:
+        while any(active):
+            counted = counter.count
+            t0 = time.perf_counter()
+            trees = drafter.propose(seqs, active, temperature, generator)
+            wait()
+            t1 = time.perf_counter()
+            with counter.paused():  # the target's forward: not a draft forward, whatever modules it shares
+                out = _verify_forward(runner, seqs, trees, active)
+            wait()
+            t2 = time.perf_counter()
+            draft_time += t1 - t0
+            target_time += t2 - t1
+            sizes.append(sum(1 + trees[b].fed for b in range(len(seqs)) if active[b]))
+            for b, tree in enumerate(trees):
+                if active[b] and tree.fed > tree.size:
+                    drafter.observe_forward(b, out.logits[b, : tree.fed + 1], tree)
+            t3 = time.perf_counter()
+            keeps, news, verdicts = [], [], []
+            batched = _verify_batch(out.logits, trees, active, verify_backend) \
+                if verify_backend and (temperature <= 0 or method == "greedy") else None
+            for b, tree in enumerate(trees):
+                if not active[b]:
+                    keeps.append([]); news.append([]); verdicts.append(None)
+                    continue
+                v = batched[b] if batched is not None else \
+                    verify_fn(method, out.logits[b, : tree.size + 1], tree, temperature, generator)
+                verdicts.append(v)
+                keeps.append([0] + [i + 1 for i in v.path])
+                news.append([int(tree.tokens[i]) for i in v.path] + [v.bonus])
+            verify_time += time.perf_counter() - t3
+            runner.commit(keeps)
+            emitted: dict[int, int] = {}
+            for b in range(len(seqs)):
+                if active[b]:
+                    emitted[b] = _append(b, news[b], seqs, new, active, max_new_tokens, eos)
+                    if drafter.needs_features:
+                        drafter.observe(b, news[b], _rows(out.hidden_last, b, keeps[b]),
+                                        _rows(out.hidden_aux, b, keeps[b]))
+                    else:
+                        drafter.observe(b, news[b], None, None)
+            by_step.append(counter.count - counted)  # propose, observe_forward and observe: the whole step
+            for b, n in emitted.items():
+                stats[b].add(verdicts[b], trees[b], n, by_step[-1])
+            wait()
+    finally:
+        counter.close()
     return GenerationResult(new, stats, runner.forward_calls - forwards0, prefill_time, target_time,
-                            draft_time, time.perf_counter() - t_start, sizes, verify_time)
+                            draft_time, time.perf_counter() - t_start, sizes, verify_time, by_step)
 
 
 def _device_wait(device: torch.device) -> Callable[[], None]:

@@ -31,6 +31,14 @@ def _nparams(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _first_layer(model):
+    """The module every pass of a draft network enters once: EAGLE-3's and P-EAGLE's ``midlayer``, else the first
+    decoder layer (EAGLE-1, MTP, DFlash, DSpark). Its calls are the draft forwards (a DFlash context feed computes
+    keys and values only: no call)."""
+    mid = getattr(model, "midlayer", None)
+    return mid if mid is not None else model.layers[0]
+
+
 class MedusaDrafter(Drafter):
     """Medusa heads as a drafter: ``shape.kind`` static (``shape.choices``) or chain (k <= heads)."""
 
@@ -51,6 +59,9 @@ class MedusaDrafter(Drafter):
                 raise ValueError(f"tree choices reach depth {depth}; the heads have only {K}")
         self.heads, self.shape = heads, shape
         self.params_per_forward = _nparams(heads)
+
+    def draft_modules(self):
+        return (self.heads,)
 
     def start(self, prompts, feats):
         self.last = [feats.hidden_last[b, len(p) - 2] for b, p in enumerate(prompts)]
@@ -73,20 +84,18 @@ class MedusaDrafter(Drafter):
             if not active[b]:
                 out.append(DraftTree.empty())
             elif self.shape.kind == "chain" and temperature <= 0:  # greedy verification reads the tokens only
-                out.append(DraftTree.chain(greedy[:, b].tolist(), draft_forwards=1))
+                out.append(DraftTree.chain(greedy[:, b].tolist()))
             elif self.shape.kind == "chain":
                 out.append(self._chain(logits[: self.shape.k, b], temperature, generator))
             else:
-                tree = static_tree(top[:, b], self.shape.choices)
-                tree.draft_forwards = 1
-                out.append(tree)
+                out.append(static_tree(top[:, b], self.shape.choices))
         return out
 
     @staticmethod
     def _chain(logits, temperature, generator) -> DraftTree:
         q = probs(logits, temperature).cpu()
         toks = torch.multinomial(q, 1, generator=generator)[:, 0] if temperature > 0 else q.argmax(-1)
-        return DraftTree.chain(toks.tolist(), q, draft_forwards=1)
+        return DraftTree.chain(toks.tolist(), q)
 
 
 class EagleDrafter(Drafter):
@@ -105,6 +114,9 @@ class EagleDrafter(Drafter):
         self.params_per_forward = _nparams(model) + self._lm_head_params()
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
+
+    def draft_modules(self):
+        return (_first_layer(self.model),)
 
     def _lm_head_params(self) -> int:
         # EAGLE-1 uses the target's LM head (read every draft forward, not among its parameters).
@@ -247,7 +259,7 @@ class EagleDrafter(Drafter):
                 h, logits = h_out[:, 0], lg[:, 0]
         T = torch.stack(toks, 1)
         Q = torch.stack(qs, 1) if qs else None
-        return [DraftTree.chain(T[b].tolist(), None if Q is None else Q[b], draft_forwards=k) for b in range(B)]
+        return [DraftTree.chain(T[b].tolist(), None if Q is None else Q[b]) for b in range(B)]
 
 
 class DFlashDrafter(Drafter):
@@ -296,6 +308,9 @@ class DFlashDrafter(Drafter):
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.last_logits: torch.Tensor | None = None  # (B, depth, V) of the latest proposal (tests read it)
+
+    def draft_modules(self):
+        return (_first_layer(self.model),)
 
     # -- state
     def start(self, prompts, feats):
@@ -383,8 +398,6 @@ class DFlashDrafter(Drafter):
             ranks = 1 + max(max(c) for c in self.shape.choices)
             top = logits.topk(min(ranks, logits.shape[-1]), dim=-1).indices.cpu()
             trees = [static_tree(top[b], self.shape.choices) for b in range(len(seqs))]
-        for t in trees:
-            t.draft_forwards = 1
         return [t if a else DraftTree.empty() for t, a in zip(trees, active)]
 
     def draw(self, logits: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor | None]:

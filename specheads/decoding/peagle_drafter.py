@@ -92,7 +92,7 @@ class PEagleDrafter(EagleDrafter):
         else:
             draft, q = logits.argmax(-1).cpu(), None
         toks = d2t_full[draft]
-        return [DraftTree.chain(toks[b].tolist(), None if q is None else q[b], draft_forwards=1) if active[b]
+        return [DraftTree.chain(toks[b].tolist(), None if q is None else q[b]) if active[b]
                 else DraftTree.empty() for b in range(B)]
 
 

@@ -28,7 +28,6 @@ class DraftTree:
     tokens: torch.Tensor
     parents: torch.Tensor
     q: torch.Tensor | None = None
-    draft_forwards: int = 0
     extra_tokens: torch.Tensor | None = None
     extra_parents: torch.Tensor | None = None
 
@@ -68,9 +67,9 @@ class DraftTree:
         return cls(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
 
     @classmethod
-    def chain(cls, tokens: Sequence[int], q: torch.Tensor | None = None, draft_forwards: int = 0) -> "DraftTree":
+    def chain(cls, tokens: Sequence[int], q: torch.Tensor | None = None) -> "DraftTree":
         n = len(tokens)
-        return cls(torch.tensor(list(tokens), dtype=torch.long), torch.arange(n) - 1, q, draft_forwards)
+        return cls(torch.tensor(list(tokens), dtype=torch.long), torch.arange(n) - 1, q)
 
     def is_chain(self) -> bool:
         return bool((self.parents == torch.arange(self.size) - 1).all())
@@ -109,8 +108,7 @@ class DraftTree:
             node = nxt
         if not grew:
             return self
-        return DraftTree(torch.tensor(toks, dtype=torch.long), torch.tensor(pars, dtype=torch.long),
-                         draft_forwards=self.draft_forwards)
+        return DraftTree(torch.tensor(toks, dtype=torch.long), torch.tensor(pars, dtype=torch.long))
 
     def check_distinct_siblings(self) -> None:
         seen: dict[tuple[int, int], int] = {}
@@ -203,11 +201,9 @@ def dynamic_trees(root_logp: torch.Tensor, expand: Expand, depth: int, topk: int
         for v, t in zip(lp[b], ti[b]):
             frontier[b].append(len(toks[b]))
             toks[b].append(t); pars[b].append(-1); score[b].append(v)
-    forwards = 1
     for _ in range(depth - 1):
         logp = expand(frontier, [[toks[b][i] for i in frontier[b]] for b in range(B)],
                       [[pars[b][i] for i in frontier[b]] for b in range(B)])
-        forwards += 1
         lp, ti = _host_topk(logp, topk)
         for b in range(B):
             cand = []
@@ -223,7 +219,7 @@ def dynamic_trees(root_logp: torch.Tensor, expand: Expand, depth: int, topk: int
     trees = []
     for b in range(B):
         keep = sorted(range(len(toks[b])), key=lambda i: (-score[b][i], i))[:total_tokens]
-        trees.append(_subtree(toks[b], pars[b], keep, forwards))
+        trees.append(_subtree(toks[b], pars[b], keep))
     return trees
 
 
@@ -236,7 +232,7 @@ def _host_topk(logp: torch.Tensor, k: int) -> tuple[list, list]:
     return lp_h.float().tolist(), ti_h.long().tolist()
 
 
-def _subtree(toks: list[int], pars: list[int], keep: list[int], forwards: int) -> DraftTree:
+def _subtree(toks: list[int], pars: list[int], keep: list[int]) -> DraftTree:
     """Renumber the kept nodes (closed under parents) in topological order."""
     kept = set(keep)
     for i in keep:
@@ -245,8 +241,7 @@ def _subtree(toks: list[int], pars: list[int], keep: list[int], forwards: int) -
     order = sorted(keep, key=lambda i: (_depth(pars, i), i))
     new = {old: j for j, old in enumerate(order)}
     return DraftTree(torch.tensor([toks[i] for i in order], dtype=torch.long),
-                     torch.tensor([new[pars[i]] if pars[i] >= 0 else -1 for i in order], dtype=torch.long),
-                     draft_forwards=forwards)
+                     torch.tensor([new[pars[i]] if pars[i] >= 0 else -1 for i in order], dtype=torch.long))
 
 
 def _depth(pars: list[int], i: int) -> int:

@@ -50,7 +50,6 @@ def test_dynamic_tree_reranks_by_path_confidence():
     # path scores: tok0 -0.35, tok1 -1.35, (1 after 0) -0.35-0.35, (7 after 1) -1.35-0.03
     assert t.tokens.tolist() == [0, 1, 1]
     assert t.parents.tolist() == [-1, -1, 0]
-    assert t.draft_forwards == 2
 
 
 def test_tree_validation():
@@ -62,10 +61,9 @@ def test_tree_validation():
 
 def test_graft_chain_shares_the_existing_prefix_and_keeps_siblings_distinct():
     # root -> 5 (0) -> 7 (2); root -> 6 (1)
-    tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([-1, -1, 0]), draft_forwards=2)
+    tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([-1, -1, 0]))
     g = tree.graft_chain([5, 7, 9, 9])
     assert g.tokens.tolist() == [5, 6, 7, 9, 9] and g.parents.tolist() == [-1, -1, 0, 2, 3]
-    assert g.draft_forwards == 2
     g.check_distinct_siblings()
     new_root = tree.graft_chain([8, 5])  # a new first token: a new branch from the root
     assert new_root.tokens.tolist() == [5, 6, 7, 8, 5] and new_root.parents.tolist() == [-1, -1, 0, -1, 3]
