@@ -36,12 +36,14 @@ import random
 import statistics
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from specheads.decoding.cpu_linears import PackedLinear, can_pack, pack_cpu_linears, packed_count
 from specheads.decoding.runner import TargetRunner
+from specheads.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -419,6 +421,31 @@ def row_floor_lifted(model: nn.Module):
 # ---------------------------------------------------------------- the end-to-end proof
 
 
+@dataclass(frozen=True)
+class ProofScope:
+    """What a run will verify, for ``prove_exact`` to prove: ``size``, the most rows a verify forward feeds one row of
+    the batch (its largest draft and the pending token); ``batch``, the most rows one forward batches; ``context``,
+    the longest context a verify forward sees (the longest prompt and the new tokens).
+
+    The proof checks one tree of ``min(size, MAX_ROWS + 1)`` nodes at ``context`` against one-token forwards, and a
+    forward of ``batch`` rows (the proven trees, padded and with holes) against each tree's own forward. Why that
+    bound implies every larger tree: a linear call of more than ``MAX_ROWS`` rows is split into chunks of at most
+    ``MAX_ROWS`` (the last padded to the floor), each a row count ``linear_row_floor`` measured row-invariant, so
+    a tree of ``MAX_ROWS + 1`` nodes already crosses the chunk boundary the larger ones cross; attention computes
+    every query alone in float64 over the same keys whatever the query count. Batches larger than proven go
+    through the same chunks. Contexts shorter than ``context`` are checked at 48 tokens and at ``context``."""
+
+    size: int = 0
+    batch: int = 1
+    context: int = 0
+
+    def cases(self) -> list[tuple[int, int]]:
+        """The (context, tree size) pair this scope adds to the proof, if any."""
+        if self.size < 1 or self.context < 2:
+            return []
+        return [(self.context, min(self.size, MAX_ROWS + 1))]
+
+
 def _path(parents: list[int], i: int) -> list[int]:
     """Node ``i``'s root-to-node path (node indices, root first)."""
     path = []
@@ -429,36 +456,65 @@ def _path(parents: list[int], i: int) -> list[int]:
 
 
 def tree_vs_sequential(model: nn.Module, contexts=(40, 150), sizes=(3, 6, 12), seed: int = 0,
-                       vocab: int | None = None, reference_parents=None) -> dict:
+                       vocab: int | None = None, reference_parents=None, cases=None, batch: int = 1) -> dict:
     """Every node of random draft trees: its logits from one verify forward of the tree against a one-token
     forward after each of its ancestors (committed one by one, as plain decoding does), compared bitwise.
-    ``reference_parents(parents) -> parents`` decodes the one-token reference along other paths (a control
-    that must fail). Returns {"nodes", "unequal", "largest_difference", "moved"} (moved: nodes whose
-    reference path differs from their tree path)."""
+    ``cases``: (context length, tree size) pairs (default: every context with every size). ``batch`` > 1: then
+    one verify forward of ``batch`` rows at once, each row one of the cases' (context, tree) already checked (in
+    turn; contexts of other lengths leave holes, trees of other sizes padding), must give every node bitwise its
+    batch-1 tree logits, and so, by the check above, its one-token logits. ``reference_parents(parents) ->
+    parents`` decodes the one-token reference along other paths (a control that must fail). Returns {"nodes",
+    "unequal", "largest_difference", "moved", "batch", "batch_nodes", "batch_unequal"} (moved: nodes whose
+    reference path differs from their tree path; nodes and unequal count the batched rows' nodes too)."""
     rng = random.Random(seed)
     vocab = vocab or model.config.vocab_size
+    cases = list(cases) if cases is not None else [(length, n) for length in contexts for n in sizes]
     r = TargetRunner(model)
-    unequal = total = moved = 0
+    unequal = total = moved = batch_nodes = batch_unequal = 0
     worst = 0.0
+    checked: list[tuple[list[int], list[int], list[int], torch.Tensor]] = []
     with torch.no_grad():
-        for length in contexts:
+        for length, n in cases:
             prompt = [rng.randrange(vocab) for _ in range(length)]
-            for n in sizes:
-                toks = [rng.randrange(vocab) for _ in range(n)]
-                parents = [-1] + [rng.randrange(-1, i) for i in range(1, n)]
-                ref = reference_parents(parents) if reference_parents else parents
+            toks = [rng.randrange(vocab) for _ in range(n)]
+            parents = [-1] + [rng.randrange(-1, i) for i in range(1, n)]
+            ref = reference_parents(parents) if reference_parents else parents
+            r.prefill([prompt])
+            tree = r.forward(torch.tensor([toks]), torch.tensor([parents])).logits[0]
+            checked.append((prompt, toks, parents, tree))
+            # one walk per leaf of the reference tree: each node's one-token logits are taken once, on the first
+            # walk that passes it (what a one-token forward after its ancestors gives, whichever leaf it leads to)
+            seen: set[int] = set()
+            for leaf in (i for i in range(n) if i not in set(ref)):
                 r.prefill([prompt])
-                tree = r.forward(torch.tensor([toks]), torch.tensor([parents])).logits[0]
-                for i in range(n):
-                    r.prefill([prompt])
-                    for j in _path(ref, i):
-                        one = r.forward(torch.tensor([[toks[j]]]), torch.tensor([[-1]])).logits[0, 0]
-                        r.commit([[0]])
+                for j in _path(ref, leaf):
+                    one = r.forward(torch.tensor([[toks[j]]]), torch.tensor([[-1]])).logits[0, 0]
+                    r.commit([[0]])
+                    if j in seen:
+                        continue
+                    seen.add(j)
                     total += 1
-                    moved += _path(ref, i) != _path(parents, i)
-                    unequal += not torch.equal(one, tree[i])
-                    worst = max(worst, float((one.float() - tree[i].float()).abs().max()))
-    return {"nodes": total, "unequal": unequal, "largest_difference": worst, "moved": moved}
+                    moved += _path(ref, j) != _path(parents, j)
+                    unequal += not torch.equal(one, tree[j])
+                    worst = max(worst, float((one.float() - tree[j].float()).abs().max()))
+        if batch > 1:
+            rows = [checked[b % len(checked)] for b in range(batch)]
+            q = max(len(toks) for _, toks, _, _ in rows)
+            tok = torch.zeros(batch, q, dtype=torch.long)
+            par = torch.full((batch, q), -1, dtype=torch.long)
+            live = torch.zeros(batch, q, dtype=torch.bool)
+            for b, (_, toks, parents, _) in enumerate(rows):
+                tok[b, :len(toks)], par[b, :len(toks)], live[b, :len(toks)] = (torch.tensor(toks),
+                                                                               torch.tensor(parents), True)
+            r.prefill([prompt for prompt, _, _, _ in rows])
+            out = r.forward(tok, par, live).logits
+            for b, (_, toks, _, tree) in enumerate(rows):
+                for i in range(len(toks)):
+                    batch_nodes += 1
+                    batch_unequal += not torch.equal(out[b, i], tree[i])
+                    worst = max(worst, float((out[b, i].float() - tree[i].float()).abs().max()))
+    return {"nodes": total + batch_nodes, "unequal": unequal + batch_unequal, "largest_difference": worst,
+            "moved": moved, "batch": batch, "batch_nodes": batch_nodes, "batch_unequal": batch_unequal}
 
 
 def _one_token_ms(model: nn.Module, rounds: int = 5, reps: int = 3) -> dict[str, float]:
@@ -479,7 +535,7 @@ def _one_token_ms(model: nn.Module, rounds: int = 5, reps: int = 3) -> dict[str,
 
 
 def prove_exact(model: nn.Module, check_sizes=(3, 8), check_contexts=(48,), max_rows: int = MAX_ROWS,
-                given: dict | None = None) -> dict:
+                given: dict | None = None, scope: ProofScope | None = None) -> dict:
     """Measure and apply the row floor of ``model``'s linear layers (exact forwards on, ``make_exact``), then
     prove the whole model: random draft trees verified in one forward against one-token forwards, bitwise.
     Each kind of layer computes in its form (``choose_form``), every one padded to the largest floor; a floor
@@ -488,7 +544,8 @@ def prove_exact(model: nn.Module, check_sizes=(3, 8), check_contexts=(48,), max_
     "row_chunk", "row_floor_per_kind" (measured, in each kind's form), "row_form", "row_form_ms", "floor_seconds",
     "one_token_ms": {"floored", "lifted"}, "proof": {...}, "proven"}. ``given``: an earlier record of this model on
     this machine (an interrupted evaluation's) whose floor, chunks and forms are applied as they were, not measured
-    again (a noisy timing could choose another form); the proof runs all the same."""
+    again (a noisy timing could choose another form); the proof runs all the same. ``scope``: what the run will
+    verify (``ProofScope``), proven on top of ``check_sizes`` x ``check_contexts``."""
     if given is not None:
         measured = {"per_kind": given.get("row_floor_per_kind"), "forms": given.get("row_form") or {},
                     "form_ms": given.get("row_form_ms"), "seconds": 0.0}
@@ -498,7 +555,10 @@ def prove_exact(model: nn.Module, check_sizes=(3, 8), check_contexts=(48,), max_
         floor, chunk = floor_and_chunk(measured["floor"], max_rows)
     apply_row_floor(model, floor, chunk, measured["forms"])  # each kind in its form, all at the largest floor
     t0 = time.perf_counter()
-    proof = tree_vs_sequential(model, contexts=check_contexts, sizes=check_sizes)
+    cases = [(length, n) for length in check_contexts for n in check_sizes]
+    scope = scope or ProofScope()
+    proof = tree_vs_sequential(model, cases=cases + scope.cases(), batch=scope.batch)
+    proof["cases"] = [list(case) for case in cases + scope.cases()]
     proof["seconds"] = round(time.perf_counter() - t0, 2)
     ms = _one_token_ms(model)
     floored, lifted = ms["floored"], ms["lifted"]
@@ -512,22 +572,28 @@ def prove_exact(model: nn.Module, check_sizes=(3, 8), check_contexts=(48,), max_
     return record
 
 
-def settle_exact(model: nn.Module, cpu_linears: str = "auto", given: dict | None = None) -> dict:
+class ExactnessError(UserError):
+    """Exact forwards could not be proven on this machine, not even in float32: no lossless verdict would hold."""
+
+
+def settle_exact(model: nn.Module, cpu_linears: str = "auto", given: dict | None = None,
+                 scope: ProofScope | None = None) -> dict:
     """Prove exact forwards on ``model`` as it will decode (after ``make_exact``, the layout and the thread
     count) and fall back where the proof fails: a reduced-precision model goes to float32 (its layout chosen
-    again) and is proven again, and the record says why. Exact forwards off: nothing to prove ({}). Returns
-    ``prove_exact``'s record, with ``fallback`` {"from", "reason", "first"} where it fell back. ``given``: an
-    earlier record to apply as it was (``prove_exact``), where it has a row floor and no fallback."""
+    again) and is proven again, and the record says why; a float32 model (at first or after the fallback) that
+    is still not proven raises ``ExactnessError`` (one line, before any decode). Exact forwards off: nothing to
+    prove ({}). Returns ``prove_exact``'s record, with ``fallback`` {"from", "reason", "first"} where it fell back.
+    ``given``: an earlier record to apply as it was (``prove_exact``), where it has a row floor and no fallback.
+    ``scope``: the sizes, batch and context the run verifies (``ProofScope``)."""
     if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
         return {}
     usable = given if given and given.get("row_floor") and not given.get("fallback") else None
-    record = prove_exact(model, given=usable)
+    record = prove_exact(model, given=usable, scope=scope)
     dtype = next(model.parameters()).dtype
-    if record["proven"] or dtype == torch.float32:
-        if not record["proven"]:
-            log.warning("exact forwards NOT proven: %d of %d tree nodes differ from one-token forwards; the "
-                        "lossless check may find mismatches", record["proof"]["unequal"], record["proof"]["nodes"])
+    if record["proven"]:
         return record
+    if dtype == torch.float32:
+        raise ExactnessError(_unproven(record, "float32"))
     from specheads.decoding.cpu_linears import choose_cpu_linears, unpack_cpu_linears
 
     reason = (f"{str(dtype).replace('torch.', '')} forwards not proven exact on this machine: "
@@ -537,7 +603,17 @@ def settle_exact(model: nn.Module, cpu_linears: str = "auto", given: dict | None
     unpack_cpu_linears(model)
     model.float()
     linears = choose_cpu_linears(model, cpu_linears)
-    again = prove_exact(model)
+    again = prove_exact(model, scope=scope)
+    if not again["proven"]:
+        raise ExactnessError(_unproven(again, f"float32 (after {reason})"))
     again["fallback"] = {"from": str(dtype).replace("torch.", ""), "to": "float32", "reason": reason,
                          "first": record, "cpu_linears": linears}
     return again
+
+
+def _unproven(record: dict, what: str) -> str:
+    proof = record["proof"]
+    return (f"exact forwards not proven in {what}: {proof['unequal']} of {proof['nodes']} nodes of draft trees "
+            f"(context x size {proof.get('cases')}, batch {proof.get('batch', 1)}) differ from one-token forwards, "
+            "so no lossless verdict would hold; evaluate with exact_forward=off (speculative and plain decoding "
+            "then compared in the kernels' own arithmetic)")

@@ -125,8 +125,13 @@ def _floor_md(ex: dict) -> str:
     else:
         floor = (f"linear layers fed at least {ex['row_floor']} rows per call, the smallest count from which "
                  f"their rows no longer depend on the call here ({timed})")
-    said = (f"; {floor}; proof: {proof['nodes'] - proof['unequal']} of {proof['nodes']} nodes of random draft trees "
-            f"bitwise equal to one-token forwards{'' if ex['proven'] else ', NOT PROVEN'}")
+    cases, scope = proof.get("cases") or [], ""
+    if cases:
+        rows = f", then {proof['batch']} of them in one forward" if proof.get("batch", 1) > 1 else ""
+        scope = (f" (trees of up to {max(n for _, n in cases)} nodes at contexts of up to "
+                 f"{max(c for c, _ in cases)} tokens{rows})")
+    said = (f"; {floor}; proof: {proof['nodes'] - proof['unequal']} of {proof['nodes']} nodes of random draft trees"
+            f"{scope} bitwise equal to one-token forwards{'' if ex['proven'] else ', NOT PROVEN'}")
     fb = ex.get("fallback")
     if fb:
         said += f"; {fb['reason']}, so the target decodes in {fb['to']}"

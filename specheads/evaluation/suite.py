@@ -32,7 +32,7 @@ from specheads.decoding.drafters import (Drafter, EarlyExitDrafter, ModelDrafter
                                          TreeShape)
 from specheads.decoding.cpu_linears import choose_cpu_linears, pack_like
 from specheads.decoding.cpu_threads import choose_cpu_threads
-from specheads.decoding.exact import make_exact, row_floor_lifted, settle_exact
+from specheads.decoding.exact import ProofScope, make_exact, row_floor_lifted, settle_exact
 from specheads.decoding.grouped_attention import ATTENTION_NAME as GROUPED_ATTENTION, use_grouped_attention
 from specheads.decoding.generate import GenerationResult, speculative_generate
 from specheads.decoding.ngram_table import NgramTable
@@ -41,7 +41,8 @@ from specheads.decoding.tree import normalize_choices
 from specheads.decoding.verify import LOSSLESS
 from specheads.errors import ConfigError, InputNotFoundError, UserError
 from specheads.export.foreign import head_source
-from specheads.evaluation.prompts import BenchmarkSpec, encode, load_benchmarks, scored_chat_ids, separation_record
+from specheads.evaluation.prompts import (BenchmarkSpec, encode, load_benchmarks, scored_chat_ids, separation_record,
+                                         turn_id)
 from specheads.evaluation.budget import EvalPlan, full_plan, plan_budget
 from specheads.evaluation.inputs import check_methods_fit, target_facts
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
@@ -186,7 +187,8 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     linears = choose_cpu_linears(target.model, linears_mode)  # the baseline never gets the slower layout
     threads = choose_cpu_threads(target.model, (taken.get("cpu_threads") or {}).get("threads") or cfg.cpu_threads)
     # the row floor, the proof, float32 where unproven (plain and speculative decoding alike)
-    exact.update(settle_exact(target.model, cfg.cpu_linears, given=taken.get("exact_forward")))
+    exact.update(settle_exact(target.model, cfg.cpu_linears, given=taken.get("exact_forward"),
+                              scope=proof_scope(cfg, prompts, target)))
     if exact.get("fallback"):
         linears = exact["fallback"]["cpu_linears"]
     runner = TargetRunner(target.model)
@@ -257,6 +259,36 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
             resume.save(state)
     report["recommendation"] = recommend(report, cfg.recommend_ks)
     return report
+
+
+def draft_rows(spec: MethodSpec) -> int:
+    """The most rows one verify forward feeds per batch row for ``spec``: the pending token, the largest draft its
+    shape allows (an automatic shape: the measured fans and reach of its head) and the prompt-lookup branch."""
+    shape = spec.shape
+    sizes = [shape.k if shape.kind == "chain" else shape.total_tokens, len(shape.choices or ()),
+             spec.medusa_tree_nodes if spec.drafter == "medusa" else 0,
+             spec.lookahead[2] * (spec.lookahead[1] - 1) if spec.drafter == "lookahead" else 0]
+    if spec.auto_shape and spec.head_dir:
+        from specheads.evaluation.shape_choice import measured_fans, measured_reach
+
+        sizes += [len(measured_reach(spec.head_dir)), *measured_fans(spec.head_dir)]
+    return 1 + max(sizes) + spec.ngram_branch + spec.ngram_extend * spec.ngram_extend_len
+
+
+def proof_scope(cfg: EvalConfig, prompts: list[EvalPrompt], target: Target) -> ProofScope:
+    """What this evaluation verifies, for the exact forwards' proof: the largest draft of any method, the largest
+    batch, and the longest context (each prompt's turns through the chat template, the earlier turns' answers
+    counted at ``max_new_tokens`` each, plus the new tokens), at most the target's context."""
+    longest = 0
+    for p in prompts:
+        try:
+            n = len(encode(p, target.tokenizer, {turn_id(p, t): "" for t in range(p.turn)}, cfg.chat_template_kwargs))
+        except (KeyError, ValueError):  # no chat template: the prompt's own ids, or nothing to measure
+            n = len(p.input_ids or ())
+        longest = max(longest, n + cfg.max_new_tokens * (p.turn + 1))
+    limit = getattr(target.model.config, "max_position_embeddings", None) or longest
+    return ProofScope(size=max((draft_rows(m) for m in cfg.methods), default=0),
+                      batch=max(cfg.batch_sizes, default=1), context=min(longest, limit))
 
 
 def fit_budget(prompts: list[EvalPrompt], target: Target, runner, cfg: EvalConfig, eos, spent_s: float) -> EvalPlan:

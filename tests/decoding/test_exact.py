@@ -336,3 +336,62 @@ def test_prove_exact_records_each_kinds_form_and_proves_the_model_in_it():
     record = prove_exact(model)
     assert record["proven"] and set(record["row_form"]) == set(record["row_floor_per_kind"])
     assert set(record["row_form"].values()) <= {"linear", "wxt", "xwt"}
+
+
+class _MovesFrom(torch.nn.Module):
+    """An activation whose output moves once a forward feeds more than ``rows`` rows per batch row (``dim`` -2) or
+    more than ``batch`` batch rows: a kernel path no row floor fixes, seen only by a proof that feeds that many."""
+
+    def __init__(self, rows: int = 10**9, batch: int = 10**9):
+        super().__init__()
+        self.rows, self.batch = rows, batch
+
+    def forward(self, x):
+        moved = x.shape[-2] > self.rows or (x.dim() == 3 and x.shape[0] > self.batch)
+        return torch.nn.functional.silu(x) + (0.05 if moved else 0.0)
+
+
+def _float32_model_with(act):
+    model = make_tiny_model("llama", hidden=64, layers=1, heads=4, kv_heads=2)
+    model.model.layers[0].mlp.act_fn = act
+    make_exact(model, "on")
+    return model
+
+
+def test_the_proof_covers_the_tree_size_the_run_verifies():
+    """A layer that moves only above 12 rows passes the default proof (trees of 3 and 8 nodes) but not one that
+    checks the run's 24-node trees, and a float32 target that fails it stops in one line, before any decode."""
+    from specheads.decoding.exact import ExactnessError, ProofScope
+
+    assert prove_exact(_float32_model_with(_MovesFrom(rows=12)))["proven"]  # what the proof checked before
+    record = prove_exact(_float32_model_with(_MovesFrom(rows=12)), scope=ProofScope(size=24, context=60))
+    assert not record["proven"] and record["proof"]["cases"][-1] == [60, 24]
+    with pytest.raises(ExactnessError) as err:
+        settle_exact(_float32_model_with(_MovesFrom(rows=12)), scope=ProofScope(size=24, context=60))
+    assert "\n" not in str(err.value) and "exact_forward=off" in str(err.value) and "[60, 24]" in str(err.value)
+    assert settle_exact(_float32_model_with(_MovesFrom()), scope=ProofScope(size=24, context=60))["proven"]
+
+
+def test_the_proof_covers_the_batch_the_run_verifies():
+    """A layer that moves when two or more batch rows share a forward: unseen at batch 1, caught by the batched
+    forward of the proven trees (with holes and padding), whose rows must equal their batch-1 forwards."""
+    from specheads.decoding.exact import ProofScope
+
+    model = _float32_model_with(_MovesFrom(batch=1))
+    assert prove_exact(model)["proven"]  # batch 1 only, as before; the row floor is now applied
+    alone = tree_vs_sequential(model, cases=[(40, 3), (90, 8)])
+    assert alone["unequal"] == 0 and alone["batch_nodes"] == 0
+    batched = tree_vs_sequential(model, cases=[(40, 3), (90, 8)], batch=4)
+    assert batched["batch_nodes"] == 3 + 8 + 3 + 8 and batched["batch_unequal"] == batched["batch_nodes"]
+    plain = _float32_model_with(_MovesFrom())
+    prove_exact(plain)
+    clean = tree_vs_sequential(plain, cases=[(40, 3), (90, 8)], batch=4)
+    assert clean["batch_nodes"] == 22 and clean["unequal"] == 0
+    assert not prove_exact(model, scope=ProofScope(size=8, batch=4, context=90))["proven"]
+
+
+def test_a_scope_above_the_chunk_is_proven_at_one_chunk_and_a_row():
+    from specheads.decoding.exact import MAX_ROWS, ProofScope
+
+    assert ProofScope(size=200, batch=4, context=500).cases() == [(500, MAX_ROWS + 1)]
+    assert ProofScope().cases() == [] and ProofScope(size=5, context=1).cases() == []

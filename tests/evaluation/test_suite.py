@@ -323,7 +323,9 @@ def test_float32_cpu_target_decodes_on_the_linear_layout_measured_faster(smollm2
     assert "linear layers packed (one-token forward measured here 4.0 ms" in md
     ex = report["exact_forward"]  # float32 decodes with exact forwards too, proven on this machine
     assert ex["attention"] == "specheads_exact" and ex["proven"] and ex["proof"]["unequal"] == 0
-    assert f"proof: {ex['proof']['nodes']} of {ex['proof']['nodes']} nodes of random draft trees bitwise equal" in md
+    size, context = ex["proof"]["cases"][-1][1], ex["proof"]["cases"][-1][0]
+    assert (f"proof: {ex['proof']['nodes']} of {ex['proof']['nodes']} nodes of random draft trees (trees of up to "
+            f"{max(size, 8)} nodes at contexts of up to {context} tokens") in md
 
 
 def test_paired_timing_survives_a_machine_that_slows_down(target, tmp_path, monkeypatch):
@@ -456,3 +458,28 @@ def test_head_kind_is_read_from_the_head_config(dflash_dir, head_dirs, tmp_path)
     # head_shape=auto (the main job's setting) leaves a DFlash head its chain and tree
     assert [m.name for m in plan_methods("dflash", str(dflash_dir), [], head_shape="auto")] == \
         [m.name for m in plan_methods("dflash", str(dflash_dir), [])] == ["dflash-chain3", "dflash-tree"]
+
+
+def test_the_exact_proof_is_scoped_to_what_the_evaluation_verifies(target, tmp_path, monkeypatch):
+    """The proof's scope is the evaluation's own: the largest draft of any method (pending token, tree, prompt-lookup
+    branch and its continuation), the largest batch and the longest context (turn 2 counts turn 1's answer), and
+    the report's proof lists those cases."""
+    import specheads.evaluation.suite as suite
+    from specheads.evaluation.suite import draft_rows, proof_scope
+
+    assert draft_rows(MethodSpec("n", "ngram", TreeShape("chain", k=3))) == 4
+    assert draft_rows(MethodSpec("t", "early_exit", TreeShape("dynamic", depth=5, topk=4, total_tokens=24),
+                                 ngram_branch=4, ngram_extend=1, ngram_extend_len=2)) == 1 + 24 + 4 + 2
+    real = suite.load_benchmarks
+    monkeypatch.setattr(suite, "load_benchmarks", lambda s: [p for p in real(s) if p.domain == "coding"][:2])
+    spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1, 2), humaneval=0, chat=0)
+    cfg = EvalConfig([MethodSpec("ngram", "ngram", TreeShape("chain", k=5))], spec, max_new_tokens=10,
+                     temperatures=(0.0,), batch_sizes=(1, 3), repeats=1)
+    prompts = suite.load_benchmarks(spec)
+    scope = proof_scope(cfg, prompts, target)
+    first = len(suite.encode(prompts[0], target.tokenizer, {}, {}))
+    assert scope.size == 6 and scope.batch == 3 and scope.context > first + 10
+    cfg.exact_forward = "on"
+    report = evaluate(target, cfg)
+    assert report["exact_forward"]["proof"]["cases"][-1] == [scope.context, 6]
+    assert report["exact_forward"]["proof"]["batch"] == 3 and report["exact_forward"]["proof"]["batch_nodes"] > 0
