@@ -480,13 +480,15 @@ def tree_vs_sequential(model: nn.Module, contexts=(40, 150), sizes=(3, 6, 12), s
             parents = [-1] + [rng.randrange(-1, i) for i in range(1, n)]
             ref = reference_parents(parents) if reference_parents else parents
             r.prefill([prompt])
+            context = r.slots.committed
             tree = r.forward(torch.tensor([toks]), torch.tensor([parents])).logits[0]
             checked.append((prompt, toks, parents, tree))
             # one walk per leaf of the reference tree: each node's one-token logits are taken once, on the first
-            # walk that passes it (what a one-token forward after its ancestors gives, whichever leaf it leads to)
+            # walk that passes it (what a one-token forward after its ancestors gives, whichever leaf it leads to);
+            # each walk starts from the prompt's prefill, rewound to (``TargetRunner.rewind``), not made again
             seen: set[int] = set()
             for leaf in (i for i in range(n) if i not in set(ref)):
-                r.prefill([prompt])
+                r.rewind(context)
                 for j in _path(ref, leaf):
                     one = r.forward(torch.tensor([[toks[j]]]), torch.tensor([[-1]])).logits[0, 0]
                     r.commit([[0]])
@@ -517,7 +519,7 @@ def tree_vs_sequential(model: nn.Module, contexts=(40, 150), sizes=(3, 6, 12), s
             "moved": moved, "batch": batch, "batch_nodes": batch_nodes, "batch_unequal": batch_unequal}
 
 
-def _one_token_ms(model: nn.Module, rounds: int = 5, reps: int = 3) -> dict[str, float]:
+def _one_token_ms(model: nn.Module, rounds: int = 3, reps: int = 2) -> dict[str, float]:
     """Median one-token forward (ms) after a 64-token context, floored and with the floor lifted, in
     interleaved rounds (a shared machine's drift falls on both alike)."""
     vocab = model.config.vocab_size

@@ -228,6 +228,15 @@ class TargetRunner:
         if s:
             self.cache.crop(-s)
 
+    def rewind(self, committed: int) -> None:
+        """Back to the first ``committed`` committed slots (scratch dropped too): the cache and the slots cut
+        there, so the next forward sees exactly the context a fresh prefill of those tokens left."""
+        self.discard()
+        drop = self.slots.committed - committed
+        self.slots.truncate(committed)
+        if drop:
+            self.cache.crop(-drop)
+
     # ------------------------------------------------------------------ convenience
     def prefill(self, prompts: list[list[int]]) -> ForwardOutput:
         """Commit ``prompt[:-1]`` for every row (the last prompt token stays pending, see generate.py).

@@ -102,6 +102,15 @@ class TreeSlots:
         idx = torch.tensor([list(k) + [0] * (m - len(k)) for k in keep], dtype=torch.long, device=self.device)
         return c, idx + c
 
+    def truncate(self, committed: int) -> None:
+        """Keep the first ``committed`` committed slots of every row and no scratch entry (back to an earlier
+        committed context, as if what followed had never been fed)."""
+        if not 0 <= committed <= self.committed:
+            raise ValueError(f"cannot truncate {self.committed} committed slots to {committed}")
+        self.valid = self.valid[:, :committed]
+        self.num_tokens = self.valid.sum(1)
+        self.clear_scratch()
+
     def discard(self) -> int:
         """Drop all scratch entries; returns how many cache slots to crop."""
         s = self.scratch

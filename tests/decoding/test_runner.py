@@ -80,3 +80,25 @@ def test_a_commit_moves_only_the_kept_entries():
     with torch.no_grad():
         want = m(torch.tensor([prompt + [8, 9, 6]])).logits[0, -1]
     torch.testing.assert_close(nxt.logits[0, 0], want, **TOL)
+
+
+def test_rewind_gives_back_the_context_a_fresh_prefill_leaves():
+    """After a tree, commits and more tokens, ``rewind`` to the prompt's committed slots: the next forwards give
+    bitwise what they give after a fresh prefill of the prompt (the exactness proof walks each leaf so)."""
+    model = peaky_model()
+    prompt = [3, 9, 4, 17, 22, 5]
+    fresh = TargetRunner(model)
+    fresh.prefill([prompt])
+    want = fresh.forward(torch.tensor([[7, 8]]), torch.tensor([[-1, 0]])).logits
+    r = TargetRunner(model)
+    r.prefill([prompt])
+    base = r.slots.committed
+    r.forward(torch.tensor([[1, 2, 3]]), torch.tensor([[-1, 0, 0]]))
+    r.commit([[0, 1]])
+    r.forward(torch.tensor([[11]]), torch.tensor([[-1]]))
+    r.rewind(base)
+    assert r.slots.committed == base and r.slots.scratch == 0 and int(r.slots.num_tokens[0]) == len(prompt) - 1
+    assert r.cache.get_seq_length() == base
+    assert torch.equal(r.forward(torch.tensor([[7, 8]]), torch.tensor([[-1, 0]])).logits, want)
+    with pytest.raises(ValueError, match="truncate"):
+        r.rewind(base + 5)
