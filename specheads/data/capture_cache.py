@@ -4,8 +4,13 @@ A cache folder sits next to the prepared data (``<prepared>.capture/``): ``meta.
 dtype and layers the states come from), part files ``part-NNNNN.safetensors`` written atomically (one per
 regenerated batch: ``aux_<i>``, ``last``, ``argmax``, the batch's rows one after another) and ``index.jsonl``,
 appended with fsync after its part is in place: a row's key (SHA-256 of its int32 token ids), its part, offset
-and length, and the part's SHA-256. A row is looked up by its ids, so a prepared row is served only with states
-computed on exactly its tokens; a part whose bytes do not match its checksum is refused, not trusted.
+and length, the part's SHA-256 and the line's own check. A row is looked up by its ids, so a prepared row is
+served only with states computed on exactly its tokens; a part whose bytes do not match its checksum, or an index
+line that does not match its check, is refused, not trusted.
+
+A run killed while writing leaves at most a part no line names, a temporary file or a torn last index line: the
+next run that writes (``open_for_writing``) removes them, and a row already indexed is not written again, so a
+resumed regeneration ends with the folder an uninterrupted one writes.
 
 ``CapturedTarget`` serves collection from the cache: rows found come from it, the rest from a target that runs
 a forward (the Hugging Face model or the engine), started only when a row is missing.
@@ -50,6 +55,20 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _line_check(rec: dict) -> str:
+    """An index line's own checksum: over its other fields (a flipped offset would otherwise serve another row)."""
+    body = {k: v for k, v in rec.items() if k != "check"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def capture_dir(prepared_dir: str | Path) -> Path:
     prepared_dir = Path(prepared_dir)
     return prepared_dir.with_name(prepared_dir.name + ".capture")
@@ -70,7 +89,9 @@ class CaptureCache:
         if (folder / META).is_file():
             try:
                 if json.loads((folder / META).read_text()) == identity:
-                    return cls(folder)
+                    cache = cls(folder)
+                    cache._tidy()
+                    return cache
             except json.JSONDecodeError:
                 pass
             log.info("%s holds states of other settings or another target: starting it over", folder)
@@ -80,6 +101,26 @@ class CaptureCache:
         tmp.write_text(json.dumps(identity, indent=1, sort_keys=True))
         os.replace(tmp, folder / META)
         return cls(folder)
+
+    def _tidy(self) -> None:
+        """What a killed writer left (module doc): a torn last index line cut off, so the next line starts on its own;
+        parts no line names and temporary files removed."""
+        path = self.folder / INDEX
+        if path.exists():
+            raw = path.read_bytes()
+            good_end = raw.rfind(b"\n") + 1
+            if good_end < len(raw):
+                log.warning("%s: dropping a torn last line (%d bytes) left by an interrupted run", path,
+                            len(raw) - good_end)
+                with path.open("r+b") as f:
+                    f.truncate(good_end)
+                    os.fsync(f.fileno())
+        named = {rec["part"] for rec in self.index().values()}
+        for stray in sorted(self.folder.glob("part-*")):
+            if stray.name not in named:
+                log.info("%s: removing %s, left by an interrupted run before its rows were indexed", self.folder,
+                         stray.name)
+                stray.unlink()
 
     @property
     def layers(self) -> list[int]:
@@ -92,33 +133,41 @@ class CaptureCache:
             path = self.folder / INDEX
             raw = path.read_bytes() if path.exists() else b""
             raw = raw[: raw.rfind(b"\n") + 1]
-            for lineno, line in enumerate(raw.decode("utf-8").splitlines(), 1):
+            for lineno, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
                 try:
                     rec = json.loads(line)
+                    if "check" in rec and rec["check"] != _line_check(rec):
+                        raise ValueError("its fields differ from its check")
                     self._index[rec["key"]] = rec
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                except (ValueError, KeyError, TypeError) as e:
                     raise CaptureCacheError(f"{path}:{lineno}: corrupt index line ({e}); delete {self.folder} to "
                                             "collect with a forward instead") from e
         return self._index
 
     def add(self, rows: list[list[int]], states: list[dict[str, torch.Tensor]]) -> None:
-        """Write one part holding ``rows``' states, then index them."""
+        """Write one part holding the states of ``rows`` not indexed already (a batch a killed run captured is
+        captured again whole), then index them."""
         from safetensors.torch import save_file
 
-        if not rows:
-            return
         index = self.index()
-        part = f"part-{len(list(self.folder.glob('part-*.safetensors'))):05d}.safetensors"
+        kept = [(ids, st) for ids, st in zip(rows, states) if row_key(ids) not in index]
+        if not kept:
+            return
+        rows, states = [ids for ids, _ in kept], [st for _, st in kept]
+        numbers = [int(p[len("part-"):-len(".safetensors")]) for p in {rec["part"] for rec in index.values()}]
+        part = f"part-{max(numbers, default=-1) + 1:05d}.safetensors"
         tensors = {k: torch.cat([s[k] for s in states]).contiguous() for k in states[0]}
         tmp = self.folder / (part + ".tmp")
         save_file(tensors, str(tmp))
         with tmp.open("rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, self.folder / part)
+        _fsync_dir(self.folder)  # the part's name is on disk before a line names it
         sha = _sha256(self.folder / part)
         lines, at = [], 0
         for ids in rows:
             rec = {"key": row_key(ids), "part": part, "offset": at, "length": len(ids), "sha256": sha}
+            rec["check"] = _line_check(rec)
             lines.append(json.dumps(rec) + "\n")
             index[rec["key"]] = rec
             at += len(ids)

@@ -15,6 +15,13 @@ answer that reached ``max_new_tokens`` without the end-of-turn token is kept as 
 marked ``truncated``: it is never closed as if the target had finished it, and it is counted
 (``regenerated_truncated`` in specheads_meta.json, and the log). Journal records carry a key of the
 settings and target; records made with other ones (or by a version that kept only text) are redone.
+
+A re-run answers each chat in the batch an uninterrupted run would: batches are cut from every chat in one order
+(the journal's chats included), each with its seed and cache salts from its place in that order, and a batch a
+killed run left part-journaled (its records name their batch) is answered again whole, its journaled chats kept as
+written. Answers, and with ``regenerate=engine`` the captured states, are then bitwise an uninterrupted run's
+(the engine's kernels see the same batches). Chats whose batch was not begun by such a run (more chats asked for
+than before) go together in batches after the planned ones; a serving endpoint answers only the chats missing.
 """
 
 from __future__ import annotations
@@ -94,10 +101,12 @@ def settings_key(target: Target, cfg: RegenerateConfig, template_kwargs: dict | 
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def read_journal(path: Path, key: str | None = None) -> dict[str, Conversation]:
+def read_journal(path: Path, key: str | None = None,
+                 batches: dict[str, str] | None = None) -> dict[str, Conversation]:
     """Finished conversations from a journal; a torn final line (crash mid-write) is cut off.
 
-    ``key``: keep only records made with these settings (``settings_key``); others are redone.
+    ``key``: keep only records made with these settings (``settings_key``); others are redone. ``batches``: filled
+    with each kept chat's batch (``batch_tag``), where its record names one.
     """
     done: dict[str, Conversation] = {}
     other = 0
@@ -116,6 +125,8 @@ def read_journal(path: Path, key: str | None = None) -> dict[str, Conversation]:
                 other += 1
                 continue
             done[rec["id"]] = Conversation(rec["id"], rec["messages"], rec.get("domain", "chat"))
+            if batches is not None and rec.get("batch"):
+                batches[rec["id"]] = str(rec["batch"])
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise JournalError(f"{path}:{lineno}: corrupt journal line ({e}); delete the file to start over") from e
     if other:
@@ -124,10 +135,39 @@ def read_journal(path: Path, key: str | None = None) -> dict[str, Conversation]:
     return done
 
 
-def _append(f, conv: Conversation, key: str) -> None:
-    f.write(json.dumps({"id": conv.id, "messages": conv.messages, "domain": conv.domain, "key": key}) + "\n")
+def _append(f, conv: Conversation, key: str, batch: str | None = None) -> None:
+    rec = {"id": conv.id, "messages": conv.messages, "domain": conv.domain, "key": key}
+    if batch is not None:
+        rec["batch"] = batch
+    f.write(json.dumps(rec) + "\n")
     f.flush()
     os.fsync(f.fileno())
+
+
+def batch_tag(offset: int, batch: list[Conversation]) -> str:
+    """A batch's name in the journal: its place in the run's order and its chats, in order."""
+    return hashlib.sha256("\n".join([str(offset)] + [c.id for c in batch]).encode()).hexdigest()[:16]
+
+
+def plan_batches(convs: list[Conversation], done: dict[str, Conversation], batches: dict[str, str],
+                 size: int, whole: bool = True) -> list[tuple[int, list[Conversation]]]:
+    """(offset, chats) of the batches still to answer (module doc): chats of similar first-prompt length together
+    (less left padding), cut from every chat; a batch with a journaled chat is answered whole when that chat's
+    record names this batch (a killed run began it), else its missing chats join batches after the planned ones.
+    ``whole=False`` (a server answers; batches do not change its answers): only the missing chats, as they come."""
+    order = sorted(convs, key=_first_prompt_chars)
+    if not whole:
+        todo = [c for c in order if c.id not in done]
+        return [(b, todo[b: b + size]) for b in range(0, len(todo), size)]
+    planned, leftover = [], []
+    for b in range(0, len(order), size):
+        batch = order[b: b + size]
+        missing = [c for c in batch if c.id not in done]
+        if len(missing) == len(batch) or (missing and any(batches.get(c.id) == batch_tag(b, batch) for c in batch)):
+            planned.append((b, batch))
+        else:
+            leftover += missing
+    return planned + [(len(order) + b, leftover[b: b + size]) for b in range(0, len(leftover), size)]
 
 
 @torch.no_grad()
@@ -286,19 +326,23 @@ def regenerate(target: Target, conversations: Iterable[Conversation], journal: s
 
 
 def _regenerate_all(target, conversations, journal, cfg, key, renderer, client, engine, cache, rows_of):
-    done = read_journal(journal, key)
+    tags: dict[str, str] = {}
+    done = read_journal(journal, key, tags)
     convs = list(conversations)
-    # chats of similar first-prompt length share a batch (less left padding); the journal keeps input order moot
-    todo = sorted((c for c in convs if c.id not in done), key=_first_prompt_chars)
+    todo = plan_batches(convs, done, tags, cfg.batch_size, whole=client is None)
+    left = sum(1 for c in convs if c.id not in done)
+    again = sum(1 for _, batch in todo for c in batch if c.id in done)
     if done:
-        log.info("resuming regeneration: %d conversations already in %s, %d to go", len(done), journal, len(todo))
+        log.info("resuming regeneration: %d conversations already in %s, %d to go%s", len(done), journal, left,
+                 f" ({again} journaled ones answered again with the rest of the batch a killed run began, "
+                 "their journaled answers kept)" if again else "")
     log.info("regenerating the answers of %d conversations with the target, %d per batch, up to %d new tokens per "
-             "turn (the bar counts conversations; a batch reports when all its turns are done)", len(todo),
+             "turn (the bar counts conversations; a batch reports when all its turns are done)", left,
              cfg.batch_size, cfg.max_new_tokens)
-    with journal.open("a", encoding="utf-8") as f, tqdm(total=len(convs), initial=len(convs) - len(todo),
+    with journal.open("a", encoding="utf-8") as f, tqdm(total=len(convs), initial=len(convs) - left,
                                                         desc="regenerate", unit="chat") as bar:
-        for b in range(0, len(todo), cfg.batch_size):
-            batch = todo[b: b + cfg.batch_size]
+        for b, batch in todo:
+            tag = batch_tag(b, batch) if client is None else None
             salts = [f"{b}:{j}:{c.id}" for j, c in enumerate(batch)]  # one chat's requests share its cache blocks
             out = _regenerate_batch(target, batch, cfg, cfg.seed + b, renderer, client, engine, salts)
             if engine is not None and engine.capturing:
@@ -312,10 +356,11 @@ def _regenerate_all(target, conversations, journal, cfg, key, renderer, client, 
                 states = engine.capture(rows, row_salts, release=salts)
                 if cache is not None:
                     cache.add(rows, states)  # before the journal: a journaled chat's rows are in the cache
-            for conv in out:
+            new = [conv for conv in out if conv.id not in done]  # a journaled chat keeps its record
+            for conv in new:
                 done[conv.id] = conv
-                _append(f, conv, key)
-            bar.update(len(batch))
+                _append(f, conv, key, tag)
+            bar.update(len(new))
     result = [done[c.id] for c in convs if any(m["role"] == "assistant" for m in done[c.id].messages)]
     if len(result) < len(convs):
         log.warning("regeneration left %d conversations without an answer (prompt too long or empty answer)",
