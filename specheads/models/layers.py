@@ -11,11 +11,14 @@ grouped-query attention, SwiGLU MLP) with two differences that drafting needs:
 The same layer runs the training-time test (``specheads.methods.ttt``) through an
 ``UnrollCache``: step 0 of the unroll attends causally to itself, and step ``i`` additionally
 attends, at each position ``t``, to the keys that steps ``1..i`` produced at that same ``t``.
-That attention is one fused ``scaled_dot_product_attention`` over the ``(i+1)T`` keys of the
-steps so far with an additive ``T x (i+1)T`` mask (causal block, then ``i`` diagonal blocks): the
-fused kernel never holds the ``(B, heads, T, (i+1)T)`` scores, which the earlier explicit softmax
-kept for the backward pass (CPU, bf16 autocast, 4 x 512 tokens, SmolLM2 heads, a 3-step unroll:
-81 vs 319 MiB for forward + backward; 16 rows without gradients: 78 vs 436 MiB).
+On a CPU that attention (``unrolled_attention``) is ``ttt_attention.fused_unrolled_attention``: flash attention
+over the step-0 keys and one score per position for each later step's diagonal key, merged by log-sum-exp, with an
+exact backward and no T x T tensor (its module says by how much that saves; ``scripts/bench/ttt_memory.py``).
+Elsewhere (CUDA) it is ``dense_unrolled_attention``, one fused ``scaled_dot_product_attention`` over the ``(i+1)T`` keys of
+the steps so far with an additive ``T x (i+1)T`` mask (causal block, then ``i`` diagonal blocks): the fused kernel
+never holds the ``(B, heads, T, (i+1)T)`` scores, which an explicit softmax kept for the backward pass (CPU, bf16
+autocast, 4 x 512 tokens, SmolLM2 heads, a 3-step unroll: 81 vs 319 MiB for forward + backward; 16 rows without
+gradients: 78 vs 436 MiB), but the mask is T² itself.
 
 Two options of the draft layer as vLLM speculators 0.9 trains them (both off unless the config sets them):
 
@@ -42,6 +45,8 @@ import torch.nn.functional as F
 import transformers
 from packaging.version import Version
 from torch import nn
+
+from specheads.models import ttt_attention
 
 # The drafters copy the target's RoPE settings through `config.rope_parameters`, a field that first
 # appeared in transformers 5.0; 4.x ignores it (its Llama reads rope_theta / rope_scaling), so a draft
@@ -213,14 +218,26 @@ def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
     """Attention of step ``len(keys) - 1`` of an unroll.
 
     q: (B, nh, T, D); keys/values: lists of (B, nkv, T, D), entry 0 causal (within ``window`` of the query's own
-    position if given), the rest diagonal.
-    Returns (B, nh, T, D): one fused attention over the concatenated keys under ``unroll_mask``.
+    position if given), the rest diagonal. Returns (B, nh, T, D).
+    Step 0 without a window is plain causal attention; CPU tensors go to ``ttt_attention.fused_unrolled_attention``
+    (no T x T tensor, forward or backward); the rest (CUDA) to ``dense_unrolled_attention``.
     """
     nh, T, nkv = q.shape[1], q.shape[2], keys[0].shape[1]
     if len(keys) == 1 and (window is None or window >= T):  # step 0 is plain causal attention
         return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, scale=scale,
                                               enable_gqa=nh != nkv)
-    mask = unroll_mask(T, len(keys), q.dtype, q.device, window)
+    if ttt_attention.supported(q, keys, values):
+        return ttt_attention.fused_unrolled_attention(q, keys, values, scale, window)
+    return dense_unrolled_attention(q, keys, values, scale, window)
+
+
+def dense_unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                             scale: float, window: int | None = None) -> torch.Tensor:
+    """``unrolled_attention`` as one fused attention over the concatenated keys under ``unroll_mask``: a
+    (T, steps * T) mask, memory and time in T². The reference of the tests, and the path of CUDA tensors.
+    """
+    nh, nkv = q.shape[1], keys[0].shape[1]
+    mask = unroll_mask(q.shape[2], len(keys), q.dtype, q.device, window)
     k, v, gqa = torch.cat(keys, dim=2), torch.cat(values, dim=2), nh != nkv
     if gqa and q.device.type != "cpu":  # CUDA's memory-efficient kernel takes a mask, not unequal head counts
         k, v, gqa = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1), False
