@@ -7,8 +7,9 @@
 One row of ``--tokens`` tokens, forward and backward, through an EAGLE-3 head of SmolLM2-135M's shapes (hidden 576,
 9 query and 3 key/value heads of 64, vocabulary 49152, a draft vocabulary of ``--draft-vocab``) with random weights,
 on random features and target distributions. ``--loss ttt``: training's loss, ``methods.ttt.ttt_loss`` (the unroll
-of ``methods.ttt.unroll``, every step's soft cross-entropy over the draft vocabulary, whose per-step (T, V) target
-rows and logits are most of its memory); ``--loss unroll``: the unroll alone, each step's output against a random
+of ``methods.ttt.unroll``, every step's soft cross-entropy over the draft vocabulary: its labels gathered from the
+target's rows a chunk at a time and its gradients made in the forward pass, ``losses.linear_soft_cross_entropy``,
+where it once kept a (T, V) copy of the target rows per step); ``--loss unroll``: the unroll alone, each step's output against a random
 (T, H) weight, which leaves the attention's share. ``fused`` is the default path (``models.ttt_attention``: no
 T x T tensor); ``dense`` is ``layers.dense_unrolled_attention`` (one attention under a (T, steps * T) mask), forced
 by patching ``ttt_attention.supported``. Each run is its own process: its peak RSS (``VmHWM``, reset once the head,

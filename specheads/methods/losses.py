@@ -8,6 +8,9 @@
 * ``linear_cross_entropy``: the summed (or, through a frozen layer, per-row) hard-label cross-entropy of a linear
   output layer, its gradients computed chunk by chunk in the forward pass, so no (N, V) logits (or their
   gradient) ever exist.
+* ``linear_soft_cross_entropy``: the same machinery for a soft cross-entropy against rows of a table of
+  distributions (the target's), gathered a chunk at a time: backward keeps neither logits nor labels (EAGLE-3's
+  training-time test, ``methods.ttt.ttt_loss``).
 * ``feature_loss``: EAGLE-1's smooth-L1 regression of the next feature.
 * ``dpace_weights``: D-PACE's detached per-slot weights of a drafted block's cross-entropy.
 
@@ -97,8 +100,13 @@ def target_argmax(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: tor
     return out.view(hidden.shape[:-1])
 
 
-def _soft_ce_chunk(head: Callable, h: torch.Tensor, p: torch.Tensor,
-                   lk_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def _soft_ce_chunk(head: Callable, h: torch.Tensor, p: torch.Tensor, lk_weight: float = 0.0,
+                   index: torch.Tensor | None = None, row_weight: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    if index is not None:  # this chunk's rows of the table, gathered here (again when a checkpoint recomputes)
+        p = p.index_select(0, index)
+    if row_weight is not None:
+        p = p * row_weight[:, None]
     logp = torch.log_softmax(head(pad_rows(h))[: h.shape[0]].float(), dim=-1)
     loss = -(p * logp).sum(-1)
     if lk_weight:  # -log sum_x min(p, q): acceptance_nll with q already normalised
@@ -108,11 +116,16 @@ def _soft_ce_chunk(head: Callable, h: torch.Tensor, p: torch.Tensor,
 
 
 def soft_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, probs: torch.Tensor,
-                       chunk: int = 2048, use_checkpoint: bool = True,
-                       lk_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       chunk: int = 2048, use_checkpoint: bool = True, lk_weight: float = 0.0,
+                       index: torch.Tensor | None = None,
+                       row_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed soft cross-entropy of ``head(hidden)`` against ``probs``, and the draft argmax.
 
-    head: (n, H) -> (n, V) draft logits; hidden: (N, H); probs: (N, V) float32.
+    head: (n, H) -> (n, V) draft logits; hidden: (N, H); probs: (N, V) float32, or with ``index`` (N,) long a
+    table (M, V) whose row ``index[i]`` is row i's label, gathered a chunk at a time (a checkpointed chunk keeps
+    the table and its slice of ``index``, not an (N, V) copy); row_weight (N,): row i's label scaled by it
+    (``probs * row_weight[:, None]``, likewise a chunk at a time).
+    A linear head has ``linear_soft_cross_entropy``, which keeps no logits either.
     lk_weight > 0: each row's term is ``(1 - w) * soft CE + w * -log sum_x min(p, q)``, the acceptance objective
     of the LK losses (``acceptance_nll``) against ``probs`` (for EAGLE-3: the target's distribution on the draft
     vocabulary, which is what a draft over that vocabulary can match).
@@ -122,14 +135,16 @@ def soft_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
     if hidden.shape[0] == 0:
         return hidden.sum() * 0.0, torch.empty(0, dtype=torch.long, device=hidden.device)
     if hidden.shape[0] <= chunk:
-        return _soft_ce_chunk(head, hidden, probs, lk_weight)
+        return _soft_ce_chunk(head, hidden, probs, lk_weight, index, row_weight)
     total, preds = hidden.new_zeros((), dtype=torch.float32), []
     for s in range(0, hidden.shape[0], chunk):
-        h, p = hidden[s:s + chunk], probs[s:s + chunk]
+        h = hidden[s:s + chunk]
+        p = probs if index is not None else probs[s:s + chunk]
+        rows = (None if index is None else index[s:s + chunk], None if row_weight is None else row_weight[s:s + chunk])
         if use_checkpoint and torch.is_grad_enabled():
-            loss, pred = checkpoint(_soft_ce_chunk, head, h, p, lk_weight, use_reentrant=False)
+            loss, pred = checkpoint(_soft_ce_chunk, head, h, p, lk_weight, *rows, use_reentrant=False)
         else:
-            loss, pred = _soft_ce_chunk(head, h, p, lk_weight)
+            loss, pred = _soft_ce_chunk(head, h, p, lk_weight, *rows)
         total = total + loss
         preds.append(pred)
     return total, torch.cat(preds)
@@ -186,6 +201,9 @@ def hard_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
 
 LOGIT_CHUNK_BYTES = 1 << 28
 """Float32 logits one chunk of ``linear_cross_entropy`` may hold: 256 MiB (512 rows at a 128k vocabulary)."""
+SOFT_CHUNK_BYTES = 1 << 26
+"""The same for ``linear_soft_cross_entropy``, whose chunk also holds its (rows, V) labels and a temporary: 64 MiB
+(512 rows at a 32k draft vocabulary)."""
 
 
 def logit_chunk_rows(vocab: int, budget: int | None = None) -> int:
@@ -194,16 +212,67 @@ def logit_chunk_rows(vocab: int, budget: int | None = None) -> int:
     return max(ROW_MULTIPLE, (budget or LOGIT_CHUNK_BYTES) // (4 * vocab) // ROW_MULTIPLE * ROW_MULTIPLE)
 
 
+class SoftTargets:
+    """Soft labels for ``linear_soft_cross_entropy``, handed out a chunk of rows at a time: row ``i`` is
+    ``probs[index[i]] * row_weight[i]`` (``index`` None: ``probs[i]``; ``row_weight`` None: 1), so no (N, V) copy
+    of the rows is ever made; lk_weight as ``soft_cross_entropy``'s."""
+
+    def __init__(self, probs: torch.Tensor, index: torch.Tensor | None = None,
+                 row_weight: torch.Tensor | None = None, lk_weight: float = 0.0):
+        self.probs, self.index, self.row_weight, self.lk_weight = probs, index, row_weight, float(lk_weight)
+
+    def __len__(self) -> int:
+        return self.probs.shape[0] if self.index is None else self.index.numel()
+
+    def rows(self, start: int, n: int, padded: int) -> torch.Tensor:
+        """(padded, V) the labels of rows ``start .. start + n``, then ``padded - n`` zero rows."""
+        p = (self.probs[start:start + n] if self.index is None
+             else self.probs.index_select(0, self.index[start:start + n]))
+        if self.row_weight is not None:
+            p = p * self.row_weight[start:start + n, None]  # as ``probs * weight[:, None]`` on the whole
+        return pad_rows(p, padded)
+
+
+def _soft_ce_grad(logits: torch.Tensor, p: torch.Tensor, lk_weight: float, grad: bool):
+    """(soft CE of each row (n,), d CE_i / d logits (n, V) or None) of float logits against soft labels ``p``:
+    ``-(p * log_softmax(logits)).sum(-1)``, mixed with ``-log sum min(p, q)`` by ``lk_weight``, exactly as
+    ``_soft_ce_chunk`` (autograd's gradients: torch.minimum's ties split half and half, clamp_min passing at
+    the floor). ``logits`` is overwritten."""
+    p = p.to(logits.dtype)  # as autograd's promotion of ``p * logp`` (its row sums in the logits' precision)
+    top = logits.amax(-1, keepdim=True)
+    shifted = logits.sub_(top)
+    logp = shifted.sub_(shifted.exp().sum(-1, keepdim=True).log_())  # log_softmax's own formula
+    loss = -(p * logp).sum(-1)
+    q = logp.exp_()  # logp is not needed past here
+    if lk_weight:
+        mass = torch.minimum(p, q).sum(-1)
+        loss = (1 - lk_weight) * loss + lk_weight * -torch.log(mass.clamp_min(1e-12))
+    if not grad:
+        return loss, None
+    if not lk_weight:  # log_softmax's backward of -p, in q's place
+        return loss, q.mul_(p.sum(-1, keepdim=True)).sub_(p)
+    g_ce = q * p.sum(-1, keepdim=True) - p
+    if lk_weight:
+        m = (q < p).to(q.dtype) + 0.5 * (q == p).to(q.dtype)  # d min(p, q) / d q
+        mq = m * q  # d sum min / d logp
+        scale = torch.where(mass >= 1e-12, -1.0 / mass, 0.0)  # d -log clamp_min(mass) / d mass
+        accept = (mq - q * mq.sum(-1, keepdim=True)) * scale[:, None]
+        return loss, (1 - lk_weight) * g_ce + lk_weight * accept
+    return loss, g_ce
+
+
 def _ce_chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-              softcap: float | None, ignore_index: int, grad: bool):
+              softcap: float | None, ignore_index: int, grad: bool, soft: tuple | None = None):
     """One chunk's (CE of each row (n,) float32, 0 on ignored rows; argmax (n,); d CE_i / d logits (n, V) in the
     layer's compute dtype, or None).
 
     The logits are made in the dtype the plain layer would give (autocast's, else the weights'), then taken to
-    float32, as ``F.cross_entropy(layer(h).float(), ...)`` takes them; they and their gradient live only here."""
+    float32, as ``F.cross_entropy(layer(h).float(), ...)`` takes them; they and their gradient live only here.
+    soft: (labels (n, V), lk_weight) for a soft cross-entropy (``_soft_ce_grad``; the logits then float32 at
+    least: float64 logits stay float64); ``labels`` then only marks the padded rows (``ignore_index``)."""
     z = F.linear(h, weight, bias)
     compute = z.dtype
-    logits = z.float()
+    logits = z.float() if soft is None else z.to(torch.promote_types(z.dtype, torch.float32))
     del z
     tanh = None
     if softcap:  # cap * tanh(z / cap), as output_logits
@@ -211,6 +280,15 @@ def _ce_chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         logits = tanh * softcap
     top, pred = logits.max(-1)  # max's indices are the first maximal index on ties, as argmax's
     valid = labels != ignore_index
+    if soft is not None:
+        loss, g = _soft_ce_grad(logits, soft[0], soft[1], grad)
+        loss = torch.where(valid, loss, 0.0)
+        if g is None:
+            return loss, pred, None
+        g.mul_(valid[:, None])
+        if tanh is not None:
+            g.mul_(tanh.square_().neg_().add_(1))
+        return loss, pred, g.to(compute)
     y = labels.where(valid, 0)[:, None]
     picked = logits.gather(1, y).squeeze(1)
     probs = logits.sub_(top[:, None]).exp_()  # in place: the logits are not needed past here
@@ -225,23 +303,27 @@ def _ce_chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     return loss, pred, probs.to(compute)
 
 
-def _chunked_linear_ce(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs, per_row=False):
+def _chunked_linear_ce(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs, per_row=False, soft=None):
     """(summed CE, or each row's (N,) with ``per_row``; argmax (N,); [d sum / d hidden, weight, bias] with None
-    where not needed: row i of the first is d CE_i / d hidden_i)."""
+    where not needed: row i of the first is d CE_i / d hidden_i). soft: ``SoftTargets`` (``labels`` then only
+    counts the rows), the soft cross-entropy instead, float64 when the layer is."""
     N, grad = hidden.shape[0], any(needs)
-    loss = hidden.new_zeros((N,) if per_row else (), dtype=torch.float32)
+    wide = soft is not None and torch.float64 in (hidden.dtype, weight.dtype)
+    loss = hidden.new_zeros((N,) if per_row else (), dtype=torch.float64 if wide else torch.float32)
     pred = torch.empty(N, dtype=torch.long, device=hidden.device)
     grad_h = torch.empty_like(hidden) if needs[0] else None
     # float32 sums across chunks, whatever the weights' dtype (as one matmul over all rows would accumulate)
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
-    grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs[2] else None
+    acc = torch.float64 if wide else torch.float32
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs[1] else None
+    grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if needs[2] else None
     for s in range(0, N, chunk):
         h, y = hidden[s:s + chunk], labels[s:s + chunk]
         n = h.shape[0]
         rows = min(chunk, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE)  # recurring shapes (module docstring)
         if rows > n:
             h, y = pad_rows(h, rows), torch.cat([y, y.new_full((rows - n,), ignore_index)])
-        part, top, g = _ce_chunk(h, weight, bias, y, softcap, ignore_index, grad)
+        part, top, g = _ce_chunk(h, weight, bias, y, softcap, ignore_index, grad,
+                                 None if soft is None else (soft.rows(s, n, h.shape[0]), soft.lk_weight))
         if per_row:
             loss[s:s + n] = part[:n]
         else:
@@ -257,7 +339,8 @@ def _chunked_linear_ce(hidden, weight, bias, labels, softcap, chunk, ignore_inde
             else:  # a bfloat16 product (autocast or bfloat16 weights), summed in float32
                 grad_w += g.T @ h
         if grad_b is not None:
-            grad_b += g.sum(0, dtype=torch.float32)
+            grad_b += g.sum(0, dtype=acc)
+        del g  # not alive through the next chunk's
     grads = [grad_h, None if grad_w is None else grad_w.to(weight.dtype),
              None if grad_b is None else grad_b.to(bias.dtype)]
     return loss, pred, grads
@@ -268,9 +351,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     for per-row losses: only the hidden states' gradient then exists)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, softcap, chunk, ignore_index, needs, per_row):
+    def forward(ctx, hidden, weight, bias, labels, softcap, chunk, ignore_index, needs, per_row, soft=None):
         loss, pred, grads = _chunked_linear_ce(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs,
-                                               per_row)
+                                               per_row, soft)
         ctx.mark_non_differentiable(pred)
         ctx.save_for_backward(*grads)
         ctx.per_row = per_row
@@ -283,7 +366,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_loss = grad_loss[:, None]
         grads = [None if g is None else g.mul_(grad_loss.to(g.dtype) if ctx.per_row else grad_loss)
                  for g in ctx.saved_tensors]
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -320,6 +403,36 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                                                per_row)
         return loss, pred
     return _LinearCrossEntropy.apply(hidden, weight, bias, labels, softcap, chunk, ignore_index, needs, per_row)
+
+
+def linear_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor,
+                              index: torch.Tensor | None = None, row_weight: torch.Tensor | None = None,
+                              bias: torch.Tensor | None = None, softcap: float | None = None, chunk: int | None = None,
+                              lk_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``soft_cross_entropy`` through a linear output layer (``F.linear(hidden, weight, bias)``, soft-capped when
+    ``softcap`` is set), on ``linear_cross_entropy``'s machinery: each chunk's gradients with respect to hidden,
+    weight and bias are made in the forward pass, so backward keeps no logits and no labels, only those
+    gradients ((N, H), (V, H) and (V,), summed over chunks).
+
+    hidden: (N, H); weight: (V, H); probs: (M, V) a table of distributions, row ``i``'s label being
+    ``probs[index[i]]`` (``index`` (N,) long; None: ``probs`` itself, M = N), times ``row_weight[i]`` when given
+    (N,): rows are gathered a chunk at a time, never as an (N, V) copy. lk_weight: as ``soft_cross_entropy``'s.
+    Returns (loss sum, float32, float64 for a float64 layer; argmax (N,) long), equal to ``soft_cross_entropy(
+    lambda h: F.linear(h, weight, bias), hidden, probs[index] * row_weight[:, None], lk_weight=lk_weight)`` and
+    its gradients to rounding. Chunks of ``chunk`` rows (default: 64 MiB of float32 logits, ``SOFT_CHUNK_BYTES``).
+    """
+    soft = SoftTargets(probs, index, row_weight, lk_weight)
+    if len(soft) != hidden.shape[0]:
+        raise ValueError(f"linear_soft_cross_entropy: {hidden.shape[0]} rows of hidden states, {len(soft)} labels")
+    chunk = chunk or logit_chunk_rows(weight.shape[0], SOFT_CHUNK_BYTES)
+    labels = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)  # marks the rows, not padding
+    on = torch.is_grad_enabled()
+    needs = tuple(bool(on and t is not None and t.requires_grad) for t in (hidden, weight, bias))
+    if not any(needs):
+        with torch.no_grad():
+            loss, pred, _ = _chunked_linear_ce(hidden, weight, bias, labels, softcap, chunk, -100, needs, False, soft)
+        return loss, pred
+    return _LinearCrossEntropy.apply(hidden, weight, bias, labels, softcap, chunk, -100, needs, False, soft)
 
 
 def frozen_linear(module) -> torch.nn.Linear | None:

@@ -23,7 +23,8 @@ import torch
 
 from specheads.acceptance_math import chain_tau
 from specheads.models.layers import UnrollCache
-from specheads.methods.losses import feature_loss, soft_cross_entropy, target_argmax
+from specheads.methods.losses import (SOFT_CHUNK_BYTES, feature_loss, linear_soft_cross_entropy, logit_chunk_rows,
+                                      soft_cross_entropy, target_argmax)
 
 
 def shift_tokens(input_ids: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
@@ -90,6 +91,17 @@ class StepStats:
     total: int
 
 
+def _linear_head(model) -> torch.nn.Linear | None:
+    """``model.lm_head`` when ``model.logits(h)`` is ``model.lm_head(model.normed(h))`` with a linear ``lm_head``
+    (EAGLE-3's ``logits``, not overridden), else None."""
+    from specheads.models.eagle3 import Eagle3Model
+
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, torch.nn.Linear) and getattr(type(model), "logits", None) is Eagle3Model.logits:
+        return head
+    return None
+
+
 def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: TargetRows, steps: int,
              decay: float = 0.8, chunk: int = 2048, feature_weight: float = 0.0,
              offpath_weight: float = 1.0, lk_weight: float = 0.0) -> tuple[torch.Tensor, list[StepStats]]:
@@ -113,14 +125,22 @@ def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: 
         keep = rows.in_vocab[b, t + 1 + i]
         b, t = b[keep], t[keep]
         idx = rows.row_of[b, t + 1 + i]
-        probs, n = rows.probs[idx], b.numel()
-        denom = float(max(n, 1))
+        n = b.numel()
+        denom, weight = float(max(n, 1)), None
         if offpath_weight != 1.0:
             offpath = (rows.row_of[b, t + i] >= 0) & (batch["input_ids"][b, t + 1 + i] != rows.argmax[b, t + i])
-            weight = torch.where(offpath, offpath_weight, 1.0).to(probs.dtype)
-            probs = probs * weight[:, None]
+            weight = torch.where(offpath, offpath_weight, 1.0).to(rows.probs.dtype)
             denom = max(float(weight.sum()), 1e-6)
-        loss_sum, pred = soft_cross_entropy(model.logits, h_out[b, t], probs, chunk=chunk, lk_weight=lk_weight)
+        # The step's labels are rows.probs[idx] (* weight): gathered a chunk at a time inside the loss, never copied
+        # whole (steps x (N, V) float32 kept for backward, 7 GiB at 8k tokens and 7 steps).
+        head = _linear_head(model)
+        if head is not None:  # gradients made in the forward pass: no logits or labels kept for backward
+            loss_sum, pred = linear_soft_cross_entropy(
+                model.normed(h_out[b, t]), head.weight, rows.probs, idx, weight, head.bias,
+                chunk=min(chunk, logit_chunk_rows(head.weight.shape[0], SOFT_CHUNK_BYTES)), lk_weight=lk_weight)
+        else:
+            loss_sum, pred = soft_cross_entropy(model.logits, h_out[b, t], rows.probs, chunk=chunk,
+                                                lk_weight=lk_weight, index=idx, row_weight=weight)
         step_loss = loss_sum / denom
         if feature_weight:
             true = batch["hidden_last"][b, t + 1 + i]
