@@ -92,25 +92,44 @@ def exported(trained_head, work) -> Path:
     return work / "export"
 
 
-@pytest.fixture(scope="session")
-def shuffled(exported, work) -> Path:
-    """The same export with every weight tensor's values shuffled (a planted broken head: same shapes, same
-    draft vocabulary, it loads and serves, its drafts are noise)."""
+def shuffle_weights(export: Path, out: Path, seed: int = 0) -> Path:
+    """A copy of the layout folder ``export`` at ``out`` with every floating weight tensor's values permuted (a
+    planted broken head: same shapes, same draft vocabulary, it loads and serves, its drafts are noise)."""
     import shutil
 
     import torch
     from safetensors.torch import load_file, save_file
 
-    out = work / "export-shuffled"
-    shutil.copytree(exported, out)
+    shutil.copytree(export, out)
     tensors = load_file(out / "model.safetensors")
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     for name, t in tensors.items():
         if t.is_floating_point():
             flat = t.flatten()
             tensors[name] = flat[torch.randperm(flat.numel(), generator=g)].reshape(t.shape).contiguous()
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+def evaluator_comparison(report: dict) -> dict:
+    """A serve report's comparison with the evaluator over all its prompts (serve-eval given ``eval_report=``:
+    ``serve_eval.compare``, τ and the acceptance at each position, engine beside evaluator, each difference
+    flagged beyond 3 standard errors of the difference, the errors from each side's counts)."""
+    assert report["evaluator"].get("method"), report["evaluator"]
+    return report["evaluator"]["domains"]["all"]
+
+
+def assert_accepts_as_evaluated(row: dict) -> None:
+    """No position's acceptance, nor τ, differs from the evaluator's beyond the comparison's noise."""
+    for p in row["positions"]:
+        assert not p["flagged"], row
+    assert not row["tau_flagged"], row
+
+
+@pytest.fixture(scope="session")
+def shuffled(exported, work) -> Path:
+    """The same export with every weight tensor's values shuffled (``shuffle_weights``)."""
+    return shuffle_weights(exported, work / "export-shuffled")
 
 
 @pytest.fixture(scope="session")
