@@ -93,11 +93,14 @@ class StepStats:
 
 def _linear_head(model) -> torch.nn.Linear | None:
     """``model.lm_head`` when ``model.logits(h)`` is ``model.lm_head(model.normed(h))`` with a linear ``lm_head``
-    (EAGLE-3's ``logits``, not overridden), else None."""
+    (EAGLE-3's ``logits``, not overridden), else None. A head whose weight DeepSpeed ZeRO-3 partitions (``ds_id``)
+    is None too: the linear path makes the weight's gradient in the forward pass, of the gathered shape, which the
+    partitioned parameter refuses in backward; the generic path goes through the module as ZeRO-3 expects."""
     from specheads.models.eagle3 import Eagle3Model
 
     head = getattr(model, "lm_head", None)
-    if isinstance(head, torch.nn.Linear) and getattr(type(model), "logits", None) is Eagle3Model.logits:
+    if (isinstance(head, torch.nn.Linear) and getattr(type(model), "logits", None) is Eagle3Model.logits
+            and not hasattr(head.weight, "ds_id")):
         return head
     return None
 
