@@ -32,6 +32,7 @@ SERVING = REPO / "docs" / "serving.md"
 METHODS = REPO / "docs" / "methods.md"
 COLLECT = REPO / "docs" / "collect.md"
 DFLASH = REPO / "docs" / "dflash.md"
+TRAIN = REPO / "docs" / "train.md"
 # the unrecorded entry docs/dflash.md's head-to-head table is rendered from
 DFLASH_RECORD = "dflash-eagle3-2026-12-02"
 # method key -> what a reader calls it (the order of the README's results table)
@@ -449,6 +450,42 @@ def train_benches(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _growth(rows: list[dict], key: str, low: int, high: int) -> str:
+    """How many times ``key`` grew from ``low`` to ``high`` tokens among ``rows`` (one method, steps, variant)."""
+    by_t = {x["tokens"]: x[key] for x in rows}
+    if low not in by_t or high not in by_t or not by_t[low]:
+        return "–"
+    return f"{by_t[high] / by_t[low]:.1f}x"
+
+
+def long_row_benches(data: dict) -> str:
+    """docs/train.md: the newest ``ttt_memory.py --json`` record per machine and target: one row's training step
+    per method, training-time-test steps and row length, and its growth from 8k to 32k tokens."""
+    runs = _newest_per(data.get("long_row_benches") or [])
+    if not runs:
+        return ("_No record yet: `python scripts/bench/ttt_memory.py --variants fused --json r.json`, then "
+                "`specheads record r.json`._")
+    lines = []
+    for r in runs:
+        lines += [f"{r['target']}, one row, batch 1, {r.get('dtype', 'float32')}, {r.get('threads', '?')} threads, "
+                  f"`{r.get('run', 'scripts/bench/ttt_memory.py')}` at commit {_commit(r)} on {r['date']}, "
+                  f"{r['machine']}:", "",
+                  "| method | TTT steps | path | tokens | MiB above set-up | seconds | CPU seconds |",
+                  "|---|---|---|---|---|---|---|"]
+        groups: dict[tuple, list[dict]] = {}
+        for x in r["rows"]:
+            groups.setdefault((x.get("method", "eagle3"), x["steps"], x["variant"]), []).append(x)
+        for (method, steps, variant), rows in groups.items():
+            for x in sorted(rows, key=lambda x: x["tokens"]):
+                lines.append(f"| {FAMILY_NAMES.get(method, method)} | {steps} | {variant} | {x['tokens']} | "
+                             f"{x['peak_above_set_up_mib']} | {x['seconds']:.1f} | {x['cpu_seconds']:.1f} |")
+        lines += ["", "From 8,192 to 32,768 tokens: " + "; ".join(
+            f"{FAMILY_NAMES.get(m, m)} TTT {st} ({v}) memory {_growth(rows, 'peak_above_set_up_mib', 8192, 32768)}, "
+            f"CPU time {_growth(rows, 'cpu_seconds', 8192, 32768)}"
+            for (m, st, v), rows in groups.items()) + ".", ""]
+    return "\n".join(lines).rstrip()
+
+
 def eval_benches(data: dict) -> str:
     """docs/benchmarks.md: the newest ``bench_evaluate.py --json`` record per device and target."""
     runs = _newest_per(data.get("eval_benches") or [])
@@ -661,6 +698,7 @@ def blocks(data: dict) -> dict[Path, dict[str, str]]:
             EXPORT: {"export-check": export_check(data)},
             SERVING: {"served": served_line(data)},
             METHODS: {"head-to-head": head_to_head(data)},
+            TRAIN: {"long-rows": long_row_benches(data)},
             COLLECT: {"backends": backends(data)},
             DFLASH: {"dflash-vs-eagle3": dflash_vs_eagle3(data)}}
 

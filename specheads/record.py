@@ -11,7 +11,9 @@
 * the report of ``scripts/bench/bench_backends.py`` (collection and regeneration by the Hugging Face forward and by
   vLLM on the same rows) -> an entry of ``backend_runs``;
 * the ``--json`` report of ``scripts/bench/bench_train.py`` (training tokens/s, memory and share of the device's
-  peak per method) -> an entry of ``train_benches``, of ``scripts/bench/bench_evaluate.py`` (a decoding step's
+  peak per method) -> an entry of ``train_benches``, of ``scripts/bench/ttt_memory.py`` (one long row's training
+  step, memory above set-up and time, per method, row length and training-time-test steps) -> an entry of
+  ``long_row_benches``, of ``scripts/bench/bench_evaluate.py`` (a decoding step's
   time split by phase per batch size, tree size and verification backend) -> an entry of ``eval_benches``;
 * the ``--json`` report of ``scripts/bench/compare_speculators.py``, ``compare_modelopt.py`` or
   ``compare_specforge.py`` (our trainer and another toolkit's for one drafter family, its ``peer``, on one store:
@@ -47,11 +49,13 @@ class RecordError(UserError):
 
 KINDS = {"main_job": "runs", "serve": "serve_runs", "test_suite": "test_runs", "export_check": "export_checks",
          "collect_backends": "backend_runs", "train_bench": "train_benches", "eval_bench": "eval_benches",
+         "long_row_bench": "long_row_benches",
          "trainer_compare": "trainer_comparisons"}
 PEERS = ("speculators", "modelopt", "specforge")  # the toolkits whose trainers a trainer_compare report runs
 WHAT_IT_READS = ("a run_summary.json (specheads run), a serve_report.json (specheads serve-eval), a pytest log "
                  "(its closing 'N passed ... in X s' line), the output of scripts/check_engine_loaders.py or the "
-                 "report of scripts/bench/bench_backends.py, bench_train.py, bench_evaluate.py or compare_<peer>.py "
+                 "report of scripts/bench/bench_backends.py, bench_train.py, ttt_memory.py, bench_evaluate.py or "
+                 "compare_<peer>.py "
                  "(speculators, modelopt, specforge)")
 PYTEST_LINE = re.compile(r"^=*\s*((?:\d+ (?:passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)"
                          r"(?:, )?)+) in ([\d.]+)s\b", re.M)
@@ -115,7 +119,8 @@ def _json_kind(data) -> str | None:
         return "serve"
     if isinstance(data, dict) and data.get("kind") == "collect_backends" and {"collect", "regenerate"} <= set(data):
         return "collect_backends"
-    if isinstance(data, dict) and data.get("kind") in ("train_bench", "eval_bench") and isinstance(data.get("rows"), list):
+    if (isinstance(data, dict) and data.get("kind") in ("train_bench", "eval_bench", "long_row_bench")
+            and isinstance(data.get("rows"), list)):
         return data["kind"]
     if (isinstance(data, dict) and data.get("kind") in ("trainer_compare", "speculators_compare")
             and isinstance(data.get("runs"), list)):
@@ -293,7 +298,7 @@ def make_entry(path: str | Path, checkout: Checkout, *, wall_s: float | None = N
     kind, contents = read_input(path)
     build = {"main_job": main_job_entry, "serve": serve_entry, "export_check": export_check_entry,
              "collect_backends": dict, "train_bench": dict, "eval_bench": dict,
-             "trainer_compare": trainer_compare_entry}
+             "long_row_bench": dict, "trainer_compare": trainer_compare_entry}
     entry = test_suite_entry(contents, wall_s) if kind == "test_suite" else build[kind](contents)
     if machine or not entry.get("machine"):
         from specheads.hardware import cpu_description

@@ -415,3 +415,27 @@ def test_a_bad_date_or_wall_time_is_refused_and_changes_nothing(tmp_path, result
     with pytest.raises(ConfigError, match=words):
         record(_write(tmp_path, "ci.log", LOG), results, CHECKOUT, **stamp)
     assert results.read_text() == before
+
+
+def _long_row(method, steps, tokens, mib, cpu_s):
+    return {"method": method, "variant": "fused", "tokens": tokens, "steps": steps, "loss_kind": "ttt",
+            "mixed_precision": "no", "threads": 2, "loss": 10.5, "seconds": cpu_s / 1.9, "cpu_seconds": cpu_s,
+            "set_up_mib": 900, "peak_above_set_up_mib": mib, "dense_mask_mib": 0}
+
+
+def test_a_long_row_benchmark_is_recorded_and_rendered_with_its_growth_in_the_training_guide(tmp_path, results):
+    rt, _ = _results_tables()
+    rows = [_long_row("eagle3", 7, 8192, 1000, 40.0), _long_row("eagle3", 7, 16384, 2000, 110.0),
+            _long_row("eagle3", 7, 32768, 4100, 230.0), _long_row("dflash", 1, 8192, 300, 10.0),
+            _long_row("dflash", 1, 32768, 1200, 80.0)]
+    report = {"kind": "long_row_bench", "target": "shape:smollm2-135m", "dtype": "float32", "threads": 2,
+              "rows": rows}
+    entry = record(_write(tmp_path, "r.json", report), results, CHECKOUT, machine="box", date="2099-01-01")
+    assert entry["kind"] == "long_row_bench" and entry["commit"] == CHECKOUT.commit
+    data = rt.load(results)
+    table = rt.long_row_benches(data)
+    assert "| EAGLE-3 | 7 | fused | 16384 | 2000 | 57.9 | 110.0 |" in table
+    assert "EAGLE-3 TTT 7 (fused) memory 4.1x, CPU time 5.8x" in table
+    assert "DFlash TTT 1 (fused) memory 4.0x, CPU time 8.0x" in table
+    assert "commit `0123456` on 2099-01-01, box" in table
+    assert "No record yet" in rt.long_row_benches({"runs": []})
