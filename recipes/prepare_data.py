@@ -17,6 +17,7 @@ from specheads.errors import user_errors
 from specheads.hardware import resolve_device
 from specheads.overrides import check_command_line
 from specheads.targets import Target, load_target, load_tokenizer
+from specheads.targets.context import check_fits_context, context_limit, read_context_limit
 
 log = logging.getLogger("specheads.prepare")
 
@@ -57,6 +58,10 @@ def run(cfg: DictConfig) -> None:
     else:  # only the tokenizer is needed (a serving endpoint answers, or nothing is regenerated)
         target = Target.tokenizer_only(load_tokenizer(cfg.target.name_or_path, cfg.target.get("chat_template")),
                                         cfg.target.name_or_path)
+    # rows up to the target's context, none past it: a longer data.max_length is refused before any work
+    limit = (context_limit(target.model.config, target.tokenizer) if target.model is not None
+             else read_context_limit(cfg.target.name_or_path, target.tokenizer))
+    check_fits_context("data.max_length", pcfg.max_length, limit, cfg.target.name_or_path)
     if not cfg.overwrite and prepared_is_current(cfg.output_dir, pcfg, target):
         log.info("%s is already prepared with this configuration; skipping (overwrite=true redoes it)", cfg.output_dir)
         return

@@ -184,3 +184,38 @@ def test_a_device_this_machine_lacks_is_refused_before_preparing(tmp_path):
     proc = specheads("prepare", "target.device=cuda", f"output_dir={tmp_path / 'out'}", cwd=tmp_path)
     assert "target.device=cuda: this machine has no CUDA device" in one_line(proc, "prepare")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_max_length_past_the_targets_context_is_one_line_before_any_work(tmp_path):
+    """SmolLM2 reads 8192 positions: 8193 is refused naming the limit and where it comes from, nothing written;
+    8192 itself prepares (the rows are kept up to the context, not cut at a preset's 2048)."""
+    chats = tmp_path / "c.jsonl"
+    chats.write_text(json.dumps({"id": "long", "messages": [
+        {"role": "user", "content": "Count on."}, {"role": "assistant", "content": "1 2 3 " * 900}]}))
+    data = ["data=jsonl", f"data.path={chats}"]
+    line = one_line(specheads("prepare", *data, "data.max_length=8193", f"output_dir={tmp_path / 'o'}",
+                              cwd=tmp_path), "prepare")
+    assert "data.max_length=8193 is longer than target 'smollm2' can read (8192 tokens: max_position_embeddings " \
+           "8192 in its config); give at most 8192" in line, line
+    assert not (tmp_path / "o").exists() and siblings(tmp_path / "o") == []
+    proc = specheads("prepare", *data, "data.max_length=8192", f"output_dir={tmp_path / 'p'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _, meta = load_prepared(tmp_path / "p")
+    assert meta["max_length"] == 8192 and meta["num_truncated"] == 0 and meta["num_tokens"] > 2048
+
+
+def test_the_context_is_the_configs_and_the_tokenizers_only_where_no_config_names_one():
+    from types import SimpleNamespace
+
+    from specheads.targets.context import check_fits_context, context_limit
+
+    config = SimpleNamespace(max_position_embeddings=40960)
+    tok = SimpleNamespace(model_max_length=131072)
+    assert context_limit(config, tok).tokens == 40960  # Qwen3-8B's pair: the config's is the model's
+    assert context_limit(None, tok).tokens == 131072
+    assert context_limit(None, SimpleNamespace(model_max_length=int(1e30))) is None  # transformers' "unset"
+    assert context_limit(None, None) is None
+    check_fits_context("data.max_length", 40960, context_limit(config, tok), "t")
+    check_fits_context("data.max_length", 10**6, None, "t")  # no limit known: nothing to refuse
+    with pytest.raises(ConfigError, match=r"data.max_length=40961 is longer than target 't' can read \(40960 tokens"):
+        check_fits_context("data.max_length", 40961, context_limit(config, tok), "t")
