@@ -29,7 +29,7 @@ from specheads.methods.base import ARGMAX_KEY, FusedLayers, StepOutput
 from specheads.methods.losses import (dpace_weights, frozen_linear, hard_cross_entropy, head_cross_entropy,
                                      target_argmax)
 from specheads.methods.ttt import summarize_steps
-from specheads.models.dflash import DFlashConfig, DFlashModel, block_attention_mask
+from specheads.models.dflash import BlockLayout, DFlashConfig, DFlashModel
 from specheads.targets import Target, logit_softcap
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class DFlashMethod(FusedLayers):
         model.extend_context(cache, model.fuse(batch["hidden_aux"]), positions)
         block_ids = model.block_inputs(ids.gather(1, anchors)).reshape(B, n * bs)
         block_pos = (anchors[:, :, None] + torch.arange(bs, device=ids.device)).reshape(B, n * bs)
-        mask = block_attention_mask(anchors, bs, T, att)
+        mask = BlockLayout(anchors, bs, att)  # the dense mask off the CPU only (models.dflash)
         h = model.decode(block_ids, block_pos, cache, mask).view(B, n, bs, -1)
         where = block_pos.view(B, n, bs)  # the position slot j predicts: a + j
         inside = (where < T) & valid[:, :, None]

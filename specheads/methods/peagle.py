@@ -8,9 +8,10 @@ Per row of ``n`` real tokens (the recipe of the paper and of speculators' ``peag
   without replacement from depth ``d-1``'s anchors that still have a position ``a + d < n`` (the shifted pool):
   every kept chain is whole, depths ``0..d`` of the same anchor are all present. Its input is
   (``fuse(mask_hidden)``, ``mask_token_id``) at position ``a + d``.
-* All depths are packed into one sequence per row and run in one forward under ``parallel_attention_mask``: a
-  query sees depth-0 keys at or before its anchor and its own anchor's slots of depth ``<=`` its own, the
-  pattern a single parallel draft rooted at ``a`` sees at inference.
+* All depths are packed into one sequence per row and run in one forward under ``parallel_attention_mask``'s rule
+  (a ``models.peagle.ParallelLayout``: no (Q, Q) mask on the CPU): a query sees depth-0 keys at or before its anchor
+  and its own anchor's slots of depth ``<=`` its own, the pattern a single parallel draft rooted at ``a`` sees at
+  inference.
 * Depth ``d`` at anchor ``a`` predicts ``ids[a+2+d]``; its loss is the soft cross-entropy against the target's
   distribution at ``a+1+d`` on the draft vocabulary (EAGLE-3's ``target_rows``: assistant tokens whose target
   argmax lies in the draft vocabulary), one mean per depth, the depths summed with equal weights.
@@ -31,7 +32,7 @@ from specheads.methods.base import ARGMAX_KEY, StepOutput
 from specheads.methods.eagle3 import Eagle3Method
 from specheads.methods.losses import soft_cross_entropy, target_argmax
 from specheads.methods.ttt import shift_tokens, summarize_steps
-from specheads.models.peagle import PEagleConfig, PEagleModel, parallel_attention_mask, parallel_window_mask
+from specheads.models.peagle import ParallelLayout, PEagleConfig, PEagleModel
 from specheads.targets import Target
 
 
@@ -156,10 +157,8 @@ class PEagleMethod(Eagle3Method):
         mask_state = model.mask_state()  # (1, H)
         hidden = torch.cat([h0, mask_state[None].expand(B, slots, -1)], 1)
         tokens = torch.cat([shift_tokens(ids, 1), ids.new_full((B, slots), int(model.config.mask_token_id))], 1)
-        mask = parallel_attention_mask(packed.anchor, packed.depth, packed.valid)
-        W = model.sliding_window
-        window = None if W is None else parallel_window_mask(packed.anchor, packed.depth, W)
-        h = model.decode(hidden, tokens, packed.positions, mask, None, window_mask=window)
+        layout = ParallelLayout(packed.anchor, packed.depth, packed.valid)  # each layer applies its own window
+        h = model.decode(hidden, tokens, packed.positions, layout, None)
         return h, packed
 
     @staticmethod

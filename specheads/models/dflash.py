@@ -24,16 +24,21 @@ Drafting API (``KVCache`` from ``specheads.models.layers`` holds the context's k
     logits = model.logits(h)                                         # (B, q, V) target vocabulary
 
 ``attn_mask`` is ``(B, q, len(cache) + q)`` bool (True = may attend), the block's own keys last.
-``block_attention_mask`` builds it for anchors, training's many blocks per row included.
+``block_attention_mask`` builds it for anchors, training's many blocks per row included. Training passes a
+``BlockLayout`` (the anchors, not the mask) instead: on a CPU its blocks attend through
+``ranged_attention`` with no (queries, context + queries) mask, elsewhere through the mask it builds.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
 
+from specheads.models import ranged_attention
 from specheads.models.layers import (DraftMLP, KVCache, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb,
                                     draft_fields_from_target, fusion_linear)
 from specheads.targets import Target, default_eagle3_layers
@@ -110,12 +115,18 @@ class DFlashAttention(nn.Module):
         return k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor | None,
-                ctx_v: torch.Tensor | None, attn_mask: torch.Tensor) -> torch.Tensor:
-        """x: (B, q, H) normed block states; ctx_k/v: (B, n_kv, S, D) or None; attn_mask (B, q, S + q) bool."""
+                ctx_v: torch.Tensor | None, attn_mask: "torch.Tensor | BlockLayout") -> torch.Tensor:
+        """x: (B, q, H) normed block states; ctx_k/v: (B, n_kv, S, D) or None; attn_mask (B, q, S + q) bool or a
+        ``BlockLayout``."""
         B, q_len, _ = x.shape
         q = self.q_norm(self._heads(x, self.q_proj, self.num_heads))
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
         k, v = self.kv(x, cos, sin)
+        if isinstance(attn_mask, BlockLayout):
+            out = attn_mask.attend(q, ctx_k, ctx_v, k, v, self.head_dim ** -0.5)
+            if out is not None:
+                return self.o_proj(out.transpose(1, 2).reshape(B, q_len, -1))
+            attn_mask = attn_mask.dense(0 if ctx_k is None else ctx_k.shape[2])
         if ctx_k is not None:
             k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
         gqa = self.num_heads != self.num_kv_heads
@@ -202,13 +213,16 @@ class DFlashModel(PreTrainedModel):
         return cache
 
     def decode(self, block_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None,
-               attn_mask: torch.Tensor) -> torch.Tensor:
+               attn_mask: "torch.Tensor | BlockLayout") -> torch.Tensor:
         """Block tokens (B, q) at ``position_ids`` (B, q) -> (B, q, H) pre-norm states. The block's own keys
-        and values are not kept: ``cache`` holds the context only."""
+        and values are not kept: ``cache`` holds the context only. attn_mask: (B, q, len(cache) + q) bool, or a
+        ``BlockLayout`` of q / block_size blocks per row."""
         x = self.embed(block_ids)
         cos, sin = self.rotary_emb(x, position_ids)
         S = 0 if cache is None else len(cache)
-        if attn_mask.dtype != torch.bool or attn_mask.shape[1:] != (block_ids.shape[1], S + block_ids.shape[1]):
+        if isinstance(attn_mask, BlockLayout):
+            attn_mask.check(block_ids.shape, S)
+        elif attn_mask.dtype != torch.bool or attn_mask.shape[1:] != (block_ids.shape[1], S + block_ids.shape[1]):
             raise ValueError(f"attn_mask must be bool (B, q={block_ids.shape[1]}, kv={S + block_ids.shape[1]}); "
                              f"got {attn_mask.dtype} {tuple(attn_mask.shape)}")
         for i, layer in enumerate(self.layers):
@@ -244,3 +258,43 @@ def block_attention_mask(anchors: torch.Tensor, block_size: int, context_len: in
     blk = torch.arange(n, device=anchors.device).repeat_interleave(block_size)
     own = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # (B, n·bs, n·bs)
     return torch.cat([ctx, own], dim=2)
+
+
+@dataclass
+class BlockLayout:
+    """``block_attention_mask``'s pattern without the mask: ``anchors`` (B, n) blocks of ``block_size`` slots per row,
+    the context keys valid where ``context_valid`` (B, S) says (None: all)."""
+
+    anchors: torch.Tensor
+    block_size: int
+    context_valid: torch.Tensor | None = None
+
+    def check(self, block_shape, context_len: int) -> None:
+        """Refuse a layout that does not describe (B, q) block tokens over ``context_len`` context positions."""
+        B, n = self.anchors.shape
+        valid = self.context_valid
+        if tuple(block_shape) != (B, n * self.block_size) or (valid is not None and valid.shape != (B, context_len)):
+            raise ValueError(f"BlockLayout of {n} blocks of {self.block_size} for batch {B} (context_valid "
+                             f"{None if valid is None else tuple(valid.shape)}) does not fit blocks "
+                             f"{tuple(block_shape)} over {context_len} context positions")
+
+    def dense(self, context_len: int) -> torch.Tensor:
+        """The (B, n·block_size, context_len + n·block_size) bool mask (``block_attention_mask``)."""
+        return block_attention_mask(self.anchors, self.block_size, context_len, self.context_valid)
+
+    def attend(self, q: torch.Tensor, ctx_k: torch.Tensor | None, ctx_v: torch.Tensor | None, k: torch.Tensor,
+               v: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """(B, nh, n·bs, D) attention of the block queries q over the context keys ctx_k/v (B, nkv, S, D) or None and
+        the blocks' own keys k/v (B, nkv, n·bs, D), through ``ranged_attention``; None where it does not take the
+        tensors (the caller then uses ``dense``)."""
+        if ctx_k is None:
+            ctx_k, ctx_v = k[:, :, :0], v[:, :, :0]
+        if not ranged_attention.supported(q, ctx_k, ctx_v, k, v):
+            return None
+        B, n = self.anchors.shape
+        bs, dev = self.block_size, q.device
+        hi = self.anchors.repeat_interleave(bs, dim=1)  # each slot: the context before its block's anchor
+        start = torch.arange(n, device=dev).repeat_interleave(bs) * bs  # each slot's block's first key
+        index = (start + torch.arange(bs, device=dev)[:, None]).expand(bs, n * bs)[:, None].expand(bs, B, n * bs)
+        return ranged_attention.ranged_attention(q, ctx_k, ctx_v, torch.zeros_like(hi), hi, self.context_valid, k, v,
+                                                 index, torch.ones(index.shape, dtype=torch.bool, device=dev), scale)

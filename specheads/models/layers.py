@@ -183,6 +183,14 @@ class UnrollCache:
     def steps(self) -> int:
         return len(self.keys[0])
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: int | None) -> torch.Tensor:
+        """Append this step's (B, n_kv, T, D) keys/values to ``layer``'s and return its queries' (B, nh, T, D)
+        ``unrolled_attention`` (a sequence-parallel cache attends over the whole row from a slice of it)."""
+        self.keys[layer].append(k)
+        self.values[layer].append(v)
+        return unrolled_attention(q, self.keys[layer], self.values[layer], scale, window)
+
 
 def layer_window(config, layer: int) -> int | None:
     """The sliding window W of draft layer ``layer`` (None: it attends to the whole context): ``config.sliding_window``
@@ -244,6 +252,18 @@ def dense_unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
+class AttentionPattern:
+    """An attention rule over one packed sequence, passed to a draft layer as its ``attn_mask`` in place of a (B, q,
+    q) mask (P-EAGLE's ``peagle.ParallelLayout``): ``attend`` computes the attention, with no q x q tensor where it
+    can (the CPU) and through the mask it stands for elsewhere."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: int | None) -> torch.Tensor:
+        """q: (B, heads, q, D), k/v: (B, kv_heads, q, D) after RoPE; window: the layer's sliding window or None ->
+        (B, heads, q, D)."""
+        raise NotImplementedError
+
+
 class DraftAttention(nn.Module):
     """Grouped-query self-attention with RoPE; q/k/v read an input of ``input_size`` features. ``layer`` (the
     layer's index among the draft's) picks its sliding window (``layer_window``); ``config.qk_norm`` adds Qwen3's
@@ -286,25 +306,32 @@ class DraftAttention(nn.Module):
 
         window_mask: (B, q, kv) bool, the keys within each query's window (``window_mask()``); read by a
         sliding-window layer only, required with an explicit ``attn_mask`` (a tree's keys are not in position order).
+        attn_mask may be an ``AttentionPattern`` (no cache, no window_mask); None with no cache before these keys is
+        causal attention, through ``unrolled_attention`` (no q x q mask).
         """
         B, q_len = q.shape[0], q.shape[2]
         scale = self.head_dim ** -0.5
-        if isinstance(cache, UnrollCache):
+        if isinstance(attn_mask, AttentionPattern):
+            if cache is not None or window_mask is not None:
+                raise ValueError("an AttentionPattern is the whole attention rule: pass no cache and no window_mask")
+            out = attn_mask.attend(q, k, v, scale, self.window)
+        elif isinstance(cache, UnrollCache):
             if attn_mask is not None:
                 raise ValueError("an UnrollCache defines its own attention pattern; pass attn_mask=None")
-            cache.keys[layer].append(k)
-            cache.values[layer].append(v)
-            out = unrolled_attention(q, cache.keys[layer], cache.values[layer], scale, self.window)
+            out = cache.attend(layer, q, k, v, scale, self.window)
         else:
             # this layer's own length: with several layers, layer 0 has already appended the new keys
             past = 0 if cache is None or cache.keys[layer] is None else cache.keys[layer].shape[2]
             if cache is not None:
                 k, v = cache.update(layer, k, v)
-            mask = _check_mask(attn_mask, B, q_len, past, q.device)
-            if self.window is not None:
-                mask = mask & self._window(window_mask, attn_mask, q_len, past, q.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+            if attn_mask is None and window_mask is None and not past:  # causal (EAGLE-1's training): no (q, q) mask
+                out = unrolled_attention(q, [k], [v], scale, self.window)
+            else:
+                mask = _check_mask(attn_mask, B, q_len, past, q.device)
+                if self.window is not None:
+                    mask = mask & self._window(window_mask, attn_mask, q_len, past, q.device)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale,
+                                                     enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2).reshape(B, q_len, -1)
 
     def _window(self, given: torch.Tensor | None, attn_mask: torch.Tensor | None, q_len: int, past: int,

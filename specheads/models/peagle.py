@@ -16,15 +16,24 @@ verified position ``t`` is (fused state at ``t``, the pending token ``ids[t+1]``
 ``d = 1..K-1`` is (``fuse(mask_hidden)``, ``mask_token_id``) at position ``t+d``. Depth ``d``'s output gives the
 logits of ``ids[t+2+d]``. Queries attend causally: depth ``d`` sees the verified context up to ``t`` and depths
 ``0..d`` of its own block, which is the rule ``parallel_attention_mask`` builds for training.
+
+Training passes that rule as a ``ParallelLayout`` (the packed anchors and depths, not the (Q, Q) mask over the Q
+packed entries of a row, which is several times T² for T tokens): on a CPU the depth-0 entries attend causally
+(``layers.unrolled_attention``: flash attention, windowed in chunks) and the rest through
+``ranged_attention`` (the depth-0 keys up to the anchor plus the chain's own slots); elsewhere through the mask.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from specheads.models import ranged_attention
 from specheads.models.eagle3 import Eagle3Config, Eagle3Model
-from specheads.models.layers import DraftDecoderLayer, KVCache
+from specheads.models.layers import AttentionPattern, DraftDecoderLayer, KVCache, unrolled_attention
 from specheads.targets import Target
 
 
@@ -122,3 +131,83 @@ def parallel_window_mask(anchor: torch.Tensor, depth: torch.Tensor, window: int)
     depth = depth.expand(B, Q) if depth.dim() == 1 else depth
     aq, ak, dq = anchor[:, :, None], anchor[:, None, :], depth[:, :, None]
     return (ak > aq + dq - window) | (ak == aq)
+
+
+@dataclass
+class ParallelLayout(AttentionPattern):
+    """``parallel_attention_mask`` (and, in a sliding layer, ``parallel_window_mask``) as a rule: anchor, depth,
+    valid (B, Q) as those functions take them. ``attend`` runs the rule without a (Q, Q) tensor on the CPU when the
+    layout is ``methods.peagle.pack``'s (``plan``), and under the mask otherwise."""
+
+    anchor: torch.Tensor
+    depth: torch.Tensor
+    valid: torch.Tensor
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def dense(self, window: int | None) -> torch.Tensor:
+        """(B, Q, Q) bool: the mask a layer with this ``window`` applies."""
+        mask = parallel_attention_mask(self.anchor, self.depth, self.valid)
+        return mask if window is None else mask & parallel_window_mask(self.anchor, self.depth, window)
+
+    def attend(self, q, k, v, scale, window):
+        plan = self.plan()
+        if plan is None or not ranged_attention.supported(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.dense(window)[:, None], scale=scale,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+        T, head = plan["T"], plan["head"]
+        parts = [] if not head else [unrolled_attention(q[:, :, :head], [k[:, :, :head]], [v[:, :, :head]], scale,
+                                                        window)]
+        if head < q.shape[2]:
+            a, d = self.anchor[:, head:], plan["depth"][:, head:]
+            hi = a + 1  # the depth-0 keys up to the anchor (the anchor's own always, even past the window)
+            lo = torch.zeros_like(a) if window is None else torch.minimum(a, a + d - window + 1).clamp(min=0)
+            parts.append(ranged_attention.ranged_attention(q[:, :, head:], k[:, :, :T], v[:, :, :T], lo, hi,
+                                                           self.valid[:, :T], k, v, plan["index"], plan["allowed"],
+                                                           scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+
+    def plan(self) -> dict | None:
+        """How ``attend`` splits the packed sequence, or None when the layout is not ``pack``'s: T depth-0 entries at
+        positions 0..T-1 (right-padded), then blocks of one depth each, valid anchors first and ascending.
+
+        ``head``: the depth-0 entries valid in every row (plain causal attention); the rest attend through
+        ``ranged_attention`` with own keys (index / allowed (J, B, Q - head)): for each depth j >= 1 the valid slot
+        of the query's anchor at depth j when j <= the query's depth, and the query itself when it is padding
+        (the mask's diagonal)."""
+        if "plan" not in self._cache:
+            self._cache["plan"] = self._plan()
+        return self._cache["plan"]
+
+    def _plan(self) -> dict | None:
+        B, Q = self.anchor.shape
+        depth = self.depth.expand(B, Q) if self.depth.dim() == 1 else self.depth
+        valid, dev = self.valid.bool(), self.anchor.device
+        zero = (depth == 0).all(0)
+        T = Q if bool(zero.all()) else int((~zero).nonzero()[0])
+        pos = torch.arange(T, device=dev)
+        if bool((depth[:, T:] == 0).any()) or not bool((self.anchor[:, :T] == pos).all()) or \
+                not bool((depth == depth[:1]).all()):
+            return None
+        lengths = valid[:, :T].sum(1)
+        if not bool((valid[:, :T] == (pos < lengths[:, None])).all()):
+            return None
+        head = int(lengths.min()) if B else 0
+        a, d, rest = self.anchor[:, head:], depth[:, head:], Q - head
+        index, allowed = [], []
+        for j in range(1, int(depth.max()) + 1 if Q else 1):
+            cols = (depth[0] == j).nonzero().flatten()
+            if not cols.numel():
+                continue
+            start, m = int(cols[0]), cols.numel()
+            if int(cols[-1]) != start + m - 1:
+                return None
+            offset = torch.arange(m, device=dev)
+            keyed = torch.where(valid[:, start:start + m], self.anchor[:, start:start + m], T + offset)
+            if m > 1 and not bool((keyed[:, 1:] > keyed[:, :-1]).all()):
+                return None
+            at = torch.searchsorted(keyed.contiguous(), a.contiguous()).clamp(max=m - 1)
+            index.append(start + at)
+            allowed.append((keyed.gather(1, at) == a) & (j <= d))
+        index.append((head + torch.arange(rest, device=dev)).expand(B, rest))  # a padding entry sees itself
+        allowed.append(~valid[:, head:])
+        return {"T": T, "head": head, "depth": depth, "index": torch.stack(index), "allowed": torch.stack(allowed)}

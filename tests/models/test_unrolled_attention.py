@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.testing import assert_close
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from specheads.methods.ttt import TargetRows, ttt_loss, unroll
 from specheads.models import layers, ttt_attention
@@ -15,6 +14,7 @@ from specheads.models.eagle3 import Eagle3Config, Eagle3Model
 from specheads.models.layers import dense_unrolled_attention, unrolled_attention
 from specheads.models.ttt_attention import fused_unrolled_attention
 from tests.conftest import make_tiny_target
+from tests.models.tensor_watch import LargestTensor
 
 TOL = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=1e-5, rtol=1e-5),
        torch.bfloat16: dict(atol=3e-2, rtol=3e-2), torch.float16: dict(atol=5e-3, rtol=5e-3)}
@@ -102,26 +102,10 @@ def test_bfloat16_autocast_casts_like_attention():
     _assert_all_close(got, want, TOL[torch.bfloat16])
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any op returns, and the ops called."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest, self.ops = 0, set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.ops.add(func.overloadpacket.__name__)
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def _largest_tensor(attention, T, window=None):
     q, keys, values = _inputs(3, 2, 1, T=T, B=1, D=8, dtype=torch.float32)
     leaves = [x.requires_grad_() for x in (q, *keys, *values)]
-    with _LargestTensor() as watch:
+    with LargestTensor() as watch:
         out = attention(leaves[0], leaves[1:4], leaves[4:], 8 ** -0.5, window)
         out.square().sum().backward()
     assert all(x.grad is not None for x in leaves)
