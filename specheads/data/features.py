@@ -558,7 +558,9 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
         log.info("rank %d: computed its group's %d shards for the group's writer", opts.rank, len(todo))
         return {"rank": opts.rank, "shards_written": 0, "shards_skipped": len(mine) - len(todo), "samples": 0,
                 "tokens": 0, "seconds": time.perf_counter() - t0, "tokens_per_s": 0.0, "manifest": None}
-    writer = ShardWriter(root, header["dtype"], max(1, len(spec.aux_layers)), header["plan_hash"])
+    # what waits for the writer is bounded in tokens (four batches' worth): a long row's batch waits alone
+    writer = ShardWriter(root, header["dtype"], max(1, len(spec.aux_layers)), header["plan_hash"],
+                         max_pending_tokens=4 * opts.batch_tokens)
     # this rank's tokens still to collect: tqdm's ETA is their count left at the pace so far (rank 0 shows it)
     bar = tqdm(total=todo_tokens, desc=f"collect rank {opts.rank}" if opts.world_size > 1 else "collect",
                unit="tok", unit_scale=True, dynamic_ncols=True, disable=opts.rank != 0 or not opts.progress)

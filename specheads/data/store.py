@@ -191,20 +191,26 @@ class ShardRecord:
 
 def write_shard(root: Path, index: int, tensors: dict[str, torch.Tensor], ids: list[str],
                 plan_hash: str) -> ShardRecord:
-    """Serialize, checksum and atomically write one shard, then its record. Returns the record."""
-    from safetensors.torch import save
+    """Serialize one shard straight to a temporary file (no copy of it in memory), checksum the file, move it into
+    place, then write its record. Returns the record."""
+    from safetensors.torch import save_file
 
     # One metadata key: safetensors writes metadata from an unordered map, and a shard's bytes must
     # not depend on that order (identical runs give identical checksums).
     meta = json.dumps({"format": STORE_FORMAT, "ids": ids, "plan_hash": plan_hash}, sort_keys=True)
-    data = save(tensors, metadata={"specheads": meta})
+    path = root / shard_file(index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"specheads": meta})
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
     offsets = tensors["offsets"]
     record = ShardRecord(
-        index=index, file=shard_file(index), sha256=hashlib.sha256(data).hexdigest(), bytes=len(data),
+        index=index, file=shard_file(index), sha256=sha256_file(tmp), bytes=tmp.stat().st_size,
         num_samples=len(ids), num_tokens=int(offsets[-1]), num_loss_tokens=int(tensors["loss_mask"].sum()),
         ids=list(ids), lengths=(offsets[1:] - offsets[:-1]).tolist(), plan_hash=plan_hash,
     )
-    atomic_write_bytes(root / record.file, data)
+    os.replace(tmp, path)
     atomic_write_json(root / record_file(index), asdict(record))
     return record
 
@@ -293,11 +299,14 @@ class ShardWriter:
 
     The collecting thread hands over each forward's padded float features with ``add`` and closes a
     shard with ``finish``; casting (or fp8 quantization), concatenation, hashing and the disk write
-    happen here, overlapping the next forward passes. At most ``max_pending`` items wait in the queue,
-    which bounds memory. An error in the thread is re-raised on the next call from the caller.
+    happen here, overlapping the next forward passes. At most ``max_pending`` items, and batches of at most
+    ``max_pending_tokens`` padded tokens in all (None: no limit but the items'), wait in the queue, so memory is
+    bounded in tokens whatever the rows' length: a batch of one row longer than that waits alone. An error in the
+    thread is re-raised on the next call from the caller.
     """
 
-    def __init__(self, root: Path, dtype: str, aux_groups: int, plan_hash: str, max_pending: int = 4):
+    def __init__(self, root: Path, dtype: str, aux_groups: int, plan_hash: str, max_pending: int = 4,
+                 max_pending_tokens: int | None = None):
         import queue
         import threading
 
@@ -305,6 +314,8 @@ class ShardWriter:
         self.records: list[ShardRecord] = []
         self.error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._tokens_limit, self._tokens = max_pending_tokens, 0  # padded tokens handed over, not yet encoded
+        self._tokens_free = threading.Condition()
         self._parts: dict[str, list[torch.Tensor]] = {}
         self._thread = threading.Thread(target=self._run, name="specheads-shard-writer", daemon=True)
         self._thread.start()
@@ -316,15 +327,20 @@ class ShardWriter:
         result copied to pinned host memory without blocking; the writer waits for that copy. On the
         CPU the whole encoding happens in the writer thread.
         """
+        tokens = batch["input_ids"].numel()
+        with self._tokens_free:  # wait while earlier batches hold the pending tokens (one batch always goes)
+            while self._tokens_limit and self._tokens and self._tokens + tokens > self._tokens_limit:
+                self._tokens_free.wait()
+            self._tokens += tokens
         if batch["input_ids"].is_cuda:
             rows = self._rows(batch)
             host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
                     for k, v in rows.items()}
             event = torch.cuda.Event()
             event.record()
-            self._put(("rows", host, event))
+            self._put(("rows", host, event, tokens))
         else:
-            self._put(("batch", batch, None))
+            self._put(("batch", batch, None, tokens))
 
     def finish(self, index: int, ids: list[str]) -> None:
         """Write everything added since the last ``finish`` as shard ``index`` holding samples ``ids``."""
@@ -361,19 +377,26 @@ class ShardWriter:
             if item[0] == "drain":
                 item[1].set()
                 continue
-            if self.error is not None:
-                continue  # drain so the producer never blocks; the error surfaces on its next call
+            if item[0] == "finish":  # after an error: drained so the producer never blocks (it re-raises it)
+                if self.error is None:
+                    try:
+                        self._write(item[1], item[2])
+                    except BaseException as e:  # noqa: BLE001 - handed to the producer thread
+                        self.error = e
+                continue
+            kind, data, event, tokens = item
+            item = None
             try:
-                if item[0] == "finish":
-                    self._write(item[1], item[2])
-                    continue
-                kind, data, event = item
-                if event is not None:
-                    event.synchronize()
-                for k, v in (self._rows(data) if kind == "batch" else data).items():
-                    self._parts.setdefault(k, []).append(v)
+                if self.error is None:
+                    if event is not None:
+                        event.synchronize()
+                    for k, v in (self._rows(data) if kind == "batch" else data).items():
+                        self._parts.setdefault(k, []).append(v)
             except BaseException as e:  # noqa: BLE001 - handed to the producer thread
                 self.error = e
+            finally:
+                data = None  # the padded batch is freed before the producer may hand over its next tokens
+                self._release_tokens(tokens)
 
     def _rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Padded batch -> real-token rows in the store's dtypes (on the batch's device)."""
@@ -388,9 +411,15 @@ class ShardWriter:
                 rows.update(encode_hidden(name, batch[name][keep], self.dtype, groups))
         return rows
 
+    def _release_tokens(self, tokens: int) -> None:
+        with self._tokens_free:
+            self._tokens -= tokens
+            self._tokens_free.notify_all()
+
     def _write(self, index: int, ids: list[str]) -> None:
         parts, self._parts = self._parts, {}
-        tensors = {k: torch.cat(v) for k, v in parts.items() if k != "lengths"}
+        # one column at a time, its parts dropped once joined: a shard is in memory about once, not twice
+        tensors = {k: torch.cat(parts.pop(k)) for k in [k for k in parts if k != "lengths"]}
         lengths = torch.cat(parts["lengths"])
         if len(lengths) != len(ids):
             raise StoreError(f"shard {index}: {len(lengths)} samples encoded but {len(ids)} ids given")

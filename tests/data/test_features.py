@@ -457,3 +457,38 @@ def test_loader_workers_reopen_shards_and_give_the_same_batches(tiny_target, pre
     for a, b in zip(serial, parallel):
         for key in a:
             torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+def test_shards_are_cut_by_tokens_so_a_long_row_fills_its_own():
+    """16 rows of 2k tokens share one shard of a 32k-token budget; each 32k-token row is a shard of its own."""
+    lengths = [2048] * 16 + [32768] * 2
+    shards = plan_shards(lengths, shard_tokens=32768, shard_samples=8192)
+    assert shards == [list(range(16)), [16], [17]]
+
+
+def test_the_shard_writer_holds_a_bounded_number_of_tokens_whatever_the_rows_length(tmp_path, monkeypatch):
+    """With ``max_pending_tokens`` the producer waits while the batches handed over and not yet encoded would pass
+    the bound: two 1k-token batches wait together under a 4k bound, a 4k-token row's batch waits alone."""
+    import threading
+
+    from specheads.data.store import ShardWriter
+
+    gate = threading.Event()
+    writer = ShardWriter(tmp_path, "float32", 1, "plan", max_pending=8, max_pending_tokens=4096)
+    rows = writer._rows
+    monkeypatch.setattr(writer, "_rows", lambda b: (gate.wait(), rows(b))[1])  # the writer stalls until the gate opens
+
+    def batch(T):
+        return {"input_ids": torch.zeros(1, T, dtype=torch.long), "attention_mask": torch.ones(1, T, dtype=torch.long),
+                "loss_mask": torch.ones(1, T, dtype=torch.long), "hidden_last": torch.zeros(1, T, 4)}
+
+    writer.add(batch(1024))
+    writer.add(batch(1024))  # within the bound: handed over at once
+    assert writer._tokens == 2048
+    done = threading.Event()
+    threading.Thread(target=lambda: (writer.add(batch(4096)), done.set()), daemon=True).start()
+    assert not done.wait(0.5) and writer._tokens == 2048  # would pass 4096: waits for the writer
+    gate.set()
+    assert done.wait(10)
+    writer.finish(0, ["a", "b", "c"])
+    assert [r.num_tokens for r in writer.close()] == [1024 + 1024 + 4096] and writer._tokens == 0
