@@ -293,8 +293,9 @@ def run(cfg: DictConfig) -> dict:
                          chat_template=cfg.target.get("chat_template"))
 
     def steps(prompts: int) -> int:
+        # with an exact pass unless it is off (``auto`` on a GPU has none: evaluate resizes the bar once it knows)
         return evaluation_steps(prompts, ecfg.methods, ecfg.temperatures, ecfg.repeats, ecfg.paired, ecfg.batch_sizes,
-                                ecfg.batch_prompts)
+                                ecfg.batch_prompts, exact=ecfg.exact_forward != "off")
 
     with tqdm(desc="evaluate", unit="step", total=steps(len(prompts)),
               dynamic_ncols=True) as bar:

@@ -48,17 +48,19 @@ def rate_eta(done: float, total: float, elapsed_s: float) -> float | None:
 
 
 def evaluation_steps(num_prompts: int, methods: list, temperatures, repeats: int, paired: bool,
-                     batch_sizes, batch_prompts: int) -> int:
+                     batch_sizes, batch_prompts: int, exact: bool = False) -> int:
     """How many progress reports ``evaluation.suite.evaluate`` makes: the evaluation bar's total.
 
-    methods: the ``MethodSpec`` list (``auto_shape`` ones measure their shape once per head first)."""
+    methods: the ``MethodSpec`` list (``auto_shape`` ones measure their shape once per head first); exact: with an
+    exact pass (``evaluation.passes``: each prompt's reference decode, and each prompt again per method at T = 0)."""
     wanted = 1 if paired else max(repeats, 1)
     plain = num_prompts + sum(wanted - (1 if T == 0 else 0) for T in set(temperatures) | {0.0})
     per_method = len(tuple(temperatures)) * (num_prompts + max(repeats, 1) - 1)
     batched = min(batch_prompts, num_prompts)
     per_method += sum(math.ceil(batched / bs) for bs in batch_sizes if bs > 1)
     shapes = len({(m.drafter, m.head_dir) for m in methods if m.auto_shape})
-    return plain + len(methods) * per_method + shapes
+    checks = num_prompts * (1 + (len(methods) if 0.0 in set(temperatures) else 0)) if exact else 0
+    return plain + len(methods) * per_method + shapes + checks
 
 
 def minutes(seconds: float | None) -> str:

@@ -25,8 +25,8 @@ what a one-token forward after its accepted ancestors gives. Two kinds of operat
 ``prove_exact(model)``, once the layout and the thread count are set, measures and applies the row floor,
 then checks the whole model end to end (``tree_vs_sequential``: every node of random draft trees against
 one-token forwards along its path, bitwise). The evaluator runs plain and speculative decodes alike in
-this arithmetic; its plain decodes that only time the baseline run with the floor lifted
-(``row_floor_lifted``), the fastest arithmetic a plain decode of this target has here.
+this arithmetic in its exact pass, which judges losslessness; its timed fast pass runs the target's own attention
+with the floor lifted (``row_floor_set``, ``evaluation.passes``), as users' decoding loops and engines do.
 """
 
 from __future__ import annotations
@@ -404,18 +404,40 @@ def remove_row_floor(model: nn.Module) -> None:
             delattr(m, _FLOOR_ATTR)
 
 
+def _floor_states(model: nn.Module) -> list[dict]:
+    return [s for s in (getattr(m, _FLOOR_ATTR, None) for m in model.modules()) if s]
+
+
+def set_row_floor(model: nn.Module, on: bool) -> None:
+    """From now on, ``model``'s floored linear layers run padded and chunked (``on``) or as the kernels choose (not
+    ``on``: no padding, no chunks, the layer's own form)."""
+    for s in _floor_states(model):
+        s["on"] = on
+
+
 @contextmanager
-def row_floor_lifted(model: nn.Module):
-    """Run ``model``'s linear layers as the kernels choose (no padding, no chunks) inside the block: the
-    plain decodes that only time the baseline use it, so a speed-up is never measured against a padded one."""
-    states = [s for s in (getattr(m, _FLOOR_ATTR, None) for m in model.modules()) if s]
+def row_floor_set(model: nn.Module, on: bool):
+    """``set_row_floor`` inside the block; each layer's earlier setting comes back after it."""
+    states = _floor_states(model)
+    before = [s["on"] for s in states]
     for s in states:
-        s["on"] = False
+        s["on"] = on
     try:
         yield
     finally:
-        for s in states:
-            s["on"] = True
+        for s, was in zip(states, before):
+            s["on"] = was
+
+
+def row_floor_lifted(model: nn.Module):
+    """``row_floor_set(model, False)``: the linear layers as the kernels choose inside the block (the evaluator's
+    fast pass, ``evaluation.passes``, decodes so; a timing that must match it lifts the floor)."""
+    return row_floor_set(model, False)
+
+
+def row_floor_is_on(model: nn.Module) -> bool:
+    """Whether any of ``model``'s linear layers runs padded to a row floor now."""
+    return any(s["on"] for s in _floor_states(model))
 
 
 # ---------------------------------------------------------------- the end-to-end proof

@@ -145,7 +145,7 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts:
                          max_new_tokens: int, temperature: float = 0.0, method: str = "auto",
                          eos_ids: Sequence[int] = (), generator: torch.Generator | None = None,
                          verify_fn: VerifyFn = verify, verify_backend: str | None = None,
-                         sync: bool = False) -> GenerationResult:
+                         sync: bool = False, stop: Callable[[int, list[int]], bool] | None = None) -> GenerationResult:
     """Decode a batch of prompts with ``drafter`` (None = plain decoding). Returns new tokens and stats.
 
     verify_backend: None verifies row by row with ``verify_fn`` (the exact references); ``auto``,
@@ -154,6 +154,8 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts:
     reference). Sampling steps always go row by row through ``verify_fn``.
     sync: wait for the device at each phase's end (CUDA), so that the timings split a step by where its device
     time went (a benchmark's setting: each wait costs a little).
+    stop(b, new_tokens): called after each step of each active row with its new tokens so far; True ends that row
+    there (the evaluator's exact pass stops a decode at its first token that differs from the reference).
     """
     drafter = drafter or NoDrafter()
     runner.aux_layers = tuple(drafter.aux_layers)
@@ -209,6 +211,8 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts:
             for b in range(len(seqs)):
                 if active[b]:
                     emitted[b] = _append(b, news[b], seqs, new, active, max_new_tokens, eos)
+                    if stop is not None and active[b] and stop(b, new[b]):
+                        active[b] = False
                     if drafter.needs_features:
                         drafter.observe(b, news[b], _rows(out.hidden_last, b, keeps[b]),
                                         _rows(out.hidden_aux, b, keeps[b]))

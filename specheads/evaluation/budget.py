@@ -14,6 +14,11 @@ sizes it is timed at. ``plan_budget`` buys, in this order, from one measured pla
 
 Every row that runs decodes the same prompts at each of its temperatures, so the report's ``prompt_ids``
 are every row's prompts; what did not fit is the record's ``left_out``.
+
+With an exact pass (``passes.py``), each purchase carries its share of it: per prompt a plain decode in exact
+forwards (the reference), and per row that runs at T = 0 one speculative decode of each prompt in exact forwards
+(untimed: one decode, no repeats, no paired plain decode), each priced at the measured ratio of an exact-pass
+decode to a fast one (``exact_cost``). The core includes its own exact pass, so every domain gets a verdict.
 """
 
 from __future__ import annotations
@@ -44,14 +49,16 @@ class EvalPlan:
         """The temperatures plain decoding is timed at: 0 (the answers) and each one a row runs at."""
         return sorted({0.0}.union(*self.temperatures))
 
-    def steps(self, methods, repeats: int, paired: bool, batch_prompts: int) -> int:
-        """The progress reports ``suite.evaluate`` makes for this plan (the bar's total)."""
+    def steps(self, methods, repeats: int, paired: bool, batch_prompts: int, exact: bool = False) -> int:
+        """The progress reports ``suite.evaluate`` makes for this plan (the bar's total); ``exact``: with an exact
+        pass (one report per reference decode and per prompt of each row's exact pass at T = 0)."""
         n, wanted = len(self.prompts), 1 if paired else max(repeats, 1)
         plain = n + sum(wanted - (1 if T == 0 else 0) for T in self.plain_temperatures())
         rows = sum(len(ts) * (n + max(repeats, 1) - 1) for ts in self.temperatures)
         batched = min(batch_prompts, n)
         rows += sum(-(-batched // bs) for sizes in self.batch_sizes for bs in sizes)
-        return plain + rows + len(_auto_heads(methods, self.temperatures))
+        checks = n * (1 + sum(1 for ts in self.temperatures if 0.0 in ts)) if exact else 0
+        return plain + rows + len(_auto_heads(methods, self.temperatures)) + checks
 
 
 def full_plan(prompts: list[EvalPrompt], methods, temperatures, batch_sizes) -> EvalPlan:
@@ -89,13 +96,15 @@ def prompt_order(prompts: list[EvalPrompt]) -> list[EvalPrompt]:
 
 
 def plan_budget(prompts: list[EvalPrompt], methods, temperatures, batch_sizes, *, budget_s: float,
-                decode_s: float, repeats: int, paired: bool, batch_prompts: int, max_new_tokens: int) -> EvalPlan:
+                decode_s: float, repeats: int, paired: bool, batch_prompts: int, max_new_tokens: int,
+                exact_cost: float = 0.0) -> EvalPlan:
     """The plan that fits ``budget_s`` seconds (what is left of the budget) at ``decode_s`` per plain decode,
     bought in the module docstring's order; the core is kept even when it alone does not fit
-    (``record["over_budget"]``). Costs are in plain decodes (``Costs``)."""
+    (``record["over_budget"]``). Costs are in plain decodes of the fast pass (``Costs``); ``exact_cost``: one
+    exact-pass decode in those units (0: no exact pass)."""
     order = prompt_order(prompts)
     n_domains = len({p.domain for p in order})
-    cost = Costs(methods, repeats, paired, batch_prompts, max_new_tokens)
+    cost = Costs(methods, repeats, paired, batch_prompts, max_new_tokens, exact=exact_cost)
     T0 = 0.0 if 0.0 in temperatures else temperatures[0]
     core = core_rows(methods)
     temps: list[list[float]] = [[T0] if i in core else [] for i in range(len(methods))]
@@ -122,6 +131,7 @@ def plan_budget(prompts: list[EvalPrompt], methods, temperatures, batch_sizes, *
                     [tuple(s) for s in sizes])
     plan.record = _record(plan, methods, temperatures, batch_sizes, prompts, order[:n_domains], core, T0,
                           cost.total(temps, sizes, n) * decode_s, budget_s)
+    plan.record.update(exact_cost=round(exact_cost, 2), exact_s=round(cost.exact_part(temps, n) * decode_s, 1))
     return plan
 
 
@@ -131,11 +141,12 @@ def _with(lists: list[list], i: int, value) -> list[list]:
 
 @dataclass
 class Costs:
-    """An evaluation's cost in plain decodes (one prompt's greedy plain decode = 1): per prompt a plain decode,
-    per row, temperature and prompt ``repeats`` speculative decodes (``SPEC_DECODE_COST``), each with its paired
-    plain decode (``paired``) or beside ``repeats`` plain passes per temperature; per row a short warm-up, per
-    auto-shaped head its shape choice, per row and batch size > 1 its plain and speculative batches (priced as
-    batch-1 decodes of the same prompts: an upper bound)."""
+    """An evaluation's cost in plain decodes (one prompt's greedy plain decode in the fast pass = 1): per prompt a
+    plain decode, per row, temperature and prompt ``repeats`` speculative decodes (``SPEC_DECODE_COST``), each with
+    its paired plain decode (``paired``) or beside ``repeats`` plain passes per temperature; per row a short
+    warm-up, per auto-shaped head its shape choice, per row and batch size > 1 its plain and speculative batches
+    (priced as batch-1 decodes of the same prompts: an upper bound); and the exact pass (``exact_part``), each of
+    its decodes ``exact`` plain decodes (0: no exact pass)."""
 
     methods: list
     repeats: int
@@ -143,6 +154,14 @@ class Costs:
     batch_prompts: int
     max_new_tokens: int
     spec: float = field(default=SPEC_DECODE_COST)
+    exact: float = 0.0
+
+    def exact_part(self, temps: list[list[float]], n: int) -> float:
+        """The exact pass: its timed probe, each prompt's reference decode, one speculative decode per prompt of
+        each row that runs at T = 0."""
+        if not self.exact:
+            return 0.0
+        return self.exact * (1 + n + sum(1 for t in temps if 0.0 in t) * n * self.spec)
 
     def total(self, temps: list[list[float]], sizes: list[list[int]], n: int) -> float:
         r = max(self.repeats, 1)
@@ -153,7 +172,7 @@ class Costs:
         warm = sum(1 for t in temps if t) * self.spec * min(8, self.max_new_tokens) / max(self.max_new_tokens, 1)
         batch = sum(len(s) for s in sizes) * min(self.batch_prompts, n) * (1 + self.spec)
         shapes = len(_auto_heads(self.methods, temps)) * SHAPE_CHOICE_DECODES
-        return PROBE_DECODES + plain + rows + warm + batch + shapes
+        return PROBE_DECODES + plain + rows + warm + batch + shapes + self.exact_part(temps, n)
 
 
 def _auto_heads(methods, temps) -> set:

@@ -56,6 +56,7 @@ def markdown(report: dict) -> str:
     by_t = report.get("plain_by_temperature") or {str(report["temperatures"][0]): report["plain"]}
     lines += ["Plain decoding: " + "; ".join(f"T={t} {_spread(rows['all'], 'tokens_per_s', 1)} tokens/s"
                                              for t, rows in by_t.items()) + ".", ""]
+    lines += passes_md(report)
     lines += budget_md(report)
     for taken in report.get("resumed") or ():
         lines += [f"Taken up after an interruption: the plain pass and {', '.join(taken['methods_taken_up']) or 'no'} "
@@ -70,15 +71,40 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def passes_md(report: dict) -> list[str]:
+    """Which pass gave which figure (``evaluation.passes``)."""
+    passes = report.get("passes")
+    if not passes:
+        return []
+    fast, exact = passes["fast"], passes.get("exact")
+    line = (f"Two passes over the same prompts. **Fast pass** (timed): the target's own kernels, attention "
+            f"`{fast['attention']}` and linear layers as the kernels choose (no row floor), plain and speculative "
+            "decoding alike, as a serving engine or a decoding loop runs them: it gives tokens/s, the speed-ups, α, τ, "
+            "the verify cost curve and the shape chosen from it, and the batch rows. ")
+    if exact:
+        line += ("**Exact pass** (untimed, T=0): exact forwards (float64 attention, linear calls padded to the row "
+                 "floor, proven below), a plain greedy reference decode of each prompt and a greedy decode of each by "
+                 "each row, stopped at its first token off the reference: it gives the lossless column. A fast-pass "
+                 "greedy output that differs from the fast plain output while the exact pass is identical is listed "
+                 "as a numerical divergence, with the target's top-2 logit margin there, not as a failure.")
+    else:
+        line += ("No exact pass (exact forwards off): the lossless column is the fast pass's own comparison with "
+                 "plain greedy decoding (fast pass only), where a tie within the kernels' rounding can also differ.")
+    return [line, ""]
+
+
 def budget_md(report: dict) -> list[str]:
     """What the time budget (``eval.max_minutes``, ``evaluation.budget``) bought first and what it left out."""
     b = report.get("budget")
     if not b:
         return []
     core, left = b.get("core") or {}, b.get("left_out") or {}
-    line = (f"Time budget {b['max_minutes']:g} min (a plain decode took {b['decode_s']:.1f} s here; about "
+    exact = (f", an exact-pass decode {b['exact_decode_s']:.1f} s, {b['exact_s']:.0f} s of the plan"
+             if b.get("exact_decode_s") is not None and "exact_s" in b else "")
+    line = (f"Time budget {b['max_minutes']:g} min (a plain decode took {b['decode_s']:.1f} s here{exact}; about "
             f"{b['estimate_s']:.0f} s planned): first one prompt of each of the {len(core.get('domains', []))} "
-            f"domains for {', '.join(core.get('methods', []))} at T={core.get('temperature')}")
+            f"domains for {', '.join(core.get('methods', []))} at T={core.get('temperature')}"
+            + (" with their exact pass" if exact else ""))
     if b.get("over_budget"):
         line += " (more than the budget holds: evaluated anyway)"
     temps = [str(t) for t in report.get("temperatures", [])]
@@ -98,7 +124,7 @@ def _speedup_md(report: dict) -> str:
     """How the speed-ups were timed."""
     n = report.get("repeats", 1)
     head = ("Speed-up = decode tokens/s ÷ plain decode tokens/s at the same temperature on the same engine "
-            "(prefill excluded)")
+            "(prefill excluded" + ("; both in the fast pass)" if report.get("passes") else ")"))
     if report.get("paired"):
         return (f"{head}, paired: in each of {n} timed pass(es) after a warm-up every prompt is decoded plainly "
                 "right before it is decoded speculatively, and the speed-up is the median of the per-pass ratios, "
@@ -113,8 +139,8 @@ def _floor_md(ex: dict) -> str:
         return ""
     proof = ex["proof"]
     ms = ex.get("one_token_ms") or {}
-    timed = (f"one-token forward {ms['floored']:.1f} ms padded, {ms['lifted']:.1f} ms as the kernels choose: the "
-             "plain decodes that time the baseline run so") if ms else ""
+    timed = (f"one-token forward {ms['floored']:.1f} ms padded, {ms['lifted']:.1f} ms as the kernels choose, both "
+             "with float64 attention") if ms else ""
     forms = {k: f for k, f in (ex.get("row_form") or {}).items() if f != "linear"}
     if forms:
         named = {"wxt": "(W·xᵀ)ᵀ", "xwt": "x·Wᵀ against a contiguous copy of Wᵀ"}
@@ -144,10 +170,16 @@ def _precision_md(report: dict) -> list[str]:
         return []
     ex = report.get("exact_forward") or {}
     dtype = report["target_dtype"].removeprefix("torch.")
-    how = (f"exact forwards (attention in float64, rounded to {dtype}{_floor_md(ex)})"
-           if ex.get("attention") == ATTENTION_NAME else f"attention `{ex.get('attention')}`"
-           + (" (SDPA with each key/value head's query heads folded into query rows: no copy of the KV cache "
-              "per forward)" if ex.get("attention") == GROUPED_ATTENTION else ""))
+    exact = f"exact forwards (attention in float64, rounded to {dtype}{_floor_md(ex)})"
+    passes = report.get("passes")
+    fast = (passes or {}).get("fast", {}).get("attention") if passes else ex.get("attention")
+    how = "" if fast == ATTENTION_NAME else (f"attention `{fast}`" + (
+        " (SDPA with each key/value head's query heads folded into query rows: no copy of the KV cache per forward)"
+        if fast == GROUPED_ATTENTION else ""))
+    if passes:  # the fast pass's kernels, then the exact pass's
+        how = f"fast pass {how}, linear layers unpadded" + (f"; exact pass {exact}" if passes.get("exact") else "")
+    elif fast == ATTENTION_NAME:  # a report from before the two passes: one arithmetic for every decode
+        how = exact
     lin = report.get("cpu_linears") or {}
     ms = lin.get("one_token_ms")
     if ms:
@@ -165,6 +197,22 @@ def _precision_md(report: dict) -> list[str]:
         why += "; " + ", ".join(f"{k} {v:.1f} ms" for k, v in choice["probe_ms"].items())
     machine = f" on {report['machine']}" if report.get("machine") else ""
     return [f"Target forwards (plain and speculative alike){machine}: {dtype}{why + ')' if why else ''}, {how}.", ""]
+
+
+def _lossless_cell(ll: dict | None) -> str:
+    """The summary's lossless cell: the verdict, and the fast pass's numerical divergences beside it."""
+    if not ll:
+        return "–"
+    cell = "exact" if ll["exact"] else f"{len(ll['mismatches'])} mismatches"
+    n = len(ll.get("divergences") or ())
+    return cell + (f" ({n} numerical divergence{'s' if n > 1 else ''} in the fast pass)" if n else "")
+
+
+def _lossless_header(report: dict) -> str:
+    passes = report.get("passes")
+    if not passes:
+        return "lossless"
+    return "lossless (exact pass)" if passes.get("exact") else "lossless (fast pass only)"
 
 
 def separation_md(sep: dict | None) -> list[str]:
@@ -190,8 +238,9 @@ def summary_md(report: dict) -> list[str]:
     """Every method on one line (all prompts), then τ per domain with one column per method."""
     methods = report["methods"]
     temps = [str(t) for t in report["temperatures"]]
-    L = ["## Summary", "", "| method | " + " | ".join(f"α T={t} | τ T={t} | speed-up (CPU) T={t}" for t in temps) +
-         " | GPU speed-up (pred) | lossless | eval s |",
+    fast = " fast pass," if report.get("passes") else ""
+    L = ["## Summary", "", "| method | " + " | ".join(f"α T={t} | τ T={t} | speed-up (CPU,{fast} T={t})" for t in temps) +
+         f" | GPU speed-up (pred) | {_lossless_header(report)} | eval s |",
          "|" + "---|" * (1 + 3 * len(temps) + 3)]
     for m in methods:
         cells = []
@@ -199,10 +248,9 @@ def summary_md(report: dict) -> list[str]:
             r = m["by_temperature"].get(t, {}).get("all", {})
             cells += [_f(r.get("alpha")), _f(r.get("tau")), _spread(r, "speedup")]
         r0 = m["by_temperature"].get(temps[0], {}).get("all", {})
-        ll = m.get("lossless")
-        exact = "–" if not ll else ("exact" if ll["exact"] else f"{len(ll['mismatches'])} mismatches")
         L.append(f"| {m['name']} | " + " | ".join(cells) + " | "
-                 f"{_f(r0.get('gpu_speedup_pred'))} | {exact} | {_f(m.get('eval_seconds'), 0)} |")
+                 f"{_f(r0.get('gpu_speedup_pred'))} | {_lossless_cell(m.get('lossless'))} | "
+                 f"{_f(m.get('eval_seconds'), 0)} |")
     L.append("")
     for t in temps:
         domains = list(next((m["by_temperature"][t] for m in methods if t in m["by_temperature"]), {}))
@@ -228,14 +276,7 @@ def _method_md(m: dict, report: dict) -> list[str]:
         L += [f"Head trained elsewhere: {FORMATS.get(m['head_source'], m['head_source'])}; it has no "
               "train_summary.json, so no training-time figures.", ""]
     L += _shape_choice_md((report.get("shape_choice") or {}).get(m["name"]))
-    ll = m.get("lossless")
-    if ll:
-        status = "exact on every prompt" if ll["exact"] else f"{len(ll['mismatches'])} MISMATCHES"
-        L += [f"Lossless check (greedy vs plain greedy, {ll['checked']} prompts): {status}.", ""]
-        for mm in ll["mismatches"]:
-            L.append(f"- {mm['prompt']}: token {mm['index']}, target margin {_f(mm.get('margin'), 4)}")
-        if ll["mismatches"]:
-            L.append("")
+    L += lossless_md(m.get("lossless"))
     temps = list(m["by_temperature"])
     head = "| domain | " + " | ".join(f"α T={t} | τ T={t} | tok/s T={t} | speed-up (CPU) T={t}" for t in temps) + \
            " | c (CPU) | GPU speed-up (pred) |"
@@ -260,7 +301,8 @@ def _method_md(m: dict, report: dict) -> list[str]:
     L += _step_cost_md(t0["all"], temps[0], (report.get("shape_choice") or {}).get(m["name"]),
                        bool(m.get("ngram_branch")))
     if m.get("batch"):
-        L += ["| batch | plain tok/s | spec tok/s | speed-up | target forwards / step | output = batch-1 plain |",
+        L += ["| batch | plain tok/s | spec tok/s | speed-up | target forwards / step | output = batch-1 plain "
+              "(fast pass) |",
               "|---|---|---|---|---|---|"]
         for bs, r in m["batch"].items():
             L.append(f"| {bs} | {_f(r['plain_tokens_per_s'], 1)} | {_f(r['spec_tokens_per_s'], 1)} | "
@@ -272,6 +314,33 @@ def _method_md(m: dict, report: dict) -> list[str]:
     if m.get("train_tau") is not None:
         L += [f"{TRAIN_TAU_LABEL} {_f(m['train_tau'])} vs measured τ (T=0, all) {_f(t0['all']['tau'])}.", ""]
     return L
+
+
+def lossless_md(ll: dict | None) -> list[str]:
+    """A row's lossless check: the verdict and the pass that gave it, its mismatches, the fast pass's numerical
+    divergences (``passes.lossless_verdict``)."""
+    if not ll:
+        return []
+    status = "exact on every prompt" if ll["exact"] else f"{len(ll['mismatches'])} MISMATCHES"
+    how = {"exact": "exact pass: greedy vs plain greedy, both in exact forwards",
+           "fast": "fast pass only: greedy vs plain greedy in the fast kernels, no exact pass"}.get(ll.get("pass"),
+                                                                                                    "greedy vs plain greedy")
+    L = [f"Lossless check ({how}, {ll['checked']} prompts): {status}.", ""]
+    for mm in ll["mismatches"]:
+        L.append(f"- {mm['prompt']}: token {mm['index']}, target margin {_f(mm.get('margin'), 4)}")
+    if ll["mismatches"]:
+        L.append("")
+    div = ll.get("divergences") or []
+    if div:
+        L += [f"Numerical divergence in the fast pass ({len(div)} of {ll['checked']} prompts: the fast greedy output "
+              "differs from the fast plain output where the exact pass is identical; the target's top two logits lie "
+              "within the kernels' rounding there):", ""]
+        L += [f"- {d['prompt']}: token {d['index']}, target top-2 margin {_g(d.get('margin'))}" for d in div] + [""]
+    return L
+
+
+def _g(x) -> str:
+    return "–" if x is None else f"{x:.3g}"
 
 
 def _step_cost_md(row: dict, temp: str, choice: dict | None, branch: bool = False) -> list[str]:
@@ -314,7 +383,7 @@ def _shape_choice_md(ch: dict | None) -> list[str]:
                       f"{_f(ch['c'], 3)}) = {_f(p['speedup'])}" for p in ch["predictions"])
     reach = ", ".join(_f(r) for r in ch["reach"])
     fans = ", ".join(f"width {w} τ {_f(t)}" for w, t in (ch.get("fans") or {}).items())
-    unit = ("in plain decoding's one-token forwards, the exact forwards' row floor lifted, of"
+    unit = ("in plain decoding's one-token forwards (the fast pass's kernels, the curve's too) of"
             if ch.get("plain_unit") == "plain" else "in one-token verify forwards of")
     split = ch.get("heldout_split") or {}
     rows = (f" ({split['heldout_rows']} held-out rows of {split['rows']}, none of them a scored prompt or its chat; "

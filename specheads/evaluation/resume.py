@@ -23,7 +23,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 STATE_FILE = "evaluate_state.bin"
-FORMAT = "specheads.evaluate_state/1"
+FORMAT = "specheads.evaluate_state/2"  # 2: the fast and exact passes (passes.py)
 # what evaluate measures on the machine and every row depends on: a resumed evaluation must measure the same
 EXACT_DECISIONS = ("attention", "row_floor", "row_chunk", "row_form", "proven", "packed_linears", "fallback")
 
@@ -59,6 +59,7 @@ def decisions(report: dict) -> dict:
     return {"target_dtype": report.get("target_dtype"),
             "cpu_linears": (report.get("cpu_linears") or {}).get("linears"),
             "cpu_threads": (report.get("cpu_threads") or {}).get("threads"),
+            "fast_attention": ((report.get("passes") or {}).get("fast") or {}).get("attention"),
             **{f"exact.{k}": exact.get(k) for k in EXACT_DECISIONS}}
 
 

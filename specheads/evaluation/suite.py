@@ -5,6 +5,10 @@ Every method runs on the same ``TargetRunner`` as the plain baseline, prompt by 
 (then in batches), so speed-ups compare like with like. MT-bench turn-2 prompts include the
 target's own plain-greedy turn-1 answer (identical for every lossless method at T = 0).
 
+Two passes (``passes.py``): every timed decode, and so every speed and acceptance figure, runs in the fast kernels
+(the target's own attention, linear layers as the kernels choose: what users and engines run); the lossless verdict
+comes from the exact pass, untimed, in exact forwards, on the same prompts.
+
 Timing: the target and each drafter decode one short untimed warm-up first. Plain decoding runs at
 every temperature (sampling has its own cost), and plain and speculative batch-1 decoding are each
 timed ``repeats`` times over the same prompts (same seeds): the first pass also gives the acceptance
@@ -32,8 +36,7 @@ from specheads.decoding.drafters import (Drafter, EarlyExitDrafter, ModelDrafter
                                          TreeShape)
 from specheads.decoding.cpu_linears import choose_cpu_linears, pack_like
 from specheads.decoding.cpu_threads import choose_cpu_threads
-from specheads.decoding.exact import ProofScope, make_exact, row_floor_lifted, settle_exact
-from specheads.decoding.grouped_attention import ATTENTION_NAME as GROUPED_ATTENTION, use_grouped_attention
+from specheads.decoding.exact import ProofScope, settle_exact
 from specheads.decoding.generate import GenerationResult, speculative_generate
 from specheads.decoding.ngram_table import NgramTable
 from specheads.decoding.runner import TargetRunner
@@ -46,6 +49,8 @@ from specheads.evaluation.prompts import (BenchmarkSpec, encode, load_benchmarks
 from specheads.evaluation.budget import EvalPlan, full_plan, plan_budget
 from specheads.evaluation.inputs import check_methods_fit, target_facts
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
+from specheads.evaluation.passes import (Kernels, exact_pass, first_divergence, lossless_verdict, prepare_kernels,
+                                         reference_decode, timed_reference_decode)
 from specheads.evaluation.recommend import recommend
 from specheads.evaluation.resume import EvalResume, EvalState, decisions, evaluation_key
 from specheads.evaluation.settings import check_eval_config, check_method_settings
@@ -138,7 +143,7 @@ class EvalConfig:
     seed: int = 0
     recommend_ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)
     repeats: int = 3  # timed batch-1 decode passes per speed figure (plain and speculative), after a warm-up
-    exact_forward: str = "auto"  # batch-invariant target forwards (specheads.decoding.exact): auto | on | off
+    exact_forward: str = "auto"  # the exact pass (passes.py) in batch-invariant forwards: auto (CPU) | on | off
     cpu_linears: str = "auto"  # oneDNN-prepacked CPU linear layers (specheads.decoding.cpu_linears): auto | packed | plain
     cpu_threads: str | int = "auto"  # decoding's CPU threads (specheads.decoding.cpu_threads): auto (measured) | n
     max_minutes: float | None = None  # a time budget: every domain first, then rows, temperatures, prompts (``fit_budget``)
@@ -175,25 +180,26 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     checkpoint = checkpoint or (lambda r: None)
     prompts = load_benchmarks(cfg.benchmarks)
     eos = eos_token_ids(target)
-    exact = make_exact(target.model, cfg.exact_forward)  # before any forward: plain and speculative alike
-    if cfg.grouped_attention and use_grouped_attention(target.model):
-        exact["attention"] = GROUPED_ATTENTION
+    # before any forward: the fast pass's attention, then the exact pass's (both passes, plain and speculative)
+    kernels, exact = prepare_kernels(target.model, cfg.exact_forward, cfg.grouped_attention)
     # an interrupted evaluation's measured choices are applied as they were (timings on a busy machine could
     # choose otherwise now, and its finished rows were decoded under them); the proof runs all the same
     taken = state.report if state is not None else {}
     linears_mode = (taken.get("cpu_linears") or {}).get("linears") or cfg.cpu_linears
     if linears_mode == "auto":
         log.info("timing the target's linear layers packed and plain")  # a phase, not a step of the bar
-    linears = choose_cpu_linears(target.model, linears_mode)  # the baseline never gets the slower layout
-    threads = choose_cpu_threads(target.model, (taken.get("cpu_threads") or {}).get("threads") or cfg.cpu_threads)
-    # the row floor, the proof, float32 where unproven (plain and speculative decoding alike)
+    with kernels.fast():  # timed as the fast pass decodes: the baseline never gets the slower layout
+        linears = choose_cpu_linears(target.model, linears_mode)
+        threads = choose_cpu_threads(target.model, (taken.get("cpu_threads") or {}).get("threads") or cfg.cpu_threads)
+    # the exact pass's row floor and proof, float32 where unproven (both passes then decode in float32)
     exact.update(settle_exact(target.model, cfg.cpu_linears, given=taken.get("exact_forward"),
                               scope=proof_scope(cfg, prompts, target)))
     if exact.get("fallback"):
         linears = exact["fallback"]["cpu_linears"]
+    kernels.use_fast()  # every decode from here on, but the exact pass's (``kernels.exact()``)
     runner = TargetRunner(target.model)
     measured = {"exact_forward": exact, "cpu_linears": linears, "cpu_threads": threads,
-                "target_dtype": str(target.dtype)}
+                "target_dtype": str(target.dtype), "passes": kernels.record()}
     if state is not None and decisions(state.report) != decisions(measured):
         log.warning("this machine now decodes the target otherwise than the interrupted evaluation did (%s vs %s): "
                     "the evaluation starts over", decisions(measured), decisions(state.report))
@@ -202,12 +208,12 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
         if cfg.max_minutes is None:
             plan = full_plan(prompts, cfg.methods, cfg.temperatures, cfg.batch_sizes)
         else:
-            plan = fit_budget(prompts, target, runner, cfg, eos, time.perf_counter() - started)
-            if resized is not None:
-                resized(plan.steps(cfg.methods, cfg.repeats, cfg.paired, cfg.batch_prompts))
+            plan = fit_budget(prompts, target, runner, kernels, cfg, eos, time.perf_counter() - started)
+        if resized is not None:  # the bar's total, the exact pass's decodes counted
+            resized(plan.steps(cfg.methods, cfg.repeats, cfg.paired, cfg.batch_prompts, kernels.exact_pass))
         prompts = plan.prompts
         t0 = time.perf_counter()
-        ids, plain = _plain_pass(target, runner, prompts, cfg, eos, progress)
+        ids, plain = _plain_pass(target, runner, kernels, prompts, cfg, eos, progress)
         plain = _plain_passes(runner, prompts, ids, plain, cfg, eos, progress, plan.plain_temperatures())
         plain_seconds = time.perf_counter() - t0
         report = {"target": target.name, "num_prompts": len(prompts), "prompt_ids": [p.id for p in prompts],
@@ -231,7 +237,7 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
                  state.done, len(cfg.methods), resume.path)
     if resume is not None:
         resume.save(state)
-    plain_tokens = {p.id: r for p, r in zip(prompts, ids["tokens"])}
+    plain_tokens = {p.id: r for p, r in zip(prompts, ids["fast_tokens"])}  # the fast pass's plain output
     for i, (spec, temps, sizes) in enumerate(zip(cfg.methods, plan.temperatures, plan.batch_sizes)):
         if i < state.done or not temps:  # done before an interruption; left out for time (the budget's record)
             continue
@@ -252,7 +258,7 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
             report["recommendation"] = recommend(report, cfg.recommend_ks)
             checkpoint(report)
 
-        partial(_eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_tokens, cfg, eos,
+        partial(_eval_method(spec, drafter, target, runner, kernels, prompts, ids, plain, plain_tokens, cfg, eos,
                              progress, partial, temps, sizes))
         state.done = i + 1
         if resume is not None:
@@ -291,21 +297,25 @@ def proof_scope(cfg: EvalConfig, prompts: list[EvalPrompt], target: Target) -> P
                       batch=max(cfg.batch_sizes, default=1), context=min(longest, limit))
 
 
-def fit_budget(prompts: list[EvalPrompt], target: Target, runner, cfg: EvalConfig, eos, spent_s: float) -> EvalPlan:
+def fit_budget(prompts: list[EvalPrompt], target: Target, runner, kernels: Kernels, cfg: EvalConfig, eos,
+               spent_s: float) -> EvalPlan:
     """The plan that fits ``cfg.max_minutes`` (``budget.plan_budget``: every domain for the head's row and the
     n-gram baseline at T = 0 first, then the other rows, temperatures, prompts and batch sizes), priced from one
-    timed plain decode of the first prompt after ``spent_s`` seconds of set-up; its record goes in the report."""
+    timed plain decode of the first prompt in the fast pass (and one in the exact pass, which prices its decodes)
+    after ``spent_s`` seconds of set-up; its record goes in the report."""
     first = next(p for p in prompts if p.turn == 0)
     pid = encode(first, target.tokenizer, {}, cfg.chat_template_kwargs)
     _warm_up(runner, None, pid, cfg, eos)
     t = time.perf_counter()
     speculative_generate(runner, None, [pid], cfg.max_new_tokens, 0.0, "greedy", eos)
     decode = time.perf_counter() - t
+    exact_s = timed_reference_decode(kernels, runner, pid, cfg.max_new_tokens, eos)
     plan = plan_budget(prompts, cfg.methods, cfg.temperatures, cfg.batch_sizes, budget_s=cfg.max_minutes * 60 - spent_s,
                        decode_s=decode, repeats=cfg.repeats, paired=cfg.paired, batch_prompts=cfg.batch_prompts,
-                       max_new_tokens=cfg.max_new_tokens)
+                       max_new_tokens=cfg.max_new_tokens, exact_cost=exact_s / decode if exact_s else 0.0)
     rec = plan.record
-    rec.update(max_minutes=cfg.max_minutes, decode_s=round(decode, 2), estimate_s=round(spent_s + rec["plan_s"], 1))
+    rec.update(max_minutes=cfg.max_minutes, decode_s=round(decode, 2), estimate_s=round(spent_s + rec["plan_s"], 1),
+               exact_decode_s=None if exact_s is None else round(exact_s, 2))
     left = rec["left_out"]
     log.info("evaluation budget %g min: %d of %d prompts, %d of %d rows, %d left out at some temperature (a %d-token "
              "plain decode took %.1f s here; about %.0f s in all)", cfg.max_minutes, len(plan.prompts), len(prompts),
@@ -357,21 +367,26 @@ def _choose_shape(spec, target, runner, ids, eos, progress, prompts=()) -> dict:
     return choice
 
 
-def _plain_pass(target, runner, prompts, cfg, eos, progress):
-    """Plain greedy decoding of every prompt (turn 1 before turn 2); returns ids and Runs."""
+def _plain_pass(target, runner, kernels: Kernels, prompts, cfg, eos, progress):
+    """Plain greedy decoding of every prompt (turn 1 before turn 2): in the exact pass (the lossless reference, whose
+    turn-1 answers the turn-2 prompts carry), then in the fast pass (timed). Returns {"prompt_ids", "tokens" (the
+    reference: the fast pass's own without an exact pass), "fast_tokens"} and the fast decodes' Runs."""
     answers: dict[str, str] = {}
-    enc, toks, runs = [], [], []
+    rows = {}
     for i, p in enumerate(sorted(prompts, key=lambda p: p.turn)):
         pid = encode(p, target.tokenizer, answers, cfg.chat_template_kwargs)
+        ref = reference_decode(kernels, runner, pid, cfg.max_new_tokens, eos)
+        if ref is not None:
+            progress(f"plain exact pass {i + 1}/{len(prompts)}")
         if i == 0:
             _warm_up(runner, None, pid, cfg, eos)
         res = speculative_generate(runner, None, [pid], cfg.max_new_tokens, 0.0, "greedy", eos)
-        answers[p.id] = target.tokenizer.decode(res.tokens[0], skip_special_tokens=True) if target.tokenizer else ""
-        enc.append((p.id, pid)); toks.append((p.id, res.tokens[0])); runs.append((p.id, _run(p, res)))
+        ref = res.tokens[0] if ref is None else ref
+        answers[p.id] = target.tokenizer.decode(ref, skip_special_tokens=True) if target.tokenizer else ""
+        rows[p.id] = (pid, ref, res.tokens[0], _run(p, res))
         progress(f"plain {i + 1}/{len(prompts)}")
-    order = {p.id: k for k, p in enumerate(prompts)}
-    enc.sort(key=lambda x: order[x[0]]); toks.sort(key=lambda x: order[x[0]]); runs.sort(key=lambda x: order[x[0]])
-    return {"prompt_ids": [e[1] for e in enc], "tokens": [t[1] for t in toks]}, [r[1] for r in runs]
+    pids, refs, fast, runs = zip(*(rows[p.id] for p in prompts))
+    return {"prompt_ids": list(pids), "tokens": list(refs), "fast_tokens": list(fast)}, list(runs)
 
 
 def _warm_up(runner, drafter, prompt_ids, cfg, eos) -> None:
@@ -392,10 +407,8 @@ def _plain_verify(T: float) -> str:
 
 
 def _plain_run(runner, p: EvalPrompt, pid, cfg, T, eos, gen) -> Run:
-    """One timed plain decode of one prompt (the paired half of a speculative decode), in the fastest
-    arithmetic a plain decode has here (the exact forwards' row floor lifted: ``exact.row_floor_lifted``)."""
-    with row_floor_lifted(runner.model):
-        return _run(p, speculative_generate(runner, None, [pid], cfg.max_new_tokens, T, _plain_verify(T), eos, gen))
+    """One timed plain decode of one prompt (the paired half of a speculative decode, in the same fast kernels)."""
+    return _run(p, speculative_generate(runner, None, [pid], cfg.max_new_tokens, T, _plain_verify(T), eos, gen))
 
 
 def _paired_timing_pass(runner, drafter, prompts, ids, cfg, T, verify, eos) -> tuple[list[Run], list[Run]]:
@@ -417,8 +430,7 @@ def _plain_passes(runner, prompts, ids, first, cfg, eos, progress, temperatures)
     for T in temperatures:
         passes = [by_domain(first)] if T == 0 else []
         while len(passes) < wanted:
-            with row_floor_lifted(runner.model):  # timing only: the fastest plain arithmetic
-                passes.append(by_domain(_timing_pass(runner, None, prompts, ids, cfg, T, _plain_verify(T), eos)))
+            passes.append(by_domain(_timing_pass(runner, None, prompts, ids, cfg, T, _plain_verify(T), eos)))
             progress(f"plain T={T} pass {len(passes)}/{wanted}")
         out[T] = passes
     return out
@@ -434,11 +446,12 @@ def _run(p: EvalPrompt, res: GenerationResult, b: int = 0) -> Run:
                res.target_time, res.draft_time, res.verify_time)
 
 
-def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_tokens, cfg, eos, progress,
+def _eval_method(spec, drafter, target, runner, kernels, prompts, ids, plain, plain_tokens, cfg, eos, progress,
                  partial=lambda row: None, temperatures=None, batch_sizes=None) -> dict:
     """One method at each of ``temperatures`` (default: ``cfg``'s), then batches of ``batch_sizes`` (default:
-    ``cfg``'s); ``partial(row)`` after each part. plain: {T: [by_domain summaries of each timed plain pass]}
-    (``_plain_passes``)."""
+    ``cfg``'s), in the fast pass, and its exact pass after T = 0 (``passes.py``); ``partial(row)`` after each part.
+    plain: {T: [by_domain summaries of each timed plain pass]} (``_plain_passes``); plain_tokens: {prompt id: the
+    fast pass's plain greedy output}."""
     temperatures = cfg.temperatures if temperatures is None else temperatures
     out = {"name": spec.name, "drafter": spec.drafter, "shape": spec.shape_label(), "verify": spec.verify,
            "lossless_verify": LOSSLESS.get(spec.verify, True), "profile": spec.profile,
@@ -459,8 +472,8 @@ def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_token
                 plain_runs.append(_plain_run(runner, p, pid, cfg, T, eos, plain_gen))
             res = speculative_generate(runner, drafter, [pid], cfg.max_new_tokens, T, spec.verify, eos, gen)
             runs.append(_run(p, res))
-            if T == 0:
-                m = _mismatch(target, pid, plain_tokens[p.id], res.tokens[0])
+            if T == 0:  # the fast pass's own comparison (numerical divergence where the exact pass agrees)
+                m = first_divergence(target, pid, plain_tokens[p.id], res.tokens[0])
                 if m:
                     mism.append({"prompt": p.id, **m})
             progress(f"{spec.name} T={T} {i + 1}/{len(prompts)}")
@@ -484,27 +497,15 @@ def _eval_method(spec, drafter, target, runner, prompts, ids, plain, plain_token
             doms[d] = row
         out["by_temperature"][str(T)] = doms
         if T == 0:
-            out["lossless"] = {"checked": len(prompts), "mismatches": mism, "exact": not mism}
+            failed = exact_pass(kernels, target, runner, drafter, prompts, ids, cfg.max_new_tokens, spec.verify, eos,
+                                progress, spec.name) if kernels.exact_pass else []
+            out["lossless"] = lossless_verdict(kernels, len(prompts), mism, failed)
         out["eval_seconds"] = time.perf_counter() - t_start
         partial(out)
     out["batch"] = _batch_speed(spec, drafter, runner, ids, plain_tokens, prompts, cfg, eos, progress,
                                 cfg.batch_sizes if batch_sizes is None else batch_sizes)
     out["eval_seconds"] = time.perf_counter() - t_start
     return out
-
-
-def _mismatch(target, prompt_ids, want, got) -> dict | None:
-    """First divergence of speculative from plain greedy output, with the target's logit margin there."""
-    n = min(len(want), len(got))
-    i = next((j for j in range(n) if want[j] != got[j]), None)
-    if i is None:
-        return None if len(want) == len(got) else {"index": n, "reason": f"lengths {len(want)} vs {len(got)}"}
-    with torch.no_grad():
-        logits = target.model(torch.tensor([list(prompt_ids) + list(want[:i])], device=target.device)).logits[0, -1]
-    top = logits.float().topk(2)
-    return {"index": i, "plain": int(want[i]), "speculative": int(got[i]),
-            "margin": float(top.values[0] - top.values[1]),
-            "margin_vs_speculative": float(logits[want[i]] - logits[got[i]])}
 
 
 def _batch_speed(spec, drafter, runner, ids, plain_tokens, prompts, cfg, eos, progress, batch_sizes) -> dict:

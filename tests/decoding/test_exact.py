@@ -10,7 +10,8 @@ from tests.conftest import make_tiny_model
 from specheads.decoding.cpu_linears import PackedLinear, can_pack
 from specheads.decoding.exact import (ATTENTION_NAME, FLOOR_CAP, ExactDecodeCalls, apply_row_floor, exact_attention,
                                       floor_calls, linear_kind, linear_row_floor, make_exact, prove_exact,
-                                      remove_row_floor, row_floor_lifted, settle_exact, tree_vs_sequential)
+                                      remove_row_floor, row_floor_is_on, row_floor_lifted, row_floor_set,
+                                      set_row_floor, settle_exact, tree_vs_sequential)
 
 
 def _tree_vs_sequential(model, contexts=(40, 150), sizes=(3, 6, 12), seed=0, reference_parents=None):
@@ -148,6 +149,19 @@ def test_the_row_floor_pads_small_calls_splits_large_ones_and_keeps_every_row():
         assert torch.equal(lin(x[:1, :1]), want[:1, :1]) and seen == [1]  # lifted: as the kernels choose
     seen.clear()
     assert torch.equal(lin(x[0, :5]), want[0, :5]) and seen == [5]  # within [floor, chunk]: untouched
+    # the evaluator's fast pass lifts the floor for good (set_row_floor); a lifted block inside it leaves it lifted,
+    # and a block that sets it on (the exact pass, row_floor_set) restores it lifted
+    set_row_floor(model, False)
+    with row_floor_lifted(model):
+        pass
+    assert not row_floor_is_on(model)
+    with row_floor_set(model, True):
+        seen.clear()
+        lin(x[:1, :1])
+        assert row_floor_is_on(model) and seen == [4]
+    seen.clear()
+    lin(x[:1, :1])
+    assert not row_floor_is_on(model) and seen == [1]
     remove_row_floor(model)
     seen.clear()
     lin(x[:1, :1])

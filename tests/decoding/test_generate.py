@@ -157,6 +157,17 @@ def test_eos_cut_counts_the_same_way(target, reference):
                 assert s.tested[0] == s.steps and all(a <= t for a, t in zip(s.accepted, s.tested))
 
 
+def test_stop_ends_a_row_at_the_step_it_says_and_leaves_the_others(target, reference):
+    """``stop`` (the evaluator's exact pass stops a decode at its first token off the reference): the row it stops
+    ends at that step's end, a prefix of its greedy output; the batch's other rows decode on to max_new_tokens."""
+    want = [r[:3] for r in reference]
+    want[0] = want[0][:2] + [(want[0][2] + 1) % 64]  # row 0's reference goes wrong at its third token
+    res = speculative_generate(TargetRunner(target), ModelDrafter(target, TreeShape("chain", k=2), "self"), PROMPTS,
+                               16, stop=lambda b, got: b == 0 and got[:3] != want[0][:len(got[:3])])
+    assert 3 <= len(res.tokens[0]) < 16 and res.tokens[0] == reference[0][:len(res.tokens[0])]
+    assert res.tokens[1:] == reference[1:]
+
+
 def test_row_stats_add_drops_depths_beyond_the_output():
     from specheads.decoding.tree import DraftTree
     from specheads.decoding.verify import Verdict

@@ -7,7 +7,7 @@ import pytest
 
 from specheads.decoding.drafters import TreeShape
 from specheads.data.benchmarks import EvalPrompt
-from specheads.evaluation.budget import Costs, full_plan, plan_budget, prompt_order
+from specheads.evaluation.budget import SPEC_DECODE_COST, Costs, full_plan, plan_budget, prompt_order
 from specheads.evaluation.suite import MethodSpec
 from specheads.progress import evaluation_steps
 
@@ -99,6 +99,28 @@ def test_the_budget_buys_rows_then_temperatures_then_prompts_then_batches():
     assert plan.batch_sizes == [(4,)] * 4 and plan.record["left_out"] == {"rows": [], "prompts": [], "batch_sizes": []}
 
 
+def test_the_exact_pass_is_priced_and_the_core_keeps_its_verdict_on_every_domain():
+    """With an exact pass (each exact-pass decode 1.6 plain decodes, as padding cost on the 2-core AVX2 CPU): per
+    prompt a reference decode, per row at T=0 one speculative decode per prompt, untimed (no repeats, no paired plain
+    decode); a budget that bought every row at T=0 without it buys fewer, the core (every domain, head and n-gram at
+    T=0, with their exact pass) still runs, and the record says what the exact pass costs."""
+    ps, methods = _set(), _main_job_methods()
+    fast, exact = Costs(methods, 3, True, 8, 32), Costs(methods, 3, True, 8, 32, exact=1.6)
+    rows = [[0.0, 1.0], [0.0], [], [0.0]]  # three rows at T = 0: three exact passes
+    assert exact.exact_part(rows, 10) == pytest.approx(1.6 * (1 + 10 + 3 * 10 * SPEC_DECODE_COST))
+    assert exact.total(rows, [[]] * 4, 10) - fast.total(rows, [[]] * 4, 10) == pytest.approx(exact.exact_part(rows, 10))
+    # the exact pass of one row costs less than its timed decodes at T = 0 (3 paired passes)
+    assert exact.exact_part([[0.0]], 10) - exact.exact_part([[]], 10) < 3 * 10 * (SPEC_DECODE_COST + 1)
+    budget = fast.total([[0.0]] * 4, [[]] * 4, 10)
+    assert _plan(ps, methods, budget, repeats=3).temperatures == [(0.0,)] * 4
+    priced = plan_budget(ps, methods, (0.0, 1.0), (1,), budget_s=budget, decode_s=1.0, repeats=3, paired=True,
+                         batch_prompts=8, max_new_tokens=32, exact_cost=1.6)
+    assert 0.0 in priced.temperatures[0] and 0.0 in priced.temperatures[3]  # the core, with its exact pass
+    assert {p.domain for p in priced.prompts} == set(MTBENCH) | {"code", "chat"}
+    assert () in priced.temperatures[1:3]  # a row the exact pass's price left out
+    assert priced.record["exact_cost"] == 1.6 and priced.record["exact_s"] > 0 and not priced.record["over_budget"]
+
+
 def test_a_row_samples_only_where_it_also_runs_its_lossless_check_at_t0():
     ps, methods = _set(), _main_job_methods()
     cost = Costs(methods, 1, True, 8, 32)
@@ -129,12 +151,14 @@ def test_baselines_only_keep_the_ngram_row_and_a_set_without_ngram_its_first_row
     assert _plan(_set(), [ee], 1.0).temperatures == [(0.0,)]
 
 
-@pytest.mark.parametrize("paired,repeats,batch_sizes", [(True, 1, (1,)), (False, 3, (1, 2))])
-def test_the_full_plans_steps_are_the_progress_bars(paired, repeats, batch_sizes):
+@pytest.mark.parametrize("paired,repeats,batch_sizes,exact", [(True, 1, (1,), True), (False, 3, (1, 2), False)])
+def test_the_full_plans_steps_are_the_progress_bars(paired, repeats, batch_sizes, exact):
     ps, methods = _set(turns=(0, 1)), _main_job_methods()
     plan = full_plan(ps, methods, (0.0, 1.0), batch_sizes)
-    assert plan.steps(methods, repeats, paired, 8) == evaluation_steps(len(ps), methods, (0.0, 1.0), repeats, paired,
-                                                                       batch_sizes, 8)
+    assert plan.steps(methods, repeats, paired, 8, exact) == evaluation_steps(len(ps), methods, (0.0, 1.0), repeats,
+                                                                              paired, batch_sizes, 8, exact)
+    # the exact pass: each prompt's reference decode, then each prompt once per row at T = 0
+    assert plan.steps(methods, repeats, paired, 8, True) - plan.steps(methods, repeats, paired, 8) == len(ps) * 5
     wide = plan_budget(ps, methods, (0.0, 1.0), batch_sizes, budget_s=1e9, decode_s=1.0, repeats=repeats,
                        paired=paired, batch_prompts=8, max_new_tokens=32)
     assert (wide.prompts, wide.temperatures, wide.batch_sizes) == (plan.prompts, plan.temperatures, plan.batch_sizes)
@@ -144,8 +168,9 @@ def test_the_full_plans_steps_are_the_progress_bars(paired, repeats, batch_sizes
 def test_a_tight_budget_scores_every_domain_and_the_report_says_what_it_left_out(monkeypatch, tmp_path,
                                                                                  smollm2_tokenizer):
     """A real evaluation on a tiny target with a budget that fits nothing: the n-gram baseline still decodes one
-    prompt of each domain at T=0 (lossless checked on each), the early-exit row and T=1 are left out and the
-    report (JSON and Markdown) says so; the bar's total is the reports made."""
+    prompt of each domain at T=0 (lossless checked on each by the exact pass, priced from a timed exact decode),
+    the early-exit row and T=1 are left out and the report (JSON and Markdown) says so; the bar's total is the
+    reports made, the exact pass's included."""
     import json
 
     import specheads.evaluation.suite as suite
@@ -173,9 +198,10 @@ def test_a_tight_budget_scores_every_domain_and_the_report_says_what_it_left_out
     row = report["methods"][0]
     assert set(row["by_temperature"]) == {"0.0"} and set(row["by_temperature"]["0.0"]) == {"coding", "math",
                                                                                           "writing", "all"}
-    assert row["lossless"]["checked"] == 3 and row["batch"] == {}
+    assert row["lossless"]["checked"] == 3 and row["lossless"]["pass"] == "exact" and row["batch"] == {}
     b = report["budget"]
     assert b["over_budget"] and b["prompts"] == 3 and b["of"] == 6 and b["decode_s"] > 0
+    assert b["exact_decode_s"] > 0 and b["exact_cost"] > 0 and b["exact_s"] > 0
     assert b["left_out"]["rows"] == [{"method": "early_exit1-chain2", "temperatures": [0.0, 1.0]},
                                      {"method": "ngram-chain2", "temperatures": [1.0]}]
     assert sorted(b["left_out"]["prompts"]) == sorted(set(p.id for p in prompts) - set(firsts))
@@ -185,7 +211,8 @@ def test_a_tight_budget_scores_every_domain_and_the_report_says_what_it_left_out
     assert json.loads((tmp_path / "report.json").read_text())["budget"]["left_out"] == b["left_out"]
     md = (tmp_path / "report.md").read_text()
     assert "3 prompts (of 6: the time budget's, below)" in md
-    assert ("first one prompt of each of the 3 domains for ngram-chain2 at T=0.0 (more than the budget holds: "
+    assert ("first one prompt of each of the 3 domains for ngram-chain2 at T=0.0 with their exact pass (more than "
+            "the budget holds: "
             "evaluated anyway). Left out for time: row early_exit1-chain2 entirely; row ngram-chain2 at T=1.0; "
             "3 of 6 prompts (") in md
     assert "ngram-chain2 at batch size 2." in md

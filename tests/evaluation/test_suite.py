@@ -215,14 +215,20 @@ def test_auto_shape_picks_a_chain_from_the_cost_curve_and_held_out_reach(target,
     spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1,), humaneval=1, chat=0)
     real = suite.load_benchmarks
     monkeypatch.setattr(suite, "load_benchmarks", lambda s: [p for p in real(s) if p.domain == "code"][:1])
-    # A cost curve where verifying 3 tokens is dear: one draft wins despite the high reach at depth 2.
-    monkeypatch.setattr("specheads.evaluation.shape_choice.verify_costs",
-                        lambda runner, prompt, ns, reps=7: ({1: 1.0, 2: 1.05, 3: 3.0}, 1.0))
+    # A cost curve where verifying 3 tokens is dear: one draft wins despite the high reach at depth 2. It is
+    # measured in the fast pass's kernels (the target's own attention, no row floor), as the timed decodes run.
+    from specheads.decoding.exact import row_floor_is_on
+
+    measured_in = []
+    monkeypatch.setattr("specheads.evaluation.shape_choice.verify_costs", lambda runner, prompt, ns, reps=7: (
+        measured_in.append((runner.model.config._attn_implementation, row_floor_is_on(runner.model))),
+        ({1: 1.0, 2: 1.05, 3: 3.0}, 1.0))[1])
     methods = plan_methods("eagle1", str(head), [], head_shape="auto")
     assert [m.name for m in methods] == ["eagle1-auto", "eagle1-sglang", "eagle1-vllm"]
     cfg = EvalConfig(methods[:1], spec, max_new_tokens=6, temperatures=(0.0,), batch_sizes=(1,), repeats=1)
     report = evaluate(target, cfg)
     ch = report["shape_choice"]["eagle1-auto"]
+    assert measured_in == [("eager", False)] and report["exact_forward"]["row_floor"] >= 1
     assert ch["label"] == "chain1" and ch["reach"] == [0.9, 0.8] and ch["c"] > 0
     assert ch["heldout_split"]["heldout_rows"] == 8 and ch["heldout_split"]["heldout_chats_scored"] == 0
     assert report["methods"][0]["shape"] == "chain1" and report["methods"][0]["lossless"]["exact"]
@@ -273,7 +279,8 @@ def test_auto_shape_picks_a_chain_from_the_cost_curve_and_held_out_reach(target,
 
 def test_bfloat16_target_is_evaluated_with_exact_forwards(smollm2_tokenizer, tmp_path, monkeypatch):
     """Issue 13: a bfloat16 target gets batch-invariant forwards before the plain pass (plain and
-    speculative decoding alike), the report says so, and greedy decoding stays exact."""
+    speculative decoding alike in the exact pass, which judges), the report says so, and greedy decoding stays exact.
+    The timed fast pass leaves the target on its own attention."""
     import torch
 
     import specheads.evaluation.suite as suite
@@ -288,11 +295,13 @@ def test_bfloat16_target_is_evaluated_with_exact_forwards(smollm2_tokenizer, tmp
     spec = BenchmarkSpec(mtbench_per_category=None, mtbench_turns=(1, 2), humaneval=0, chat=0)
     report = evaluate(target, EvalConfig(methods, spec, max_new_tokens=10, temperatures=(0.0,), batch_sizes=(1,),
                                          repeats=1))
-    assert model.config._attn_implementation == ATTENTION_NAME
+    assert model.config._attn_implementation == "eager"  # the fast pass's, as it decodes after the evaluation
+    assert report["passes"]["exact"]["attention"] == ATTENTION_NAME and report["passes"]["fast"]["attention"] == "eager"
     assert report["exact_forward"]["attention"] == ATTENTION_NAME and report["target_dtype"] == "torch.bfloat16"
-    assert all(m["lossless"]["exact"] for m in report["methods"])
+    assert all(m["lossless"]["exact"] and m["lossless"]["pass"] == "exact" for m in report["methods"])
     write_report(report, tmp_path)
-    assert "bfloat16, exact forwards (attention in float64" in (tmp_path / "report.md").read_text()
+    assert ("bfloat16, fast pass attention `eager`, linear layers unpadded; exact pass exact forwards (attention in "
+            "float64") in (tmp_path / "report.md").read_text()
 
 
 def test_float32_cpu_target_decodes_on_the_linear_layout_measured_faster(smollm2_tokenizer, tmp_path, monkeypatch):
