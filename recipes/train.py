@@ -36,6 +36,7 @@ from specheads.training.checkpoint import check_resume_settings, resume_checkpoi
 from specheads.training.config import (OptimConfig, TrainConfig, check_data_source, check_settings,
                                        check_store_source)
 from specheads.training.engine import train
+from specheads.training import sequence_parallel
 
 log = logging.getLogger("specheads.train")
 
@@ -58,6 +59,7 @@ class DataSchema:
 class LoopSchema:
     max_steps: int = 1000
     max_minutes: Optional[float] = None
+    sequence_parallel: int = 1
     onednn_cache: Optional[int] = None
     free_target_layers: bool = True
     malloc_trim_every: int = 0
@@ -170,6 +172,7 @@ def check_config(cfg: DictConfig) -> tuple[TrainConfig, OptimConfig, dict[str, A
     its first stage)."""
     tcfg, ocfg, mcfg = to_configs(cfg)
     check_settings(tcfg, ocfg, mcfg, OmegaConf.to_container(cfg.data, resolve=True))
+    sequence_parallel.check_settings(tcfg.sequence_parallel, mcfg["name"])
     build_method(**mcfg)
     return tcfg, ocfg, mcfg
 
@@ -312,6 +315,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if cfg.features_dir:
         check_store_source(cfg.features_dir, cfg.prepared_dir, method, target_config(cfg.target.name_or_path),
                            cfg.target.name_or_path)
+    if tcfg.sequence_parallel > 1:  # the launch's world size, the drafter's heads (the target's)
+        sequence_parallel.check_launch(tcfg.sequence_parallel, method.name, target_config(cfg.target.name_or_path),
+                                       cfg.target.get("parallel", "none"))
     precision = training_precision(tcfg, cfg.target.name_or_path)
     acc = make_accelerator(tcfg, method)
     target_dtype = cfg.target.dtype
@@ -326,8 +332,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if hasattr(method, "bind"):  # methods whose features depend on the target (EAGLE-3's layer ids)
         method.bind(target)
     train_src, eval_src = build_data(cfg, method, target)
-    if cfg.data.epochs:
-        tcfg.max_steps = steps_for_epochs(cfg.data.epochs, len(train_src), acc.num_processes, tcfg.grad_accum)
+    sequence_parallel.check_row_lengths(tcfg.sequence_parallel, train_src.lengths)
+    if cfg.data.epochs:  # a sequence-parallel group reads one batch
+        tcfg.max_steps = steps_for_epochs(cfg.data.epochs, len(train_src),
+                                          acc.num_processes // tcfg.sequence_parallel, tcfg.grad_accum)
         log.info("data.epochs=%s: %d optimizer steps (%d batches per epoch)", cfg.data.epochs, tcfg.max_steps,
                  len(train_src))
     set_vocab_rows(method, cfg, train_src)

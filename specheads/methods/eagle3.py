@@ -196,16 +196,21 @@ class Eagle3Method(FusedLayers):
         row_of[need] = torch.arange(probs.shape[0], device=last.device)
         return TargetRows(probs=probs, argmax=argmax, row_of=row_of, in_vocab=model.t2d[argmax] & need)
 
+    sequence_parallel = None  # a training.sequence_parallel.SequenceShard: this rank trains a slice of each row
+
     def loss(self, model: Eagle3Model, batch: dict, target: Target) -> StepOutput:
         if self.loss_rows == "all":
             batch = {**batch, "loss_mask": batch["attention_mask"]}
+        shard, own = self.sequence_parallel, None
+        if shard is not None:  # this rank's positions and the ttt_steps + 1 after them
+            batch, own = shard.local_batch(batch, self.ttt_steps + 1)
         rows = self.target_rows(model, batch, target)
-        h0 = model.fuse(batch["hidden_aux"])
+        h0 = model.fuse(batch["hidden_aux"][:, :own])
         if self.feature_noise and model.training:
             scale = self.feature_noise * h0.detach().float().pow(2).mean(-1, keepdim=True).sqrt()
             h0 = h0 + (scale * (2 * torch.rand_like(scale.expand_as(h0)) - 1)).to(h0.dtype)
         loss, stats = ttt_loss(model, h0, batch, rows, self.ttt_steps, self.step_decay, self.head_chunk,
-                               self.feature_weight, self.offpath_weight, self.lk_weight)
+                               self.feature_weight, self.offpath_weight, self.lk_weight, shard)
         metrics = {}
         for i, s in enumerate(stats):
             metrics[f"step{i}_loss"] = float(s.loss)

@@ -42,17 +42,21 @@ def default_positions(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def unroll(model, hidden: torch.Tensor, input_ids: torch.Tensor, steps: int,
-           position_ids: torch.Tensor | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+           position_ids: torch.Tensor | None = None, cache: UnrollCache | None = None
+           ) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield ``(i, h_out_i (B, T, H))`` for ``i < steps``; step ``i+1`` reads ``h_out_i``.
 
-    hidden: (B, T, H) the drafter's step-0 input (EAGLE-3: already fused); input_ids: (B, T).
+    hidden: (B, T, H) the drafter's step-0 input (EAGLE-3: already fused); input_ids: (B, T') with T' >= T (the
+    tokens after the first T positions feed their later steps: a sequence-parallel slice and its halo);
+    position_ids: (B, T), default 0..T-1; cache: a fresh ``UnrollCache`` (default) or a sequence-parallel one.
     """
+    T = hidden.shape[1]
     if position_ids is None:
-        position_ids = default_positions(input_ids)
-    cache = UnrollCache(model.num_draft_layers)
+        position_ids = default_positions(input_ids[:, :T])
+    cache = UnrollCache(model.num_draft_layers) if cache is None else cache
     h = hidden
     for i in range(steps):
-        h = model.decode(h, shift_tokens(input_ids, 1 + i), position_ids + i, None, cache)
+        h = model.decode(h, shift_tokens(input_ids, 1 + i)[:, :T], position_ids + i, None, cache)
         yield i, h
 
 
@@ -107,7 +111,7 @@ def _linear_head(model) -> torch.nn.Linear | None:
 
 def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: TargetRows, steps: int,
              decay: float = 0.8, chunk: int = 2048, feature_weight: float = 0.0,
-             offpath_weight: float = 1.0, lk_weight: float = 0.0) -> tuple[torch.Tensor, list[StepStats]]:
+             offpath_weight: float = 1.0, lk_weight: float = 0.0, shard=None) -> tuple[torch.Tensor, list[StepStats]]:
     """Weighted sum over steps of the mean soft cross-entropy (weights ``decay**i``).
 
     Step ``i`` is trained on ``step_rows`` whose target argmax lies in the draft vocabulary.
@@ -120,20 +124,30 @@ def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: 
     the target's own choices); the step's loss is then the weighted mean.
     lk_weight > 0 mixes in the LK acceptance objective (``losses.soft_cross_entropy``); not with offpath_weight < 1,
     which scales the target distribution itself.
+    shard: a ``specheads.training.sequence_parallel.SequenceShard``: ``hidden`` holds this rank's C positions of the
+    row, ``batch`` and ``rows`` those plus the ``steps + 1`` after them; each step's loss is this rank's sum over
+    the group's count, the total the group's sum (differentiable), the stats the group's.
     Returns (loss scalar, per-step stats with accuracy against the target argmax on those rows).
     """
-    total, stats = None, []
-    for i, h_out in unroll(model, hidden, batch["input_ids"], steps):
+    total, stats, own = None, [], hidden.shape[1]
+    position_ids = cache = None
+    if shard is not None:
+        position_ids = shard.positions(hidden.shape[0], own, hidden.device)
+        cache = shard.cache(model.num_draft_layers)
+    for i, h_out in unroll(model, hidden, batch["input_ids"], steps, position_ids, cache):
         b, t = step_rows(batch, i)
-        keep = rows.in_vocab[b, t + 1 + i]
+        keep = rows.in_vocab[b, t + 1 + i] & (t < own)  # a shard's halo positions are another rank's
         b, t = b[keep], t[keep]
         idx = rows.row_of[b, t + 1 + i]
-        n = b.numel()
-        denom, weight = float(max(n, 1)), None
+        n, weight = b.numel(), None
         if offpath_weight != 1.0:
             offpath = (rows.row_of[b, t + i] >= 0) & (batch["input_ids"][b, t + 1 + i] != rows.argmax[b, t + i])
             weight = torch.where(offpath, offpath_weight, 1.0).to(rows.probs.dtype)
-            denom = max(float(weight.sum()), 1e-6)
+        weighed = float(n) if weight is None else float(weight.sum())
+        if shard is not None:  # the group's counts: the step's loss is the one-process mean
+            counts = shard.total(torch.tensor([n, weighed], dtype=torch.float64, device=hidden.device))
+            n, weighed = int(counts[0]), float(counts[1])
+        denom = float(max(n, 1)) if weight is None else max(weighed, 1e-6)
         # The step's labels are rows.probs[idx] (* weight): gathered a chunk at a time inside the loss, never copied
         # whole (steps x (N, V) float32 kept for backward, 7 GiB at 8k tokens and 7 steps).
         head = _linear_head(model)
@@ -153,7 +167,18 @@ def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: 
         # The 0 * sum keeps every parameter in the graph even when a step has no rows.
         term = decay ** i * step_loss + 0.0 * h_out.sum() if total is None else decay ** i * step_loss
         total = term if total is None else total + term
+    if shard is not None:
+        total, stats = shard.combine(total), _group_stats(stats, shard)
     return total, stats
+
+
+def _group_stats(stats: list[StepStats], shard) -> list[StepStats]:
+    """Per-step stats of a sequence-parallel group: losses and correct counts summed (counts are already the
+    group's)."""
+    local = torch.tensor([[float(s.loss), s.correct] for s in stats], dtype=torch.float64,
+                         device=stats[0].loss.device)
+    summed = shard.total(local)
+    return [StepStats(loss.to(s.loss), int(c), s.total) for s, (loss, c) in zip(stats, summed)]
 
 
 @torch.no_grad()

@@ -37,6 +37,7 @@ from specheads.training.config import NonFiniteLossError, OptimConfig, TrainConf
 from specheads.training.heldout import evaluate
 from specheads.training.run_log import SUMMARY_FILE, RunLogger, read_losses
 from specheads.training.schedule import TimeBudget, make_scheduler
+from specheads.training import sequence_parallel
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def train(method: Method, target: Target, train_data: BatchSource, cfg: TrainCon
     if cfg.deterministic and acc.device.type == "cpu":
         torch.use_deterministic_algorithms(True, warn_only=True)
     set_seed(cfg.seed)
+    sequence_parallel.enable(method, cfg.sequence_parallel)  # before the module is built and wrapped
     out = Path(cfg.output_dir)
     ckpt_root = out / "checkpoints"
     if acc.is_main_process:
@@ -105,7 +107,8 @@ def train(method: Method, target: Target, train_data: BatchSource, cfg: TrainCon
 
 
 def _loop(method, model, target, train_data, eval_data, cfg, acc, optimizer, scheduler, st, logger, saver):
-    stream = micro_batches(train_data, st.epoch, st.pos, acc.num_processes, acc.process_index)
+    stream = micro_batches(train_data, st.epoch, st.pos,  # a sequence-parallel group's ranks read one batch
+                           *sequence_parallel.data_share(acc.num_processes, acc.process_index, cfg.sequence_parallel))
     params = [p for p in model.parameters() if p.requires_grad]
     last_eval: dict[str, float] | None = None
     model.train()
@@ -211,8 +214,10 @@ def _finish(method, model, target, eval_data, cfg, acc, st, last_eval, resumed, 
     if acc.is_main_process:
         log.info("saving the head to %s", head_dir)
     _save_head(method, model, target, acc, head_dir)
-    # The ranks of a tensor-parallel target group train on the same batches: count them once.
-    tokens = int(acc.reduce(torch.tensor(st.tokens, device=acc.device), "sum")) // target.layout.tp_size
+    # The ranks of a tensor-parallel target group, or of a sequence-parallel group, train on the same batches:
+    # count them once.
+    tokens = int(acc.reduce(torch.tensor(st.tokens, device=acc.device), "sum")) // target.layout.tp_size \
+        // cfg.sequence_parallel
     ev = last_eval or {}
     summary = {
         "method": method.name, "steps": st.step, "epoch": st.epoch, "train_tokens": tokens,

@@ -1,0 +1,103 @@
+"""Run under torchrun by test_sequence_parallel_processes.py: an EAGLE-3 loss on rows split across the processes.
+
+    torchrun --nproc_per_node N tests/distributed/sp_worker.py OUT_DIR CASE [CASE ...]
+
+CASE is ``name:T:B:steps:dtype:heads:kv_heads:window:offpath:feature`` (``window`` 0 = full attention). For each
+case every rank builds the same tiny EAGLE-3 head (hidden 32) and the same random batch of B rows of T
+positions (features as a feature store holds them; a padded tail on row 1 when B > 1), wraps the engine's
+``TrainingModule`` in DDP over gloo as ``accelerate launch`` does, and runs one forward and backward with each row
+split across the N ranks (``train.sequence_parallel=N``): DDP averages the gradients over the ranks. Rank 0 then
+computes the same loss in one process (``sequence_parallel`` unset) on the whole rows and writes both, with every
+parameter's gradient, to OUT_DIR/<name>.pt.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+VOCAB, HIDDEN, DRAFT_VOCAB = 128, 32, 64
+
+
+def parse(case: str) -> dict:
+    name, T, B, steps, dtype, heads, kv_heads, window, offpath, feature = case.split(":")
+    return {"name": name, "T": int(T), "B": int(B), "steps": int(steps), "dtype": getattr(torch, dtype),
+            "heads": int(heads), "kv_heads": int(kv_heads), "window": int(window) or None, "offpath": float(offpath),
+            "feature": float(feature)}
+
+
+def build(case: dict):
+    """(method, head, target, batch): identical on every rank (fixed seeds)."""
+    from specheads.methods.eagle3 import Eagle3Method
+    from tests.conftest import make_tiny_target
+
+    dtype = case["dtype"]
+    target = make_tiny_target("llama", vocab=VOCAB, hidden=HIDDEN, layers=3, heads=case["heads"],
+                              kv_heads=case["kv_heads"], dtype=dtype)
+    method = Eagle3Method(draft_vocab_size=DRAFT_VOCAB, aux_layers=[0, 1, 2], ttt_steps=case["steps"],
+                          sliding_window=case["window"], offpath_weight=case["offpath"],
+                          feature_weight=case["feature"])
+    torch.manual_seed(1)
+    model = method.make_model(target).to(dtype).attach(target)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))[:DRAFT_VOCAB].sort().values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[ids] = True
+    model.set_draft_vocab(ids - torch.arange(DRAFT_VOCAB), t2d)
+    return method, model, target, batch(case)
+
+
+def batch(case: dict) -> dict:
+    B, T, dtype = case["B"], case["T"], case["dtype"]
+    g = torch.Generator().manual_seed(3)
+    attn = torch.ones(B, T, dtype=torch.long)
+    if B > 1:
+        attn[1, T - T // 3:] = 0  # a padded tail
+    loss_mask = (torch.rand(B, T, generator=g) > 0.2).long() * attn
+    loss_mask[:, : T // 10] = 0  # a prompt
+    return {"input_ids": torch.randint(0, VOCAB, (B, T), generator=g) * attn, "attention_mask": attn,
+            "loss_mask": loss_mask, "hidden_aux": torch.randn(B, T, 3 * HIDDEN, generator=g, dtype=dtype),
+            "hidden_last": torch.randn(B, T, HIDDEN, generator=g, dtype=dtype)}
+
+
+def run(module, batch: dict) -> tuple[float, dict, dict, float]:
+    t0 = time.perf_counter()
+    out = module(batch)
+    out.loss.backward()
+    inner = getattr(module, "module", module).model
+    grads = {n: p.grad.detach().clone() for n, p in inner.named_parameters() if p.requires_grad}
+    return out.loss.item(), grads, out.metrics, time.perf_counter() - t0
+
+
+def main(out_dir: str, *cases: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from specheads.methods.base import TrainingModule
+    from specheads.training import sequence_parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for text in cases:
+        case = parse(text)
+        method, model, target, rows = build(case)
+        shard = sequence_parallel.enable(method, world)
+        assert shard is not None and shard.rank == rank
+        split = run(DistributedDataParallel(TrainingModule(method, model, target)), rows)
+        if rank == 0:
+            method, model, target, rows = build(case)  # a fresh head, outside DDP
+            whole = run(TrainingModule(method, model, target), rows)
+            torch.save({"split": split, "whole": whole, "world": world}, Path(out_dir) / f"{case['name']}.pt")
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,81 @@
+"""Sequence parallel (``train.sequence_parallel``): rows split across 2 CPU processes (gloo) give the loss, the
+step metrics and every gradient of one process (specheads/training/sequence_parallel.py).
+
+One torchrun launch of ``sp_worker.py`` runs every case; each rank wraps the engine's ``TrainingModule`` in DDP, as
+``accelerate launch`` does, so the gradients compared are the ones the optimizer would step with.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from dist_launch import REPO, launch_env
+
+pytestmark = pytest.mark.distributed
+
+WORKER = Path(__file__).with_name("sp_worker.py")
+# name:T:B:steps:dtype:heads:kv_heads:window:offpath:feature (sp_worker.parse)
+CASES = {
+    # one 16k-token row, 2 unrolled steps, float32 (2 heads of 16: the attention's cost sets the test's time)
+    "long": "long:16384:1:2:float32:2:2:0:1:0",
+    # float64, to rounding: grouped-query heads, two rows (one padded), a length the 2 ranks do not divide,
+    # a sliding window, the off-path weights
+    "grouped": "grouped:203:2:4:float64:4:2:0:1:0",
+    "window": "window:203:2:3:float64:4:2:16:0.5:0",
+    # the feature regression sums in float32 (losses.feature_loss), whatever the head's dtype
+    "feature": "feature:150:1:3:float64:4:2:0:1:0.1",
+}
+
+
+FLOAT32 = {"rtol": 1.3e-6, "atol": 1e-6}  # torch's float32 default rtol
+FLOAT64 = {"rtol": 1e-12, "atol": 1e-15}
+# (loss and step losses, accuracies, gradients): the feature regression's float32 sums round at ~1e-7 of the loss
+TOLERANCE = {"long": (FLOAT32, {"rtol": 0, "atol": 1e-4}, FLOAT32),
+             "grouped": (FLOAT64, {"rtol": 0, "atol": 0}, FLOAT64),
+             "window": (FLOAT64, {"rtol": 0, "atol": 0}, FLOAT64),
+             "feature": ({"rtol": 1e-7, "atol": 0}, {"rtol": 0, "atol": 0}, FLOAT64)}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("sequence_parallel")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(WORKER), str(out), *CASES.values()]
+    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in CASES}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_processes_give_the_loss_and_metrics_of_one(results, name):
+    (split_loss, _, split_metrics, _), (whole_loss, _, whole_metrics, _) = results[name]["split"], results[name]["whole"]
+    losses, accuracies, _ = TOLERANCE[name]
+    assert results[name]["world"] == 2
+    assert_close(split_loss, whole_loss, **losses)
+    assert split_metrics.keys() == whole_metrics.keys() and whole_metrics
+    for key, value in whole_metrics.items():
+        assert_close(split_metrics[key], value, **(losses if "loss" in key else accuracies), msg=key)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_processes_give_every_gradient_of_one(results, name):
+    split, whole = results[name]["split"][1], results[name]["whole"][1]
+    assert split.keys() == whole.keys() and len(whole) >= 10
+    for key, grad in whole.items():
+        assert grad.abs().max() > 0, key  # every compared gradient is there to compare
+        assert_close(split[key], grad, **TOLERANCE[name][2], msg=key)
