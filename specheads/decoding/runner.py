@@ -73,6 +73,9 @@ class AttentionLayout:
         return cls(window, per_type)
 
 
+PREFILL_CHUNK = 512  # prompt tokens per prefill forward: longer prompts are fed in chunks (``TargetRunner.prefill``)
+
+
 @dataclass
 class ForwardOutput:
     """logits: (B, q, V) or None; hidden_last: (B, q, H) post-norm; hidden_aux: (B, q, k*H) or None."""
@@ -238,14 +241,24 @@ class TargetRunner:
             self.cache.crop(-drop)
 
     # ------------------------------------------------------------------ convenience
-    def prefill(self, prompts: list[list[int]]) -> ForwardOutput:
-        """Commit ``prompt[:-1]`` for every row (the last prompt token stays pending, see generate.py).
+    def prefill(self, prompts: list[list[int]], chunk: int = PREFILL_CHUNK) -> ForwardOutput:
+        """Commit ``prompt[:-1]`` for every row (the last prompt token stays pending, see generate.py), in forwards
+        of at most ``chunk`` tokens a row, each committed before the next: a long prompt's masks and attention
+        scores are (chunk, context), never (context, context). A prompt within one chunk is one forward.
 
-        Returns the forward's hidden states for those positions (right padded), no logits.
+        Returns the hidden states for those positions (right padded), no logits.
         """
         if any(len(p) < 2 for p in prompts):
             raise ValueError("every prompt needs at least 2 tokens (the last one is fed by the first step)")
         self.reset(len(prompts))
-        out = self.forward_chain([list(p[:-1]) for p in prompts], logits=False)
-        self.commit([list(range(len(p) - 1)) for p in prompts])
-        return out
+        rows = [list(p[:-1]) for p in prompts]
+        parts = []
+        for start in range(0, max(map(len, rows)), chunk):
+            pieces = [r[start:start + chunk] for r in rows]
+            parts.append(self.forward_chain(pieces, logits=False))
+            self.commit([list(range(len(x))) for x in pieces])
+        if len(parts) == 1:
+            return parts[0]
+        # each chunk's rows start at its first position: joined along the tokens, a row's states stay in order
+        aux = torch.cat([o.hidden_aux for o in parts], 1) if parts[0].hidden_aux is not None else None
+        return ForwardOutput(None, torch.cat([o.hidden_last for o in parts], 1), aux)

@@ -102,3 +102,23 @@ def test_rewind_gives_back_the_context_a_fresh_prefill_leaves():
     assert torch.equal(r.forward(torch.tensor([[7, 8]]), torch.tensor([[-1, 0]])).logits, want)
     with pytest.raises(ValueError, match="truncate"):
         r.rewind(base + 5)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_with_the_states_and_cache_of_one_forward(monkeypatch):
+    """Chunks of 4 tokens over a ragged batch (rows of 11 and 3 prompt tokens): the prompt's states, the committed
+    slots and the next forward's logits are one whole-prompt forward's; no forward sees more than 4 queries."""
+    m = peaky_model()
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [7, 8, 9, 4]]
+    whole, chunked = TargetRunner(m), TargetRunner(m)
+    a = whole.prefill(prompts)
+    queries = []
+    forward = TargetRunner.forward
+    monkeypatch.setattr(TargetRunner, "forward", lambda self, tok, *x, **k: (queries.append(tok.shape[1]),
+                                                                             forward(self, tok, *x, **k))[1])
+    b = chunked.prefill(prompts, chunk=4)
+    assert queries == [4, 4, 3]
+    for row, n in enumerate(len(p) - 1 for p in prompts):
+        torch.testing.assert_close(b.hidden_last[row, :n], a.hidden_last[row, :n], **TOL)
+    assert torch.equal(chunked.num_tokens, whole.num_tokens)
+    nxt = torch.tensor([[12], [4]]), torch.tensor([[-1], [-1]])
+    torch.testing.assert_close(chunked.forward(*nxt).logits, whole.forward(*nxt).logits, **TOL)
