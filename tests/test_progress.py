@@ -57,10 +57,11 @@ def test_evaluation_total_is_the_number_of_progress_reports(smollm2_tokenizer, m
                MethodSpec("ee", "early_exit", TreeShape("chain", k=2), early_exit_layers=1)]
     cfg = EvalConfig(methods, BenchmarkSpec(), max_new_tokens=3, temperatures=(0.0, 1.0), batch_sizes=batch_sizes,
                      batch_prompts=3, repeats=repeats, paired=paired, cpu_linears="plain")
-    reports = []
-    evaluate(target, cfg, progress=reports.append)
+    reports, totals = [], []
+    evaluate(target, cfg, progress=reports.append, resized=totals.append)  # a CPU target: with an exact pass
     assert len(reports) == evaluation_steps(len(prompts), methods, cfg.temperatures, cfg.repeats, cfg.paired,
-                                            cfg.batch_sizes, cfg.batch_prompts)
+                                            cfg.batch_sizes, cfg.batch_prompts, exact=True) == totals[0]
+    assert sum("exact pass" in r for r in reports) == len(prompts) * (1 + len(methods))
 
 
 def _bar(tmp_path, monkeypatch, max_steps: int, max_minutes: float | None, start_step: int = 0):
