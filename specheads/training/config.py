@@ -100,8 +100,8 @@ DATA_RULES = {"max_tokens": "?>= 1", "batch_size": "?>= 1", "eval_samples": ">= 
 # count never reached exactly, DeepSpeed's micro-batch size). Other counts (warmup_steps, log_every, max_tokens...)
 # only meet comparisons, where a float does what it says.
 INTEGER_SETTINGS = frozenset({
-    "train.max_steps", "train.grad_accum", "train.sequence_parallel", "train.keep_checkpoints", "train.onednn_cache", "train.measure_k",
-    "train.measure_fans", "data.batch_size", "data.eval_samples", "data.max_length", "data.pad_to_multiple_of",
+    "train.max_steps", "train.grad_accum", "train.sequence_parallel", "train.keep_checkpoints", "train.onednn_cache",
+    "train.measure_k", "train.measure_fans", "data.batch_size", "data.eval_samples", "data.max_length", "data.pad_to_multiple_of",
     *(f"method.{name}" for name in ("num_heads", "num_layers", "top_k", "lora_r", "draft_vocab_size", "ttt_steps",
                                     "target_chunk", "head_chunk", "eval_steps", "block_size", "anchors",
                                     "eval_anchors")),
@@ -127,7 +127,8 @@ def check_settings(train: TrainConfig, optim: OptimConfig, method: Mapping[str, 
     for name, rule in (("max_steps", ">= 1"), ("grad_accum", ">= 1"), ("max_grad_norm", "?> 0"),
                        ("log_every", ">= 1"), ("eval_every", ">= 0"), ("save_every", ">= 0"),
                        ("keep_checkpoints", ">= 0"),
-                       ("max_minutes", "?> 0"), ("sequence_parallel", ">= 1"), ("onednn_cache", "?>= 1"), ("malloc_trim_every", ">= 0"),
+                       ("max_minutes", "?> 0"), ("sequence_parallel", ">= 1"), ("onednn_cache", "?>= 1"),
+                       ("malloc_trim_every", ">= 0"),
                        ("measure_prompts", ">= 0"), ("measure_k", ">= 1"), ("measure_tokens", ">= 1")):
         _check(f"train.{name}", getattr(train, name), rule)
     for width in train.measure_fans:

@@ -63,7 +63,8 @@ def results(tmp_path_factory) -> dict[str, dict]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_processes_give_the_loss_and_metrics_of_one(results, name):
-    (split_loss, _, split_metrics, _), (whole_loss, _, whole_metrics, _) = results[name]["split"], results[name]["whole"]
+    (split_loss, _, split_metrics, _), (whole_loss, _, whole_metrics, _) = (results[name]["split"],
+                                                                            results[name]["whole"])
     losses, accuracies, _ = TOLERANCE[name]
     assert results[name]["world"] == 2
     assert_close(split_loss, whole_loss, **losses)
@@ -79,3 +80,40 @@ def test_two_processes_give_every_gradient_of_one(results, name):
     for key, grad in whole.items():
         assert grad.abs().max() > 0, key  # every compared gradient is there to compare
         assert_close(split[key], grad, **TOLERANCE[name][2], msg=key)
+
+
+# --------------------------------------------------------------------------- through the recipe
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(assets, tmp_path_factory):
+    """EAGLE-3 through recipes/train.py, 6 optimizer steps of 2 micro-batches of 9 rows: 2 processes under
+    cpu_ddp.yaml with ``train.sequence_parallel=2`` (one group: both ranks read every batch, each trains half of
+    every row) and one process."""
+    from dist_launch import EQUIV_ARGS, PER_RANK_BATCH, launch, single_process, train_args
+
+    root = tmp_path_factory.mktemp("sequence_parallel_recipe")
+    args = [*EQUIV_ARGS, f"data.batch_size={PER_RANK_BATCH}"]
+    split = launch("cpu_ddp.yaml", root / "split", train_args(assets, root / "split", "eagle3", *args,
+                                                              "train.sequence_parallel=2")).check()
+    whole = single_process(root / "whole", train_args(assets, root / "whole", "eagle3", *args)).check()
+    return split, whole
+
+
+@pytest.mark.slow
+def test_the_switch_trains_through_the_recipe_as_one_process_does(recipe_runs):
+    split, whole = recipe_runs
+    losses, reference = split.losses(), whole.losses()
+    heads, reference_heads = split.head_state(), whole.head_state()
+    loss_gap = max(abs(losses.get(s, 0.0) / loss - 1) for s, loss in reference.items())
+    head_gap = max(float((heads[k].double() - v.double()).abs().max()) for k, v in reference_heads.items())
+    print(f"sequence parallel 2 vs 1 process: loss gap {loss_gap:.1e} (relative), head gap {head_gap:.1e} (absolute)")
+    assert split.summary["num_processes"] == 2 and whole.summary["num_processes"] == 1
+    assert split.summary["train_tokens"] == whole.summary["train_tokens"]  # one batch per group, counted once
+    assert sorted(losses) == sorted(reference) == list(range(1, 7))
+    assert heads.keys() == reference_heads.keys()
+    for step, loss in reference.items():
+        assert_close(losses[step], loss, rtol=1e-5, atol=0, msg=f"step {step}")
+    for key, value in reference_heads.items():
+        assert_close(heads[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    assert abs(reference[6] - reference[1]) > 1e-3  # training moved the head: the runs are not two untrained heads

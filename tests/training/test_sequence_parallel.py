@@ -18,8 +18,8 @@ from specheads.training.batches import IterableSource, micro_batches
     ({"size": 2, "method": "medusa1"}, "method medusa1 does not split rows across processes yet"),
     ({"size": 2, "method": "dflash"}, "method dflash does not split rows"),
     ({"size": 2, "method": "eagle3", "world": 3}, "does not divide the 3 launched processes"),
-    ({"size": 2, "method": "eagle3", "world": 4, "heads": 9, "kv_heads": 3}, "does not divide the drafter's 9 attention heads"),
-    ({"size": 2, "method": "eagle3", "world": 2, "heads": 4, "kv_heads": 1}, "does not divide the drafter's 1 key/value heads"),
+    ({"size": 2, "method": "eagle3", "world": 4, "heads": 9, "kv_heads": 3}, "the drafter's 9 attention heads"),
+    ({"size": 2, "method": "eagle3", "world": 2, "heads": 4, "kv_heads": 1}, "the drafter's 1 key/value heads"),
     ({"size": 2, "method": "eagle3", "world": 2, "target_parallel": "tp"}, "with target.parallel=tp"),
 ])
 def test_a_size_the_run_cannot_take_is_refused_in_one_line(kwargs, words):
