@@ -37,7 +37,7 @@ def test_smollm2_in_the_dtype_this_machine_picks_is_lossless_where_bfloat16_once
     """The real target loaded as the evaluate stage loads it (``target.dtype=auto``: bfloat16 where the probe finds
     it faster, as on a CPU with AVX-512 and bfloat16 kernels), the n-gram baseline on the four prompts whose
     greedy outputs once diverged from plain decoding there (at tokens 10-29, the target's margins 0 to 0.125):
-    the report's lossless check must be exact, with the exact forwards proven on this machine."""
+    the report's lossless check (the exact pass's) must be exact, with the exact forwards proven on this machine."""
     import specheads.evaluation.suite as suite
     from specheads.decoding.exact import ExactDecodeCalls
     from specheads.targets import load_target
@@ -53,4 +53,9 @@ def test_smollm2_in_the_dtype_this_machine_picks_is_lossless_where_bfloat16_once
     ex = report["exact_forward"]
     assert ex["proven"] and ex["proof"]["unequal"] == 0, ex
     (m,) = report["methods"]
-    assert m["lossless"] == {"checked": 4, "mismatches": [], "exact": True}
+    ll = m["lossless"]
+    # the verdict is the exact pass's; the fast pass may round a near-tie otherwise (a numerical divergence, reported
+    # with the target's top-2 margin there, which must then be a near-tie in this dtype's rounding)
+    assert {k: ll[k] for k in ("checked", "mismatches", "exact", "pass")} == \
+        {"checked": 4, "mismatches": [], "exact": True, "pass": "exact"}, ll
+    assert all(d["margin"] <= 0.25 for d in ll["divergences"]), ll["divergences"]
