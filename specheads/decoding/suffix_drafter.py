@@ -25,6 +25,7 @@ the better of the request's trie and the global one (the request's among equals)
 from __future__ import annotations
 
 import heapq
+import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -220,6 +221,22 @@ class SuffixDrafter(Drafter):
 
     def label(self) -> str:
         return f"suffix({'tree' if self.tree else 'chain'}{self.k},d{self.max_depth})"
+
+    def vllm_speculative_config(self) -> dict:
+        """vLLM's ``speculative_config`` that drafts as this drafter does (its V1 runner, through
+        ``arctic-inference``); vLLM drafts chains with no offset, so a tree or an offset has none."""
+        if self.tree or self.spec_offset:
+            raise ValueError("vLLM's suffix method drafts a chain with no offset: no serve line for tree=True or "
+                             f"spec_offset={self.spec_offset}")
+        return {"method": "suffix", "num_speculative_tokens": self.k,
+                "suffix_decoding_max_tree_depth": self.max_depth,
+                "suffix_decoding_max_spec_factor": self.spec_factor,
+                "suffix_decoding_min_token_prob": self.min_token_prob,
+                "suffix_decoding_max_cached_requests": self.max_cached_requests}
+
+    def serve_line(self, target: str) -> str:
+        """The command that serves ``target`` with vLLM drafting as this drafter does."""
+        return f"vllm serve {target} --speculative-config '{json.dumps(self.vllm_speculative_config())}'"
 
     def start(self, prompts, feats) -> None:
         """New requests: a trie of each prompt; earlier outputs of these same prompts leave the global trie."""

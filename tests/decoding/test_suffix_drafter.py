@@ -301,3 +301,18 @@ def test_suffix_sampling_is_lossless_and_a_planted_bug_is_caught(tree, monkeypat
     if not tree:
         monkeypatch.setattr(SuffixDrafter, "_draft_tree", _uniform_q)
         assert ts.chi2_pvalue(sample(), exact) < ts.THRESH
+
+
+def test_the_serve_line_is_vllms_suffix_method_and_the_guide_shows_the_rows():
+    from pathlib import Path
+
+    d = SuffixDrafter(k=4)
+    assert d.vllm_speculative_config() == {
+        "method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 24,
+        "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1,
+        "suffix_decoding_max_cached_requests": 10000}
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "evaluate.md").read_text()
+    assert d.serve_line("$TARGET") in guide
+    for other in (SuffixDrafter(tree=True), SuffixDrafter(spec_offset=1.0)):
+        with pytest.raises(ValueError, match="no serve line"):
+            other.vllm_speculative_config()
