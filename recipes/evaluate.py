@@ -22,6 +22,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from tqdm import tqdm
 
+from specheads import families
 from specheads.decoding.drafters import TreeShape
 from specheads.decoding.exact import ExactDecodeCalls
 from specheads.errors import ConfigError, InputNotFoundError, UserError, check_output_folder, user_errors
@@ -115,9 +116,7 @@ ConfigStore.instance().store(name="evaluate_schema", node=EvaluateSchema)
 
 # The names `specheads train` gives its methods, as the evaluator's drafter families (Medusa-1 and -2 heads are
 # both drafted as Medusa; a Medusa-2 head brings its adapted target).
-HEAD_ALIASES = {"medusa": "medusa", "medusa1": "medusa", "medusa2": "medusa", "eagle1": "eagle1", "eagle3": "eagle3",
-                "dflash": "dflash", "peagle": "peagle", "mtp": "mtp",
-                "dspark": "dspark"}
+HEAD_ALIASES = families.aliases()
 HEAD_DIR_HINT = "give the output_dir of `specheads train` (holding head/) or its head/ folder"
 
 

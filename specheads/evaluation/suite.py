@@ -44,6 +44,7 @@ from specheads.decoding.tree import normalize_choices
 from specheads.decoding.verify import LOSSLESS
 from specheads.errors import ConfigError, InputNotFoundError, UserError
 from specheads.export.foreign import head_source
+from specheads.families import BASELINES, FAMILIES, NAMES
 from specheads.evaluation.prompts import (BenchmarkSpec, encode, load_benchmarks, scored_chat_ids, separation_record,
                                          turn_id)
 from specheads.evaluation.budget import EvalPlan, full_plan, plan_budget
@@ -59,13 +60,10 @@ from specheads.targets import Target, eos_token_ids
 from specheads.training.run_log import read_train_summary
 
 log = logging.getLogger(__name__)
-DRAFTERS = ("ngram", "lookahead", "early_exit", "two_model", "medusa", "eagle1", "eagle3", "dflash", "peagle", "mtp",
-            "dspark")
-HEADS = ("medusa", "eagle1", "eagle3", "dflash", "peagle", "mtp", "dspark")
+DRAFTERS = (*BASELINES, *NAMES)
+HEADS = NAMES
 # the ``model_type`` of each head family's saved config.json (checked against the drafter asked for)
-HEAD_MODEL_TYPES = {"medusa": "medusa", "eagle1": "specheads_eagle1", "eagle3": "specheads_eagle3",
-                    "dflash": "specheads_dflash", "peagle": "specheads_peagle", "mtp": "specheads_mtp",
-                    "dspark": "specheads_dspark"}
+HEAD_MODEL_TYPES = {f.name: f.model_type for f in FAMILIES}
 
 
 @dataclass

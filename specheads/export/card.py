@@ -18,10 +18,9 @@ from specheads.export.layouts import Layout, TargetInfo
 from specheads.export.serve import (FOLDER_PLACEHOLDER, NO_SGLANG, TARGET_VAR, serve_commands, serve_params,
                                     target_line)
 from specheads.export.target import TargetOrigin, portable_name
+from specheads.families import family
 from specheads.targets import chat_templates
 
-_TITLES = {"medusa": "Medusa", "eagle1": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash", "peagle": "P-EAGLE",
-           "dspark": "DSpark"}
 # Which engines serve each method (read from the loaders; docs/export.md). Layout -> engines that read it.
 SERVED_BY = {
     ("medusa", "vllm"): "vLLM up to 0.32 (checked: 0.32.0); not vLLM 0.33 (no Medusa method); not SGLang (no Medusa "
@@ -122,7 +121,7 @@ def _facts(layout: Layout, card: CardInputs) -> list[tuple[str, str]]:
     arch = (layout.config.get("architectures") or ["none (TGI needs none)"])[0]
     rows = [("target", f"{where}; hidden {t.hidden_size}, vocab {t.vocab_size}"
              + (f", {t.num_layers} layers" if t.num_layers else "")),
-            ("method", _TITLES[layout.method] + (" (Medusa-2: served with its adapted target, "
+            ("method", family(layout.method).title + (" (Medusa-2: served with its adapted target, "
                                                   f"`{cfg['adapted_target']}/`)" if card.adapted else "")),
             ("layout", f"{layout.engine}, architecture `{arch}`"),
             ("served by", SERVED_BY.get((layout.method, layout.engine), layout.engine)
@@ -139,7 +138,7 @@ def _facts(layout: Layout, card: CardInputs) -> list[tuple[str, str]]:
     if layout.method == "eagle1":
         rows.append(("draft vocabulary", f"full target vocabulary ({cfg['vocab_size']}, target LM head)"))
         rows.append(("input feature", "the target's post-norm last hidden state"))
-    if layout.method in ("eagle3", "peagle"):
+    if family(layout.method).draft_vocab:
         ids = (layout.config.get("eagle_config") or layout.config)["eagle_aux_hidden_state_layer_ids"]
         rows.append(("draft vocabulary", f"{cfg['draft_vocab_size']} of {cfg['vocab_size']} target tokens (d2t/t2d)"))
         rows.append(("aux layers", f"inputs of target decoder layers {cfg['aux_layers']} (= HF hidden_states "
@@ -222,7 +221,7 @@ def _lossless(card: CardInputs) -> list[str]:
 
 def card_text(layout: Layout, card: CardInputs) -> str:
     """The README.md of one exported engine folder."""
-    title = _TITLES[layout.method]
+    title = family(layout.method).title
     front = ([f"base_model: {card.base_model}"] if card.base_model else []) + \
         [f"tags: [speculative-decoding, {layout.method}, {layout.engine}, specheads]"]
     name = card.base_model or Path(card.target.name).name

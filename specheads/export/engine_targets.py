@@ -9,7 +9,9 @@ serving an EAGLE-3 head of Gemma 3 270M, ``Gemma3ForCausalLM``, with vLLM's CPU 
 
 from __future__ import annotations
 
-AUX_STATE_METHODS = ("eagle3", "dflash", "peagle", "dspark")
+from specheads.families import FAMILIES
+
+AUX_STATE_METHODS = tuple(f.name for f in FAMILIES if f.aux_states)  # the families that draft from them
 # vLLM 0.32 implements DSpark only in its V2 GPU model runner, which needs Triton; the CPU build ships none, runs the
 # V1 runner and refuses the method when the engine starts (vllm/config/vllm.py):
 VLLM_CPU_REFUSED = {"dspark": "Model Runner V1 does not support: dspark speculative decoding"}

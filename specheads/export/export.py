@@ -42,6 +42,7 @@ from specheads.export.run_records import (carried_template, describe_data, find_
                                           prepared_meta)
 from specheads.export.serve import provenance_serve, serve_params
 from specheads.export.target import portable_name, target_info, target_tensor
+from specheads.families import family
 from specheads.targets import chat_templates
 from specheads.training.run_log import read_train_summary
 
@@ -147,7 +148,7 @@ def plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spe
     needs = {r.source for lay in layouts.values() for r in lay.rules.values() if r.from_target}
     target_source = {n: target_tensor(target, origin, n) for n in sorted(needs)}
     source = {k: v for f in files for k, v in load_file(str(f)).items()}
-    if method in ("eagle3", "peagle"):
+    if family(method).draft_vocab:
         check_draft_vocab(source["d2t"], source["t2d"], f"head {head}")
     summary = read_train_summary(head)
     template = carried_template(chat_template, target, origin, prepared_meta(data, summary))

@@ -88,6 +88,7 @@ from specheads.errors import UserError
 from specheads.export.checks import ExportError, check_draft_vocab, check_tensors
 from specheads.export.layouts import Layout, LayoutError, TargetInfo, TensorSpec, build_layout, method_of
 from specheads.export.reload import build_head, head_state
+from specheads.families import FAMILIES, family
 
 FORMATS = {
     "speculators": "vLLM speculators' format (config.json with speculators_model_type eagle3, dflash, peagle or "
@@ -104,7 +105,7 @@ FORMATS = {
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Qwen3ForCausalLM")
 _ARCHITECTURES = {**dict.fromkeys(EAGLE3_ARCHITECTURES, "eagle3"), "DFlashDraftModel": "dflash",
                   "EagleLlamaForCausalLM": "eagle1", "LlamaForCausalLMEagle": "eagle1"}  # architecture -> format
-SPECULATORS_METHODS = ("eagle3", "dflash", "peagle", "dspark")  # the speculators_model_type values read
+SPECULATORS_METHODS = tuple(f.speculators_type for f in FAMILIES if f.speculators_type)  # speculators_model_type read
 PEAGLE_DEPTHS = 8  # speculators' num_depths default, which it writes as the greedy proposal's speculative_tokens
 _DSPARK_DEFAULTS = {  # speculators' DSparkSpeculatorConfig defaults (sample_from_anchor true: refused)
     "sample_from_anchor": True, "markov_rank": 256, "markov_head_type": "vanilla", "enable_confidence_head": True,
@@ -521,13 +522,13 @@ def _expected(layout: Layout, head_cfg: dict, names: set[str]) -> dict[str, Tens
         optional["lm_head.weight"] = TensorSpec((V, H))  # the target's LM head, which the head borrows
     if layout.engine == "speculators":
         optional["verifier_norm.weight"] = TensorSpec((H,))  # training only
-    if layout.method in ("eagle3", "peagle"):
+    if family(layout.method).draft_vocab:
         DV = head_cfg["draft_vocab_size"]
         optional.update({"d2t": TensorSpec((DV,), "int64"), "t2d": TensorSpec((V,), "bool")})  # a full vocabulary's
         if layout.engine == "speculators":
             optional["verifier_lm_head.weight"] = TensorSpec((DV, H))
     expected.update({n: s for n, s in optional.items() if n in names and n not in expected})
-    if layout.method in ("eagle3", "peagle") and "t2d" not in names:
+    if family(layout.method).draft_vocab and "t2d" not in names:
         expected.pop("t2d", None)  # rebuilt from d2t (``_t2d``)
     return expected
 
@@ -587,7 +588,7 @@ def read_foreign_head(folder: str | Path, target: TargetInfo) -> ForeignHead:
     if fmt in ("eagle3", "modelopt"):  # vLLM reads layers.0.* as midlayer.* (and SpecForge writes midlayer.*)
         tensors = {("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n): t
                    for n, t in tensors.items()}
-    if layout.method in ("eagle3", "peagle"):
+    if family(layout.method).draft_vocab:
         _integer_maps(tensors)
         _draft_rows_by_target_id(tensors)
     mask = tensors.get("mask_hidden")
@@ -596,12 +597,12 @@ def read_foreign_head(folder: str | Path, target: TargetInfo) -> ForeignHead:
     header = {n: (tuple(t.shape), _CODES.get(t.dtype, str(t.dtype))) for n, t in tensors.items()}
     try:
         check_tensors(header, _expected(layout, head_cfg, set(tensors)), where)
-        if layout.method in ("eagle3", "peagle") and "t2d" not in tensors:
+        if family(layout.method).draft_vocab and "t2d" not in tensors:
             tensors["t2d"] = _t2d(tensors.get("d2t"), head_cfg["vocab_size"], where)
         state = head_state(layout, head_cfg, tensors, where)
     except ExportError as e:
         raise ForeignHeadError(str(e)) from None
-    if layout.method in ("eagle3", "peagle"):
+    if family(layout.method).draft_vocab:
         _eagle3_maps(folder, where, head_cfg, layout, tensors, state)
     borrowed = {n: tensors[n] for n in _BORROWED if n in tensors and (n not in layout.rules
                                                                        or layout.rules[n].from_target)}

@@ -61,29 +61,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-METHODS = ("medusa", "eagle1", "eagle3", "dflash", "peagle", "dspark")
+from specheads.families import FAMILIES, exported
+
+METHODS = exported()  # the families with export layouts (specheads/families.py)
 ENGINES = ("vllm", "sglang", "speculators", "medusa")
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format and loader were checked
 FLOAT = "float"  # any floating dtype, the same for every float tensor of a file
 
-_MODEL_TYPES = {"medusa": "medusa", "specheads_eagle1": "eagle1", "specheads_eagle3": "eagle3",
-                "specheads_dflash": "dflash", "specheads_peagle": "peagle", "specheads_dspark": "dspark"}
-_ARCHITECTURES = {  # (method, engine) -> the architecture written (the medusa layout writes none)
-    ("medusa", "vllm"): "MedusaModel",
-    ("eagle1", "vllm"): "EagleLlamaForCausalLM",
-    ("eagle1", "sglang"): "LlamaForCausalLMEagle",
-    ("eagle3", "vllm"): "LlamaForCausalLMEagle3",
-    ("eagle3", "sglang"): "LlamaForCausalLMEagle3",
-    ("eagle3", "speculators"): "Eagle3DraftModel",
-    ("medusa", "medusa"): "MedusaModel",
-    ("dflash", "vllm"): "DFlashDraftModel",  # z-lab's format (vLLM registry -> qwen3_dflash.DFlashQwen3ForCausalLM)
-    ("dflash", "sglang"): "DFlashDraftModel",  # the same folder (SGLang srt/models/dflash.py EntryClass)
-    ("dflash", "speculators"): "DFlashSpeculator",  # speculators' format, which vLLM converts (algos.update_dflash)
-    ("peagle", "vllm"): "LlamaForCausalLMEagle3",  # EAGLE-3's loader, served with parallel_drafting: true
-    ("peagle", "speculators"): "PEagleSpeculator",  # speculators' peagle format (vLLM: algos.update_peagle)
-    ("dspark", "vllm"): "Qwen3DSparkModel",  # vLLM registry -> qwen3_dspark.Qwen3DSparkForCausalLM
-    ("dspark", "speculators"): "Qwen3DSparkModel",  # kept by vLLM's algos.update_dspark (one it supports)
-}
+_MODEL_TYPES = {f.model_type: f.name for f in FAMILIES if f.exported}
+# (method, engine) -> the architecture written, from each family's ``layouts`` (specheads/families.py)
+_ARCHITECTURES = {(f.name, engine): arch for f in FAMILIES for engine, arch in f.layouts.items()}
 NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")  # EAGLE-3 options, as the engines name them
 ENGINE_NORMS = {  # the NORM_FLAGS each engine's EAGLE-3 drafter computes (read from its loader)
     "vllm": NORM_FLAGS,  # 0.32.0 llama_eagle3.py: input_norm, _norm_before_residual, norm_output's aux output

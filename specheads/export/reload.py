@@ -22,27 +22,13 @@ from safetensors.torch import load_file
 
 from specheads.export.checks import ExportError
 from specheads.export.layouts import Layout, TargetInfo, build_layout, method_of
+from specheads.families import family
 
 
 def _model_class(head_cfg: dict):
-    method = method_of(head_cfg)
-    if method == "medusa":
-        from specheads.models.medusa import MedusaConfig, MedusaHeads
-        return MedusaConfig, MedusaHeads
-    if method == "eagle1":
-        from specheads.models.eagle1 import Eagle1Config, Eagle1Model
-        return Eagle1Config, Eagle1Model
-    if method == "dflash":
-        from specheads.models.dflash import DFlashConfig, DFlashModel
-        return DFlashConfig, DFlashModel
-    if method == "peagle":
-        from specheads.models.peagle import PEagleConfig, PEagleModel
-        return PEagleConfig, PEagleModel
-    if method == "dspark":
-        from specheads.models.dspark import DSparkConfig, DSparkModel
-        return DSparkConfig, DSparkModel
-    from specheads.models.eagle3 import Eagle3Config, Eagle3Model
-    return Eagle3Config, Eagle3Model
+    """(config class, model class) of the head family ``head_cfg`` names (``specheads/families.py``)."""
+    f = family(method_of(head_cfg))
+    return f.config_class(), f.model_class()
 
 
 def exported_head_state(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -86,10 +72,10 @@ def head_state(layout: Layout, head_cfg: dict, exported: dict[str, torch.Tensor]
                 back[j] = chunks[pos]
             t = torch.cat(back, dim=-1)
         state[rule.source] = t
-    if layout.method in ("eagle3", "peagle") and "d2t" not in state:  # a full draft vocabulary: identity maps
+    if family(layout.method).draft_vocab and "d2t" not in state:  # a full draft vocabulary: identity maps
         state["d2t"] = torch.zeros(head_cfg["draft_vocab_size"], dtype=torch.long)
         state["t2d"] = torch.ones(head_cfg["vocab_size"], dtype=torch.bool)
-    elif layout.method in ("eagle3", "peagle") and "t2d" not in state:
+    elif family(layout.method).draft_vocab and "t2d" not in state:
         t2d = torch.zeros(head_cfg["vocab_size"], dtype=torch.bool)
         t2d[torch.arange(state["d2t"].numel()) + state["d2t"]] = True
         state["t2d"] = t2d

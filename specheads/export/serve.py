@@ -23,25 +23,23 @@ from pathlib import Path
 from specheads.evaluation.recommend import best_for_gpu
 from specheads.export.checks import ExportError
 from specheads.export.engine_targets import VLLM_CPU_REFUSED
+from specheads.families import FAMILIES, family
 
 FOLDER_PLACEHOLDER = "<path-or-repo-id-of-this-folder>"  # the card's draft model when nothing was pushed
 TARGET_VAR = "TARGET"  # the commands' target when it has no hub id: ``$TARGET``, set by a line before them
 # vLLM's speculative_config "method" per head kind (the export record's method: a family, or medusa1/medusa2)
-VLLM_METHOD = {"medusa": "medusa", "medusa1": "medusa", "medusa2": "medusa", "eagle1": "eagle", "eagle3": "eagle3",
-               "dflash": "dflash", "peagle": "eagle3", "dspark": "dspark", "mtp": "mtp"}
+VLLM_METHOD = {alias: f.vllm_method for f in FAMILIES if f.vllm_method for alias in f.aliases}
+
+
 def vllm_speculative_config(method: str, model: str, tokens: int) -> dict:
     """vLLM's ``speculative_config`` for a head of kind ``method`` at ``model`` drafting ``tokens`` per step
     (P-EAGLE is EAGLE-3 with the parallel slots: vLLM's ``parallel_drafting`` field; for MTP ``model`` is the
     stitched target itself, which vLLM also serves as the target)."""
     spec = {"method": VLLM_METHOD[method], "model": model, "num_speculative_tokens": int(tokens)}
-    if method == "peagle":
-        spec["parallel_drafting"] = True
-    if method == "dspark":  # the confidence head sizes each request's verified drafts (V2 runner)
-        spec["enable_adaptive_verification"] = True
-    return spec
+    return {**spec, **family(method).vllm_extra}  # P-EAGLE's parallel_drafting, DSpark's adaptive verification
 
 
-SGLANG_ALGO = {"eagle1": "EAGLE", "eagle3": "EAGLE3", "dflash": "DFLASH"}
+SGLANG_ALGO = {f.name: f.sglang_algorithm for f in FAMILIES if f.sglang_algorithm}  # --speculative-algorithm
 NO_SGLANG = {"medusa": "# SGLang: no Medusa support (no Medusa loader in SGLang 0.5.23): serve with vLLM up to "
                        "0.32 (the line above) or TGI",
              "peagle": "# SGLang: no parallel-drafting EAGLE (P-EAGLE) in SGLang 0.5.23: serve with vLLM (the line above)",

@@ -1,6 +1,7 @@
-"""Head families as training methods: ``Method`` objects, one file per family, and their registry.
+"""Head families as training methods: ``Method`` objects, one file per family.
 
-``build_method(name, **settings)`` builds the ``Method`` registered as ``name`` (``METHODS``).
+``build_method(name, **settings)`` builds the ``Method`` registered as ``name`` (``METHODS``, read from each
+family's ``methods`` in ``specheads/families.py``).
 """
 
 from __future__ import annotations
@@ -8,18 +9,10 @@ from __future__ import annotations
 import importlib
 
 from specheads.errors import ConfigError
+from specheads.families import training_methods
 from specheads.methods.base import FeatureSpec, Method, StepOutput, TrainingModule
 
-METHODS: dict[str, str] = {
-    "medusa1": "specheads.methods.medusa:Medusa1Method",
-    "medusa2": "specheads.methods.medusa:Medusa2Method",
-    "eagle1": "specheads.methods.eagle1:Eagle1Method",
-    "eagle3": "specheads.methods.eagle3:Eagle3Method",
-    "dflash": "specheads.methods.dflash:DFlashMethod",
-    "peagle": "specheads.methods.peagle:PEagleMethod",
-    "mtp": "specheads.methods.mtp:MTPMethod",
-    "dspark": "specheads.methods.dspark:DSparkMethod",
-}
+METHODS: dict[str, str] = training_methods()  # {name: "module:Class"}, from the family registry
 
 
 class MethodSettingsError(ConfigError, TypeError):

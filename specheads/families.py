@@ -1,0 +1,154 @@
+"""The drafter families: each named once, with what every stage needs to know about it.
+
+    from specheads.families import FAMILIES, family, family_of_model_type
+    family("eagle3").vllm_method                 # "eagle3"
+    family_of_model_type("specheads_dflash")     # the DFlash entry
+    family("medusa2").name                       # "medusa" (a training method's name is an alias)
+
+A family is one kind of trained draft head: one model class (``models/``), one or more training methods
+(``methods/``: Medusa-1 and Medusa-2 train the same heads), one drafter (``decoding/``), its export layouts
+(``export/layouts.py``) and what the engines call it. Stages read this table instead of keeping their own;
+``tests/test_families.py`` checks that each stage covers every family here, and that no stage compares family
+names outside the files of one family.
+
+The training-free drafters the evaluator compares against (``BASELINES``) need no head and have no entry.
+
+Classes and functions are named as ``"module:attribute"`` strings, imported on use (``load``): this module sits
+below every stage and imports none of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+BASELINES = ("ngram", "lookahead", "early_exit", "two_model")  # the evaluator's drafters that need no head
+
+
+@dataclass(frozen=True)
+class Family:
+    """One drafter family.
+
+    name: the family's name (the evaluator's drafter, the export record's method, ``head_method=``).
+    title: as a model card and report title it. model_type: the ``model_type`` of its saved head config.json.
+    model, config: its ``PreTrainedModel`` and ``PretrainedConfig`` classes. methods: {training method name: its
+    ``Method`` class} (``specheads train method=...``). target_states: what it drafts from, ``"last"`` (the target's
+    final hidden state) or ``"aux"`` (hidden states of several target layers, which an engine hands only targets
+    that implement vLLM's ``SupportsEagle3``). draft_vocab: the head drafts over a reduced vocabulary mapped by
+    ``d2t``/``t2d``. layouts: {engine layout: the ``architectures`` entry written there} (``export/layouts.py``);
+    empty: exported another way (``export_note``). vllm_method: vLLM's ``speculative_config`` method (None: vLLM
+    has none); vllm_extra: the fields that method needs besides. sglang_algorithm: SGLang's
+    ``--speculative-algorithm`` (None: not served by SGLang). speculators_type: the ``speculators_model_type`` of
+    speculators' folder of it, which we read and write. choose_shape: ``head_shape=auto`` can choose its chain or
+    fan (a drafter that grows trees one draft step at a time).
+    """
+
+    name: str
+    title: str
+    model_type: str
+    model: str
+    config: str
+    methods: dict[str, str]
+    target_states: str
+    layouts: dict[str, str] = field(default_factory=dict)
+    draft_vocab: bool = False
+    vllm_method: str | None = None
+    vllm_extra: dict = field(default_factory=dict)
+    sglang_algorithm: str | None = None
+    speculators_type: str | None = None
+    choose_shape: bool = False
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """The names that mean this family: its own, then its training methods' (``medusa1``, ``medusa2``)."""
+        return (self.name, *(m for m in self.methods if m != self.name))
+
+    @property
+    def exported(self) -> bool:
+        """Whether ``export/layouts.py`` writes it (an MTP head is stitched into its target instead)."""
+        return bool(self.layouts)
+
+    @property
+    def aux_states(self) -> bool:
+        return self.target_states == "aux"
+
+    def model_class(self):
+        return load(self.model)
+
+    def config_class(self):
+        return load(self.config)
+
+
+def load(ref: str):
+    """The attribute a ``"module:attribute"`` string names."""
+    module, attr = ref.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("medusa", "Medusa", "medusa", "specheads.models.medusa:MedusaHeads", "specheads.models.medusa:MedusaConfig",
+           {"medusa1": "specheads.methods.medusa:Medusa1Method", "medusa2": "specheads.methods.medusa:Medusa2Method"},
+           "last", layouts={"vllm": "MedusaModel", "medusa": "MedusaModel"}, vllm_method="medusa"),
+    Family("eagle1", "EAGLE-1", "specheads_eagle1", "specheads.models.eagle1:Eagle1Model",
+           "specheads.models.eagle1:Eagle1Config", {"eagle1": "specheads.methods.eagle1:Eagle1Method"}, "last",
+           layouts={"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}, vllm_method="eagle",
+           sglang_algorithm="EAGLE", choose_shape=True),
+    Family("eagle3", "EAGLE-3", "specheads_eagle3", "specheads.models.eagle3:Eagle3Model",
+           "specheads.models.eagle3:Eagle3Config", {"eagle3": "specheads.methods.eagle3:Eagle3Method"}, "aux",
+           layouts={"vllm": "LlamaForCausalLMEagle3", "sglang": "LlamaForCausalLMEagle3",
+                    "speculators": "Eagle3DraftModel"},
+           draft_vocab=True, vllm_method="eagle3", sglang_algorithm="EAGLE3", speculators_type="eagle3",
+           choose_shape=True),
+    Family("dflash", "DFlash", "specheads_dflash", "specheads.models.dflash:DFlashModel",
+           "specheads.models.dflash:DFlashConfig", {"dflash": "specheads.methods.dflash:DFlashMethod"}, "aux",
+           # z-lab's format, one folder both engines load (vLLM registry -> qwen3_dflash.DFlashQwen3ForCausalLM,
+           # SGLang srt/models/dflash.py EntryClass); speculators' format, which vLLM converts (algos.update_dflash)
+           layouts={"vllm": "DFlashDraftModel", "sglang": "DFlashDraftModel", "speculators": "DFlashSpeculator"},
+           vllm_method="dflash", sglang_algorithm="DFLASH", speculators_type="dflash"),
+    Family("peagle", "P-EAGLE", "specheads_peagle", "specheads.models.peagle:PEagleModel",
+           "specheads.models.peagle:PEagleConfig", {"peagle": "specheads.methods.peagle:PEagleMethod"}, "aux",
+           # EAGLE-3's loader, served with parallel_drafting: true; speculators' peagle format (algos.update_peagle)
+           layouts={"vllm": "LlamaForCausalLMEagle3", "speculators": "PEagleSpeculator"}, draft_vocab=True,
+           vllm_method="eagle3", vllm_extra={"parallel_drafting": True}, speculators_type="peagle"),
+    Family("mtp", "MTP", "specheads_mtp", "specheads.models.mtp:MTPModel", "specheads.models.mtp:MTPConfig",
+           {"mtp": "specheads.methods.mtp:MTPMethod"}, "last", vllm_method="mtp"),
+    Family("dspark", "DSpark", "specheads_dspark", "specheads.models.dspark:DSparkModel",
+           "specheads.models.dspark:DSparkConfig", {"dspark": "specheads.methods.dspark:DSparkMethod"}, "aux",
+           # vLLM registry -> qwen3_dspark.Qwen3DSparkForCausalLM; kept by vLLM's algos.update_dspark
+           layouts={"vllm": "Qwen3DSparkModel", "speculators": "Qwen3DSparkModel"},
+           # the confidence head sizes each request's verified drafts (vLLM's V2 runner)
+           vllm_method="dspark", vllm_extra={"enable_adaptive_verification": True}, speculators_type="dspark"),
+)
+NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
+_BY_ALIAS = {alias: f for f in FAMILIES for alias in f.aliases}
+_BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
+
+
+def family(name: str) -> Family:
+    """The family ``name`` names (its own name or a training method's); ``KeyError`` for any other."""
+    return _BY_ALIAS[name]
+
+
+def find(name: str | None) -> Family | None:
+    """The family ``name`` names, else None."""
+    return _BY_ALIAS.get(name) if name is not None else None
+
+
+def family_of_model_type(model_type: str | None) -> Family | None:
+    """The family whose saved head config.json has ``model_type``, else None."""
+    return _BY_MODEL_TYPE.get(model_type) if model_type is not None else None
+
+
+def training_methods() -> dict[str, str]:
+    """{training method name: its ``Method`` class}, in family order."""
+    return {m: ref for f in FAMILIES for m, ref in f.methods.items()}
+
+
+def aliases() -> dict[str, str]:
+    """{every name that means a family: the family's name}, in family order."""
+    return {alias: f.name for f in FAMILIES for alias in f.aliases}
+
+
+def exported() -> tuple[str, ...]:
+    """The families ``export/layouts.py`` writes, in family order."""
+    return tuple(f.name for f in FAMILIES if f.exported)
