@@ -10,6 +10,7 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from specheads.data.images import load_vision
 from specheads.data.prepare import PrepareConfig, check_prepare_output, prepare, prepared_is_current
 from specheads.data.regenerate import RegenerateConfig
 from specheads.data.sources import check_sources
@@ -65,7 +66,9 @@ def run(cfg: DictConfig) -> None:
     if not cfg.overwrite and prepared_is_current(cfg.output_dir, pcfg, target):
         log.info("%s is already prepared with this configuration; skipping (overwrite=true redoes it)", cfg.output_dir)
         return
-    meta = prepare(target, pcfg, cfg.output_dir)
+    # a vision-language target's image processor: image chats render with it (None for a text-only target)
+    vision = load_vision(cfg.target.name_or_path, target.tokenizer)
+    meta = prepare(target, pcfg, cfg.output_dir, vision)
     print(f"prepared {meta['num_samples']} samples, {meta['num_tokens']} tokens "
           f"({meta['num_loss_tokens']} assistant) -> {cfg.output_dir}; skipped: {meta['skipped']}")
 

@@ -46,9 +46,11 @@ def _strippable(ch: str) -> bool:
 
 
 def conversation_key(messages: Sequence[dict]) -> str:
-    """``prompt_key`` of the first user turn of ``messages`` (role/content dicts); "" when there is none."""
-    first = next((m.get("content") or "" for m in messages if m.get("role") == "user"), "")
-    return prompt_key(first)
+    """``prompt_key`` of the first user turn of ``messages`` (role/content dicts); "" when there is none. A turn
+    showing images adds their references: one question asked of two pictures is two prompts."""
+    first = next((m for m in messages if m.get("role") == "user"), {})
+    key = prompt_key(first.get("content") or "")
+    return "\n".join([key, *map(str, first.get("images") or ())])
 
 
 def benchmark_keys() -> dict[str, str]:

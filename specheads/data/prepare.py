@@ -30,6 +30,7 @@ import numpy as np
 from specheads.data.dedup import DEDUP_VERSION, DedupReport, benchmark_keys, unique_conversations
 from specheads.data.capture_cache import CaptureCache, capture_dir
 from specheads.data.engine_answers import capture_layers
+from specheads.data import images as img
 from specheads.data.regenerate import RegenerateConfig, count_retokenized, count_truncated, regenerate
 from specheads.data.render import (ChatRenderer, TemplateError, ToolTurnError, chat_id, chat_template_sha,
                                    render_samples)
@@ -67,7 +68,8 @@ class PrepareConfig:
     name, source, path, split, num_samples or weight, domain) read in turn, ``num_samples`` the total the
     weighted parts share; regenerate: replace answers with the target's own (None: keep the dataset's answers);
     chat_template_kwargs: the template's switches, as the serving engine passes them (``enable_thinking``);
-    num_proc: processes rendering and tokenizing (None: every core, at most 8); chunk_size: chats per task."""
+    num_proc: processes rendering and tokenizing (None: every core, at most 8); chunk_size: chats per task;
+    image_folder: where relative image paths are read (None: beside the data file; ``specheads.data.images``)."""
 
     source: str = "sharegpt"
     path: str | None = None
@@ -80,6 +82,7 @@ class PrepareConfig:
     parts: list[dict[str, Any]] | None = None
     num_proc: int | None = None
     chunk_size: int = 256
+    image_folder: str | None = None
 
     def __post_init__(self):
         if self.source == MIXTURE:
@@ -106,7 +109,8 @@ def read_conversations(cfg: PrepareConfig, report: SkipReport, part_reports: dic
                                             sum(r.kept for r in part_reports.values()))
                 yield conv
         return counted()
-    return itertools.islice(iter_conversations(cfg.source, cfg.path, cfg.split, report, cfg.domain), cfg.num_samples)
+    return itertools.islice(iter_conversations(cfg.source, cfg.path, cfg.split, report, cfg.domain, cfg.image_folder),
+                            cfg.num_samples)
 
 
 @dataclass
@@ -135,12 +139,17 @@ class RenderStats:
 _WORKER: dict[str, Any] = {}
 
 
-def _render_chunk(convs: list[Conversation], renderer=None, max_length=None):
-    """Rows (id, input_ids int32, loss_mask int8, domain) of a chunk of chats, and its ``RenderStats``."""
+def _render_chunk(convs: list[Conversation], renderer=None, max_length=None, vision=None):
+    """Rows (id, input_ids int32, loss_mask int8, domain) of a chunk of chats, and its ``RenderStats``; for a
+    vision-language target (``vision``) each row also holds its images' references and grids."""
     renderer = renderer or _WORKER["renderer"]
     max_length = max_length or _WORKER["max_length"]
+    vision = vision or _WORKER.get("vision")
     stats, rows = RenderStats(), []
     for conv in convs:
+        if vision is not None:
+            rows += _render_vision(conv, renderer, vision, max_length, stats)
+            continue
         out = _render(conv, renderer, max_length, stats.later, stats.first_error)
         if out is None:
             continue
@@ -163,6 +172,52 @@ def _render_chunk(convs: list[Conversation], renderer=None, max_length=None):
     return rows, stats
 
 
+def _render_vision(conv: Conversation, renderer, vision, max_length: int, stats: RenderStats) -> list[tuple]:
+    """The rows of one chat for a vision-language target: (id, ids, mask, domain, image refs, grids). A chat whose
+    image cannot be read is one line naming the row and the file, skipped and counted."""
+    try:
+        samples = img.render_image_samples(conv, renderer, vision, max_length)
+    except img.ImageError as e:
+        log.warning("skipping conversation %s: image %s", conv.id, e)
+        stats.first_error.setdefault(img.IMAGE_UNREADABLE, f"{conv.id}: {e}")
+        stats.later[img.IMAGE_UNREADABLE] += 1
+        return []
+    except ToolTurnError as e:
+        stats.first_error.setdefault(TOOL_TURN_NOT_RENDERED, str(e))
+        stats.later[TOOL_TURN_NOT_RENDERED] += 1
+        return []
+    except TemplateError as e:
+        stats.first_error.setdefault(TEMPLATE_REFUSED, str(e))
+        stats.later[TEMPLATE_REFUSED] += 1
+        return []
+    kept = [r for r in samples if any(r.loss_mask)]
+    if not kept:
+        stats.later[NO_LOSS_TOKENS] += 1
+        return []
+    stats.truncated += sum(r.truncated for r in kept)
+    if len(samples) > 1:
+        stats.split["chats"] += 1
+        stats.split["samples"] += len(kept)
+    return [(conv.id + r.suffix, np.asarray(r.input_ids, dtype=np.int32), np.asarray(r.loss_mask, dtype=np.int8),
+             conv.domain, list(r.images), [list(g) for g in r.grids]) for r in kept]
+
+
+def check_image_rows(convs: Iterable[Conversation], vision, regenerating: bool) -> Iterator[Conversation]:
+    """The conversations, refusing in one line at the first image chat when the target reads no images or its
+    answers are to be regenerated (the regeneration loops answer text prompts)."""
+    for conv in convs:
+        if img.has_images(conv.messages):
+            if vision is None:
+                raise PrepareError(f"conversation {conv.id} shows images, and the target has no vision part (its "
+                                   "config has no vision_config): give a vision-language target, or text-only data")
+            if vision.refusal:
+                raise PrepareError(f"conversation {conv.id} shows images: {vision.refusal}")
+            if regenerating:
+                raise PrepareError(f"conversation {conv.id} shows images: regenerated answers are for text "
+                                   "conversations so far; prepare image chats with the data set's answers")
+        yield conv
+
+
 def _chunks(items: Iterable, size: int) -> Iterator[list]:
     it = iter(items)
     while chunk := list(itertools.islice(it, size)):
@@ -170,19 +225,20 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
 
 
 def render_stream(convs: Iterable[Conversation], renderer: ChatRenderer, max_length: int, stats: RenderStats,
-                  num_proc: int = 1, chunk_size: int = 256) -> Iterator[tuple]:
+                  num_proc: int = 1, chunk_size: int = 256, vision=None) -> Iterator[tuple]:
     """The rendered rows of ``convs`` in order, chunks rendered by ``num_proc`` forked worker processes with at
-    most two chunks each in flight, so memory holds a few chunks whatever the number of chats."""
+    most two chunks each in flight, so memory holds a few chunks whatever the number of chats. ``vision``: a
+    vision-language target's ``images.VisionRenderer`` (rows then carry their images)."""
     if num_proc <= 1:
         for chunk in _chunks(convs, chunk_size):
-            rows, st = _render_chunk(chunk, renderer, max_length)
+            rows, st = _render_chunk(chunk, renderer, max_length, vision)
             stats.add(st)
             yield from rows
         return
     import multiprocessing as mp
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers tokenize; no threads in each
-    _WORKER.update(renderer=renderer, max_length=max_length)  # inherited by the forked workers
+    _WORKER.update(renderer=renderer, max_length=max_length, vision=vision)  # inherited by the forked workers
     try:
         with mp.get_context("fork").Pool(num_proc) as pool:
             pending: collections.deque = collections.deque()
@@ -204,10 +260,11 @@ def default_num_proc() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
-def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str, Any]:
+def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path, vision=None) -> dict[str, Any]:
     """Run the stage and write ``out_dir`` atomically. Returns the metadata written.
 
-    ``target`` needs only a tokenizer unless ``cfg.regenerate`` is set (then the model generates).
+    ``target`` needs only a tokenizer unless ``cfg.regenerate`` is set (then the model generates); ``vision``: a
+    vision-language target's image processing (``images.load_vision``), None for a text-only target.
     Conversations stream from the source through dedup and rendering (worker processes) into an Arrow
     file, so memory does not grow with their number; regeneration holds the chats it answers.
     """
@@ -229,6 +286,9 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
     report, part_reports = SkipReport(), {}
     dedup = DedupReport()
     convs = unique_conversations(read_conversations(cfg, report, part_reports), benchmark_keys(), dedup)
+    convs = check_image_rows(convs, vision, cfg.regenerate is not None)
+    if vision is not None and vision.refusal:  # its text conversations only (an image one is refused above)
+        vision = None
     stats = RenderStats()
     renderer = ChatRenderer(tok, cfg.chat_template_kwargs)  # a tokenizer without a template is refused here
     retokenized = None
@@ -247,8 +307,8 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
             # re-tokenization differs from the engine's ids or text
             retokenized = count_retokenized(convs)
     num_proc = cfg.num_proc or default_num_proc()
-    rows = render_stream(convs, renderer, cfg.max_length, stats, num_proc, cfg.chunk_size)
-    tmp, counts = _write_rows(rows, out_dir)
+    rows = render_stream(convs, renderer, cfg.max_length, stats, num_proc, cfg.chunk_size, vision)
+    tmp, counts = _write_rows(rows, out_dir, vision is not None)
     if not counts["samples"]:
         shutil.rmtree(tmp, ignore_errors=True)
         if not report.kept:
@@ -284,6 +344,8 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path) -> dict[str
                     for p in cfg.parts] if cfg.source == MIXTURE else None,
         "seconds": round(time.time() - t0, 1), "config": _config_key(cfg), "num_proc": num_proc,
     }
+    if vision is not None:  # what collection needs to recompute each row's pixel inputs from its references
+        meta["images"] = {**vision.describe(), "rows": counts["image_rows"], "images": counts["images"]}
     _finish(tmp, meta, out_dir)
     log.info("prepared %d samples from %d conversations (%d tokens, %d truncated to %d) in %.1f s with %d "
              "process(es); %s%s", meta["num_samples"], counts["chats"], meta["num_tokens"], stats.truncated,
@@ -348,6 +410,8 @@ def _config_key(cfg: PrepareConfig) -> dict[str, Any]:
         key.pop(k, None)
     if not key.get("parts"):
         key.pop("parts", None)
+    if key.get("image_folder") is None:
+        key.pop("image_folder", None)
     return key
 
 
@@ -366,16 +430,24 @@ def prepared_is_current(out_dir: str | Path, cfg: PrepareConfig, target: Target)
             and (cfg.regenerate is None or meta.get("regenerate_version") == REGENERATE_VERSION))
 
 
-def _features():
+def _features(with_images: bool = False):
+    """The prepared columns; a vision-language target's rows add ``images`` (references) and ``image_grid_thw``."""
     import datasets
 
-    return datasets.Features({
+    columns = {
         "id": datasets.Value("string"), "input_ids": datasets.Sequence(datasets.Value("int32")),
         "loss_mask": datasets.Sequence(datasets.Value("int8")), "domain": datasets.Value("string"),
-    })
+    }
+    if with_images:
+        columns[IMAGE_COLUMNS[0]] = datasets.Sequence(datasets.Value("string"))
+        columns[IMAGE_COLUMNS[1]] = datasets.Sequence(datasets.Sequence(datasets.Value("int32"), length=3))
+    return datasets.Features(columns)
 
 
-def _write_rows(rows: Iterable[tuple], out_dir: Path) -> tuple[Path, dict[str, Any]]:
+IMAGE_COLUMNS = ("images", "image_grid_thw")
+
+
+def _write_rows(rows: Iterable[tuple], out_dir: Path, with_images: bool = False) -> tuple[Path, dict[str, Any]]:
     """Stream rows into an Arrow file in a work folder beside ``out_dir`` (returned with the counts: samples,
     chats, tokens, loss tokens, per mixture part); ``_finish`` saves it only once the counts are checked."""
     from datasets.arrow_writer import ArrowWriter
@@ -383,12 +455,18 @@ def _write_rows(rows: Iterable[tuple], out_dir: Path) -> tuple[Path, dict[str, A
     tmp = _tmp_dir(out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    counts: dict[str, Any] = {"samples": 0, "chats": 0, "tokens": 0, "loss_tokens": 0, "parts": {}}
+    counts: dict[str, Any] = {"samples": 0, "chats": 0, "tokens": 0, "loss_tokens": 0, "parts": {},
+                              "image_rows": 0, "images": 0}
     last_chat = None
     try:
-        with ArrowWriter(features=_features(), path=str(tmp / ROWS_FILE), writer_batch_size=1000) as writer:
-            for rid, ids, mask, domain in rows:
-                writer.write({"id": rid, "input_ids": ids, "loss_mask": mask, "domain": domain})
+        with ArrowWriter(features=_features(with_images), path=str(tmp / ROWS_FILE), writer_batch_size=1000) as writer:
+            for rid, ids, mask, domain, *pictures in rows:
+                row = {"id": rid, "input_ids": ids, "loss_mask": mask, "domain": domain}
+                if with_images:
+                    row.update(zip(IMAGE_COLUMNS, pictures))
+                    counts["image_rows"] += bool(pictures[0])
+                    counts["images"] += len(pictures[0])
+                writer.write(row)
                 chat = chat_id(rid)
                 part = counts["parts"].setdefault(rid.split(":", 1)[0] if ":" in rid else "",
                                                   {"chats": 0, "samples": 0, "tokens": 0})

@@ -32,6 +32,9 @@ generated. A turn cut at the length cap (``truncated``) ends its sample without 
 Tool turns (role ``tool``: function-calling results) are kept when the template renders them; a
 template that refuses them or drops their content raises ``ToolTurnError`` (the chat is skipped and
 counted).
+
+Image chats (``specheads.data.images``) render here with each image as its content part, which the template
+shows as its placeholder token; ``images.render_image_samples`` puts each image's tokens in place.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from specheads.data.images import IMAGES, template_content
 from specheads.data.sources import REASONING, Conversation
 from specheads.errors import UserError
 
@@ -47,7 +51,7 @@ _SENTINEL = "\ue000{}\ue001"  # private-use characters marking where an assistan
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TURN_SUFFIX = "@turn"  # a per-turn sample's id: "<chat id>@turn<message index>"
 _REASONING_FIELDS = (REASONING, "thinking")  # the names templates read a turn's reasoning from
-_INTERNAL = ("token_ids", "truncated")
+_INTERNAL = ("token_ids", "truncated", IMAGES)
 
 
 class TemplateError(UserError, ValueError):
@@ -190,8 +194,11 @@ class ChatRenderer:
 
 
 def _template_view(m: dict) -> dict:
-    """A message as templates read it: internal keys dropped, reasoning under every field name."""
+    """A message as templates read it: internal keys dropped, reasoning under every field name, images as
+    content parts (``specheads.data.images``)."""
     out = _plain(m)
+    if m.get(IMAGES):
+        out["content"] = template_content(out["content"])
     if out.get(REASONING) is not None:
         out.update({k: out[REASONING] for k in _REASONING_FIELDS})
     return out

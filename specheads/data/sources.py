@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from specheads.data import images as img
 from specheads.errors import UserError
 from specheads.targets import asset_path
 
@@ -58,7 +59,9 @@ class Conversation:
     ``reasoning_content`` (its reasoning, from a ``reasoning_content``/``reasoning``/``thinking`` field;
     inline ``<think>`` text stays in ``content``). A regenerated assistant turn
     also holds ``token_ids`` (the target's own tokens, exactly) and ``truncated`` (cut at the length cap,
-    so not closed with the end-of-turn token); see specheads.data.regenerate."""
+    so not closed with the end-of-turn token); see specheads.data.regenerate. A message showing images holds
+    ``images`` (their references, in order) and a ``images.IMAGE_MARK`` in ``content`` where each sits
+    (``specheads.data.images``)."""
 
     id: str
     messages: list[dict[str, str]]
@@ -104,6 +107,7 @@ def normalize(record: Any, index: int, report: SkipReport, default_domain: str =
         report.skip(NOT_CONVERSATION, where)
         return None
     messages = []
+    pending = img.record_images(record)  # the record's images (ShareGPT4V/LLaVA/TRL), placed by its placeholders
     for turn in turns:
         if not isinstance(turn, dict):
             report.skip(NOT_CONVERSATION, where)
@@ -114,6 +118,13 @@ def normalize(record: Any, index: int, report: SkipReport, default_domain: str =
         if role is None:
             report.skip(UNKNOWN_ROLE, f"{where}: role {raw_role!r}")
             return None
+        refs = []
+        if role != "tool" and (isinstance(content, list) or pending):
+            try:
+                content, refs = img.message_content(content, pending, role)
+            except img.RecordImageError as e:
+                report.skip(e.reason, f"{where}: {e}")
+                return None
         if role == "tool" and isinstance(content, (dict, list)):
             content = json.dumps(content, ensure_ascii=False)  # a structured tool result, as the model reads it
         if not isinstance(content, str) or not content.strip():
@@ -125,8 +136,15 @@ def normalize(record: Any, index: int, report: SkipReport, default_domain: str =
             message[REASONING] = reasoning  # rendered the way the target's chat template places reasoning
         if role == "tool":
             message.update({k: str(turn[k]) for k in TOOL_KEYS if turn.get(k) is not None})
+        if refs:
+            message[img.IMAGES] = refs
         messages.append(message)
     messages = _drop_leading_assistant(messages)
+    if pending:
+        if img.has_images(messages) or not any(m["role"] == "user" for m in messages):
+            report.skip(img.IMAGE_COUNT, f"{where}: {len(pending)} image(s) left without a placeholder")
+            return None
+        img.place_leftover(messages, pending)
     if not any(m["role"] == "assistant" for m in messages):
         report.skip(NO_ASSISTANT, where)
         return None
@@ -202,7 +220,9 @@ def read_jsonl(path: str | Path, report: SkipReport) -> Iterator[Any]:
 
 
 def read_hf_dataset(name_or_path: str, split: str = "train") -> Iterator[Any]:
-    """A Hugging Face dataset saved with ``save_to_disk`` or loadable by name (cached or reachable)."""
+    """A Hugging Face dataset saved with ``save_to_disk`` or loadable by name (cached or reachable). Its image
+    columns (``datasets.Image``) are read undecoded: a value is its file's path where the set names an existing
+    one, else a reference to the set's row (``images.dataset_ref``)."""
     import datasets
 
     p = Path(name_or_path)
@@ -222,7 +242,39 @@ def read_hf_dataset(name_or_path: str, split: str = "train") -> Iterator[Any]:
             raise SourceError(f"cannot load the dataset '{name_or_path}' (split '{split}'): {e}; give a "
                               "`save_to_disk` folder, or a dataset name cached on or reachable from this "
                               "machine") from e
-    yield from ds
+    columns = _image_columns(ds)
+    if not columns:
+        yield from ds
+        return
+    import datasets
+
+    for c in columns:
+        ds = ds.cast_column(c, datasets.Image(decode=False)) if isinstance(ds.features[c], datasets.Image) else \
+            ds.cast_column(c, datasets.Sequence(datasets.Image(decode=False)))
+    where = str(p.resolve()) if p.exists() else name_or_path
+    for row, record in enumerate(ds):
+        for c in columns:
+            value = record[c]
+            refs = [_image_ref(v, where, split, row, c, k) for k, v in enumerate(value if isinstance(value, list)
+                                                                              else [value])]
+            record[c] = refs if isinstance(value, list) else refs[0]
+        yield record
+
+
+def _image_columns(ds) -> list[str]:
+    import datasets
+
+    def is_image(f):
+        return isinstance(f, datasets.Image) or (isinstance(f, (datasets.Sequence, list)) and is_image(
+            f.feature if isinstance(f, datasets.Sequence) else f[0]))
+    return [c for c, f in (ds.features or {}).items() if is_image(f)]
+
+
+def _image_ref(value, dataset: str, split: str, row: int, column: str, item: int):
+    path = (value or {}).get("path")
+    if path and Path(path).is_file():
+        return str(Path(path).resolve())
+    return img.dataset_ref(dataset, split, row, column, item) if value else None
 
 
 def _check_file(path: Path) -> None:
@@ -299,21 +351,39 @@ def check_sources(source: str, path: str | None, parts: Iterable[Any] | None = N
 
 
 def iter_conversations(source: str, path: str | None = None, split: str = "train",
-                       report: SkipReport | None = None, default_domain: str = "chat") -> Iterator[Conversation]:
+                       report: SkipReport | None = None, default_domain: str = "chat",
+                       image_folder: str | None = None) -> Iterator[Conversation]:
     """Normalized conversations from a source.
 
     source: ``sharegpt`` (packaged default, or a ShareGPT-style JSON array at ``path``),
     ``jsonl`` (``path`` to JSON lines), ``hf`` (``path`` is a dataset name or a save_to_disk folder),
-    or ``auto`` (decided from ``path``'s suffix).
+    or ``auto`` (decided from ``path``'s suffix). Image references come out absolute: a relative path is read
+    under ``image_folder``, else beside the data file (``specheads.data.images``).
     """
     report = report if report is not None else SkipReport()
     records = _records(source, path, split, report)
+    root = image_folder or (str(Path(path).expanduser().parent) if path and Path(path).expanduser().is_file()
+                            else path if path and Path(path).expanduser().is_dir() else None)
     for record in records:
         report.read += 1
         conv = normalize(record, report.read - 1, report, default_domain)
+        if conv is not None and not _resolve_images(conv, root, report, report.read - 1):
+            conv = None
         if conv is not None:
             report.kept += 1
             yield conv
+
+
+def _resolve_images(conv: Conversation, root: str | None, report: SkipReport, index: int) -> bool:
+    """Make a chat's image references absolute; False (counted) when one is a URL this does not fetch."""
+    for m in conv.messages:
+        if img.IMAGES in m:
+            try:
+                m[img.IMAGES] = [img.resolve_ref(r, root) for r in m[img.IMAGES]]
+            except img.ImageError as e:
+                report.skip(img.IMAGE_REMOTE, f"record {index} (id {conv.id}): {e}")
+                return False
+    return True
 
 
 def _records(source: str, path: str | None, split: str, report: SkipReport) -> Iterable[Any]:
