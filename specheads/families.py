@@ -36,11 +36,15 @@ class Family:
     final hidden state) or ``"aux"`` (hidden states of several target layers, which an engine hands only targets
     that implement vLLM's ``SupportsEagle3``). draft_vocab: the head drafts over a reduced vocabulary mapped by
     ``d2t``/``t2d``. layouts: {engine layout: the ``architectures`` entry written there} (``export/layouts.py``);
-    empty: exported another way (``export_note``). vllm_method: vLLM's ``speculative_config`` method (None: vLLM
-    has none); vllm_extra: the fields that method needs besides. sglang_algorithm: SGLang's
-    ``--speculative-algorithm`` (None: not served by SGLang). speculators_type: the ``speculators_model_type`` of
-    speculators' folder of it, which we read and write. choose_shape: ``head_shape=auto`` can choose its chain or
-    fan (a drafter that grows trees one draft step at a time).
+    empty: no layout of ours (an MTP head is stitched back into its target, ``export/mtp.py``). vllm_method: vLLM's
+    ``speculative_config`` method (None: vLLM has none); vllm_extra: the fields that method needs besides.
+    sglang_algorithm: SGLang's ``--speculative-algorithm`` (None: not served by SGLang). speculators_type: the
+    ``speculators_model_type`` of speculators' folder of it, which we read and write. choose_shape:
+    ``head_shape=auto`` can choose its chain or fan (a drafter that grows trees one draft step at a time). drafter:
+    the builder of its evaluator ``Drafter`` (``(model, target, spec) -> Drafter``, in ``decoding/``).
+    calibrated_tree: a static shape without choices drafts the tree calibrated at training (Medusa's
+    ``medusa_tree.json``, ``methods/medusa.py:tree_for_head``). rows: the evaluator's planner of its own rows
+    (``evaluation/plan.py``). vllm_profile: the evaluator adds a row of the top-1 chain vLLM drafts with it.
     """
 
     name: str
@@ -57,6 +61,10 @@ class Family:
     sglang_algorithm: str | None = None
     speculators_type: str | None = None
     choose_shape: bool = False
+    drafter: str = ""
+    calibrated_tree: bool = False
+    rows: str = ""
+    vllm_profile: bool = False
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -78,6 +86,11 @@ class Family:
     def config_class(self):
         return load(self.config)
 
+    def build_drafter(self, model, target, spec):
+        """The family's evaluator drafter over a loaded head (``drafter``: its builder in ``decoding/``, which places
+        the head on the target and returns the ``Drafter``); ``spec``: the evaluator's ``MethodSpec``."""
+        return load(self.drafter)(model, target, spec)
+
 
 def load(ref: str):
     """The attribute a ``"module:attribute"`` string names."""
@@ -85,39 +98,48 @@ def load(ref: str):
     return getattr(importlib.import_module(module), attr)
 
 
+_DRAFTERS, _ROWS = "specheads.decoding.", "specheads.evaluation.plan:"
 FAMILIES: tuple[Family, ...] = (
     Family("medusa", "Medusa", "medusa", "specheads.models.medusa:MedusaHeads", "specheads.models.medusa:MedusaConfig",
            {"medusa1": "specheads.methods.medusa:Medusa1Method", "medusa2": "specheads.methods.medusa:Medusa2Method"},
-           "last", layouts={"vllm": "MedusaModel", "medusa": "MedusaModel"}, vllm_method="medusa"),
+           "last", layouts={"vllm": "MedusaModel", "medusa": "MedusaModel"}, vllm_method="medusa",
+           drafter=_DRAFTERS + "head_drafters:medusa_drafter", rows=_ROWS + "medusa_rows", vllm_profile=True,
+           calibrated_tree=True),
     Family("eagle1", "EAGLE-1", "specheads_eagle1", "specheads.models.eagle1:Eagle1Model",
            "specheads.models.eagle1:Eagle1Config", {"eagle1": "specheads.methods.eagle1:Eagle1Method"}, "last",
            layouts={"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}, vllm_method="eagle",
-           sglang_algorithm="EAGLE", choose_shape=True),
+           sglang_algorithm="EAGLE", drafter=_DRAFTERS + "head_drafters:eagle_drafter", rows=_ROWS + "eagle_rows",
+           vllm_profile=True, choose_shape=True),
     Family("eagle3", "EAGLE-3", "specheads_eagle3", "specheads.models.eagle3:Eagle3Model",
            "specheads.models.eagle3:Eagle3Config", {"eagle3": "specheads.methods.eagle3:Eagle3Method"}, "aux",
            layouts={"vllm": "LlamaForCausalLMEagle3", "sglang": "LlamaForCausalLMEagle3",
                     "speculators": "Eagle3DraftModel"},
            draft_vocab=True, vllm_method="eagle3", sglang_algorithm="EAGLE3", speculators_type="eagle3",
+           drafter=_DRAFTERS + "head_drafters:eagle_drafter", rows=_ROWS + "eagle_rows", vllm_profile=True,
            choose_shape=True),
     Family("dflash", "DFlash", "specheads_dflash", "specheads.models.dflash:DFlashModel",
            "specheads.models.dflash:DFlashConfig", {"dflash": "specheads.methods.dflash:DFlashMethod"}, "aux",
            # z-lab's format, one folder both engines load (vLLM registry -> qwen3_dflash.DFlashQwen3ForCausalLM,
            # SGLang srt/models/dflash.py EntryClass); speculators' format, which vLLM converts (algos.update_dflash)
            layouts={"vllm": "DFlashDraftModel", "sglang": "DFlashDraftModel", "speculators": "DFlashSpeculator"},
-           vllm_method="dflash", sglang_algorithm="DFLASH", speculators_type="dflash"),
+           vllm_method="dflash", sglang_algorithm="DFLASH", speculators_type="dflash",
+           drafter=_DRAFTERS + "head_drafters:dflash_drafter", rows=_ROWS + "dflash_rows"),
     Family("peagle", "P-EAGLE", "specheads_peagle", "specheads.models.peagle:PEagleModel",
            "specheads.models.peagle:PEagleConfig", {"peagle": "specheads.methods.peagle:PEagleMethod"}, "aux",
            # EAGLE-3's loader, served with parallel_drafting: true; speculators' peagle format (algos.update_peagle)
            layouts={"vllm": "LlamaForCausalLMEagle3", "speculators": "PEagleSpeculator"}, draft_vocab=True,
-           vllm_method="eagle3", vllm_extra={"parallel_drafting": True}, speculators_type="peagle"),
+           vllm_method="eagle3", vllm_extra={"parallel_drafting": True}, speculators_type="peagle",
+           drafter=_DRAFTERS + "peagle_drafter:peagle_drafter", rows=_ROWS + "peagle_rows"),
     Family("mtp", "MTP", "specheads_mtp", "specheads.models.mtp:MTPModel", "specheads.models.mtp:MTPConfig",
-           {"mtp": "specheads.methods.mtp:MTPMethod"}, "last", vllm_method="mtp"),
+           {"mtp": "specheads.methods.mtp:MTPMethod"}, "last", vllm_method="mtp",
+           drafter=_DRAFTERS + "mtp_drafter:mtp_drafter", rows=_ROWS + "mtp_rows"),
     Family("dspark", "DSpark", "specheads_dspark", "specheads.models.dspark:DSparkModel",
            "specheads.models.dspark:DSparkConfig", {"dspark": "specheads.methods.dspark:DSparkMethod"}, "aux",
            # vLLM registry -> qwen3_dspark.Qwen3DSparkForCausalLM; kept by vLLM's algos.update_dspark
            layouts={"vllm": "Qwen3DSparkModel", "speculators": "Qwen3DSparkModel"},
            # the confidence head sizes each request's verified drafts (vLLM's V2 runner)
-           vllm_method="dspark", vllm_extra={"enable_adaptive_verification": True}, speculators_type="dspark"),
+           vllm_method="dspark", vllm_extra={"enable_adaptive_verification": True}, speculators_type="dspark",
+           drafter=_DRAFTERS + "dspark_drafter:dspark_drafter", rows=_ROWS + "dspark_rows"),
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
 _BY_ALIAS = {alias: f for f in FAMILIES for alias in f.aliases}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from specheads.decoding.cpu_linears import pack_like
 from specheads.decoding.head_drafters import DFlashDrafter, _nparams
 from specheads.decoding.drafters import TreeShape
 from specheads.decoding.tree import DraftTree, probs
@@ -81,38 +82,10 @@ class DSparkDrafter(DFlashDrafter):
         return trees
 
 
-def load_dspark_drafter(head_dir, target, shape: TreeShape | None = None,
-                        threshold: float | None = None) -> DSparkDrafter:
-    """The evaluator's drafter for a saved DSpark head folder (in the head's dtype, attached to ``target``)."""
-    from specheads.decoding.cpu_linears import pack_like
-    from specheads.models.dspark import DSparkModel
-
-    # the draft runs in the target's dtype (its embedding and LM head are the target's own), as DFlash's
-    from specheads.export.foreign import head_source
-
-    if head_source(str(head_dir)) == "specheads":
-        model = DSparkModel.from_pretrained(head_dir)
-    else:  # trained elsewhere (speculators' format): read and checked against the target
-        from specheads.export.foreign import load_foreign_head
-
-        model = load_foreign_head(head_dir, target)
+def dspark_drafter(model, target, spec) -> DSparkDrafter:
+    """The evaluator's drafter over a DSpark head (loaded, unattached; ``specheads.heads.load_head``), attached to
+    ``target`` in the target's dtype (its embedding and LM head are the target's own, as DFlash's), scheduled by
+    ``spec.confidence_threshold``."""
     model = model.to(target.device, target.dtype).eval().attach(target)
     pack_like(model, target.model)
-    return DSparkDrafter(model, shape, threshold)
-
-
-def dspark_block_size(head_dir) -> int:
-    """B of a saved DSpark head (slot 0 the anchor, B-1 drafted tokens), from its config.json."""
-    import json
-    from pathlib import Path
-
-    from specheads.errors import UserError
-
-    cfg = json.loads((Path(head_dir) / "config.json").read_text())
-    if cfg.get("speculators_model_type") == "dspark":  # trained elsewhere: speculators' block_size (default 8)
-        from specheads.export.foreign import dflash_block_size
-
-        return dflash_block_size(head_dir)
-    if cfg.get("model_type") != "specheads_dspark" or "block_size" not in cfg:
-        raise UserError(f"{head_dir}: its config.json is not a DSpark head's (model_type specheads_dspark, block_size)")
-    return int(cfg["block_size"])
+    return DSparkDrafter(model, spec.shape, spec.confidence_threshold)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from specheads.decoding.cpu_linears import pack_like
 from specheads.decoding.drafters import Drafter, TreeShape
 from specheads.decoding.slots import TreeSlots
 from specheads.decoding.tree import DraftTree, dynamic_trees, normalize_choices, probs, static_tree
@@ -411,6 +412,31 @@ class DFlashDrafter(Drafter):
     def _chains(self, logits, temperature, generator) -> list[DraftTree]:
         toks, q = self.draw(logits[:, : self.shape.k], temperature, generator)
         return [DraftTree.chain(toks[b].tolist(), None if q is None else q[b]) for b in range(len(toks))]
+
+
+# ------------------------------------------------------------------ the families' builders (specheads/families.py)
+
+
+def medusa_drafter(heads, target, spec) -> MedusaDrafter:
+    """Medusa heads (loaded, unattached) on ``target``'s device, drafting ``spec.shape`` (a static tree's choices
+    already chosen: the evaluator's ``build_drafter``)."""
+    heads = heads.to(target.device).eval()
+    pack_like(heads, target.model)
+    return MedusaDrafter(heads, spec.shape)
+
+
+def eagle_drafter(model, target, spec) -> EagleDrafter:
+    """An EAGLE-1 or EAGLE-3 head (``spec.drafter``) attached to ``target``."""
+    model = model.to(target.device).eval().attach(target)
+    pack_like(model, target.model)
+    return EagleDrafter(model, spec.shape, spec.drafter)
+
+
+def dflash_drafter(model, target, spec) -> DFlashDrafter:
+    """A DFlash head attached to ``target``, in the target's dtype (its embedding and LM head are the target's)."""
+    model = model.to(target.device, target.dtype).eval().attach(target)
+    pack_like(model, target.model)
+    return DFlashDrafter(model, spec.shape)
 
 
 def _to_target_vocab(q: torch.Tensor, d2t_full: torch.Tensor, V_t: int) -> torch.Tensor:

@@ -8,8 +8,10 @@ drafts ``num_speculative_tokens`` with one layer reused. Verification stays the 
 
 from __future__ import annotations
 
+from specheads.decoding.cpu_linears import pack_like
 from specheads.decoding.drafters import TreeShape
 from specheads.decoding.head_drafters import EagleDrafter
+from specheads.models.mtp import MTPModel
 
 
 class MTPDrafter(EagleDrafter):
@@ -20,19 +22,15 @@ class MTPDrafter(EagleDrafter):
         self.name = "mtp"
 
 
-def load_mtp_drafter(head_dir, target, shape: TreeShape) -> MTPDrafter:
-    """The evaluator's drafter for a saved MTP head folder (in the head's dtype, attached to ``target``)."""
-    from specheads.decoding.cpu_linears import pack_like
-    from specheads.models.mtp import MTPModel
+def mtp_drafter(model, target, spec) -> MTPDrafter:
+    """The evaluator's drafter over an MTP head (loaded, unattached), in the head's dtype, attached to ``target``."""
+    model = model.to(target.device).eval().attach(target)
+    pack_like(model, target.model)
+    return MTPDrafter(model, spec.shape)
 
+
+def load_mtp_drafter(head_dir, target, shape: TreeShape) -> MTPDrafter:
+    """The drafter for a saved MTP head folder (in the head's dtype, attached to ``target``)."""
     model = MTPModel.from_pretrained(head_dir).to(target.device).eval().attach(target)
     pack_like(model, target.model)
     return MTPDrafter(model, shape)
-
-
-def mtp_steps(head_dir) -> int:
-    """K of a saved MTP head: the recursive steps it was trained for (``num_steps`` in its config.json)."""
-    import json
-    from pathlib import Path
-
-    return int(json.loads((Path(head_dir) / "config.json").read_text()).get("num_steps", 1))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from specheads.decoding.cpu_linears import pack_like
 from specheads.decoding.drafters import TreeShape
 from specheads.decoding.head_drafters import EagleDrafter, _to_target_vocab
 from specheads.decoding.tree import DraftTree, probs
@@ -96,36 +97,9 @@ class PEagleDrafter(EagleDrafter):
                 else DraftTree.empty() for b in range(B)]
 
 
-def load_peagle_drafter(head_dir, target, shape: TreeShape | None = None) -> PEagleDrafter:
-    """The evaluator's drafter for a saved P-EAGLE head folder (in the head's dtype, attached to ``target``)."""
-    from specheads.decoding.cpu_linears import pack_like
-    from specheads.models.peagle import PEagleModel
-
-    from specheads.export.foreign import head_source
-
-    if head_source(str(head_dir)) == "specheads":
-        model = PEagleModel.from_pretrained(head_dir)
-    else:  # trained elsewhere (speculators' format): read and checked against the target
-        from specheads.export.foreign import load_foreign_head
-
-        model = load_foreign_head(head_dir, target)
+def peagle_drafter(model, target, spec) -> PEagleDrafter:
+    """The evaluator's drafter over a P-EAGLE head (loaded, unattached; ``specheads.heads.load_head``), in the head's
+    dtype, attached to ``target``."""
     model = model.to(target.device).eval().attach(target)
     pack_like(model, target.model)
-    return PEagleDrafter(model, shape)
-
-
-def peagle_depths(head_dir) -> int:
-    """K of a saved P-EAGLE head: the tokens one of its forwards drafts (``num_depths`` in its config.json)."""
-    import json
-    from pathlib import Path
-
-    from specheads.errors import UserError
-
-    cfg = json.loads((Path(head_dir) / "config.json").read_text())
-    if cfg.get("speculators_model_type") == "peagle":  # trained elsewhere: speculators' record of K
-        from specheads.export.foreign import peagle_depths as foreign_depths
-
-        return foreign_depths(head_dir)
-    if cfg.get("model_type") != "specheads_peagle" or "num_depths" not in cfg:
-        raise UserError(f"{head_dir}: its config.json is not a P-EAGLE head's (model_type specheads_peagle, num_depths)")
-    return int(cfg["num_depths"])
+    return PEagleDrafter(model, spec.shape)

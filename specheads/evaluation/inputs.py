@@ -67,7 +67,7 @@ def check_head_fits(setting: str, head_dir: str, facts: TargetFacts) -> None:
     ``target_hidden_size``, ``vocab_size``, ``num_target_layers`` and each of ``aux_layers``): drafting with it
     would fail on mismatched tensor shapes after the plain pass. Heads trained elsewhere are read against the
     target by ``check_foreign_heads``."""
-    from specheads.export.foreign import head_source
+    from specheads.heads import head_source
 
     if head_source(head_dir) != "specheads":
         return

@@ -43,8 +43,7 @@ from specheads.decoding.runner import TargetRunner
 from specheads.decoding.tree import normalize_choices
 from specheads.decoding.verify import LOSSLESS
 from specheads.errors import ConfigError, InputNotFoundError, UserError
-from specheads.export.foreign import head_source
-from specheads.families import BASELINES, FAMILIES, NAMES
+from specheads.families import BASELINES, FAMILIES, NAMES, family
 from specheads.evaluation.prompts import (BenchmarkSpec, encode, load_benchmarks, scored_chat_ids, separation_record,
                                          turn_id)
 from specheads.evaluation.budget import EvalPlan, full_plan, plan_budget
@@ -56,6 +55,9 @@ from specheads.evaluation.recommend import recommend
 from specheads.evaluation.resume import EvalResume, EvalState, decisions, evaluation_key
 from specheads.evaluation.settings import check_eval_config, check_method_settings
 from specheads.hardware import machine_description
+# the head folder's readers, here too for the callers that import them from the evaluator
+from specheads.heads import (check_adapted_target, check_head_kind, dflash_block_size, dspark_block_size,  # noqa: F401
+                             head_model_type, head_source, load_head, mtp_steps, peagle_depths, resolve_head_dir)
 from specheads.targets import Target, eos_token_ids
 from specheads.training.run_log import read_train_summary
 
@@ -613,102 +615,27 @@ def _build_drafter(spec: MethodSpec, target: Target, cfg: EvalConfig | None) -> 
     if spec.drafter == "two_model":
         return _two_model(spec, target)
     head = resolve_head_dir(spec.head_dir)
-    check_head_kind(spec.drafter, head)
-    if spec.drafter == "dflash":
-        from specheads.decoding.head_drafters import DFlashDrafter
-        from specheads.models.dflash import DFlashModel
-
-        # the draft runs in the target's dtype (its embedding and LM head are the target's own)
-        model = DFlashModel.from_pretrained(head) if head_source(head) == "specheads" else _foreign(head, target)
-        model = model.to(target.device, target.dtype).eval().attach(target)
-        pack_like(model, target.model)
-        return DFlashDrafter(model, spec.shape)
-    if spec.drafter == "medusa":
-        from specheads.decoding.head_drafters import MedusaDrafter
-        from specheads.models.medusa import MedusaHeads
-
-        heads = MedusaHeads.from_pretrained(head) if head_source(head) == "specheads" else _foreign(head, target)
-        heads = heads.to(target.device).eval()
-        _check_medusa_target(heads, head, target)
-        shape = spec.shape
-        if shape.kind == "static" and not shape.choices:
-            # The head's own training-time calibration (or a fixed default): never fitted on the prompts scored.
-            from specheads.methods.medusa import tree_for_head
-
-            choices, spec.tree_source = tree_for_head(head, heads.config.num_heads, spec.medusa_tree_nodes)
-            shape = spec.shape = TreeShape("static", choices=tuple(choices))
-            log.info("%s: static tree of %d nodes from %s", spec.name, len(choices), spec.tree_source)
-        elif shape.kind == "static":
-            shape = TreeShape("static", choices=tuple(normalize_choices(shape.choices)))
-            spec.tree_source = spec.tree_source or "medusa_choices (given)"
-        pack_like(heads, target.model)
-        return MedusaDrafter(heads, shape)
-    if spec.drafter == "peagle":  # one forward drafts a chain of K (specheads.decoding.peagle_drafter)
-        from specheads.decoding.peagle_drafter import load_peagle_drafter
-
-        return load_peagle_drafter(head, target, spec.shape)
-    if spec.drafter == "mtp":  # the target's own MTP layer, recursive (specheads.decoding.mtp_drafter)
-        from specheads.decoding.mtp_drafter import load_mtp_drafter
-
-        return load_mtp_drafter(head, target, spec.shape)
-    if spec.drafter == "dspark":  # a block, the Markov bias left to right (specheads.decoding.dspark_drafter)
-        from specheads.decoding.dspark_drafter import load_dspark_drafter
-
-        return load_dspark_drafter(head, target, spec.shape, spec.confidence_threshold)
-    from specheads.decoding.head_drafters import EagleDrafter
-
-    if spec.drafter == "eagle1":
-        from specheads.models.eagle1 import Eagle1Model as cls
-    else:
-        from specheads.models.eagle3 import Eagle3Model as cls
-    model = cls.from_pretrained(head) if head_source(head) == "specheads" else _foreign(head, target)
-    model = model.to(target.device).eval().attach(target)
-    pack_like(model, target.model)
-    return EagleDrafter(model, spec.shape, spec.drafter)
+    fam = family(spec.drafter)
+    model = load_head(head, target, expect=fam.name)  # ours or another toolkit's, checked against the target
+    check_adapted_target(model, head, target)
+    if fam.calibrated_tree and spec.shape.kind == "static":
+        spec = _static_tree(spec, head, model.config.num_heads)
+    return fam.build_drafter(model, target, spec)
 
 
-def _foreign(head: str, target: Target):
-    """A head trained by another toolkit (``specheads.export.foreign``), checked against the target."""
-    from specheads.export.foreign import load_foreign_head
+def _static_tree(spec: MethodSpec, head: str, num_heads: int) -> MethodSpec:
+    """``spec`` with the static tree its drafter reads: the choices given, normalized, or without choices the head's
+    training-time calibration (or a fixed default), never fitted on the prompts scored (then ``spec.shape`` itself
+    becomes that tree). Sets ``spec.tree_source``."""
+    if spec.shape.choices:
+        spec.tree_source = spec.tree_source or "medusa_choices (given)"
+        return replace(spec, shape=TreeShape("static", choices=tuple(normalize_choices(spec.shape.choices))))
+    from specheads.methods.medusa import tree_for_head
 
-    return load_foreign_head(head, target)
-
-
-def head_model_type(head_dir: str) -> str | None:
-    """The ``model_type`` of a head folder's config.json (None when it names none)."""
-    return json.loads((Path(resolve_head_dir(head_dir)) / "config.json").read_text()).get("model_type")
-
-
-def check_head_kind(drafter: str, head_dir: str) -> None:
-    """Refuse a head folder of another family than ``drafter`` (read from its config's ``model_type``)."""
-    kind = head_model_type(head_dir)
-    known = {v: k for k, v in HEAD_MODEL_TYPES.items()}
-    if kind in known and known[kind] != drafter:
-        raise UserError(f"{head_dir} holds a head of another family ({known[kind]}: model_type {kind}), not {drafter}: "
-                        f"evaluate it with head_method={known[kind]}")
-
-
-def dflash_block_size(head_dir: str) -> int:
-    """B of a saved DFlash head (slot 0 the anchor, B-1 drafted tokens)."""
-    check_head_kind("dflash", head_dir)
-    if head_source(head_dir) != "specheads":  # z-lab's or speculators' folder, with their defaults
-        from specheads.export.foreign import dflash_block_size as foreign_block_size
-
-        return foreign_block_size(resolve_head_dir(head_dir))
-    cfg = json.loads((Path(resolve_head_dir(head_dir)) / "config.json").read_text())
-    if "block_size" not in cfg:
-        raise UserError(f"{head_dir}: its config.json names no block_size; is it a DFlash head?")
-    return int(cfg["block_size"])
-
-
-def _check_medusa_target(heads, head_dir: str, target: Target) -> None:
-    """Medusa-2 heads must be verified by the target they were trained with (saved beside them)."""
-    adapted = getattr(heads.config, "adapted_target", None)
-    if adapted:
-        want = (Path(head_dir) / adapted).resolve()
-        if Path(str(target.name)).resolve() != want:
-            raise ValueError(f"these Medusa-2 heads were trained with an adapted target at {want}; evaluate them "
-                             f"with target.name_or_path={want} (got target '{target.name}')")
+    choices, spec.tree_source = tree_for_head(head, num_heads, spec.medusa_tree_nodes)
+    spec.shape = TreeShape("static", choices=tuple(choices))
+    log.info("%s: static tree of %d nodes from %s", spec.name, len(choices), spec.tree_source)
+    return spec
 
 
 def verifier_for(head_method: str | None, head_dir: str | None) -> str | None:
@@ -737,16 +664,6 @@ def _two_model(spec, target) -> Drafter:
         if small.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             raise ValueError(f"draft model {spec.draft_model} does not share the target's tokenizer")
     return ModelDrafter(small.model, spec.shape, name="two_model")
-
-
-def resolve_head_dir(path: str) -> str:
-    """A head folder, or a training output folder holding ``head/``."""
-    p = Path(path)
-    if (p / "head" / "config.json").exists():
-        return str(p / "head")
-    if not (p / "config.json").exists():
-        raise FileNotFoundError(f"{p} holds no head (no config.json, nor head/config.json)")
-    return str(p)
 
 
 def train_tau(head_dir: str | None) -> float | None:
@@ -852,18 +769,12 @@ def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "
             out.append(MethodSpec("dflash-tree", "dflash", replace(tree, depth=min(tree.depth, B - 1)), verify,
                                   head_dir=head_dir))
         elif method == "peagle":  # one forward drafts a chain of K
-            from specheads.decoding.peagle_drafter import peagle_depths
-
             K = peagle_depths(resolve_head_dir(head_dir))
             out.append(MethodSpec(f"peagle-chain{K}", "peagle", TreeShape("chain", k=K), verify, head_dir=head_dir))
         elif method == "mtp":  # the chain of the K steps it was trained for: what vLLM's mtp method drafts
-            from specheads.decoding.mtp_drafter import mtp_steps
-
             K = mtp_steps(resolve_head_dir(head_dir))
             out.append(MethodSpec(f"mtp-chain{K}", "mtp", TreeShape("chain", k=K), verify, head_dir=head_dir))
         elif method == "dspark":  # the block as a chain, every draft verified, then as the confidence schedules it
-            from specheads.decoding.dspark_drafter import dspark_block_size
-
             chain = TreeShape("chain", k=dspark_block_size(resolve_head_dir(head_dir)) - 1)
             out.append(MethodSpec(f"dspark-chain{chain.k}", "dspark", chain, verify, head_dir=head_dir))
             out.append(MethodSpec(f"dspark-sched{dspark_threshold:g}", "dspark", chain, verify, head_dir=head_dir,

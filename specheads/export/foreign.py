@@ -331,9 +331,9 @@ def _dflash_value(cfg: dict, key: str, default=None):
     return cfg.get(key, default) if value is None else value
 
 
-def dflash_block_size(folder: str | Path) -> int:
-    """B of a DFlash folder of either format (z-lab's default 16, speculators' 8 when none is written)."""
-    cfg = _config(Path(folder)) or {}
+def foreign_block_size(cfg: dict) -> int:
+    """B of a DFlash (or DSpark) folder of either format, from its config.json (z-lab's default 16, speculators' 8
+    when none is written); ``specheads.heads.dflash_block_size`` reads any head folder's."""
     if "speculators_model_type" in cfg:
         return int(cfg.get("block_size") or 8)
     return int(_dflash_value(cfg, "block_size") or 16)
@@ -396,7 +396,7 @@ def _dflash_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dic
     if mask is None:
         raise _fail(folder, fmt, "names no mask_token_id (the engines need it)")
     verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    return {"model_type": "specheads_dflash", **_draft_fields(layer), "block_size": dflash_block_size(folder),
+    return {"model_type": "specheads_dflash", **_draft_fields(layer), "block_size": foreign_block_size(cfg),
             "aux_layers": _dflash_aux_layers(folder, fmt, cfg, target), "mask_token_id": int(mask),
             "target_hidden_size": cfg.get("target_hidden_size") or layer.hidden_size,
             # 0: ModelOpt's offline export, whose base model was loaded without layers (as if not written)
@@ -404,10 +404,10 @@ def _dflash_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dic
             "target": verifier or target.name}
 
 
-def peagle_depths(folder: str | Path) -> int:
-    """K of a speculators P-EAGLE folder: the greedy proposal's ``speculative_tokens`` (speculators writes its
-    ``num_depths`` there), else speculators' default 8."""
-    cfg = _config(Path(folder)) or {}
+def foreign_depths(cfg: dict) -> int:
+    """K of a speculators P-EAGLE folder, from its config.json: the greedy proposal's ``speculative_tokens``
+    (speculators writes its ``num_depths`` there), else speculators' default 8; ``specheads.heads.peagle_depths``
+    reads any head folder's."""
     methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
     return int(methods[0].get("speculative_tokens") or PEAGLE_DEPTHS)
 
@@ -418,7 +418,7 @@ def _peagle_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dic
     if cfg.get("mask_token_id") is None:
         raise _fail(folder, fmt, "names no mask_token_id (vLLM needs it as its parallel-drafting token)")
     return {**head_cfg, "model_type": "specheads_peagle", "mask_token_id": int(cfg["mask_token_id"]),
-            "num_depths": peagle_depths(folder)}
+            "num_depths": foreign_depths(cfg)}
 
 
 def _dspark_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
@@ -633,10 +633,3 @@ def load_foreign_head(folder: str | Path, target):
     _check_borrowed(head, target)
     return build_head(head.config, head.state)
 
-
-def head_source(head_dir: str | Path) -> str:
-    """Where a head came from: ``specheads`` (trained here), or the format of a head trained elsewhere (a key of
-    ``FORMATS``), read from its folder's config.json (a training output folder's ``head/`` first)."""
-    p = Path(head_dir)
-    folder = p / "head" if (p / "head" / "config.json").exists() else p
-    return foreign_format(folder) or "specheads"
