@@ -21,6 +21,7 @@ import torch
 
 from specheads.errors import ConfigError
 from specheads.targets import Target
+from specheads.targets.context import ContextLimit, check_fits_context
 
 log = logging.getLogger(__name__)
 
@@ -32,20 +33,34 @@ class EngineRegenConfig:
     """python: the engine venv's python (null: found as ``serve-eval`` finds it); dtype: the engine's (auto:
     bfloat16 on a GPU or a CPU with bfloat16 kernels, else float32); capture: keep the states for collection;
     capture_layers: the fused layers kept (null: EAGLE-3's default for the target; ``[]``: the last state only);
-    max_model_len: the longest prompt plus answer; kv_cache_gib: VLLM_CPU_KVCACHE_SPACE on a CPU."""
+    max_model_len: vLLM's context, the longest prompt plus answer (null: ``model_len`` sizes it to the rows);
+    kv_cache_gib: VLLM_CPU_KVCACHE_SPACE on a CPU."""
 
     python: str | None = None
     dtype: str = "auto"
     capture: bool = True
     capture_layers: list[int] | None = None
-    max_model_len: int = 4096
+    max_model_len: int | None = None
     kv_cache_gib: int = 2
     tensor_parallel_size: int = 1
 
     def __post_init__(self):
-        if self.max_model_len <= 0 or self.tensor_parallel_size <= 0:
+        if (self.max_model_len is not None and self.max_model_len <= 0) or self.tensor_parallel_size <= 0:
             raise ConfigError(f"regenerate.engine.max_model_len and tensor_parallel_size must be positive (got "
                               f"{self.max_model_len}, {self.tensor_parallel_size})")
+
+
+def model_len(cfg: EngineRegenConfig, max_length: int, max_prompt_tokens: int, max_new_tokens: int,
+              limit: ContextLimit | None, target: str) -> int:
+    """vLLM's ``max_model_len`` for regeneration: as set (refused past the target's context), or, unset, room for
+    the longest row prepare keeps (``max_length``, which capture needs whole) and for the longest prompt plus its
+    answer (``max_prompt_tokens + max_new_tokens``: a long thinking answer is not cut by the engine's context),
+    whichever is more, at most the target's context ``limit`` (an answer then stops at the context's end)."""
+    if cfg.max_model_len is not None:
+        check_fits_context("regenerate.engine.max_model_len", cfg.max_model_len, limit, target)
+        return int(cfg.max_model_len)
+    needed = max(int(max_length), int(max_prompt_tokens) + int(max_new_tokens))
+    return min(needed, limit.tokens) if limit is not None else needed
 
 
 def capture_layers(cfg: EngineRegenConfig, target: Target) -> list[int]:
@@ -69,6 +84,9 @@ class EngineAnswers:
         if path is None or not Path(path).is_dir():
             raise ConfigError(f"regenerate=engine: target '{target.name}' is not a model folder vLLM can read "
                               "(a hub snapshot or local folder; a .gguf target regenerates with regenerate=greedy)")
+        if cfg.max_model_len is None:
+            raise ConfigError("regenerate.engine.max_model_len is unset: prepare sizes it (model_len) before the "
+                              "engine starts")
         self.layers = capture_layers(cfg, target) if cfg.capture else []
         engine = find_engine(cfg.python)
         self.dtype = engine_dtype(cfg.dtype)

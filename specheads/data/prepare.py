@@ -21,7 +21,7 @@ import re
 import shutil
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from specheads.data.dedup import DEDUP_VERSION, DedupReport, benchmark_keys, unique_conversations
 from specheads.data.capture_cache import CaptureCache, capture_dir
-from specheads.data.engine_answers import capture_layers
+from specheads.data.engine_answers import capture_layers, model_len
 from specheads.data import images as img
 from specheads.data.regenerate import RegenerateConfig, count_retokenized, count_truncated, regenerate
 from specheads.data.render import (ChatRenderer, TemplateError, ToolTurnError, chat_id, chat_template_sha,
@@ -38,6 +38,7 @@ from specheads.data.sources import (MIXTURE, Conversation, MixturePart, SkipRepo
                                     iter_conversations, iter_mixture, mixture_counts, mixture_parts)
 from specheads.errors import ConfigError, InputNotFoundError, UserError, check_output_folder
 from specheads.targets import Target, tokenizer_fingerprint
+from specheads.targets.context import context_limit
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +274,14 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path, vision=None
     check_prepare_output(out_dir)
     check_sources(cfg.source, cfg.path, cfg.parts)
     _remove_stale_tmp(out_dir)
+    given = cfg  # the settings as given: what a later run compares (``prepared_is_current``)
     engine = cfg.regenerate.engine if cfg.regenerate is not None else None
+    if engine is not None:  # vLLM's context: as set, or room for the longest row and the longest prompt and answer
+        limit = context_limit(getattr(target.model, "config", None), target.tokenizer)
+        engine = replace(engine, max_model_len=model_len(
+            engine, cfg.max_length, cfg.regenerate.max_prompt_tokens, cfg.regenerate.max_new_tokens, limit,
+            target.name))
+        cfg = replace(cfg, regenerate=replace(cfg.regenerate, engine=engine))
     if engine is not None and engine.capture:  # before any work: the engine captures whole rows
         if cfg.max_length > engine.max_model_len:
             raise PrepareError(f"data.max_length={cfg.max_length} is longer than regenerate.engine.max_model_len="
@@ -342,7 +350,7 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path, vision=None
         # a mixture: each part's source, what its reader kept and skipped, and what it gave the prepared set
         "mixture": [{**p, **part_reports.get(p["name"], SkipReport()).to_dict(), **counts["parts"].get(p["name"], {})}
                     for p in cfg.parts] if cfg.source == MIXTURE else None,
-        "seconds": round(time.time() - t0, 1), "config": _config_key(cfg), "num_proc": num_proc,
+        "seconds": round(time.time() - t0, 1), "config": _config_key(given), "num_proc": num_proc,
     }
     if vision is not None:  # what collection needs to recompute each row's pixel inputs from its references
         meta["images"] = {**vision.describe(), "rows": counts["image_rows"], "images": counts["images"]}

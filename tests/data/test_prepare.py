@@ -96,7 +96,8 @@ def test_tool_turns_are_kept_or_skipped_and_counted_by_what_the_template_renders
 
 @pytest.mark.parametrize("overrides, words", [
     (["regenerate.engine.capture_layers=[1,99]"], ["regenerate.engine.capture_layers", "99", "out of range"]),
-    (["data.max_length=8192"], ["data.max_length=8192", "regenerate.engine.max_model_len=4096"]),
+    (["data.max_length=8192", "regenerate.engine.max_model_len=4096"], ["data.max_length=8192",
+                                                                     "regenerate.engine.max_model_len=4096"]),
     (["regenerate.engine.max_model_len=0"], ["max_model_len", "positive"]),
     (["regenerate.engine.max_model_len=1024", "data.max_length=512"], ["regenerate.max_prompt_tokens=1024",
                                                                        "no room for an answer"]),
