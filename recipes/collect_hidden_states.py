@@ -109,6 +109,12 @@ def collect(cfg: DictConfig) -> None:
     if auto:
         engine = auto_engine(cfg)
     dataset, meta = load_prepared(cfg.prepared_dir)
+    if "images" in dataset.column_names and engine == "vllm":  # image rows: the transformers forward reads pixels
+        if not auto:
+            raise ConfigError(f"{cfg.prepared_dir} holds image rows, which engine=vllm does not collect yet: use "
+                              "engine=hf (the target's own forward, its vision encoder included)")
+        log.info("engine=auto: the prepared rows hold images; the transformers forward runs the forward passes")
+        engine = "hf"
     check_before_loading(cfg, dataset, output_dir)
     captured = _captured_target(cfg, meta, output_dir, dataset, engine, rank) if cfg.get("captured", True) else None
     if captured is not None:

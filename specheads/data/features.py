@@ -35,13 +35,17 @@ from specheads.data.store import (
 )
 from specheads.errors import ConfigError
 from specheads.ranges import check_number
+from specheads.data.images import image_reader, with_pixels
 from specheads.targets import Target, default_eagle3_layers
+from specheads.targets.model import uses_mrope
 from specheads.methods.base import ARGMAX_KEY, FeatureSpec
 from specheads.methods.losses import target_argmax
 
 log = logging.getLogger(__name__)
 
 HIDDEN_KEYS = ("hidden_last", "hidden_aux")
+POSITIONS = "positions"  # (T, 3) the 3-D M-RoPE positions of a target that uses them (Qwen2-VL family)
+PIXEL_KEYS = ("pixel_values", "image_grid_thw")  # a vision-language batch's pixel inputs (``with_pixels``)
 
 
 def spec_for_method(method: str, num_layers: int, aux_layers: Sequence[int] | None = None) -> FeatureSpec:
@@ -68,7 +72,10 @@ def compute_features(target: Target, batch: dict[str, torch.Tensor], spec: Featu
     batch: input_ids (B, T), attention_mask (B, T) (1 = real token, right padding), loss_mask (B, T)
     adds:  hidden_last (B, T, H) float32 if ``spec.need_last`` (with ``argmax``: also target_argmax (B, T)
            long, 0 on padding: collection stores it; online training lets the method compute what it needs);
-           hidden_aux (B, T, k*H) float32, aux layers concatenated in spec order, if ``spec.aux_layers``.
+           hidden_aux (B, T, k*H) float32, aux layers concatenated in spec order, if ``spec.aux_layers``;
+           positions (B, T, 3) long, the 3-D M-RoPE positions, for a target that uses them.
+    A vision-language batch also holds its rows' pixel inputs (``with_pixels``); image positions get the states
+    the language model computed over the vision features there.
     Padding positions are zero, so the result does not depend on what the padded rows computed.
     """
     device = target.device
@@ -77,8 +84,15 @@ def compute_features(target: Target, batch: dict[str, torch.Tensor], spec: Featu
     mask = out.get("attention_mask")
     if mask is None:
         mask = out["attention_mask"] = torch.ones_like(ids)
-    feats = target.forward_features(ids, mask, aux_layers=spec.aux_layers, need_last=spec.need_last)
+    if any(out.pop("images", None) or ()):  # references ``with_pixels`` did not read: a token-only batch loader's
+        raise ConfigError("online features of image rows are not computed yet: collect a feature store "
+                          "(specheads collect) and train from it (features_dir)")
+    pixels = {k: out.pop(k) for k in PIXEL_KEYS if torch.is_tensor(out.get(k))}
+    out.pop("image_grid_thw", None)  # a batch without images: its rows' (empty) grid lists
+    feats = target.forward_features(ids, mask, aux_layers=spec.aux_layers, need_last=spec.need_last, **pixels)
     pad = ~mask.bool().unsqueeze(-1)
+    if feats.positions is not None:
+        out[POSITIONS] = feats.positions.long().masked_fill(pad, 0)
     if spec.need_last:
         out["hidden_last"] = feats.last.float().masked_fill(pad, 0.0)
         if argmax:
@@ -128,14 +142,19 @@ def collate_features(samples: list[dict[str, Any]], pad_to_multiple_of: int = 1)
             batch[key] = torch.zeros(B, T, samples[0][key].shape[-1], dtype=torch.float32)
     if all(ARGMAX_KEY in s for s in samples):
         batch[ARGMAX_KEY] = torch.zeros(B, T, dtype=torch.long)
+    if all(POSITIONS in s for s in samples):
+        batch[POSITIONS] = torch.zeros(B, T, 3, dtype=torch.long)
     for b, s in enumerate(samples):
         n = len(s["input_ids"])
         batch["input_ids"][b, :n] = torch.as_tensor(s["input_ids"])
         batch["loss_mask"][b, :n] = torch.as_tensor(s["loss_mask"])
         batch["attention_mask"][b, :n] = 1
-        for key in (*HIDDEN_KEYS, ARGMAX_KEY):
+        for key in (*HIDDEN_KEYS, ARGMAX_KEY, POSITIONS):
             if key in batch:
                 batch[key][b, :n] = torch.as_tensor(s[key])
+    if "images" in samples[0]:  # references and grids, in row order: ``with_pixels`` reads the pixels
+        batch["images"] = [list(s["images"]) for s in samples]
+        batch["image_grid_thw"] = [list(map(list, s["image_grid_thw"])) for s in samples]
     return batch
 
 
@@ -207,14 +226,18 @@ def sample_lengths(dataset) -> list[int]:
 
 
 class TokenDataset(Dataset):
-    """A prepared dataset as samples ``{id, input_ids (T,), loss_mask (T,)}`` (the online-mode input)."""
+    """A prepared dataset as samples ``{id, input_ids (T,), loss_mask (T,)}`` (the online-mode input); a vision-language
+    target's rows also hold ``images`` and ``image_grid_thw``, read as pixels by ``batch`` with ``vision``
+    (``images.VisionRenderer``)."""
 
-    def __init__(self, dataset):
+    def __init__(self, dataset, vision=None):
         for col in ("input_ids", "loss_mask"):
             if col not in dataset.column_names:
                 raise ValueError(f"prepared dataset lacks column '{col}' (has {dataset.column_names})")
         self.dataset = dataset
         self.has_ids = "id" in dataset.column_names
+        self.has_images = "images" in dataset.column_names
+        self.vision = vision
         self.lengths = sample_lengths(dataset)
 
     def __len__(self) -> int:
@@ -227,8 +250,17 @@ class TokenDataset(Dataset):
         """Several samples in one Arrow read."""
         cols = self.dataset[list(indices)]
         ids = cols["id"] if self.has_ids else [str(i) for i in indices]
-        return [{"id": str(ids[j]), "input_ids": torch.tensor(cols["input_ids"][j], dtype=torch.long),
+        rows = [{"id": str(ids[j]), "input_ids": torch.tensor(cols["input_ids"][j], dtype=torch.long),
                  "loss_mask": torch.tensor(cols["loss_mask"][j], dtype=torch.long)} for j in range(len(indices))]
+        if self.has_images:  # a vision-language target's rows: their images' references and patch grids
+            for j, row in enumerate(rows):
+                row.update(images=cols["images"][j], image_grid_thw=cols["image_grid_thw"][j])
+        return rows
+
+    def batch(self, indices: Sequence[int]) -> dict[str, Any]:
+        """The collated batch of the samples ``indices``, with their images' pixel inputs (``with_pixels``)."""
+        batch = collate_features(self.rows(indices))
+        return with_pixels(batch, self.vision) if self.has_images else batch
 
     def token_rows(self, indices: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
         """(input_ids, loss_mask) lists of the samples ``indices`` (for count baselines)."""
@@ -338,6 +370,8 @@ def store_header(target: Target, spec: FeatureSpec, opts: CollectOptions, ids: l
         "bytes_per_token": bytes_per_token(target.hidden_size, len(spec.aux_layers), spec.need_last, dtype),
         "num_shards": len(shards), "num_samples": len(ids), "num_tokens": int(sum(lengths)),
     }
+    if uses_mrope(getattr(target, "config", None)):  # stores of other targets keep their header (and plan hash)
+        header[POSITIONS] = "3-D M-RoPE positions (temporal, height, width) of each token, as the target ran"
     h = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
     h.update(json.dumps([[ids[i], lengths[i]] for shard in shards for i in shard] + [len(s) for s in shards]).encode())
     header["plan_hash"] = h.hexdigest()[:24]
@@ -453,7 +487,7 @@ def _estimate(target, spec, tokens: TokenDataset, batches: list[list[int]], todo
     how = "the budget's measured rate"
     if not rate:
         probe = batches[len(batches) // 2][:4]  # a few mid-length samples: cheap, and time scales with tokens
-        batch = collate_features(tokens.rows(probe))
+        batch = tokens.batch(probe)
         t0 = time.perf_counter()
         compute_features(target, batch, spec, argmax=spec.need_last)
         rate, how = batch["input_ids"].numel() / max(time.perf_counter() - t0, 1e-9), "one timed batch"
@@ -470,7 +504,7 @@ def _within_budget(target, spec, dataset, tokens: TokenDataset, opts: CollectOpt
         raise ValueError(f"collect.max_minutes must be positive (or null for no budget), got {opts.max_minutes}")
 
     def forward(rows: list[int]) -> int:
-        batch = collate_features(tokens.rows(rows))
+        batch = tokens.batch(rows)
         compute_features(target, batch, spec, argmax=spec.need_last)
         return batch["input_ids"].numel()
 
@@ -483,10 +517,10 @@ def _within_budget(target, spec, dataset, tokens: TokenDataset, opts: CollectOpt
     decision = budget.decide(root, tokens.lengths, opts.max_minutes, opts.world_size, first, rate)
     if decision.get("cut"):  # stopped at its deadline before: the rows it kept
         dataset = dataset.select(decision["cut"]["kept_rows"])
-        tokens = TokenDataset(dataset)
+        tokens = TokenDataset(dataset, tokens.vision)
     elif decision["rows"] < len(tokens):
         dataset = dataset.select(range(decision["rows"]))
-        tokens = TokenDataset(dataset)
+        tokens = TokenDataset(dataset, tokens.vision)
     return dataset, tokens, {**(source or {}), "budget": decision}
 
 
@@ -517,12 +551,15 @@ def _cut_at_deadline(target, spec, dataset, tokens: TokenDataset, shards: list[l
 
 
 def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: str | Path,
-                          opts: CollectOptions | None = None, source: dict | None = None) -> dict[str, Any]:
+                          opts: CollectOptions | None = None, source: dict | None = None,
+                          vision=None) -> dict[str, Any]:
     """Write the spec's features of a prepared dataset into a store at ``out_dir`` (this rank's share).
 
-    dataset: ``datasets.Dataset`` with id, input_ids, loss_mask. Finished shards of the same plan are
-    skipped; partial or corrupt ones are redone. Returns a summary (shards written/skipped, tokens,
-    seconds, tokens/s, and ``manifest`` when this process completed the store).
+    dataset: ``datasets.Dataset`` with id, input_ids, loss_mask (and, prepared for a vision-language target,
+    images and image_grid_thw: their pixels are read with ``vision``, the target's ``images.VisionRenderer``,
+    loaded from the target's folder when None). Finished shards of the same plan are skipped; partial or corrupt
+    ones are redone. Returns a summary (shards written/skipped, tokens, seconds, tokens/s, and ``manifest`` when
+    this process completed the store).
     """
     opts = opts or CollectOptions()
     if spec.online_only:
@@ -530,7 +567,7 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
                          "train it in online mode")
     check_collect_options(opts)
     root = Path(out_dir)
-    tokens = TokenDataset(dataset)
+    tokens = TokenDataset(dataset, image_reader(target, dataset, vision))
     if opts.max_minutes is not None:
         dataset, tokens, source = _within_budget(target, spec, dataset, tokens, opts, root, source)
     ids = [str(x) for x in dataset["id"]] if tokens.has_ids else [str(i) for i in range(len(tokens))]
@@ -554,7 +591,7 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
     if not opts.write:  # a tensor-parallel peer: the same forward passes, nothing written
         for s in todo:
             for b in plan[s]:
-                compute_features(target, collate_features(tokens.rows(b)), spec, argmax=spec.need_last)
+                compute_features(target, tokens.batch(b), spec, argmax=spec.need_last)
         log.info("rank %d: computed its group's %d shards for the group's writer", opts.rank, len(todo))
         return {"rank": opts.rank, "shards_written": 0, "shards_skipped": len(mine) - len(todo), "samples": 0,
                 "tokens": 0, "seconds": time.perf_counter() - t0, "tokens_per_s": 0.0, "manifest": None}
@@ -579,7 +616,7 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
                 if stopped:
                     _cut_at_deadline(target, spec, dataset, tokens, shards, s, done, header, opts, root, writer)
                     break
-                writer.add(compute_features(target, collate_features(tokens.rows(b)), spec, argmax=spec.need_last))
+                writer.add(compute_features(target, tokens.batch(b), spec, argmax=spec.need_last))
                 bar.update(sum(tokens.lengths[i] for i in b))
                 done += b
             if stopped:
@@ -700,6 +737,8 @@ class FeatureDataset(Dataset):
             return f.get_slice(name)[a:b] if name in names else None
 
         item = {"id": self.ids[i], "input_ids": rows("input_ids").long(), "loss_mask": rows("loss_mask").long()}
+        if POSITIONS in names:
+            item[POSITIONS] = rows(POSITIONS).long()
         if self.spec.need_last:
             item["hidden_last"] = decode_hidden(rows("hidden_last"), rows("hidden_last_scale"))
             if ARGMAX_KEY in names:  # stores collected before it was stored: the trainer computes it

@@ -20,6 +20,9 @@ Rendering (``VisionRenderer``): the chat template renders each image as its plac
 ``<|image_pad|>`` between ``<|vision_start|>``/``<|vision_end|>``); the target's image processor gives the image's
 grid, and the placeholder becomes the ``t*h*w / merge_size**2`` tokens the model fills with vision features.
 Image tokens are never labels. A sample cut at ``max_length`` never ends inside an image: it ends before it.
+
+Collection (``image_reader``, ``with_pixels``): each batch's images are read again from their references and
+processed by the same image processor; a grid that differs from the prepared one is refused, naming the image.
 """
 
 from __future__ import annotations
@@ -348,3 +351,42 @@ def render_image_samples(conv, renderer, vision: VisionRenderer, max_length: int
         ids, mask, kept, cut = expand_images(r.input_ids, r.loss_mask, grids, vision, max_length)
         samples.append(ImageSample(ids, mask, refs[:kept], grids[:kept], cut, r.suffix))
     return samples
+
+
+# --------------------------------------------------------------------------- collection
+
+
+def image_reader(target, dataset, vision=None) -> VisionRenderer | None:
+    """The image processing that reads a prepared set's images (None for a set without an image column); prepared
+    image rows with a target that reads no images are refused in one line."""
+    if "images" not in dataset.column_names:
+        return vision
+    from specheads.data.store import StoreMismatchError
+
+    if not getattr(target, "vision_language", False):
+        raise StoreMismatchError(f"the prepared rows hold images and target '{target.name}' has no vision part; "
+                                 "collect with the vision-language target they were prepared for")
+    if vision is None:
+        vision = load_vision(target.name, target.tokenizer)
+    return vision
+
+
+def with_pixels(batch: dict[str, Any], vision: VisionRenderer) -> dict[str, Any]:
+    """A collated batch with its rows' images read and processed (``images.VisionRenderer``): ``pixel_values`` and
+    ``image_grid_thw`` (n_images, 3) of every row's images in row order, in place of their references; a batch
+    without an image loses the references only. An image whose grid differs from the one prepared (the file
+    changed since, or another image processor) is refused, naming it."""
+    from specheads.data.store import StoreMismatchError
+
+    refs = [r for row in batch.pop("images", []) for r in row]
+    grids = [g for row in batch.pop("image_grid_thw", []) for g in row]
+    if not refs:
+        return batch
+    pixels = vision.pixel_inputs([open_image(r) for r in refs])
+    got = pixels["image_grid_thw"].tolist()
+    for ref, want, have in zip(refs, grids, got):
+        if list(want) != have:
+            raise StoreMismatchError(f"{ref}: the image processor gives patch grid {have}, the prepared row {want} "
+                                     "(the image or the target's image processor changed since prepare); prepare "
+                                     "the data again")
+    return {**batch, **pixels}

@@ -10,8 +10,9 @@ Layout of a store folder::
 A shard holds ``input_ids (N,) int32``, ``loss_mask (N,) int8``, ``offsets (S+1,) int64`` (sample
 ``s`` is rows ``offsets[s]:offsets[s+1]``) and, as the method needs, ``hidden_last (N, H)`` with
 ``target_argmax (N,) int32`` (the target's argmax over its whole vocabulary, computed from it at
-collection) and ``hidden_aux (N, k*H)``. With ``fp8_e4m3`` each hidden tensor has a float32 scale per token (and per
-aux layer): ``hidden_last_scale (N, 1)``, ``hidden_aux_scale (N, k)``.
+collection) and ``hidden_aux (N, k*H)``; a target that uses M-RoPE adds ``positions (N, 3) int32``.
+With ``fp8_e4m3`` each hidden tensor has a float32 scale per token (and per aux layer):
+``hidden_last_scale (N, 1)``, ``hidden_aux_scale (N, k)``.
 
 Every file is written to a temporary name and moved into place with ``os.replace``, so a killed
 writer leaves either nothing or a complete file; a shard counts as done only once its record exists
@@ -406,6 +407,8 @@ class ShardWriter:
                 "lengths": keep.sum(dim=1).to(torch.int64)}
         if "target_argmax" in batch:
             rows["target_argmax"] = batch["target_argmax"][keep].to(torch.int32)
+        if "positions" in batch:  # a target's 3-D M-RoPE positions (N, 3)
+            rows["positions"] = batch["positions"][keep].to(torch.int32)
         for name, groups in (("hidden_last", 1), ("hidden_aux", self.aux_groups)):
             if name in batch:
                 rows.update(encode_hidden(name, batch[name][keep], self.dtype, groups))

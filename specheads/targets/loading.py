@@ -26,6 +26,22 @@ def load_tokenizer(name_or_path: str = EMBEDDED_TARGET, chat_template: str | Non
     return apply_chat_template(own_tokenizer(name_or_path), chat_template)
 
 
+def model_class(path: str):
+    """The auto class that loads a target folder: ``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for
+    a vision-language model no causal-LM class covers (Qwen2.5-VL, Qwen3-VL: vision encoder and language model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return AutoModelForCausalLM  # its own error, from the load
+    vision = getattr(config, "vision_config", None) is not None
+    if vision and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def check_parallel(parallel: str | None) -> str:
     """``target.parallel`` as ``load_target`` reads it (None: ``none``), or a ``ConfigError`` naming the modes."""
     mode = str(parallel or "none").lower()
@@ -61,7 +77,7 @@ def load_target(
     its figures are logged in one line and kept as ``Target.dtype_choice``. ``chat_template``: a template for
     the tokenizer (``specheads.targets.chat_templates``: a file, a shipped name, or a model that has one).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from specheads.hardware import DTYPES, Choice, choose_dtype, cpu_bf16_supported, resolve_device
 
@@ -76,7 +92,7 @@ def load_target(
     kwargs, layout = split_kwargs(mode, tp_size, max_memory)
     path = resolve_target_path(name_or_path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        model = model_class(path).from_pretrained(path, dtype=dtype, **kwargs)
         tokenizer = apply_chat_template(AutoTokenizer.from_pretrained(path), chat_template)
     except OSError as e:
         raise TargetLoadError(f"cannot load target '{name_or_path}': {e}; {TARGET_HINT}") from e

@@ -92,11 +92,27 @@ class TargetFeatures:
     aux:  tuple of (B, T, H), one per requested aux layer (inputs of those decoder layers)
     last: (B, T, H) post-norm last hidden state, or None when not requested
     argmax: (B, T) the LM head's argmax over ``last`` when the forward computed it (a serving engine's), else None
+    positions: (B, T, 3) the 3-D M-RoPE positions (temporal, height, width) the language model ran at, for a target
+        that uses M-RoPE (Qwen2-VL family), else None
     """
 
     aux: tuple[torch.Tensor, ...]
     last: torch.Tensor | None
     argmax: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+
+def uses_mrope(config) -> bool:
+    """Whether a target's language model rotates by 3-D (M-RoPE) positions: its rope settings name an
+    ``mrope_section``."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    return isinstance(rope, dict) and rope.get("mrope_section") is not None
+
+
+def is_vision_language(config) -> bool:
+    """Whether a target config has a vision part (a vision-language model's ``vision_config``)."""
+    return getattr(config, "vision_config", None) is not None
 
 
 class Target:
@@ -133,7 +149,13 @@ class Target:
 
     @property
     def hidden_size(self) -> int:
-        return self.model.config.hidden_size
+        config = self.model.config
+        return (config.get_text_config() if hasattr(config, "get_text_config") else config).hidden_size
+
+    @property
+    def vision_language(self) -> bool:
+        """A vision-language target: its forward takes pixel inputs (``forward_features(..., pixel_values=...)``)."""
+        return self.model is not None and is_vision_language(self.model.config)
 
     @property
     def vocab_size(self) -> int:
@@ -228,20 +250,64 @@ class Target:
         attention_mask: torch.Tensor | None = None,
         aux_layers: Sequence[int] = (),
         need_last: bool = True,
+        **vision: torch.Tensor,
     ) -> TargetFeatures:
         """Run the decoder once (no LM head) and return the requested hidden states.
 
-        input_ids: (B, T); attention_mask: (B, T) with 1 for real tokens (right padding).
+        input_ids: (B, T); attention_mask: (B, T) with 1 for real tokens (right padding). A vision-language
+        target runs its whole multimodal model (``vision_forward``), with the rows' pixel inputs when ``vision``
+        holds them (``pixel_values``, ``image_grid_thw``).
         """
         for i in aux_layers:
             if not 0 <= i < self.num_layers:
                 raise ValueError(f"aux layer {i} out of range for a target with {self.num_layers} layers")
+        if self.vision_language:
+            return self.vision_forward(input_ids, attention_mask, aux_layers, need_last, **vision)
         with capture_layer_inputs(self.layers, aux_layers) as captured:
             out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         # A device_map split leaves each layer's states on that layer's device: bring them to the input's.
         here = input_ids.device
         last = out.last_hidden_state.to(here) if need_last else None
         return TargetFeatures(aux=tuple(captured[i].to(here) for i in aux_layers), last=last)
+
+    def vision_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, aux_layers: Sequence[int],
+                       need_last: bool, pixel_values: torch.Tensor | None = None,
+                       image_grid_thw: torch.Tensor | None = None) -> TargetFeatures:
+        """A vision-language target's forward: its multimodal model (the vision encoder runs once per image, its
+        features fill the image tokens) without the LM head, the aux states read at the language model's
+        layers, and the 3-D positions it ran at where it uses M-RoPE.
+
+        input_ids: (B, T) with each image's tokens in place; pixel_values: the images of every row in order
+        (the image processor's layout, Qwen: (patches, C*T*P*P)); image_grid_thw: (n_images, 3).
+        """
+        kwargs = {}
+        if pixel_values is None and bool((input_ids == self.config.image_token_id).any()):
+            raise ValueError("the rows hold image tokens and no pixel inputs were given (pixel_values, image_grid_thw)")
+        if pixel_values is not None:
+            image_token = self.config.image_token_id
+            kwargs = {"pixel_values": pixel_values.to(self.device, self.dtype),
+                      "image_grid_thw": image_grid_thw.to(self.device),
+                      "mm_token_type_ids": (input_ids == image_token).int()}
+        seen: dict[str, torch.Tensor | None] = {}
+
+        def positions_hook(module, args, kw):
+            seen["positions"] = kw.get("position_ids")
+
+        handle = self.decoder.register_forward_pre_hook(positions_hook, with_kwargs=True)
+        try:
+            with capture_layer_inputs(self.layers, aux_layers) as captured:
+                out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+        finally:
+            handle.remove()
+        here = input_ids.device
+        positions = None
+        if uses_mrope(self.config):
+            positions = seen.get("positions")
+            if positions is None:  # no image: the language model counts 0..T-1 on each of the three axes
+                positions = torch.arange(input_ids.shape[1], device=here).expand(3, *input_ids.shape)
+            positions = positions[-3:].permute(1, 2, 0).to(here)  # (3 or 4, B, T): the last three are M-RoPE's
+        last = out.last_hidden_state.to(here) if need_last else None
+        return TargetFeatures(aux=tuple(captured[i].to(here) for i in aux_layers), last=last, positions=positions)
 
 
 class RawEmbedding(nn.Module):
