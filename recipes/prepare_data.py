@@ -63,11 +63,11 @@ def run(cfg: DictConfig) -> None:
     limit = (context_limit(target.model.config, target.tokenizer) if target.model is not None
              else read_context_limit(cfg.target.name_or_path, target.tokenizer))
     check_fits_context("data.max_length", pcfg.max_length, limit, cfg.target.name_or_path)
-    if not cfg.overwrite and prepared_is_current(cfg.output_dir, pcfg, target):
-        log.info("%s is already prepared with this configuration; skipping (overwrite=true redoes it)", cfg.output_dir)
-        return
     # a vision-language target's image processor: image chats render with it (None for a text-only target)
     vision = load_vision(cfg.target.name_or_path, target.tokenizer)
+    if not cfg.overwrite and prepared_is_current(cfg.output_dir, pcfg, target, vision):
+        log.info("%s is already prepared with this configuration; skipping (overwrite=true redoes it)", cfg.output_dir)
+        return
     meta = prepare(target, pcfg, cfg.output_dir, vision)
     print(f"prepared {meta['num_samples']} samples, {meta['num_tokens']} tokens "
           f"({meta['num_loss_tokens']} assistant) -> {cfg.output_dir}; skipped: {meta['skipped']}")

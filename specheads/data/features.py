@@ -44,6 +44,7 @@ from specheads.methods.losses import target_argmax
 log = logging.getLogger(__name__)
 
 HIDDEN_KEYS = ("hidden_last", "hidden_aux")
+IMAGE_ROWS = "image_rows"  # a store's source: how many of its rows show images
 POSITIONS = "positions"  # (T, 3) the 3-D M-RoPE positions of a target that uses them (Qwen2-VL family)
 PIXEL_KEYS = ("pixel_values", "image_grid_thw")  # a vision-language batch's pixel inputs (``with_pixels``)
 
@@ -568,6 +569,8 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
     check_collect_options(opts)
     root = Path(out_dir)
     tokens = TokenDataset(dataset, image_reader(target, dataset, vision))
+    if tokens.has_images:  # recorded: a trainer refuses image rows until it trains as the engine drafts them
+        source = {**(source or {}), IMAGE_ROWS: sum(1 for refs in dataset["images"] if refs)}
     if opts.max_minutes is not None:
         dataset, tokens, source = _within_budget(target, spec, dataset, tokens, opts, root, source)
     ids = [str(x) for x in dataset["id"]] if tokens.has_ids else [str(i) for i in range(len(tokens))]
@@ -655,6 +658,11 @@ def check_manifest(manifest: dict[str, Any], spec: FeatureSpec | None = None, ta
                     f"but the trainer's target '{target.name}' has {what} {want}; collect features for this "
                     f"target (`specheads collect`) or use online features")
     if spec is not None:
+        if (manifest.get("source") or {}).get(IMAGE_ROWS):
+            raise StoreMismatchError(
+                f"{where} holds {manifest['source'][IMAGE_ROWS]} image rows of a vision-language target: training a "
+                "drafter on image rows (as the serving engine drafts there: vision features and M-RoPE positions) is "
+                "not available yet; train from a store of text rows")
         if spec.online_only:
             raise StoreMismatchError(f"this method trains the target (online_only); it cannot train from {where}")
         missing = [i for i in spec.aux_layers if i not in manifest["aux_layers"]]

@@ -423,8 +423,9 @@ def _config_key(cfg: PrepareConfig) -> dict[str, Any]:
     return key
 
 
-def prepared_is_current(out_dir: str | Path, cfg: PrepareConfig, target: Target) -> bool:
-    """True when ``out_dir`` already holds data prepared with this configuration and tokenizer."""
+def prepared_is_current(out_dir: str | Path, cfg: PrepareConfig, target: Target, vision=None) -> bool:
+    """True when ``out_dir`` already holds data prepared with this configuration and tokenizer (and, for a
+    vision-language target, ``vision``: the same image processing)."""
     meta_path = Path(out_dir) / META_FILE
     if not meta_path.exists():
         return False
@@ -435,7 +436,16 @@ def prepared_is_current(out_dir: str | Path, cfg: PrepareConfig, target: Target)
     return (meta.get("config") == _config_key(cfg)
             and meta.get("tokenizer_fingerprint") == tokenizer_fingerprint(target.tokenizer)
             and (meta.get("dedup") or {}).get("version") == DEDUP_VERSION  # else prepared before this dedup
-            and (cfg.regenerate is None or meta.get("regenerate_version") == REGENERATE_VERSION))
+            and (cfg.regenerate is None or meta.get("regenerate_version") == REGENERATE_VERSION)
+            and _same_images(meta.get("images"), vision))
+
+
+def _same_images(recorded: dict | None, vision) -> bool:
+    """Whether prepared rows' image processing (the metadata's ``images``) is ``vision``'s (None: no image columns)."""
+    current = vision.describe() if vision is not None and not vision.refusal else None
+    if recorded is None or current is None:
+        return recorded is None and current is None
+    return all(recorded.get(k) == v for k, v in current.items())
 
 
 def _features(with_images: bool = False):

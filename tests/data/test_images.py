@@ -191,6 +191,17 @@ def test_image_chats_are_prepared_with_an_exact_assistant_mask(vl_target, photos
     assert out.logits.shape[:2] == (1, len(ids))
     assert rows["text"]["images"] == [] and rows["llava"]["images"] == [str(photos["chelsea"])]
 
+    # a re-run is current with the same image processing, not with another
+    from dataclasses import replace
+
+    from specheads.data.prepare import prepared_is_current
+
+    target, cfg = Target.tokenizer_only(tok, str(folder)), PrepareConfig(source="jsonl", path=str(path), num_proc=1)
+    assert prepared_is_current(tmp_path / "out", cfg, target, vision)
+    assert not prepared_is_current(tmp_path / "out", cfg, target, None)
+    assert not prepared_is_current(tmp_path / "out", cfg, target,
+                                   replace(vision, settings={**vision.settings, "merge_size": 1}))
+
 
 def test_a_cut_never_ends_inside_an_image(vl_target, photos, tmp_path):
     folder, tok, vision = vl_target
