@@ -569,10 +569,10 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
     check_collect_options(opts)
     root = Path(out_dir)
     tokens = TokenDataset(dataset, image_reader(target, dataset, vision))
-    if tokens.has_images:  # recorded: a trainer refuses image rows until it trains as the engine drafts them
-        source = {**(source or {}), IMAGE_ROWS: sum(1 for refs in dataset["images"] if refs)}
     if opts.max_minutes is not None:
         dataset, tokens, source = _within_budget(target, spec, dataset, tokens, opts, root, source)
+    if tokens.has_images:  # recorded: a trainer refuses image rows until it trains as the engine drafts them
+        source = {**(source or {}), IMAGE_ROWS: sum(1 for refs in dataset["images"] if refs)}
     ids = [str(x) for x in dataset["id"]] if tokens.has_ids else [str(i) for i in range(len(tokens))]
     bpt = bytes_per_token(target.hidden_size, len(spec.aux_layers), spec.need_last, opts.dtype)
     shards = plan_shards(tokens.lengths, max(1, opts.shard_bytes // bpt), opts.shard_samples)

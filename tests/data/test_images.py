@@ -255,3 +255,14 @@ def test_a_vision_family_not_rendered_yet_prepares_text_and_refuses_images(smoll
     both = write_jsonl(tmp_path / "b.jsonl", chats(photos)[3:] + chats(photos)[1:2])
     with pytest.raises(PrepareError, match="conversation llava shows images: target .* is a gemma3 vision-language"):
         prepare(target, PrepareConfig(source="jsonl", path=str(both), num_proc=1), tmp_path / "out2", vision)
+
+
+def test_worker_processes_prepare_the_same_image_rows(vl_target, photos, tmp_path):
+    folder, tok, vision = vl_target
+    path = write_jsonl(tmp_path / "c.jsonl", chats(photos))
+    target = Target.tokenizer_only(tok, str(folder))
+    for n in (1, 2):
+        prepare(target, PrepareConfig(source="jsonl", path=str(path), num_proc=n, chunk_size=1,
+                                      image_folder=str(photos["coffee"].parent)), tmp_path / f"o{n}", vision)
+    one, two = (load_prepared(tmp_path / f"o{n}")[0].to_list() for n in (1, 2))
+    assert one == two and len(one) == 3
