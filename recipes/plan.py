@@ -25,6 +25,8 @@ SHAREGPT_TOKENS_PER_SAMPLE = 1350  # packaged ShareGPT rendered for SmolLM2 at m
 
 
 def tokens_per_sample(cfg: DictConfig) -> float:
+    """The row length the plan prices: as set, else the prepared set's mean, else a target preset's
+    ``data_preset.max_length`` (its longest rows: an upper bound), else ShareGPT's."""
     if cfg.plan.tokens_per_sample is not None:
         return float(cfg.plan.tokens_per_sample)
     meta = Path(cfg.prepared_dir) / META_FILE
@@ -33,6 +35,11 @@ def tokens_per_sample(cfg: DictConfig) -> float:
         if m.get("num_samples"):
             log.info("tokens per sample from %s: %d tokens / %d samples", meta, m["num_tokens"], m["num_samples"])
             return m["num_tokens"] / m["num_samples"]
+    preset = OmegaConf.select(cfg, "target.data_preset.max_length")
+    if preset is not None:
+        log.info("tokens per sample: the target preset's data_preset.max_length, %d (its longest rows; "
+                 "plan.tokens_per_sample sets another)", preset)
+        return float(preset)
     return float(SHAREGPT_TOKENS_PER_SAMPLE)
 
 

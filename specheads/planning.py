@@ -5,8 +5,9 @@ The target and the head are built on PyTorch's ``meta`` device from the target's
 published ``architecture`` block, or the config of a local folder / cached hub id), so parameter counts
 are those of the real modules and nothing is allocated. Times come from timing matrix products of the
 target's own widths on the chosen device and dtype (the probe), multiplied by the forward and backward
-FLOPs of the target and the head; attention's share (which grows with context length) is left out, so
-they are lower bounds for long contexts.
+FLOPs of the target and the head. Attention's score and value products grow with the row (``AttentionCost``): a
+token at position t reads t keys, so a token of a 16k-token row costs more than one of a 2k-token row; they are
+priced at rows of the plan's tokens per sample, at the same probe's rate.
 
 The dtype is the one the stages will load the target in (``hardware.choose_dtype``: as set, a GPU's answer, or
 on a CPU float32 unless it has bfloat16 kernels and a probe of the model's own linear shapes finds bfloat16
@@ -86,6 +87,55 @@ class LMHeadCost:
 
 
 @dataclass
+class AttentionCost:
+    """Attention's score and value products, which grow with the row (the matrix products do not): every row
+    ``row_tokens`` long, causal (a token at position t reads t keys; a sliding-window layer at most its window; a
+    linear-attention layer none). target_flops: per token of a target forward; head_flops: per token of one
+    training-time-test step of the head, forward and backward; collect_s, train_s: their time at the probe's rate,
+    included in the plan's collect_s and train_offline_s (train_online_s adds the target's share each epoch)."""
+
+    row_tokens: float
+    target_flops: float
+    head_flops: float
+    collect_s: float
+    train_s: float
+
+
+def mean_keys(row_tokens: float, window: int | None = None) -> float:
+    """The keys a token reads on average in a causal row of ``row_tokens`` (positions 1..T read min(t, window))."""
+    T = float(row_tokens)
+    if window is None or window >= T:
+        return (T + 1) / 2
+    return (window * (window + 1) / 2 + (T - window) * window) / T
+
+
+def target_attention_flops(config, row_tokens: float) -> float:
+    """FLOPs of a target forward's attention products per token (``4 x heads x head_dim x keys`` per layer: scores
+    and values), over each layer's keys: ``config.layer_types`` names sliding-window and linear-attention layers."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    width = heads * int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    types = getattr(text, "layer_types", None) or ["full_attention"] * int(text.num_hidden_layers)
+    window = getattr(text, "sliding_window", None)
+    total = 0.0
+    for kind in types:
+        if kind == "sliding_attention" and window:
+            total += 4 * width * mean_keys(row_tokens, int(window))
+        elif "linear" not in kind:  # linear attention keeps a state, no keys
+            total += 4 * width * mean_keys(row_tokens)
+    return total
+
+
+def head_attention_flops(head, row_tokens: float) -> float:
+    """FLOPs per token of one training-time-test step of ``head``'s attention, forward and backward (3 x the
+    forward's): each draft attention layer (a ``q_proj``) reads the row's keys causally (a later step's own
+    diagonal keys are a handful per token, left out)."""
+    widths = [m.out_features for name, m in head.named_modules()
+              if name.endswith("q_proj") and hasattr(m, "out_features")]
+    return 3 * sum(4 * w * mean_keys(row_tokens) for w in widths)
+
+
+@dataclass
 class Plan:
     target: str
     method: str
@@ -107,6 +157,7 @@ class Plan:
     train_offline_s: float
     train_online_s: float
     lm_head: LMHeadCost | None = None
+    attention: AttentionCost | None = None
     engine: dict | None = None  # collection by vLLM (plan.engine=vllm): its measured rate, start-up and time
     advice: list[str] = field(default_factory=list)
 
@@ -170,8 +221,9 @@ def target_size(target) -> TargetSize:
                       softcap=bool(getattr(text, "final_logit_softcapping", None)))
 
 
-def head_parameters(method_name: str, target, settings: dict) -> tuple[int, Any]:
-    """(trainable parameters, feature spec) of the head ``method_name`` would train on ``target``."""
+def head_parameters(method_name: str, target, settings: dict) -> tuple[int, Any, Any]:
+    """(trainable parameters, method, the head on the meta device) of the head ``method_name`` would train on
+    ``target``."""
     from specheads.methods import build_method
 
     settings = {k: v for k, v in settings.items() if k not in ("name", "vocab_data", "vocab_rows")}
@@ -183,7 +235,7 @@ def head_parameters(method_name: str, target, settings: dict) -> tuple[int, Any]
         else:
             head = method.build(target)
     trainable = sum(p.numel() for p in head.parameters() if p.requires_grad)
-    return trainable, method
+    return trainable, method, head
 
 
 def layout_memory(size: TargetSize, weight_bytes: int, batch_tokens: int, store_vectors: int,
@@ -323,7 +375,7 @@ def make_plan(*, target_name: str, config, method_name: str, method_settings: di
     size = target_size(target)
     choice = stage_dtype(str(dtype).removeprefix("torch."), target, device)  # as the stages will decide it
     dtype, torch_dtype = choice.value, getattr(torch, choice.value)
-    trainable, method = head_parameters(method_name, target, method_settings)
+    trainable, method, head = head_parameters(method_name, target, method_settings)
     spec = method.feature_spec
     tokens = int(num_samples * tokens_per_sample)
     vectors = len(spec.aux_layers or ()) + int(spec.need_last)
@@ -332,10 +384,13 @@ def make_plan(*, target_name: str, config, method_name: str, method_settings: di
     weight_bytes = size.params * torch.empty((), dtype=torch_dtype).element_size()
     rate = probe_flops(size, torch_dtype, device, probe_tokens) * processes  # data parallel: processes share the tokens
     head_rate = probe_lm_head_flops(size, torch_dtype, device, probe_tokens) * processes
-    decoder_s = 2.0 * size.decoder_params * tokens / rate
+    target_attention = target_attention_flops(config, tokens_per_sample)
+    attention_s = target_attention * tokens / rate
+    decoder_s = 2.0 * size.decoder_params * tokens / rate + attention_s
     lm_head_s = 2.0 * size.lm_head_params * tokens / head_rate  # every position's argmax
     unroll = max(int(getattr(method, "ttt_steps", 1) or 1), 1)
-    head_step = 6.0 * trainable * tokens * unroll * epochs
+    head_attention = head_attention_flops(head, tokens_per_sample)
+    head_step = (6.0 * trainable + head_attention) * tokens * unroll * epochs
     offline_cols, online_cols, width = label_columns(method_name, method, size)
     labels_s = 2.0 * size.hidden_size * tokens * epochs / head_rate  # per LM-head column the loss computes
     chunk_rows, logits_bytes = collect_logits_bytes(size, batch_tokens, torch_dtype)
@@ -357,7 +412,10 @@ def make_plan(*, target_name: str, config, method_name: str, method_settings: di
                 memory=layout_memory(size, weight_bytes, batch_tokens, vectors, logits_bytes),
                 probe_flops=rate / processes, probe_device=str(device), processes=processes, device_gib=device_gib,
                 collect_s=decoder_s + lm_head_s, train_offline_s=head_step / rate + offline_cols * labels_s,
-                train_online_s=head_step / rate + epochs * decoder_s + online_cols * labels_s, lm_head=lm_head)
+                train_online_s=head_step / rate + epochs * decoder_s + online_cols * labels_s, lm_head=lm_head,
+                attention=AttentionCost(row_tokens=float(tokens_per_sample), target_flops=target_attention,
+                                        head_flops=head_attention, collect_s=attention_s,
+                                        train_s=head_attention * tokens * unroll * epochs / rate))
     if engine == "vllm" and not spec.online_only:
         from specheads.data.engine_features import engine_collect_rate
 
@@ -411,6 +469,19 @@ def _bytes(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.0f} MiB"
 
 
+def _row(plan: Plan) -> str:
+    return f"{plan.attention.row_tokens:.0f}" if plan.attention else "?"
+
+
+def _attention_share(plan: Plan) -> str:
+    """Attention's share of collection's and offline training's time, as the plan prices them."""
+    a = plan.attention
+    if a is None:
+        return "not priced"
+    return (f"{a.collect_s / max(plan.collect_s, 1e-12):.0%} of collection, "
+            f"{a.train_s / max(plan.train_offline_s, 1e-12):.0%} of offline training")
+
+
 def _human_time(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.0f} s"
@@ -449,13 +520,14 @@ def format_plan(plan: Plan) -> str:
     lines += [f"    {k:<14} {v:8.1f} GiB" for k, v in plan.memory.items()]
     lines += [
         f"  time with {plan.processes} data-parallel process(es), each at the probe's {_rate(plan.probe_flops)} "
-        f"on {plan.probe_device} (matrix products only; attention adds with context length):",
+        f"on {plan.probe_device} (matrix products, and attention over rows of {_row(plan)} tokens):",
         f"    collect          {_human_time(plan.collect_s)}",
         *([f"    collect by vLLM  {_human_time(plan.engine['collect_s'])} (vLLM {plan.engine['version']} measured here "
            f"on random weights of this shape, {plan.engine['dtype']}: {plan.engine['tokens_per_s']:.0f} tokens/s "
            f"after a {plan.engine['load_s']:.0f} s start; collect engine=vllm)"] if plan.engine else []),
         f"    train offline    {_human_time(plan.train_offline_s)}",
         f"    train online     {_human_time(plan.train_online_s)}",
+        f"    attention        {_attention_share(plan)} (a token's share grows with its row)",
     ]
     lines += [f"  advice: {a}" for a in plan.advice]
     return "\n".join(lines)

@@ -141,6 +141,7 @@ def test_the_lm_head_is_costed_apart_from_the_decoder(fixed_rates):
     assert (s.lm_head_params, s.tied, s.softcap) == (640 * 262144, True, False)
     assert h.flops_share == pytest.approx(0.626, abs=0.001)  # most of Gemma 3 270M's forward
     decoder_s, head_s = 2 * s.decoder_params * p.tokens / 1e10, 2 * s.lm_head_params * p.tokens / 2e10
+    decoder_s += p.attention.collect_s  # attention's products, at the decoder's rate
     assert p.collect_s == pytest.approx(decoder_s + head_s)
     assert h.time_share == pytest.approx(head_s / (decoder_s + head_s))
     smollm2 = plan_for("gemma3_270m", target_name="smollm2", config=target_config("smollm2", SMOLLM2),
@@ -209,3 +210,28 @@ def test_bfloat16_on_a_cpu_without_its_kernels_is_said_in_readable_figures(monke
     assert "LM head  640 x 262144: 63% of a forward's matrix-product FLOPs" in text
     assert "collection keeps the argmax only, 1024 rows of logits at a time: 0.50 GiB" in text
     assert "4096 from the store, all 262144 online" in text
+
+
+# --------------------------------------------------------------------------- long rows: attention grows with the row
+
+def test_a_token_of_a_long_row_costs_more_than_one_of_a_short_row(fixed_rates):
+    """The same 16M tokens as 2k-token rows and as 16k-token rows: attention's products grow with the row (a token
+    at position t reads t keys), the matrix products do not, so collection and training cost more per token at 16k;
+    Qwen3-8B's 36 full-attention layers of 32 x 128 query columns read (T + 1) / 2 keys per token on average."""
+    from specheads.planning import mean_keys
+
+    short, long = (plan_for("qwen3_8b", tokens_per_sample=T, num_samples=2**24 // T) for T in (2048, 16384))
+    assert short.tokens == long.tokens == 2**24
+    assert long.collect_s > 1.2 * short.collect_s and long.train_offline_s > 1.1 * short.train_offline_s
+    assert long.train_online_s > short.train_online_s
+    for plan, T in ((short, 2048), (long, 16384)):
+        assert plan.attention.row_tokens == T
+        assert plan.attention.target_flops == pytest.approx(36 * 4 * 32 * 128 * (T + 1) / 2)
+        assert plan.attention.head_flops == pytest.approx(3 * 4 * 32 * 128 * (T + 1) / 2)  # one draft layer
+        assert plan.attention.collect_s == pytest.approx(plan.attention.target_flops * 2**24 / 1e10)
+    matrix = short.collect_s - short.attention.collect_s
+    assert long.collect_s - long.attention.collect_s == pytest.approx(matrix)
+    # a sliding-window layer reads at most its window: Gemma 3's local layers grow no further past 512 keys
+    assert mean_keys(16384, 512) == pytest.approx((512 * 513 / 2 + (16384 - 512) * 512) / 16384)
+    g_short, g_long = (gemma_plan(tokens_per_sample=T) for T in (2048, 16384))
+    assert g_short.attention.target_flops < g_long.attention.target_flops < 8 * g_short.attention.target_flops
