@@ -5,7 +5,10 @@ losslessly; each recipe runs in this process on the real Hydra configs.
 
 The held-out chat's answer is short: the evaluation decodes its prompt only, and a second 16k-token row would double
 collection's attention for nothing this test checks. Training takes one step (the whole 16k-token row, three
-training-time-test steps). Each stage's seconds are printed."""
+training-time-test steps). Each stage's seconds are printed.
+
+The second test runs the reasoning preset users would run (``target=qwen3_8b_reasoning``: thinking on, 16k-token
+rows, TTT 7, sequence parallel 2) through the same stages on the same target, training under the real launcher."""
 
 from __future__ import annotations
 
@@ -169,3 +172,73 @@ def test_a_16k_token_conversation_goes_through_every_stage(world):
     assert proof["unequal"] == 0 and max(context for context, _ in proof["cases"]) >= len(prompt) + 8
     for engine in ("vllm", "sglang", "speculators"):
         assert (export / engine / "model.safetensors").is_file() and (export / engine / "config.json").is_file()
+
+
+def test_the_reasoning_preset_runs_end_to_end(world):
+    """``target=qwen3_8b_reasoning`` (thinking on, 16k-token rows, EAGLE-3 with TTT 7, sequence parallel 2) on the
+    tiny Qwen3 target: prepare, collect, training under the real launcher (``accelerate launch`` with
+    conf/launcher/cpu_ddp.yaml, 2 processes: one group splitting each row), evaluate and export.
+
+    What is overridden, and nothing else of the preset: the target's folder, dtype and device; the lengths
+    (data.max_length and data.max_tokens 2048 instead of 16384: rows of about 1.8k tokens, so 2 processes train in
+    seconds; the 16k-token rows go through every stage in the test above); the tiny target's shapes (its 3 layers
+    as the fused ones, a 256-token draft vocabulary); the run's size (one epoch, no held-out rows or measured
+    decode)."""
+    from omegaconf import OmegaConf
+
+    from specheads.data.prepare import load_prepared
+    from tests.distributed.dist_launch import launch, launch_env
+
+    root, target, _ = world
+    base = root / "reasoning"
+    chats = base / "chats.jsonl"
+    base.mkdir()
+    chats.write_text("".join(json.dumps(long_chat(i, 400, 1200)) + "\n" for i in range(3)))
+    t = ["target=qwen3_8b_reasoning", f"target.name_or_path={target}", "target.dtype=float32", "target.device=cpu"]
+    shapes = ["method.aux_layers=[0,1,2]", "method.draft_vocab_size=256"]
+    prepared, features, trained, report, export = (base / n for n in
+                                                    ("prepared", "features", "train", "eval", "export"))
+    times: dict[str, float] = {}
+
+    cfg = compose("train", [*t, "method=eagle3"])
+    assert (cfg.method.ttt_steps, cfg.train.sequence_parallel, cfg.data.max_tokens) == (7, 2, 16384)
+    assert OmegaConf.to_container(cfg.target.chat_template_kwargs) == {"enable_thinking": True}
+    assert compose("prepare_data", [*t, "data=jsonl", "data.path=x"]).data.max_length == 16384
+    with timed(times, "prepare"):
+        load_recipe("prepare_data.py").run(compose("prepare_data", [
+            *t, "data=jsonl", f"data.path={chats}", "data.max_length=2048", f"output_dir={prepared}"]))
+    ds, meta = load_prepared(prepared)
+    assert meta["num_truncated"] == 0 and len(ds) == 3
+    assert all(tiny_tokenizer().convert_tokens_to_ids("</think>") in ids for ids in ds["input_ids"])
+
+    with timed(times, "collect"):
+        load_recipe("collect_hidden_states.py").collect(compose("collect_hidden_states", [
+            *t, "method=eagle3", *shapes[:1], f"prepared_dir={prepared}", f"output_dir={features}",
+            "collect.dtype=float32"]))
+
+    with timed(times, "train (2 processes)"):
+        run = launch("cpu_ddp.yaml", trained, [
+            *t, "method=eagle3", *shapes, f"features_dir={features}", f"prepared_dir={prepared}",
+            f"output_dir={trained}", "data.max_tokens=2048", "data.epochs=1", "data.eval_samples=0",
+            "train.measure_prompts=0", "train.progress=false", "wandb.mode=disabled"], num_processes=2,
+            env=launch_env(PYTHONPATH=str(CONF.parent))).check()
+    summary = run.summary
+    # one group of 2 processes reads both training rows, each split in two: 2 steps for the epoch (2 processes
+    # of data parallelism would take one), each with the 7 training-time-test steps' losses
+    assert (summary["num_processes"], summary["sequence_parallel"], summary["steps"]) == (2, 2, 2)
+    assert math.isfinite(summary["final_loss"]) and "step6_loss" in run.metrics()[-1]
+
+    with timed(times, "evaluate"):
+        result = load_recipe("evaluate.py").run(compose("evaluate", [
+            *t, "head_method=eagle3", f"head_dir={trained}", f"output_dir={report}", "eval=tiny",
+            "eval.mtbench_per_category=0", "eval.humaneval=0", "eval.chat=1", f"eval.chat_dir={prepared}",
+            "eval.max_new_tokens=8", "baselines=[]", "temperatures=[0.0]", "batch_sizes=[1]", "serving.engines=[]",
+            "tree.depth=2", "tree.topk=2", "tree.total_tokens=4", "cpu_linears=plain", "cpu_threads=1"]))
+    (method,) = result["methods"]
+    assert result["prompt_ids"] == ["chat/long2"] and method["lossless"]["exact"]
+
+    with timed(times, "export"):
+        load_recipe("export.py").run(compose("export", [
+            *t, f"head_dir={trained / 'head'}", f"output_dir={export}", f"eval_report={report / 'report.json'}"]))
+    assert (export / "vllm" / "model.safetensors").is_file()
+    print(f"reasoning preset, seconds per stage: {times}")

@@ -235,3 +235,23 @@ def test_a_token_of_a_long_row_costs_more_than_one_of_a_short_row(fixed_rates):
     assert mean_keys(16384, 512) == pytest.approx((512 * 513 / 2 + (16384 - 512) * 512) / 16384)
     g_short, g_long = (gemma_plan(tokens_per_sample=T) for T in (2048, 16384))
     assert g_short.attention.target_flops < g_long.attention.target_flops < 8 * g_short.attention.target_flops
+
+
+def test_the_reasoning_preset_is_priced_at_its_long_rows(tmp_path, fixed_rates, capsys):
+    """``specheads plan target=qwen3_8b_reasoning``: rows of its data_preset.max_length (16384), training batches of
+    one such row, 7 training-time-test steps, 10 epochs; a token costs more to collect and to train than with
+    ``qwen3_8b`` (the same target and TTT 7, priced at ShareGPT's 1,350-token rows)."""
+    from tests.test_hydra_configs import load_recipe
+    from tests.test_target_presets import compose
+
+    plan = load_recipe("plan.py")
+    common = ["method=eagle3", "plan.num_samples=1000", "plan.device=cpu", "plan.disk_dir=null",
+              f"prepared_dir={tmp_path / 'none'}"]
+    long = plan.run(compose("plan", "target=qwen3_8b_reasoning", *common))
+    assert "attention over rows of 16384 tokens" in capsys.readouterr().out
+    assert (long.attention.row_tokens, long.lm_head.train_tokens, long.epochs) == (16384, 16384, 10)
+    assert long.tokens == 1000 * 16384
+    short = plan.run(compose("plan", "target=qwen3_8b", *common))
+    assert short.attention.row_tokens == 1350 and (short.lm_head.train_tokens, short.epochs) == (2048, 10)
+    assert long.collect_s / long.tokens > 1.2 * short.collect_s / short.tokens
+    assert long.train_offline_s / long.tokens > 1.1 * short.train_offline_s / short.tokens

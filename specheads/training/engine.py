@@ -223,6 +223,7 @@ def _finish(method, model, target, eval_data, cfg, acc, st, last_eval, resumed, 
         "method": method.name, "steps": st.step, "epoch": st.epoch, "train_tokens": tokens,
         "tokens_per_s": tokens / st.train_s if st.train_s else None, "train_s": st.train_s,
         "peak_rss_mb": peak_rss_mb(), "peak_anon_mb": _peak_anon(st), "num_processes": acc.num_processes,
+        "sequence_parallel": cfg.sequence_parallel,  # processes per row (a group reads the same batches)
         # DeepSpeed ZeRO-3 keeps a partitioned parameter's full size in ds_numel
         "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad),
         "final_loss": read_losses(out).get(st.step) if acc.is_main_process else None,
