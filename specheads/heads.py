@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specheads.errors import UserError
+from specheads.errors import InputNotFoundError, UserError
 from specheads.export.foreign import foreign_block_size, foreign_depths, foreign_format, load_foreign_head
-from specheads.families import FAMILIES, family, family_of_model_type
+from specheads.families import FAMILIES, family, family_of_model_type, find
 
 OURS = "specheads"  # ``head_source`` of a head trained here
 
@@ -87,6 +87,23 @@ def check_adapted_target(model, head_dir: str | Path, target) -> None:
         if Path(str(target.name)).resolve() != want:
             raise ValueError(f"these Medusa-2 heads were trained with an adapted target at {want}; evaluate them "
                              f"with target.name_or_path={want} (got target '{target.name}')")
+
+
+def verifier_for(head_method: str | None, head_dir: str | None) -> str | None:
+    """The target a head must be verified by, when the head dictates it: Medusa-2 heads carry their
+    adapted target (``<head>/target``), which replaces the original from then on (plain decoding and
+    the lossless check run on it too). None for every other head (and without a head)."""
+    if find(head_method) is None or not head_dir:
+        return None
+    head = Path(resolve_head_dir(head_dir))
+    adapted = head_config(head).get("adapted_target")
+    if not adapted:
+        return None
+    path = head / adapted
+    if not (path / "config.json").exists():
+        raise InputNotFoundError(f"the Medusa-2 head {head} names its adapted target '{adapted}/' but {path} "
+                                f"holds no model (config.json missing); re-save it with `specheads train`")
+    return str(path.resolve())
 
 
 def dflash_block_size(head_dir: str | Path, kind: str = "dflash") -> int:

@@ -33,9 +33,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from specheads.decoding.exact import ATTENTION_NAME, make_exact, row_floor_set, set_row_floor
+from specheads.data.benchmarks import EvalPrompt
+from specheads.decoding.exact import ATTENTION_NAME, ProofScope, make_exact, row_floor_set, set_row_floor
 from specheads.decoding.generate import speculative_generate
 from specheads.decoding.grouped_attention import use_grouped_attention
+from specheads.evaluation.prompts import encode, turn_id
+from specheads.evaluation.spec import draft_rows
+from specheads.targets import Target
 
 # the report's figures and the pass each comes from (report.json's ``passes.figures``)
 FAST_FIGURES = ("tokens_per_s", "speedup", "alpha", "tau", "verify_cost_curve", "shape_choice", "batch")
@@ -171,3 +175,20 @@ def lossless_verdict(kernels: Kernels, checked: int, fast_differences: list[dict
     failed = {m["prompt"] for m in exact_mismatches}
     return {"checked": checked, "pass": "exact", "exact": not exact_mismatches, "mismatches": exact_mismatches,
             "divergences": [d for d in fast_differences if d["prompt"] not in failed]}
+
+
+def proof_scope(cfg, prompts: list[EvalPrompt], target: Target) -> ProofScope:
+    """What the evaluation of ``cfg`` (an ``EvalConfig``) verifies, for the exact forwards' proof: the largest draft of any method, the largest
+    batch, and the longest context (each prompt's turns through the chat template, the earlier turns' answers
+    counted at ``max_new_tokens`` each, plus the new tokens), at most the target's context."""
+    longest = 0
+    for p in prompts:
+        try:
+            earlier = {turn_id(p, t): "" for t in range(p.turn)}
+            n = len(encode(p, target.tokenizer, earlier, cfg.chat_template_kwargs))
+        except (KeyError, ValueError):  # no chat template: the prompt's own ids, or nothing to measure
+            n = len(p.input_ids or ())
+        longest = max(longest, n + cfg.max_new_tokens * (p.turn + 1))
+    limit = getattr(target.model.config, "max_position_embeddings", None) or longest
+    return ProofScope(size=max((draft_rows(m) for m in cfg.methods), default=0),
+                      batch=max(cfg.batch_sizes, default=1), context=min(longest, limit))

@@ -22,114 +22,46 @@ comparing against plain passes timed minutes earlier moved the same head's ratio
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from specheads.data.benchmarks import EvalPrompt
-from specheads.decoding.drafters import (Drafter, EarlyExitDrafter, ModelDrafter, NgramDrafter, PromptLookupBranch,
-                                         TreeShape)
-from specheads.decoding.cpu_linears import choose_cpu_linears, pack_like
+from specheads.decoding.cpu_linears import choose_cpu_linears
 from specheads.decoding.cpu_threads import choose_cpu_threads
-from specheads.decoding.exact import ProofScope, settle_exact
+from specheads.decoding.drafters import Drafter, PromptLookupBranch, TreeShape
+from specheads.decoding.exact import settle_exact
 from specheads.decoding.generate import GenerationResult, speculative_generate
-from specheads.decoding.ngram_table import NgramTable
 from specheads.decoding.runner import TargetRunner
-from specheads.decoding.tree import normalize_choices
 from specheads.decoding.verify import LOSSLESS
-from specheads.errors import ConfigError, InputNotFoundError, UserError
-from specheads.families import BASELINES, FAMILIES, NAMES, family
-from specheads.evaluation.prompts import (BenchmarkSpec, encode, load_benchmarks, scored_chat_ids, separation_record,
-                                         turn_id)
+from specheads.errors import UserError
 from specheads.evaluation.budget import EvalPlan, full_plan, plan_budget
+from specheads.evaluation.drafters import load_ngram_table, make_drafter
 from specheads.evaluation.inputs import check_methods_fit, target_facts
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
 from specheads.evaluation.passes import (Kernels, exact_pass, first_divergence, lossless_verdict, prepare_kernels,
-                                         reference_decode, timed_reference_decode)
+                                         proof_scope, reference_decode, timed_reference_decode)
+from specheads.evaluation.prompts import BenchmarkSpec, encode, load_benchmarks, scored_chat_ids, separation_record
 from specheads.evaluation.recommend import recommend
 from specheads.evaluation.resume import EvalResume, EvalState, decisions, evaluation_key
-from specheads.evaluation.settings import check_eval_config, check_method_settings
+from specheads.evaluation.settings import check_eval_config
+from specheads.evaluation import shape_choice
+from specheads.evaluation.spec import MethodSpec
 from specheads.hardware import machine_description
-# the head folder's readers, here too for the callers that import them from the evaluator
-from specheads.heads import (check_adapted_target, check_head_kind, dflash_block_size, dspark_block_size,  # noqa: F401
-                             head_model_type, head_source, load_head, mtp_steps, peagle_depths, resolve_head_dir)
+from specheads.heads import head_source
 from specheads.targets import Target, eos_token_ids
 from specheads.training.run_log import read_train_summary
 
+# Moved out of this file; still importable from it (recipes, tests and scripts import them from the evaluator).
+from specheads.evaluation.plan import ServingProfiles, plan_methods  # noqa: E402,F401
+from specheads.evaluation.spec import DRAFTERS, HEAD_MODEL_TYPES, HEADS, chain_spec, draft_rows  # noqa: E402,F401
+from specheads.heads import (check_head_kind, dflash_block_size, head_model_type, resolve_head_dir,  # noqa: E402,F401
+                             verifier_for)
+
 log = logging.getLogger(__name__)
-DRAFTERS = (*BASELINES, *NAMES)
-HEADS = NAMES
-# the ``model_type`` of each head family's saved config.json (checked against the drafter asked for)
-HEAD_MODEL_TYPES = {f.name: f.model_type for f in FAMILIES}
-
-
-@dataclass
-class MethodSpec:
-    """One drafting configuration.
-
-    drafter: ngram | lookahead | early_exit | two_model | medusa | eagle1 | eagle3 | dflash; shape: chain/dynamic/static
-    (lookahead: its trie of verified n-grams, depth N-1, at most G branches; ``lookahead`` = (W, N, G));
-    verify: auto | chain | tree | typical (T > 0; T = 0 is always greedy); profile: a serving
-    engine this configuration reproduces (vllm, sglang) or None.
-    """
-
-    name: str
-    drafter: str
-    shape: TreeShape = field(default_factory=TreeShape)
-    verify: str = "auto"
-    ngram_max: int = 3
-    lookahead: tuple[int, int, int] = (5, 4, 5)  # window W, n-gram size N, guesses G
-    early_exit_layers: int = 8
-    draft_model: str | None = None
-    head_dir: str | None = None
-    medusa_tree_nodes: int = 24
-    profile: str | None = None
-    tree_source: str | None = None  # where a static Medusa tree came from (set by build_drafter)
-    auto_shape: bool = False  # EAGLE: a chain whose length is chosen at evaluation (``shape_choice``)
-    ngram_branch: int = 0  # > 0: the prompt lookup's chain of this many tokens grafted onto every tree drafted
-    # with the branch: the best ``ngram_extend`` first drafts continued by ``ngram_extend_len`` tokens from the
-    # prompt lookup or the n-gram table of ``ngram_table`` (a feature store or prepared dataset: ``load_ngram_table``)
-    ngram_extend: int = 0
-    ngram_extend_len: int = 2
-    ngram_table: str | None = None
-    ngram_table_tokens: int = 1_000_000  # the table reads at most this many tokens of its corpus (rows in order)
-    confidence_threshold: float | None = None  # DSpark: verify the drafts whose confidence survival reaches it
-
-    def __post_init__(self):
-        if self.drafter not in DRAFTERS:
-            raise ValueError(f"method '{self.name}': unknown drafter '{self.drafter}' (one of {', '.join(DRAFTERS)})")
-        if self.drafter in HEADS and not self.head_dir:
-            raise ValueError(f"method '{self.name}': drafter '{self.drafter}' needs head_dir")
-        if self.auto_shape and self.drafter not in ("eagle1", "eagle3"):
-            raise ValueError(f"method '{self.name}': an automatic shape is chosen for EAGLE heads only")
-        if self.drafter == "two_model" and not self.draft_model:
-            raise ValueError(f"method '{self.name}': the two-model baseline needs draft_model")
-        if self.ngram_branch < 0:
-            raise ValueError(f"method '{self.name}': ngram_branch must be >= 0, got {self.ngram_branch}")
-        if self.ngram_branch and self.drafter in ("ngram", "lookahead"):
-            raise ValueError(f"method '{self.name}': a prompt-lookup branch goes on a head, early-exit or "
-                             f"two-model drafter, not on '{self.drafter}'")
-        if (self.ngram_extend or self.ngram_table) and not self.ngram_branch:
-            raise ValueError(f"method '{self.name}': ngram_extend and ngram_table continue the drafts of a "
-                             "prompt-lookup branch: set ngram_branch > 0 too")
-        if self.ngram_extend < 0 or self.ngram_extend_len < 1:
-            raise ValueError(f"method '{self.name}': ngram_extend must be >= 0 (got {self.ngram_extend}) and "
-                             f"ngram_extend_len >= 1 (got {self.ngram_extend_len})")
-        if self.ngram_table_tokens < 1:
-            raise ValueError(f"method '{self.name}': ngram_table_tokens must be >= 1, got {self.ngram_table_tokens}")
-        if self.ngram_branch and self.verify == "chain":
-            raise ValueError(f"method '{self.name}': a tree with a prompt-lookup branch is verified as a tree "
-                             "(verify auto, tree or typical), not with the chain p/q test")
-
-    def shape_label(self) -> str:
-        """The shape as the report names it (with the prompt-lookup branch, if any)."""
-        ext = f"+x{self.ngram_extend}.{self.ngram_extend_len}" if self.ngram_extend else ""
-        return self.shape.label() + (f"+ngram{self.ngram_branch}{ext}" if self.ngram_branch else "")
 
 
 @dataclass
@@ -267,36 +199,6 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     return report
 
 
-def draft_rows(spec: MethodSpec) -> int:
-    """The most rows one verify forward feeds per batch row for ``spec``: the pending token, the largest draft its
-    shape allows (an automatic shape: the measured fans and reach of its head) and the prompt-lookup branch."""
-    shape = spec.shape
-    sizes = [shape.k if shape.kind == "chain" else shape.total_tokens, len(shape.choices or ()),
-             spec.medusa_tree_nodes if spec.drafter == "medusa" else 0,
-             spec.lookahead[2] * (spec.lookahead[1] - 1) if spec.drafter == "lookahead" else 0]
-    if spec.auto_shape and spec.head_dir:
-        from specheads.evaluation.shape_choice import measured_fans, measured_reach
-
-        sizes += [len(measured_reach(spec.head_dir)), *measured_fans(spec.head_dir)]
-    return 1 + max(sizes) + spec.ngram_branch + spec.ngram_extend * spec.ngram_extend_len
-
-
-def proof_scope(cfg: EvalConfig, prompts: list[EvalPrompt], target: Target) -> ProofScope:
-    """What this evaluation verifies, for the exact forwards' proof: the largest draft of any method, the largest
-    batch, and the longest context (each prompt's turns through the chat template, the earlier turns' answers
-    counted at ``max_new_tokens`` each, plus the new tokens), at most the target's context."""
-    longest = 0
-    for p in prompts:
-        try:
-            n = len(encode(p, target.tokenizer, {turn_id(p, t): "" for t in range(p.turn)}, cfg.chat_template_kwargs))
-        except (KeyError, ValueError):  # no chat template: the prompt's own ids, or nothing to measure
-            n = len(p.input_ids or ())
-        longest = max(longest, n + cfg.max_new_tokens * (p.turn + 1))
-    limit = getattr(target.model.config, "max_position_embeddings", None) or longest
-    return ProofScope(size=max((draft_rows(m) for m in cfg.methods), default=0),
-                      batch=max(cfg.batch_sizes, default=1), context=min(longest, limit))
-
-
 def fit_budget(prompts: list[EvalPrompt], target: Target, runner, kernels: Kernels, cfg: EvalConfig, eos,
                spent_s: float) -> EvalPlan:
     """The plan that fits ``cfg.max_minutes`` (``budget.plan_budget``: every domain for the head's row and the
@@ -337,21 +239,17 @@ def _choose_shape(spec, target, runner, ids, eos, progress, prompts=()) -> dict:
     training-side held-out prompts, favour (``shape_choice``), with what it measured. Timing only runs
     on an evaluation prompt; no acceptance figure comes from one: the head's held-out split must leave
     out the evaluator's chat slice and share no chat with ``prompts`` (``check_heldout_split``)."""
-
-    from specheads.evaluation.shape_choice import (check_heldout_split, choose_shape, measured_fans, measured_reach,
-                                                   verify_costs)
-
-    reach, fans = measured_reach(spec.head_dir), measured_fans(spec.head_dir)
+    reach, fans = shape_choice.measured_reach(spec.head_dir), shape_choice.measured_fans(spec.head_dir)
     if not reach:
         raise UserError(f"{spec.name}: head_shape=auto needs the head's measured acceptance per draft depth "
                         f"(measured_reach1.. in the train_summary.json of {spec.head_dir}, written when training "
                         "ran with train.measure_prompts > 0); retrain with it, or set head_shape=tree")
-    split = check_heldout_split(spec.name, spec.head_dir, scored_chat_ids(list(prompts)))
+    split = shape_choice.check_heldout_split(spec.name, spec.head_dir, scored_chat_ids(list(prompts)))
     prompt = ids["prompt_ids"][0]
     n_max = max([len(reach) + 1] + [w + 1 for w in fans])
     progress(f"{spec.name}: measuring the verify cost of 1..{n_max} tokens")
     # medians of 12 interleaved rounds, in units of plain decoding's one-token forward (the speed-ups' baseline)
-    curve, plain_s = verify_costs(runner, prompt, list(range(1, n_max + 1)), reps=12)
+    curve, plain_s = shape_choice.verify_costs(runner, prompt, list(range(1, n_max + 1)), reps=12)
     probe = build_drafter(replace(spec, shape=TreeShape("chain", k=1), auto_shape=False, ngram_branch=0,
                                   ngram_extend=0, ngram_table=None), target)
     # Draft time per forward without the prompt's one-off feed: a long decode minus a 1-token one.
@@ -360,7 +258,7 @@ def _choose_shape(spec, target, runner, ids, eos, progress, prompts=()) -> dict:
     long = speculative_generate(runner, probe, [prompt], 49, 0.0, "greedy", eos)
     extra = long.stats[0].draft_forwards - short.stats[0].draft_forwards
     per_forward = (long.draft_time - short.draft_time) / max(extra, 1)
-    choice = choose_shape(reach, curve, max(per_forward, 0.0) / plain_s, fans, plain_s=plain_s)
+    choice = shape_choice.choose_shape(reach, curve, max(per_forward, 0.0) / plain_s, fans, plain_s=plain_s)
     choice["heldout_split"] = split
     log.info("%s: %s chosen (predicted speed-up %s)", spec.name, choice["label"],
              ", ".join(f"{p['label']}: {p['speedup']:.2f}" for p in choice["predictions"]))
@@ -542,7 +440,7 @@ def _batch_speed(spec, drafter, runner, ids, plain_tokens, prompts, cfg, eos, pr
 
 def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg: EvalConfig | None = None) -> Drafter:
     """The drafter a method spec names (heads loaded from ``head_dir``), with its prompt-lookup branch."""
-    drafter = _build_drafter(spec, target, cfg)
+    drafter = make_drafter(spec, target, cfg.seed if cfg else 0)
     if spec.ngram_branch:
         table = None
         if spec.ngram_table:
@@ -553,117 +451,6 @@ def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg:
         return PromptLookupBranch(drafter, spec.ngram_branch, spec.ngram_max, table=table,
                                   extend=spec.ngram_extend, extend_len=spec.ngram_extend_len)
     return drafter
-
-
-def load_ngram_table(path: str, target: Target, exclude_ids=(), orders=(3, 2),
-                     max_tokens: int | None = 1_000_000) -> NgramTable:
-    """The n-gram table (``NgramTable``) of a feature store (its tokens, with the target's argmax as the
-    next token where the store holds it) or of a prepared dataset (its tokens), rows ``exclude_ids`` left
-    out (sample ids, or chat ids: every per-turn sample of the chat; the evaluator passes the chats it
-    scores), rows read in order until ``max_tokens`` tokens (None: all; a GPU-scale
-    store holds far more than a table needs, and only the shards read are opened and checksummed). The
-    store or dataset must come from the target's tokenizer."""
-    if max_tokens is not None and max_tokens < 1:
-        raise ValueError(f"the n-gram table's max_tokens must be >= 1 or None, got {max_tokens}")
-    from specheads.data.render import chat_id
-
-    exclude_ids = set(map(str, exclude_ids))
-    skip = lambda sid: str(sid) in exclude_ids or chat_id(sid) in exclude_ids  # noqa: E731
-    root = Path(path)
-    if not root.is_dir():
-        raise InputNotFoundError(f"n-gram table source {path}: no such folder (give a feature store or a "
-                                 "prepared dataset)")
-    if (root / "manifest.json").exists():
-        from specheads.data.features import FeatureDataset
-        from specheads.methods.base import ARGMAX_KEY
-
-        ds = FeatureDataset(root, target=target)
-        keep = list(_leading(((i, n) for i, (sid, n) in enumerate(zip(ds.ids, ds.lengths)) if not skip(sid)),
-                             max_tokens))
-        rows = zip(ds.column_rows(keep, "input_ids"), ds.column_rows(keep, ARGMAX_KEY) or [None] * len(keep))
-    else:
-        from specheads.data.prepare import check_prepared_matches, load_prepared
-
-        data, meta = load_prepared(root)
-        check_prepared_matches(meta, target)
-        ids = (r["input_ids"] for r in data if not skip(str(r["id"])))  # one lazy pass
-        rows = ((t, None) for t in _leading(((t, len(t)) for t in ids), max_tokens))
-    return NgramTable.build(rows, orders)
-
-
-def _leading(items, max_tokens: int | None):
-    """The leading items of ``(item, n_tokens)`` pairs while their tokens add up to at most ``max_tokens``
-    (None: all; at least one)."""
-    total = 0
-    for k, (item, n) in enumerate(items):
-        if k and max_tokens is not None and total + n > max_tokens:
-            return
-        yield item
-        total += n
-
-
-def _build_drafter(spec: MethodSpec, target: Target, cfg: EvalConfig | None) -> Drafter:
-    if spec.drafter == "ngram":
-        return NgramDrafter(k=spec.shape.k, max_ngram=spec.ngram_max)
-    if spec.drafter == "lookahead":
-        from specheads.decoding.lookahead import LookaheadDrafter
-
-        window, ngram, guesses = spec.lookahead
-        return LookaheadDrafter(window, ngram, guesses, seed=cfg.seed if cfg else 0)
-    if spec.drafter == "early_exit":
-        return EarlyExitDrafter(target.model, spec.early_exit_layers, spec.shape)
-    if spec.drafter == "two_model":
-        return _two_model(spec, target)
-    head = resolve_head_dir(spec.head_dir)
-    fam = family(spec.drafter)
-    model = load_head(head, target, expect=fam.name)  # ours or another toolkit's, checked against the target
-    check_adapted_target(model, head, target)
-    if fam.calibrated_tree and spec.shape.kind == "static":
-        spec = _static_tree(spec, head, model.config.num_heads)
-    return fam.build_drafter(model, target, spec)
-
-
-def _static_tree(spec: MethodSpec, head: str, num_heads: int) -> MethodSpec:
-    """``spec`` with the static tree its drafter reads: the choices given, normalized, or without choices the head's
-    training-time calibration (or a fixed default), never fitted on the prompts scored (then ``spec.shape`` itself
-    becomes that tree). Sets ``spec.tree_source``."""
-    if spec.shape.choices:
-        spec.tree_source = spec.tree_source or "medusa_choices (given)"
-        return replace(spec, shape=TreeShape("static", choices=tuple(normalize_choices(spec.shape.choices))))
-    from specheads.methods.medusa import tree_for_head
-
-    choices, spec.tree_source = tree_for_head(head, num_heads, spec.medusa_tree_nodes)
-    spec.shape = TreeShape("static", choices=tuple(choices))
-    log.info("%s: static tree of %d nodes from %s", spec.name, len(choices), spec.tree_source)
-    return spec
-
-
-def verifier_for(head_method: str | None, head_dir: str | None) -> str | None:
-    """The target a head must be verified by, when the head dictates it: Medusa-2 heads carry their
-    adapted target (``<head>/target``), which replaces the original from then on (plain decoding and
-    the lossless check run on it too). None for every other head."""
-    if head_method != "medusa" or not head_dir:
-        return None
-    head = Path(resolve_head_dir(head_dir))
-    adapted = json.loads((head / "config.json").read_text()).get("adapted_target")
-    if not adapted:
-        return None
-    path = head / adapted
-    if not (path / "config.json").exists():
-        raise InputNotFoundError(f"the Medusa-2 head {head} names its adapted target '{adapted}/' but {path} "
-                                f"holds no model (config.json missing); re-save it with `specheads train`")
-    return str(path.resolve())
-
-
-def _two_model(spec, target) -> Drafter:
-    from specheads.targets import load_target
-
-    small = load_target(spec.draft_model, dtype=target.dtype, device=target.device)
-    if target.tokenizer is not None and small.tokenizer is not None \
-            and small.tokenizer_fingerprint() != target.tokenizer_fingerprint():
-        if small.tokenizer.get_vocab() != target.tokenizer.get_vocab():
-            raise ValueError(f"draft model {spec.draft_model} does not share the target's tokenizer")
-    return ModelDrafter(small.model, spec.shape, name="two_model")
 
 
 def train_tau(head_dir: str | None) -> float | None:
@@ -684,131 +471,3 @@ def train_tau(head_dir: str | None) -> float | None:
 
 def _nparams(model) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def chain_spec(drafter: str, k: int, **kw) -> MethodSpec:
-    """Convenience: a chain-of-k method spec."""
-    return MethodSpec(f"{drafter}-chain{k}", drafter, TreeShape("chain", k=k), **kw)
-
-
-
-@dataclass
-class ServingProfiles:
-    """What each serving engine does with an exported head: vLLM drafts EAGLE and Medusa as a top-1
-    chain of ``num_speculative_tokens``; SGLang grows an EAGLE tree of ``steps`` levels, ``topk``
-    per expansion, verifying ``num_draft_tokens`` tokens (the root included, so the tree has one fewer)."""
-
-    vllm_num_speculative_tokens: int = 3
-    sglang_steps: int = 5
-    sglang_topk: int = 4
-    sglang_num_draft_tokens: int = 8
-    engines: list = field(default_factory=lambda: ["vllm", "sglang"])  # the profiles to run
-
-
-def plan_methods(method: str | None, head_dir: str | None, baselines=("ngram", "early_exit"),
-                 chain_k: int = 4, tree: TreeShape | None = None, serving: ServingProfiles | None = None,
-                 early_exit_layers: int = 8, ngram_max: int = 3, two_model: str | None = None,
-                 medusa_choices=None, medusa_tree_nodes: int = 24, verify: str = "auto",
-                 allow_empty: bool = False, lookahead: dict | None = None,
-                 head_shape: str = "tree", head_ngram: int = 0, head_ngram_extend: int = 0,
-                 head_ngram_extend_len: int = 2, head_ngram_table: str | None = None,
-                 head_ngram_table_tokens: int = 1_000_000, dspark_threshold: float = 0.5) -> list[MethodSpec]:
-    """The method list for an evaluation: the head's own shape, its serving profiles, and baselines.
-
-    DFlash (``dflash``, B read from the head's config): the block drafted as a chain of B-1 (``dflash-chain{B-1}``,
-    what the reference and the engines draft) and a tree of per-slot candidates (``dflash-tree``: ``tree`` with
-    its depth capped at B-1; ``DFlashDrafter``); no serving profile rows. DSpark (``dspark``): the block as a
-    chain of B-1 with every draft verified (``dspark-chain{B-1}``) and as its confidence head schedules it
-    (``dspark-sched{t}``: the drafts whose survival reaches ``dspark_threshold``); ``DSparkDrafter``.
-    head_shape: ``tree`` (the EAGLE-2 dynamic ``tree``) or ``auto`` (EAGLE: the chain this machine's
-    verify cost curve and the head's held-out acceptance favour, chosen at evaluation: ``shape_choice``);
-    lookahead: {window, ngram, guesses} of the lookahead baseline (default 5, 4, 5); head_ngram > 0: the
-    head's own shape once more with the prompt lookup's chain of ``head_ngram`` tokens grafted onto its
-    trees (``PromptLookupBranch``), right after it; with ``head_ngram_extend`` > 0 its best first drafts are
-    continued too (``head_ngram_extend_len`` tokens from the prompt lookup or ``head_ngram_table``'s n-grams)."""
-    if head_shape not in ("tree", "auto"):
-        raise ConfigError(f"head_shape={head_shape}: use tree or auto")
-    tree = tree or TreeShape("dynamic", depth=5, topk=4, total_tokens=24)
-    serving = serving or ServingProfiles()
-    check_method_settings(chain_k, tree, serving, early_exit_layers, ngram_max, verify, lookahead, medusa_choices,
-                          medusa_tree_nodes, head_ngram, head_ngram_extend, head_ngram_extend_len,
-                          head_ngram_table_tokens)
-    unknown = set(serving.engines) - {"vllm", "sglang"}
-    if unknown:
-        raise ConfigError(f"serving.engines: unknown profile(s) {sorted(unknown)}; use vllm and/or sglang")
-    out: list[MethodSpec] = []
-    if method:
-        if not head_dir:
-            raise ConfigError(f"method={method} needs head_dir (a trained head or training output folder)")
-        vllm = TreeShape("chain", k=serving.vllm_num_speculative_tokens)
-        source = head_source(head_dir)
-        if head_shape == "auto" and source != "specheads":
-            from specheads.export.foreign import FORMATS
-
-            raise ConfigError(f"head_shape=auto chooses the shape from the acceptance measured at training "
-                              f"(train_summary.json), which {head_dir} does not have (a head trained elsewhere, "
-                              f"in {FORMATS[source]}): set head_shape=tree")
-        if method == "medusa":
-            static = TreeShape("static", choices=tuple(map(tuple, medusa_choices)) if medusa_choices else None)
-            out.append(MethodSpec("medusa-tree", "medusa", static, verify, head_dir=head_dir,
-                                  medusa_tree_nodes=medusa_tree_nodes))
-        elif method in ("eagle1", "eagle3"):
-            if head_shape == "auto":
-                out.append(MethodSpec(f"{method}-auto", method, TreeShape("chain", k=1), verify, head_dir=head_dir,
-                                      auto_shape=True))
-            else:
-                out.append(MethodSpec(f"{method}-tree", method, tree, verify, head_dir=head_dir))
-            if "sglang" in serving.engines:
-                sgl = TreeShape("dynamic", depth=serving.sglang_steps, topk=serving.sglang_topk,
-                                total_tokens=serving.sglang_num_draft_tokens - 1)
-                out.append(MethodSpec(f"{method}-sglang", method, sgl, verify, head_dir=head_dir, profile="sglang"))
-        elif method == "dflash":  # one block per step: its chain and its tree (head_shape=auto chooses nothing)
-            B = dflash_block_size(head_dir)
-            out.append(MethodSpec(f"dflash-chain{B - 1}", "dflash", TreeShape("chain", k=B - 1), verify,
-                                  head_dir=head_dir))
-            out.append(MethodSpec("dflash-tree", "dflash", replace(tree, depth=min(tree.depth, B - 1)), verify,
-                                  head_dir=head_dir))
-        elif method == "peagle":  # one forward drafts a chain of K
-            K = peagle_depths(resolve_head_dir(head_dir))
-            out.append(MethodSpec(f"peagle-chain{K}", "peagle", TreeShape("chain", k=K), verify, head_dir=head_dir))
-        elif method == "mtp":  # the chain of the K steps it was trained for: what vLLM's mtp method drafts
-            K = mtp_steps(resolve_head_dir(head_dir))
-            out.append(MethodSpec(f"mtp-chain{K}", "mtp", TreeShape("chain", k=K), verify, head_dir=head_dir))
-        elif method == "dspark":  # the block as a chain, every draft verified, then as the confidence schedules it
-            chain = TreeShape("chain", k=dspark_block_size(resolve_head_dir(head_dir)) - 1)
-            out.append(MethodSpec(f"dspark-chain{chain.k}", "dspark", chain, verify, head_dir=head_dir))
-            out.append(MethodSpec(f"dspark-sched{dspark_threshold:g}", "dspark", chain, verify, head_dir=head_dir,
-                                  confidence_threshold=dspark_threshold))
-        else:
-            raise ConfigError(f"method '{method}': use medusa, eagle1, eagle3, dflash, dspark, peagle or mtp (or none for baselines only)")
-        if head_ngram:
-            own = out[0]
-            name = f"{own.name}+ngram{head_ngram}" + (f"+x{head_ngram_extend}" if head_ngram_extend else "")
-            out.insert(1, replace(own, name=name, ngram_branch=head_ngram, ngram_max=ngram_max,
-                                  ngram_extend=head_ngram_extend, ngram_extend_len=head_ngram_extend_len,
-                                  ngram_table=head_ngram_table if head_ngram_extend else None,
-                                  ngram_table_tokens=head_ngram_table_tokens))
-        if "vllm" in serving.engines and method not in ("dflash", "dspark", "peagle", "mtp"):
-            out.append(MethodSpec(f"{method}-vllm", method, vllm, verify, head_dir=head_dir, profile="vllm"))
-    chain = TreeShape("chain", k=chain_k)
-    for b in baselines or ():
-        if b == "ngram":
-            out.append(MethodSpec(f"ngram-chain{chain_k}", "ngram", chain, verify, ngram_max=ngram_max))
-        elif b == "lookahead":
-            la = {"window": 5, "ngram": 4, "guesses": 5, **(lookahead or {})}
-            W, N, G = int(la["window"]), int(la["ngram"]), int(la["guesses"])
-            trie = TreeShape("dynamic", depth=N - 1, topk=max(G, 1), total_tokens=max(G, 1) * (N - 1))
-            out.append(MethodSpec(f"lookahead-W{W}N{N}G{G}", "lookahead", trie, verify, lookahead=(W, N, G)))
-        elif b == "early_exit":
-            out.append(MethodSpec(f"early_exit{early_exit_layers}-chain{chain_k}", "early_exit", chain, verify,
-                                  early_exit_layers=early_exit_layers))
-        elif b == "two_model":
-            if not two_model:
-                raise ConfigError("baselines=[two_model] needs two_model=<a smaller model sharing the target's "
-                                  "tokenizer> (a folder, .gguf file or hub id)")
-            out.append(MethodSpec(f"two_model-chain{chain_k}", "two_model", chain, verify, draft_model=two_model))
-        else:
-            raise ConfigError(f"baseline '{b}': use ngram, lookahead, early_exit or two_model")
-    if not out and not allow_empty:
-        raise ConfigError("nothing to evaluate: give method + head_dir, or baselines")
-    return out
