@@ -45,6 +45,9 @@ class Family:
     calibrated_tree: a static shape without choices drafts the tree calibrated at training (Medusa's
     ``medusa_tree.json``, ``methods/medusa.py:tree_for_head``). rows: the evaluator's planner of its own rows
     (``evaluation/plan.py``). vllm_profile: the evaluator adds a row of the top-1 chain vLLM drafts with it.
+    drafts: what one draft step makes, for the serve commands' settings: ``"tree"`` (a chain or tree of any
+    length, step by step), ``"block"`` (the ``block_size - 1`` slots of one block forward) or ``"depths"`` (the
+    ``num_depths`` tokens of one forward). sglang_note: the serve commands' line where SGLang does not serve it.
     """
 
     name: str
@@ -65,6 +68,8 @@ class Family:
     calibrated_tree: bool = False
     rows: str = ""
     vllm_profile: bool = False
+    drafts: str = "tree"
+    sglang_note: str | None = None
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -103,6 +108,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("medusa", "Medusa", "medusa", "specheads.models.medusa:MedusaHeads", "specheads.models.medusa:MedusaConfig",
            {"medusa1": "specheads.methods.medusa:Medusa1Method", "medusa2": "specheads.methods.medusa:Medusa2Method"},
            "last", layouts={"vllm": "MedusaModel", "medusa": "MedusaModel"}, vllm_method="medusa",
+           sglang_note="# SGLang: no Medusa support (no Medusa loader in SGLang 0.5.23): serve with vLLM up to 0.32 "
+                       "(the line above) or TGI",
            drafter=_DRAFTERS + "head_drafters:medusa_drafter", rows=_ROWS + "medusa_rows", vllm_profile=True,
            calibrated_tree=True),
     Family("eagle1", "EAGLE-1", "specheads_eagle1", "specheads.models.eagle1:Eagle1Model",
@@ -123,13 +130,15 @@ FAMILIES: tuple[Family, ...] = (
            # SGLang srt/models/dflash.py EntryClass); speculators' format, which vLLM converts (algos.update_dflash)
            layouts={"vllm": "DFlashDraftModel", "sglang": "DFlashDraftModel", "speculators": "DFlashSpeculator"},
            vllm_method="dflash", sglang_algorithm="DFLASH", speculators_type="dflash",
-           drafter=_DRAFTERS + "head_drafters:dflash_drafter", rows=_ROWS + "dflash_rows"),
+           drafter=_DRAFTERS + "head_drafters:dflash_drafter", rows=_ROWS + "dflash_rows", drafts="block"),
     Family("peagle", "P-EAGLE", "specheads_peagle", "specheads.models.peagle:PEagleModel",
            "specheads.models.peagle:PEagleConfig", {"peagle": "specheads.methods.peagle:PEagleMethod"}, "aux",
            # EAGLE-3's loader, served with parallel_drafting: true; speculators' peagle format (algos.update_peagle)
            layouts={"vllm": "LlamaForCausalLMEagle3", "speculators": "PEagleSpeculator"}, draft_vocab=True,
            vllm_method="eagle3", vllm_extra={"parallel_drafting": True}, speculators_type="peagle",
-           drafter=_DRAFTERS + "peagle_drafter:peagle_drafter", rows=_ROWS + "peagle_rows"),
+           drafter=_DRAFTERS + "peagle_drafter:peagle_drafter", rows=_ROWS + "peagle_rows", drafts="depths",
+           sglang_note="# SGLang: no parallel-drafting EAGLE (P-EAGLE) in SGLang 0.5.23: serve with vLLM (the line "
+                       "above)"),
     Family("mtp", "MTP", "specheads_mtp", "specheads.models.mtp:MTPModel", "specheads.models.mtp:MTPConfig",
            {"mtp": "specheads.methods.mtp:MTPMethod"}, "last", vllm_method="mtp",
            drafter=_DRAFTERS + "mtp_drafter:mtp_drafter", rows=_ROWS + "mtp_rows"),
@@ -139,7 +148,9 @@ FAMILIES: tuple[Family, ...] = (
            layouts={"vllm": "Qwen3DSparkModel", "speculators": "Qwen3DSparkModel"},
            # the confidence head sizes each request's verified drafts (vLLM's V2 runner)
            vllm_method="dspark", vllm_extra={"enable_adaptive_verification": True}, speculators_type="dspark",
-           drafter=_DRAFTERS + "dspark_drafter:dspark_drafter", rows=_ROWS + "dspark_rows"),
+           drafter=_DRAFTERS + "dspark_drafter:dspark_drafter", rows=_ROWS + "dspark_rows", drafts="block",
+           sglang_note="# SGLang: its DSpark loader was not checked against this layout: serve with vLLM's GPU build "
+                       "(above)"),
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
 _BY_ALIAS = {alias: f for f in FAMILIES for alias in f.aliases}

@@ -40,10 +40,7 @@ def vllm_speculative_config(method: str, model: str, tokens: int) -> dict:
 
 
 SGLANG_ALGO = {f.name: f.sglang_algorithm for f in FAMILIES if f.sglang_algorithm}  # --speculative-algorithm
-NO_SGLANG = {"medusa": "# SGLang: no Medusa support (no Medusa loader in SGLang 0.5.23): serve with vLLM up to "
-                       "0.32 (the line above) or TGI",
-             "peagle": "# SGLang: no parallel-drafting EAGLE (P-EAGLE) in SGLang 0.5.23: serve with vLLM (the line above)",
-             "dspark": "# SGLang: its DSpark loader was not checked against this layout: serve with vLLM's GPU build (above)"}
+NO_SGLANG = {f.name: f.sglang_note for f in FAMILIES if f.sglang_note}  # the line in place of SGLang's
 PREFERRED_T, PREFERRED_DOMAIN = "0.0", "all"
 
 
@@ -75,10 +72,11 @@ def serve_params(method: str, cfg: dict, engine: str, report: list[dict] | None,
     report: rows of ``run_records.load_eval_report`` (each with its ``recommendation`` entry, when the report
     has one)."""
     engine = engine_family(engine)
-    if method in ("dflash", "dspark"):
+    drafts = family(method).drafts
+    if drafts == "block":
         return _dflash_params(cfg, engine, report, spec_tokens, method)
-    if method == "peagle":
-        return _peagle_params(cfg, report, spec_tokens)
+    if drafts == "depths":
+        return _peagle_params(cfg, report, spec_tokens, method)
     if spec_tokens is not None:
         return ServeParams.chain(int(spec_tokens), "given by spec_tokens (a chain)")
     rows = _rows(report, lambda r: r["profile"] == engine)
@@ -90,7 +88,7 @@ def serve_params(method: str, cfg: dict, engine: str, report: list[dict] | None,
                                      "that chain (evaluate with serving.engines=[vllm,sglang] to measure one)")
     if rows:
         return _from_row(rows[0])
-    n = min(3, cfg["num_heads"]) if method == "medusa" else 3
+    n = min(3, cfg["num_heads"]) if "num_heads" in cfg else 3  # Medusa: a chain of at most its heads
     if engine == "sglang":
         return ServeParams(n, 5, 4, 8, "evaluate's default SGLang profile (not measured here)")
     return ServeParams.chain(n, "evaluate's default vLLM profile (not measured here)")
@@ -126,7 +124,8 @@ def _from_row(row: dict) -> ServeParams:
     raise ExportError(f"report row {row['name']}: shape {shape!r} is neither chainK nor tree(dD,kK,nN)")
 
 
-def _peagle_params(cfg: dict, report: list[dict] | None, spec_tokens: int | None) -> ServeParams:
+def _peagle_params(cfg: dict, report: list[dict] | None, spec_tokens: int | None,
+                   drafter: str = "peagle") -> ServeParams:
     """P-EAGLE drafts a chain of up to ``num_depths`` tokens in one forward: ``spec_tokens`` when given (at most
     that), else the evaluated ``peagle-chain{K}`` row, else K."""
     K = int(cfg["num_depths"])
@@ -134,7 +133,7 @@ def _peagle_params(cfg: dict, report: list[dict] | None, spec_tokens: int | None
         if not 1 <= int(spec_tokens) <= K:
             raise ExportError(f"spec_tokens={spec_tokens}: this P-EAGLE head drafts 1 to {K} tokens per forward")
         return ServeParams.chain(int(spec_tokens), "given by spec_tokens (a chain)")
-    rows = _rows(report, lambda r: r["drafter"] == "peagle" and re.fullmatch(r"chain\d+", r["shape"] or ""))
+    rows = _rows(report, lambda r: r["drafter"] == drafter and re.fullmatch(r"chain\d+", r["shape"] or ""))
     if rows:
         p = _from_row(rows[0])
         return ServeParams.chain(min(p.tokens, K), p.source)
@@ -154,8 +153,8 @@ def _dflash_params(cfg: dict, engine: str, report: list[dict] | None, spec_token
         if rows:
             p = _from_row(rows[0])
     if not 1 <= p.tokens <= B - 1:
-        raise ExportError(f"a {'DSpark' if drafter == 'dspark' else 'DFlash'} head with block_size {B} drafts 1..{B - 1} tokens per step; got {p.tokens} "
-                          "(the slots past the trained block were never trained)")
+        raise ExportError(f"a {family(drafter).title} head with block_size {B} drafts 1..{B - 1} tokens per step; got "
+                          f"{p.tokens} (the slots past the trained block were never trained)")
     return ServeParams(p.tokens, 1, 1, p.tokens + 1, p.source)
 
 
@@ -186,7 +185,7 @@ def serve_commands(method: str, engine: str, target: str, model: str, p: ServePa
         return {"shell": NO_SGLANG[method]}
     line = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {SGLANG_ALGO[method]} "
             f"--speculative-draft-model-path {model}")
-    if method == "dflash":  # one block per step: no steps or top-k
+    if family(method).drafts == "block":  # one block per step: no steps or top-k
         return {"shell": f"{line} --speculative-num-draft-tokens {p.draft_tokens}{flag}"}
     return {"shell": f"{line} --speculative-num-steps {p.steps} --speculative-eagle-topk {p.topk} "
                      f"--speculative-num-draft-tokens {p.draft_tokens}{flag}"}
