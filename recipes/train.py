@@ -172,7 +172,8 @@ def check_config(cfg: DictConfig) -> tuple[TrainConfig, OptimConfig, dict[str, A
     its first stage)."""
     tcfg, ocfg, mcfg = to_configs(cfg)
     check_settings(tcfg, ocfg, mcfg, OmegaConf.to_container(cfg.data, resolve=True))
-    sequence_parallel.check_settings(tcfg.sequence_parallel, mcfg["name"])
+    # the launch's world size too: a one-process run (``specheads run``'s train stage) is refused before any stage
+    sequence_parallel.check_settings(tcfg.sequence_parallel, mcfg["name"], int(os.environ.get("WORLD_SIZE", "1")))
     build_method(**mcfg)
     return tcfg, ocfg, mcfg
 

@@ -126,3 +126,17 @@ def test_epochs_set_the_optimizer_steps():
     assert steps(10, 7, 2, 1) == 35 and steps(0.5, 10, 1, 2) == 3 and steps(1, 1, 8, 4) == 1
     with pytest.raises(ConfigError, match="data.epochs must be positive"):
         steps(-1, 10, 1, 1)
+
+
+def test_the_reasoning_preset_trains_under_a_launch_of_an_even_number_of_processes(monkeypatch):
+    """qwen3_8b_reasoning splits each row over 2 processes: its train settings pass in a launch of 2 and are
+    refused in one process before any work (``specheads run``'s check of its stages runs the same check)."""
+    from specheads.errors import ConfigError
+    from tests.training.test_train_recipe import load_recipe
+
+    cfg = compose("train", "target=qwen3_8b_reasoning", "method=eagle3", "output_dir=x")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    load_recipe().check_config(cfg)
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ConfigError, match="train.sequence_parallel=2 does not divide the 1 launched processes"):
+        load_recipe().check_config(cfg)
