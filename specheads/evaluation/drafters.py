@@ -15,6 +15,7 @@ from specheads.data.render import chat_id
 from specheads.decoding.drafters import Drafter, EarlyExitDrafter, ModelDrafter, NgramDrafter, TreeShape
 from specheads.decoding.lookahead import LookaheadDrafter
 from specheads.decoding.ngram_table import NgramTable
+from specheads.decoding.suffix_drafter import SuffixDrafter
 from specheads.decoding.tree import normalize_choices
 from specheads.errors import InputNotFoundError
 from specheads.evaluation.spec import MethodSpec
@@ -35,6 +36,8 @@ def make_drafter(spec: MethodSpec, target: Target, seed: int = 0) -> Drafter:
     if spec.drafter == "lookahead":
         window, ngram, guesses = spec.lookahead
         return LookaheadDrafter(window, ngram, guesses, seed=seed)
+    if spec.drafter == "suffix":
+        return SuffixDrafter(k=spec.shape.k)
     if spec.drafter == "early_exit":
         return EarlyExitDrafter(target.model, spec.early_exit_layers, spec.shape)
     if spec.drafter == "two_model":

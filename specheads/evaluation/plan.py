@@ -182,6 +182,8 @@ def baseline_rows(baselines, chain_k: int, verify: str, ngram_max: int, lookahea
             W, N, G = int(la["window"]), int(la["ngram"]), int(la["guesses"])
             trie = TreeShape("dynamic", depth=N - 1, topk=max(G, 1), total_tokens=max(G, 1) * (N - 1))
             out.append(MethodSpec(f"lookahead-W{W}N{N}G{G}", "lookahead", trie, verify, lookahead=(W, N, G)))
+        elif b == "suffix":  # suffix decoding: a chain of at most chain_k, as vLLM drafts it
+            out.append(MethodSpec(f"suffix-chain{chain_k}", "suffix", chain, verify))
         elif b == "early_exit":
             out.append(MethodSpec(f"early_exit{early_exit_layers}-chain{chain_k}", "early_exit", chain, verify,
                                   early_exit_layers=early_exit_layers))
@@ -191,5 +193,5 @@ def baseline_rows(baselines, chain_k: int, verify: str, ngram_max: int, lookahea
                                   "tokenizer> (a folder, .gguf file or hub id)")
             out.append(MethodSpec(f"two_model-chain{chain_k}", "two_model", chain, verify, draft_model=two_model))
         else:
-            raise ConfigError(f"baseline '{b}': use ngram, lookahead, early_exit or two_model")
+            raise ConfigError(f"baseline '{b}': use ngram, lookahead, suffix, early_exit or two_model")
     return out
