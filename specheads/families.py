@@ -48,6 +48,9 @@ class Family:
     drafts: what one draft step makes, for the serve commands' settings: ``"tree"`` (a chain or tree of any
     length, step by step), ``"block"`` (the ``block_size - 1`` slots of one block forward) or ``"depths"`` (the
     ``num_depths`` tokens of one forward). sglang_note: the serve commands' line where SGLang does not serve it.
+    head_tensors, build_layout: ``export/layouts.py``'s functions of it: every tensor its head folder holds
+    (``(cfg) -> {name: TensorSpec}``), and its folder for an engine of ``layouts``
+    (``(cfg, engine, target, src, spec_tokens) -> Layout``).
     """
 
     name: str
@@ -70,6 +73,8 @@ class Family:
     vllm_profile: bool = False
     drafts: str = "tree"
     sglang_note: str | None = None
+    head_tensors: str = ""
+    build_layout: str = ""
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -103,11 +108,12 @@ def load(ref: str):
     return getattr(importlib.import_module(module), attr)
 
 
-_DRAFTERS, _ROWS = "specheads.decoding.", "specheads.evaluation.plan:"
+_DRAFTERS, _ROWS, _LAYOUTS = "specheads.decoding.", "specheads.evaluation.plan:", "specheads.export.layouts:"
 FAMILIES: tuple[Family, ...] = (
     Family("medusa", "Medusa", "medusa", "specheads.models.medusa:MedusaHeads", "specheads.models.medusa:MedusaConfig",
            {"medusa1": "specheads.methods.medusa:Medusa1Method", "medusa2": "specheads.methods.medusa:Medusa2Method"},
            "last", layouts={"vllm": "MedusaModel", "medusa": "MedusaModel"}, vllm_method="medusa",
+           head_tensors=_LAYOUTS + "medusa_tensors", build_layout=_LAYOUTS + "medusa_layout",
            sglang_note="# SGLang: no Medusa support (no Medusa loader in SGLang 0.5.23): serve with vLLM up to 0.32 "
                        "(the line above) or TGI",
            drafter=_DRAFTERS + "head_drafters:medusa_drafter", rows=_ROWS + "medusa_rows", vllm_profile=True,
@@ -115,12 +121,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("eagle1", "EAGLE-1", "specheads_eagle1", "specheads.models.eagle1:Eagle1Model",
            "specheads.models.eagle1:Eagle1Config", {"eagle1": "specheads.methods.eagle1:Eagle1Method"}, "last",
            layouts={"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}, vllm_method="eagle",
+           head_tensors=_LAYOUTS + "eagle1_tensors", build_layout=_LAYOUTS + "eagle1_layout",
            sglang_algorithm="EAGLE", drafter=_DRAFTERS + "head_drafters:eagle_drafter", rows=_ROWS + "eagle_rows",
            vllm_profile=True, choose_shape=True),
     Family("eagle3", "EAGLE-3", "specheads_eagle3", "specheads.models.eagle3:Eagle3Model",
            "specheads.models.eagle3:Eagle3Config", {"eagle3": "specheads.methods.eagle3:Eagle3Method"}, "aux",
            layouts={"vllm": "LlamaForCausalLMEagle3", "sglang": "LlamaForCausalLMEagle3",
                     "speculators": "Eagle3DraftModel"},
+           head_tensors=_LAYOUTS + "eagle3_tensors", build_layout=_LAYOUTS + "eagle3_layout",
            draft_vocab=True, vllm_method="eagle3", sglang_algorithm="EAGLE3", speculators_type="eagle3",
            drafter=_DRAFTERS + "head_drafters:eagle_drafter", rows=_ROWS + "eagle_rows", vllm_profile=True,
            choose_shape=True),
@@ -129,12 +137,14 @@ FAMILIES: tuple[Family, ...] = (
            # z-lab's format, one folder both engines load (vLLM registry -> qwen3_dflash.DFlashQwen3ForCausalLM,
            # SGLang srt/models/dflash.py EntryClass); speculators' format, which vLLM converts (algos.update_dflash)
            layouts={"vllm": "DFlashDraftModel", "sglang": "DFlashDraftModel", "speculators": "DFlashSpeculator"},
+           head_tensors=_LAYOUTS + "dflash_tensors", build_layout=_LAYOUTS + "dflash_layout",
            vllm_method="dflash", sglang_algorithm="DFLASH", speculators_type="dflash",
            drafter=_DRAFTERS + "head_drafters:dflash_drafter", rows=_ROWS + "dflash_rows", drafts="block"),
     Family("peagle", "P-EAGLE", "specheads_peagle", "specheads.models.peagle:PEagleModel",
            "specheads.models.peagle:PEagleConfig", {"peagle": "specheads.methods.peagle:PEagleMethod"}, "aux",
            # EAGLE-3's loader, served with parallel_drafting: true; speculators' peagle format (algos.update_peagle)
            layouts={"vllm": "LlamaForCausalLMEagle3", "speculators": "PEagleSpeculator"}, draft_vocab=True,
+           head_tensors=_LAYOUTS + "peagle_tensors", build_layout=_LAYOUTS + "peagle_layout",
            vllm_method="eagle3", vllm_extra={"parallel_drafting": True}, speculators_type="peagle",
            drafter=_DRAFTERS + "peagle_drafter:peagle_drafter", rows=_ROWS + "peagle_rows", drafts="depths",
            sglang_note="# SGLang: no parallel-drafting EAGLE (P-EAGLE) in SGLang 0.5.23: serve with vLLM (the line "
@@ -146,6 +156,7 @@ FAMILIES: tuple[Family, ...] = (
            "specheads.models.dspark:DSparkConfig", {"dspark": "specheads.methods.dspark:DSparkMethod"}, "aux",
            # vLLM registry -> qwen3_dspark.Qwen3DSparkForCausalLM; kept by vLLM's algos.update_dspark
            layouts={"vllm": "Qwen3DSparkModel", "speculators": "Qwen3DSparkModel"},
+           head_tensors=_LAYOUTS + "dspark_tensors", build_layout=_LAYOUTS + "dspark_layout",
            # the confidence head sizes each request's verified drafts (vLLM's V2 runner)
            vllm_method="dspark", vllm_extra={"enable_adaptive_verification": True}, speculators_type="dspark",
            drafter=_DRAFTERS + "dspark_drafter:dspark_drafter", rows=_ROWS + "dspark_rows", drafts="block",

@@ -61,7 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specheads.families import FAMILIES, exported
+from specheads.families import FAMILIES, exported, family, find, load
 
 METHODS = exported()  # the families with export layouts (specheads/families.py)
 ENGINES = ("vllm", "sglang", "speculators", "medusa")
@@ -196,56 +196,68 @@ def _check_llama(cfg: dict) -> None:
 
 
 def head_tensors(method: str, cfg: dict) -> dict[str, TensorSpec]:
-    """Every tensor a head folder of ``method`` must hold (the names ``save_pretrained`` writes)."""
-    if method == "medusa":
-        _need(cfg, "hidden_size", "vocab_size", "num_heads", "num_hidden_layers")
-        H, V = cfg["hidden_size"], cfg["vocab_size"]
-        out = {}
-        for k in range(cfg["num_heads"]):
-            for j in range(cfg["num_hidden_layers"]):
-                out[f"blocks.{k}.layers.{j}.weight"] = TensorSpec((H, H))
-                if cfg.get("medusa_fc_bias", True):
-                    out[f"blocks.{k}.layers.{j}.bias"] = TensorSpec((H,))
-            out[f"lm_heads.{k}.weight"] = TensorSpec((V, H))
-        return out
+    """Every tensor a head folder of ``method`` must hold (the names ``save_pretrained`` writes): its family's
+    ``head_tensors`` (``specheads/families.py``)."""
+    fam = find(method)
+    if fam is None or fam.name != method or not fam.head_tensors:
+        raise LayoutError(f"unknown method {method!r}; expected one of {METHODS}")
+    return load(fam.head_tensors)(cfg)
+
+
+def medusa_tensors(cfg: dict) -> dict[str, TensorSpec]:
+    _need(cfg, "hidden_size", "vocab_size", "num_heads", "num_hidden_layers")
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    out = {}
+    for k in range(cfg["num_heads"]):
+        for j in range(cfg["num_hidden_layers"]):
+            out[f"blocks.{k}.layers.{j}.weight"] = TensorSpec((H, H))
+            if cfg.get("medusa_fc_bias", True):
+                out[f"blocks.{k}.layers.{j}.bias"] = TensorSpec((H,))
+        out[f"lm_heads.{k}.weight"] = TensorSpec((V, H))
+    return out
+
+
+def eagle1_tensors(cfg: dict) -> dict[str, TensorSpec]:
     _check_llama(cfg)
     H = cfg["hidden_size"]
-    if method == "eagle1":
-        out = {"fc.weight": TensorSpec((H, 2 * H))}
-        for i in range(cfg["num_hidden_layers"]):
-            out.update(_attention_layer(cfg, f"layers.{i}", H, input_norm=i > 0, hidden_norm=False))
-        return out
-    if method == "eagle3":
-        _need(cfg, "draft_vocab_size", "aux_layers")
-        if cfg["num_hidden_layers"] != 1:
-            raise LayoutError(f"EAGLE-3 heads have one layer; config says num_hidden_layers={cfg['num_hidden_layers']}")
-        Ht = cfg.get("target_hidden_size") or H
-        out = {"fc.weight": TensorSpec((H, len(cfg["aux_layers"]) * Ht))}
-        if cfg.get("fc_norm"):  # EAGLE-3.1: one RMSNorm per fused feature before fc
-            out.update({f"fc_norm.{i}.weight": TensorSpec((Ht,)) for i in range(len(cfg["aux_layers"]))})
-        if cfg.get("norm_before_fc"):  # speculators' one RMSNorm over the concatenated features before fc
-            out["input_norm.weight"] = TensorSpec((len(cfg["aux_layers"]) * Ht,))
-        out.update(_attention_layer(cfg, "midlayer", 2 * H, input_norm=True, hidden_norm=True))
-        out.update({"norm.weight": TensorSpec((H,)), "lm_head.weight": TensorSpec((cfg["draft_vocab_size"], H)),
-                    "d2t": TensorSpec((cfg["draft_vocab_size"],), "int64"),
-                    "t2d": TensorSpec((cfg["vocab_size"],), "bool")})
-        return out
-    if method == "peagle":
-        return _peagle_tensors(cfg)
-    if method == "dspark":
-        return _dspark_tensors(cfg)
-    if method == "dflash":
-        _need(cfg, "aux_layers", "block_size", "mask_token_id")
-        Ht = cfg.get("target_hidden_size") or H
-        out = {"fc.weight": TensorSpec((H, len(cfg["aux_layers"]) * Ht)), "hidden_norm.weight": TensorSpec((H,)),
-               "norm.weight": TensorSpec((H,))}
-        hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
-        for i in range(cfg["num_hidden_layers"]):
-            out.update(_attention_layer(cfg, f"layers.{i}", H, input_norm=True, hidden_norm=False))
-            out[f"layers.{i}.self_attn.q_norm.weight"] = TensorSpec((hd,))
-            out[f"layers.{i}.self_attn.k_norm.weight"] = TensorSpec((hd,))
-        return out
-    raise LayoutError(f"unknown method {method!r}; expected one of {METHODS}")
+    out = {"fc.weight": TensorSpec((H, 2 * H))}
+    for i in range(cfg["num_hidden_layers"]):
+        out.update(_attention_layer(cfg, f"layers.{i}", H, input_norm=i > 0, hidden_norm=False))
+    return out
+
+
+def eagle3_tensors(cfg: dict) -> dict[str, TensorSpec]:
+    _check_llama(cfg)
+    H = cfg["hidden_size"]
+    _need(cfg, "draft_vocab_size", "aux_layers")
+    if cfg["num_hidden_layers"] != 1:
+        raise LayoutError(f"EAGLE-3 heads have one layer; config says num_hidden_layers={cfg['num_hidden_layers']}")
+    Ht = cfg.get("target_hidden_size") or H
+    out = {"fc.weight": TensorSpec((H, len(cfg["aux_layers"]) * Ht))}
+    if cfg.get("fc_norm"):  # EAGLE-3.1: one RMSNorm per fused feature before fc
+        out.update({f"fc_norm.{i}.weight": TensorSpec((Ht,)) for i in range(len(cfg["aux_layers"]))})
+    if cfg.get("norm_before_fc"):  # speculators' one RMSNorm over the concatenated features before fc
+        out["input_norm.weight"] = TensorSpec((len(cfg["aux_layers"]) * Ht,))
+    out.update(_attention_layer(cfg, "midlayer", 2 * H, input_norm=True, hidden_norm=True))
+    out.update({"norm.weight": TensorSpec((H,)), "lm_head.weight": TensorSpec((cfg["draft_vocab_size"], H)),
+                "d2t": TensorSpec((cfg["draft_vocab_size"],), "int64"),
+                "t2d": TensorSpec((cfg["vocab_size"],), "bool")})
+    return out
+
+
+def dflash_tensors(cfg: dict) -> dict[str, TensorSpec]:
+    _check_llama(cfg)
+    H = cfg["hidden_size"]
+    _need(cfg, "aux_layers", "block_size", "mask_token_id")
+    Ht = cfg.get("target_hidden_size") or H
+    out = {"fc.weight": TensorSpec((H, len(cfg["aux_layers"]) * Ht)), "hidden_norm.weight": TensorSpec((H,)),
+           "norm.weight": TensorSpec((H,))}
+    hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
+    for i in range(cfg["num_hidden_layers"]):
+        out.update(_attention_layer(cfg, f"layers.{i}", H, input_norm=True, hidden_norm=False))
+        out[f"layers.{i}.self_attn.q_norm.weight"] = TensorSpec((hd,))
+        out[f"layers.{i}.self_attn.k_norm.weight"] = TensorSpec((hd,))
+    return out
 
 
 # --------------------------------------------------------------------------- the engine side
@@ -286,14 +298,14 @@ def _check_target(method: str, cfg: dict, target: TargetInfo) -> None:
         raise LayoutError(f"head hidden_size {H} != target {target.name} hidden_size {target.hidden_size}")
     if cfg["vocab_size"] != target.vocab_size:
         raise LayoutError(f"head vocab_size {cfg['vocab_size']} != target {target.name} vocab_size {target.vocab_size}")
-    if method in ("eagle3", "dflash", "peagle", "dspark"):
+    if family(method).aux_states:
         Ht = cfg.get("target_hidden_size") or H
         if Ht != target.hidden_size:
             raise LayoutError(f"head target_hidden_size {Ht} != target {target.name} hidden_size {target.hidden_size}")
         bad = [i for i in cfg["aux_layers"] if not (target.num_layers is None or 0 <= i < target.num_layers)]
         if bad:
             raise LayoutError(f"aux layers {bad} do not exist in target {target.name} ({target.num_layers} layers)")
-    if method in ("dflash", "peagle", "dspark"):
+    if cfg.get("mask_token_id") is not None:  # DFlash's, DSpark's and P-EAGLE's masked slots
         mask = cfg["mask_token_id"]
         if not 0 <= int(mask) < target.vocab_size:
             raise LayoutError(f"mask_token_id {mask} is not a row of target {target.name}'s embedding (vocab "
@@ -315,18 +327,27 @@ def build_layout(method: str, engine: str, cfg: dict, target: TargetInfo, spec_t
                           f"{' or '.join(engines_for(method))}")
     src = head_tensors(method, cfg)
     _check_target(method, cfg, target)
-    if method == "dflash":
-        return (_dflash_speculators(cfg, target, src, spec_tokens) if engine == "speculators"
-                else _dflash(cfg, engine, target, src))
-    if method == "peagle":
-        return _peagle(cfg, engine, target, src, spec_tokens)
-    if method == "dspark":
-        return _dspark(cfg, engine, target, src, spec_tokens)
+    return load(family(method).build_layout)(cfg, engine, target, src, spec_tokens)
+
+
+def medusa_layout(cfg: dict, engine: str, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
+    return _medusa_original(cfg, target, src) if engine == "medusa" else _medusa(cfg, engine, target, src)
+
+
+def eagle1_layout(cfg: dict, engine: str, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
+    return _eagle1(cfg, engine, target, src)
+
+
+def eagle3_layout(cfg: dict, engine: str, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
     if engine == "speculators":
         return _eagle3_speculators(cfg, target, src, spec_tokens)
-    if engine == "medusa":
-        return _medusa_original(cfg, target, src)
-    return {"medusa": _medusa, "eagle1": _eagle1, "eagle3": _eagle3}[method](cfg, engine, target, src)
+    return _eagle3(cfg, engine, target, src)
+
+
+def dflash_layout(cfg: dict, engine: str, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
+    if engine == "speculators":
+        return _dflash_speculators(cfg, target, src, spec_tokens)
+    return _dflash(cfg, engine, target, src)
 
 
 def _identity(src: dict[str, TensorSpec]) -> dict[str, Rule]:
@@ -632,19 +653,19 @@ PEAGLE_SERVED = ("vLLM (checked against the 0.32.0 wheel's loader and config par
                  "`fc(mask_hidden)` and that token. SGLang has no parallel-drafting EAGLE.")
 
 
-def _peagle_tensors(cfg: dict) -> dict[str, TensorSpec]:
+def peagle_tensors(cfg: dict) -> dict[str, TensorSpec]:
     """EAGLE-3's tensors (``midlayer`` reads 2H), its later layers ``layers.{i}`` (H) and ``mask_hidden``."""
     _need(cfg, "draft_vocab_size", "aux_layers", "mask_token_id", "num_depths")
     L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
     Ht = cfg.get("target_hidden_size") or H
-    out = head_tensors("eagle3", dict(cfg, num_hidden_layers=1))
+    out = eagle3_tensors(dict(cfg, num_hidden_layers=1))
     for i in range(1, L):
         out.update(_attention_layer(cfg, f"layers.{i}", H, input_norm=True, hidden_norm=False))
     out["mask_hidden"] = TensorSpec((1, len(cfg["aux_layers"]) * Ht))
     return out
 
 
-def _peagle(cfg: dict, engine: str, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
+def peagle_layout(cfg: dict, engine: str, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
     """EAGLE-3's layout for ``engine`` (vllm or speculators) plus ``mask_hidden``, the mask token and the layers
     after the first; ``mask_hidden``'s column blocks follow ``fc``'s (ascending aux layers)."""
     one = dict(cfg, num_hidden_layers=1)
@@ -679,12 +700,12 @@ DSPARK_SERVED = ("vLLM's V2 GPU model runner (method \"dspark\"; the 0.32.0 whee
                  "support: dspark speculative decoding\"). SGLang's DSpark loader was not checked.")
 
 
-def _dspark_tensors(cfg: dict) -> dict[str, TensorSpec]:
+def dspark_tensors(cfg: dict) -> dict[str, TensorSpec]:
     """DFlash's tensors plus the Markov head (V, r) x 2 and the confidence head (1, H [+ r]) with its bias."""
     _need(cfg, "markov_rank")
     if cfg.get("markov_head_type", "vanilla") != "vanilla":
         raise LayoutError(f"markov_head_type {cfg['markov_head_type']!r}: vLLM 0.32 loads the vanilla Markov head only")
-    out = head_tensors("dflash", cfg)
+    out = dflash_tensors(cfg)
     V, H, r = cfg["vocab_size"], cfg["hidden_size"], int(cfg["markov_rank"])
     out.update({"markov_head.markov_w1.weight": TensorSpec((V, r)), "markov_head.markov_w2.weight": TensorSpec((V, r))})
     if cfg.get("enable_confidence_head", True):
@@ -693,7 +714,7 @@ def _dspark_tensors(cfg: dict) -> dict[str, TensorSpec]:
     return out
 
 
-def _dspark(cfg: dict, engine: str, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
+def dspark_layout(cfg: dict, engine: str, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
     """vLLM's dense DSpark format (``Qwen3DSparkModel``) or speculators' (``speculators_model_type: dspark``).
 
     The head drafts DFlash's way, the anchor a bonus token and slots 1..B-1 predicting (``sample_from_anchor:
