@@ -38,14 +38,14 @@ from specheads.ranges import check_number
 from specheads.data.images import image_reader, with_pixels
 from specheads.targets import Target, default_eagle3_layers
 from specheads.targets.model import uses_mrope
-from specheads.methods.base import ARGMAX_KEY, FeatureSpec
+from specheads.methods.base import ARGMAX_KEY, POSITIONS_KEY, FeatureSpec
 from specheads.methods.losses import target_argmax
 
 log = logging.getLogger(__name__)
 
 HIDDEN_KEYS = ("hidden_last", "hidden_aux")
 IMAGE_ROWS = "image_rows"  # a store's source: how many of its rows show images
-POSITIONS = "positions"  # (T, 3) the 3-D M-RoPE positions of a target that uses them (Qwen2-VL family)
+POSITIONS = POSITIONS_KEY  # (T, 3) the 3-D M-RoPE positions of a target that uses them (Qwen2-VL family)
 PIXEL_KEYS = ("pixel_values", "image_grid_thw")  # a vision-language batch's pixel inputs (``with_pixels``)
 
 
@@ -57,7 +57,7 @@ def spec_for_method(method: str, num_layers: int, aux_layers: Sequence[int] | No
         return FeatureSpec(aux_layers=(), need_last=True)
     if method == "eagle3":
         layers = tuple(aux_layers) if aux_layers else default_eagle3_layers(num_layers)
-        return FeatureSpec(aux_layers=tuple(int(i) for i in layers), need_last=True)
+        return FeatureSpec(aux_layers=tuple(int(i) for i in layers), need_last=True, image_rows=True)
     if method == "medusa2":
         return FeatureSpec(aux_layers=(), need_last=True, online_only=True)
     raise ValueError(f"unknown method {method!r}; expected medusa1, medusa2, eagle1 or eagle3")
@@ -658,11 +658,11 @@ def check_manifest(manifest: dict[str, Any], spec: FeatureSpec | None = None, ta
                     f"but the trainer's target '{target.name}' has {what} {want}; collect features for this "
                     f"target (`specheads collect`) or use online features")
     if spec is not None:
-        if (manifest.get("source") or {}).get(IMAGE_ROWS):
+        if (manifest.get("source") or {}).get(IMAGE_ROWS) and not spec.image_rows:
             raise StoreMismatchError(
-                f"{where} holds {manifest['source'][IMAGE_ROWS]} image rows of a vision-language target: training a "
-                "drafter on image rows (as the serving engine drafts there: vision features and M-RoPE positions) is "
-                "not available yet; train from a store of text rows")
+                f"{where} holds {manifest['source'][IMAGE_ROWS]} image rows of a vision-language target, and this "
+                "method does not train on image rows as the serving engine drafts there: train EAGLE-3 "
+                "(method=eagle3), or from a store of text rows")
         if spec.online_only:
             raise StoreMismatchError(f"this method trains the target (online_only); it cannot train from {where}")
         missing = [i for i in spec.aux_layers if i not in manifest["aux_layers"]]

@@ -25,6 +25,7 @@ from specheads.targets import Target
 # The batch key of the target's full-vocabulary argmax at each position (B, T) long, from hidden_last: feature
 # stores hold it (computed once at collection), so a method reads it instead of the target's full logits.
 ARGMAX_KEY = "target_argmax"
+POSITIONS_KEY = "positions"  # (B, T, 3) a vision-language target's 3-D M-RoPE positions (Qwen2-VL family)
 
 
 @dataclass(frozen=True)
@@ -34,11 +35,14 @@ class FeatureSpec:
     aux_layers: inputs of these decoder layers, concatenated in this order into ``hidden_aux``
     need_last:  the post-norm last hidden state, as ``hidden_last``
     online_only: the target itself is trained (Medusa-2), so stored features would go stale
+    image_rows: the method trains on a vision-language target's image rows as the serving engine drafts there
+    (EAGLE-3: the token embeddings the engine's draft reads at image slots, the target's M-RoPE positions)
     """
 
     aux_layers: tuple[int, ...] = ()
     need_last: bool = True
     online_only: bool = False
+    image_rows: bool = False
 
 
 @dataclass
@@ -55,6 +59,7 @@ class FusedLayers:
 
     aux_layers: tuple[int, ...] | None = None
     _num_target_layers: int | None = None
+    trains_image_rows = False  # FeatureSpec.image_rows: a store of image rows is refused unless the method sets it
 
     @property
     def feature_spec(self) -> FeatureSpec:
@@ -65,8 +70,9 @@ class FusedLayers:
             if self._num_target_layers is None:
                 raise RuntimeError(f"{type(self).__name__}.feature_spec: aux_layers is unset; call bind(target) or "
                                    "build(target) first")
-            return FeatureSpec(aux_layers=default_eagle3_layers(self._num_target_layers), need_last=True)
-        return FeatureSpec(aux_layers=tuple(self.aux_layers), need_last=True)
+            return FeatureSpec(aux_layers=default_eagle3_layers(self._num_target_layers), need_last=True,
+                               image_rows=self.trains_image_rows)
+        return FeatureSpec(aux_layers=tuple(self.aux_layers), need_last=True, image_rows=self.trains_image_rows)
 
     def bind(self, target: Target):
         """Learn the target's layer count; aux layers it does not have are refused here, before any work."""

@@ -60,6 +60,9 @@ class Eagle3Method(FusedLayers):
     """
 
     name = "eagle3"
+    # Image rows train as vLLM's EAGLE-3 draft reads them (docs/train.md): the token embedding at image slots, the
+    # target's M-RoPE positions (the store's ``positions``; the draft config carries the target's mrope_section).
+    trains_image_rows = True
 
     def __init__(self, draft_vocab_size: int = 32000, vocab_data: str | None = None,
                  vocab_max_samples: int | None = None, aux_layers=None, ttt_steps: int = 3,

@@ -110,6 +110,7 @@ class PEagleMethod(Eagle3Method):
     """
 
     name = "peagle"
+    trains_image_rows = False  # its parallel depths have no M-RoPE positions yet: image rows are refused
 
     def __init__(self, num_depths: int = 4, num_layers: int = 1, ratio: float = 0.7, ratio_min: float = 0.2,
                  max_anchors: int | None = None, mask_token_id: int | None = None, draft_vocab_size: int = 32000,

@@ -23,6 +23,8 @@ import torch
 
 from specheads.acceptance_math import chain_tau
 from specheads.models.layers import UnrollCache
+from specheads.models.mrope import step_positions
+from specheads.methods.base import POSITIONS_KEY as POSITIONS
 from specheads.methods.losses import (SOFT_CHUNK_BYTES, feature_loss, linear_soft_cross_entropy, logit_chunk_rows,
                                       soft_cross_entropy, target_argmax)
 
@@ -48,7 +50,9 @@ def unroll(model, hidden: torch.Tensor, input_ids: torch.Tensor, steps: int,
 
     hidden: (B, T, H) the drafter's step-0 input (EAGLE-3: already fused); input_ids: (B, T') with T' >= T (the
     tokens after the first T positions feed their later steps: a sequence-parallel slice and its halo);
-    position_ids: (B, T), default 0..T-1; cache: a fresh ``UnrollCache`` (default) or a sequence-parallel one.
+    position_ids: (B, T), default 0..T-1, or (B, T, 3) a vision-language target's M-RoPE positions (step ``i > 0``
+    at the temporal position + i, ``mrope.step_positions``); cache: a fresh ``UnrollCache`` (default) or a
+    sequence-parallel one.
     """
     T = hidden.shape[1]
     if position_ids is None:
@@ -56,7 +60,7 @@ def unroll(model, hidden: torch.Tensor, input_ids: torch.Tensor, steps: int,
     cache = UnrollCache(model.num_draft_layers) if cache is None else cache
     h = hidden
     for i in range(steps):
-        h = model.decode(h, shift_tokens(input_ids, 1 + i)[:, :T], position_ids + i, None, cache)
+        h = model.decode(h, shift_tokens(input_ids, 1 + i)[:, :T], step_positions(position_ids, i), None, cache)
         yield i, h
 
 
@@ -124,6 +128,8 @@ def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: 
     the target's own choices); the step's loss is then the weighted mean.
     lk_weight > 0 mixes in the LK acceptance objective (``losses.soft_cross_entropy``); not with offpath_weight < 1,
     which scales the target distribution itself.
+    ``batch["positions"]`` (B, T, 3), where the store holds them: a vision-language target's M-RoPE positions, which
+    the draft rotates by (``unroll``).
     shard: a ``specheads.training.sequence_parallel.SequenceShard``: ``hidden`` holds this rank's C positions of the
     row, ``batch`` and ``rows`` those plus the ``steps + 1`` after them; each step's loss is this rank's sum over
     the group's count, the total the group's sum (differentiable), the stats the group's.
@@ -134,6 +140,8 @@ def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: 
     if shard is not None:
         position_ids = shard.positions(hidden.shape[0], own, hidden.device)
         cache = shard.cache(model.num_draft_layers)
+    if POSITIONS in batch:  # a vision-language target's M-RoPE positions, as the engine hands them to the draft
+        position_ids = batch[POSITIONS][:, :own]
     for i, h_out in unroll(model, hidden, batch["input_ids"], steps, position_ids, cache):
         b, t = step_rows(batch, i)
         keep = rows.in_vocab[b, t + 1 + i] & (t < own)  # a shard's halo positions are another rank's
@@ -197,7 +205,7 @@ def unrolled_accuracy(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor
     """
     out: dict[str, float] = {}
     all_right = torch.ones_like(reference, dtype=torch.bool)
-    for i, h_out in unroll(model, hidden, batch["input_ids"], steps):
+    for i, h_out in unroll(model, hidden, batch["input_ids"], steps, batch.get(POSITIONS)):
         T = reference.shape[1]
         pred = model.to_target_ids(target_argmax(model.logits, h_out[:, : T - 1 - i], chunk))  # (B, T-1-i)
         right = torch.zeros_like(all_right)

@@ -47,8 +47,9 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
 
-from specheads.models.layers import (DraftDecoderLayer, KVCache, RMSNorm, RotaryEmbedding, UnrollCache,
+from specheads.models.layers import (DraftDecoderLayer, KVCache, RMSNorm, UnrollCache,
                                     draft_fields_from_target, fusion_linear, layer_window, window_mask)
+from specheads.models.mrope import rotary_embedding
 from specheads.targets import Target, default_eagle3_layers
 
 class Eagle3Config(LlamaConfig):
@@ -68,6 +69,7 @@ class Eagle3Config(LlamaConfig):
     """
 
     model_type = "specheads_eagle3"
+    ignore_keys_at_rope_validation = {"mrope_section", "mrope_interleaved"}  # a VL target's M-RoPE (models.mrope)
     draft_vocab_size: int = 32000
     target_hidden_size: int | None = None
     aux_layers: list[int] | None = None
@@ -117,7 +119,7 @@ class Eagle3Model(PreTrainedModel):
                                           hidden_after_input_norm=getattr(config, "hidden_after_input_norm", False))
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
-        self.rotary_emb = RotaryEmbedding(config)
+        self.rotary_emb = rotary_embedding(config)  # M-RoPE where the target's rope settings name an mrope_section
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.__dict__["_embed"] = None  # the target's embedding: used, never registered or saved

@@ -77,7 +77,10 @@ _COPIED_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "nu
 
 
 def draft_fields_from_target(target_config) -> dict:
-    """The Llama-layer fields a drafter copies from its target (sizes, norm eps, rope settings)."""
+    """The Llama-layer fields a drafter copies from its target (sizes, norm eps, rope settings); a multimodal
+    target's from its language model's config (``text_config``), M-RoPE settings (``mrope_section``) included."""
+    if hasattr(target_config, "get_text_config"):
+        target_config = target_config.get_text_config()
     fields = {k: getattr(target_config, k) for k in _COPIED_FIELDS if getattr(target_config, k, None) is not None}
     if getattr(target_config, "head_dim", None) is None:
         fields["head_dim"] = target_config.hidden_size // target_config.num_attention_heads
