@@ -18,7 +18,7 @@ from specheads.export.layouts import Layout, TargetInfo
 from specheads.export.serve import (FOLDER_PLACEHOLDER, NO_SGLANG, TARGET_VAR, serve_commands, serve_params,
                                     target_line)
 from specheads.export.target import TargetOrigin, portable_name
-from specheads.families import family
+from specheads.families import family, load
 from specheads.targets import chat_templates
 
 # Which engines serve each method (read from the loaders; docs/export.md). Layout -> engines that read it.
@@ -130,51 +130,74 @@ def _facts(layout: Layout, card: CardInputs) -> list[tuple[str, str]]:
             ("data", card.data or "not recorded (pass data=... to the export)")]
     if card.chat_template is not None:
         rows.append(("chat template", _template_fact(card.chat_template)))
-    if layout.method == "medusa":
-        rows.append(("heads", f"{cfg['num_heads']} heads x {cfg['num_hidden_layers']} residual block(s)"))
-        rows.append(("draft vocabulary", f"full target vocabulary ({cfg['vocab_size']})"))
-    else:
-        rows.append(("draft layers", str(cfg["num_hidden_layers"])))
-    if layout.method == "eagle1":
-        rows.append(("draft vocabulary", f"full target vocabulary ({cfg['vocab_size']}, target LM head)"))
-        rows.append(("input feature", "the target's post-norm last hidden state"))
-    if family(layout.method).draft_vocab:
-        ids = (layout.config.get("eagle_config") or layout.config)["eagle_aux_hidden_state_layer_ids"]
-        rows.append(("draft vocabulary", f"{cfg['draft_vocab_size']} of {cfg['vocab_size']} target tokens (d2t/t2d)"))
-        rows.append(("aux layers", f"inputs of target decoder layers {cfg['aux_layers']} (= HF hidden_states "
-                                   f"indices); written as {layout.engine} ids {ids}"))
-    if layout.method == "peagle":
-        rows.append(("parallel drafting", f"{cfg['num_depths']} tokens per draft forward (mask_token_id "
-                                          f"{cfg['mask_token_id']}, learnt mask_hidden)"))
-    if layout.method == "dflash":
-        c = layout.config
-        key, ids = (("aux_hidden_state_layer_ids", c["aux_hidden_state_layer_ids"]) if layout.engine == "speculators"
-                    else ("dflash_config.target_layer_ids", c["dflash_config"]["target_layer_ids"]))
-        rows.append(("draft vocabulary", f"full target vocabulary ({cfg['vocab_size']}, target LM head)"))
-        rows.append(("block", f"{cfg['block_size']} slots (the anchor, then {cfg['block_size'] - 1} mask tokens, "
-                              f"mask_token_id {cfg['mask_token_id']}): up to {cfg['block_size'] - 1} drafted tokens per "
-                              "step, one draft forward"))
-        rows.append(("aux layers", f"inputs of target decoder layers {cfg['aux_layers']} (= HF hidden_states "
-                                   f"indices); written as {key} {ids}"))
-    if layout.method == "dspark":
-        c = layout.config
-        key, ids = (("aux_hidden_state_layer_ids", c["aux_hidden_state_layer_ids"]) if layout.engine == "speculators"
-                    else ("target_layer_ids", c["target_layer_ids"]))
-        B = cfg["block_size"]
-        rows.append(("draft vocabulary", f"full target vocabulary ({cfg['vocab_size']}, target LM head)"))
-        rows.append(("block", f"{B} slots (the anchor, then {B - 1} mask tokens, mask_token_id {cfg['mask_token_id']}): "
-                              f"up to {B - 1} drafted tokens per step, one draft forward"))
-        rows.append(("Markov head", f"rank {cfg['markov_rank']} ({cfg.get('markov_head_type', 'vanilla')}), on the "
-                                    "previous token"))
-        rows.append(("confidence head", "yes: vLLM's adaptive verification reads it" if c["enable_confidence_head"]
-                     else "none"))
-        rows.append(("aux layers", f"inputs of target decoder layers {cfg['aux_layers']} (= HF hidden_states "
-                                   f"indices); written as {key} {ids}"))
+    rows += load(family(layout.method).card_facts)(layout, cfg)  # the family's own rows
     s = card.train_summary
     if s:
         rows.append(("training", f"{s.get('steps')} steps, {s.get('train_tokens')} tokens, held-out τ estimate "
                                  f"{_fmt(s.get('tau_estimate'))}"))
     return rows
+
+
+# ------------------------------------------------------------------ each family's facts (``Family.card_facts``)
+
+
+def medusa_facts(layout: Layout, cfg: dict) -> list[tuple[str, str]]:
+    return [("heads", f"{cfg['num_heads']} heads x {cfg['num_hidden_layers']} residual block(s)"),
+            ("draft vocabulary", f"full target vocabulary ({cfg['vocab_size']})")]
+
+
+def eagle1_facts(layout: Layout, cfg: dict) -> list[tuple[str, str]]:
+    return [("draft layers", str(cfg["num_hidden_layers"])),
+            ("draft vocabulary", f"full target vocabulary ({cfg['vocab_size']}, target LM head)"),
+            ("input feature", "the target's post-norm last hidden state")]
+
+
+def eagle3_facts(layout: Layout, cfg: dict) -> list[tuple[str, str]]:
+    ids = (layout.config.get("eagle_config") or layout.config)["eagle_aux_hidden_state_layer_ids"]
+    return [("draft layers", str(cfg["num_hidden_layers"])),
+            ("draft vocabulary", f"{cfg['draft_vocab_size']} of {cfg['vocab_size']} target tokens (d2t/t2d)"),
+            ("aux layers", f"inputs of target decoder layers {cfg['aux_layers']} (= HF hidden_states "
+                           f"indices); written as {layout.engine} ids {ids}")]
+
+
+def peagle_facts(layout: Layout, cfg: dict) -> list[tuple[str, str]]:
+    return eagle3_facts(layout, cfg) + [("parallel drafting", f"{cfg['num_depths']} tokens per draft forward "
+                                                              f"(mask_token_id {cfg['mask_token_id']}, learnt "
+                                                              "mask_hidden)")]
+
+
+def _block_facts(cfg: dict) -> list[tuple[str, str]]:
+    """DFlash's and DSpark's: the draft layers and vocabulary, the block."""
+    B = cfg["block_size"]
+    return [("draft layers", str(cfg["num_hidden_layers"])),
+            ("draft vocabulary", f"full target vocabulary ({cfg['vocab_size']}, target LM head)"),
+            ("block", f"{B} slots (the anchor, then {B - 1} mask tokens, mask_token_id {cfg['mask_token_id']}): "
+                      f"up to {B - 1} drafted tokens per step, one draft forward")]
+
+
+def _aux_fact(layout: Layout, cfg: dict, ids_key: str) -> tuple[str, str]:
+    """The aux layers and where the layout writes them (``ids_key``; speculators' folder:
+    ``aux_hidden_state_layer_ids``)."""
+    c = layout.config
+    key, ids = (("aux_hidden_state_layer_ids", c["aux_hidden_state_layer_ids"]) if layout.engine == "speculators"
+                else (ids_key, c["dflash_config"]["target_layer_ids"] if ids_key.startswith("dflash_config")
+                      else c[ids_key]))
+    return ("aux layers", f"inputs of target decoder layers {cfg['aux_layers']} (= HF hidden_states "
+                          f"indices); written as {key} {ids}")
+
+
+def dflash_facts(layout: Layout, cfg: dict) -> list[tuple[str, str]]:
+    key = "dflash_config.target_layer_ids"
+    return _block_facts(cfg) + [_aux_fact(layout, cfg, key)]
+
+
+def dspark_facts(layout: Layout, cfg: dict) -> list[tuple[str, str]]:
+    heads = [("Markov head", f"rank {cfg['markov_rank']} ({cfg.get('markov_head_type', 'vanilla')}), on the "
+                             "previous token"),
+             ("confidence head", "yes: vLLM's adaptive verification reads it"
+              if layout.config["enable_confidence_head"] else "none")]
+    key = "target_layer_ids"
+    return _block_facts(cfg) + heads + [_aux_fact(layout, cfg, key)]
 
 
 def _fmt(x) -> str:
