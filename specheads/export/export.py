@@ -177,7 +177,7 @@ def write_export(plan: ExportPlan) -> None:
                 layout.config["base_model_name_or_path"] = str(final / plan.adapted.name)
             tensors = build_tensors(layout, plan.source, plan.dtype, plan.target_source)
             write_engine_folder(sub, layout, tensors, plan.dtype, provenance)
-            if plan.method == "medusa":
+            if family(plan.method).calibrated_tree:  # its tree calibrated at training travels with it
                 _copy_medusa_tree(plan.head, sub)
             if plan.adapted is not None:
                 # Copied, not hard-linked: save_pretrained rewrites files in place, which would change a link.
