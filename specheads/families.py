@@ -51,7 +51,8 @@ class Family:
     head_tensors, build_layout: ``export/layouts.py``'s functions of it: every tensor its head folder holds
     (``(cfg) -> {name: TensorSpec}``), and its folder for an engine of ``layouts``
     (``(cfg, engine, target, src, spec_tokens) -> Layout``). card_facts: the model card's rows about its head
-    (``export/card.py``, ``(layout, cfg) -> [(fact, value)]``).
+    (``export/card.py``, ``(layout, cfg) -> [(fact, value)]``). foreign_config: the reader of another toolkit's
+    config.json of it into our head config (``export/foreign.py``, ``(folder, fmt, cfg, target) -> dict``).
     """
 
     name: str
@@ -77,6 +78,7 @@ class Family:
     head_tensors: str = ""
     build_layout: str = ""
     card_facts: str = ""
+    foreign_config: str = ""
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -111,13 +113,13 @@ def load(ref: str):
 
 
 _DRAFTERS, _ROWS = "specheads.decoding.", "specheads.evaluation.plan:"
-_LAYOUTS, _CARD = "specheads.export.layouts:", "specheads.export.card:"
+_LAYOUTS, _CARD, _FOREIGN = "specheads.export.layouts:", "specheads.export.card:", "specheads.export.foreign:"
 FAMILIES: tuple[Family, ...] = (
     Family("medusa", "Medusa", "medusa", "specheads.models.medusa:MedusaHeads", "specheads.models.medusa:MedusaConfig",
            {"medusa1": "specheads.methods.medusa:Medusa1Method", "medusa2": "specheads.methods.medusa:Medusa2Method"},
            "last", layouts={"vllm": "MedusaModel", "medusa": "MedusaModel"}, vllm_method="medusa",
            head_tensors=_LAYOUTS + "medusa_tensors", build_layout=_LAYOUTS + "medusa_layout",
-           card_facts=_CARD + "medusa_facts",
+           card_facts=_CARD + "medusa_facts", foreign_config=_FOREIGN + "medusa_config",
            sglang_note="# SGLang: no Medusa support (no Medusa loader in SGLang 0.5.23): serve with vLLM up to 0.32 "
                        "(the line above) or TGI",
            drafter=_DRAFTERS + "head_drafters:medusa_drafter", rows=_ROWS + "medusa_rows", vllm_profile=True,
@@ -126,7 +128,7 @@ FAMILIES: tuple[Family, ...] = (
            "specheads.models.eagle1:Eagle1Config", {"eagle1": "specheads.methods.eagle1:Eagle1Method"}, "last",
            layouts={"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}, vllm_method="eagle",
            head_tensors=_LAYOUTS + "eagle1_tensors", build_layout=_LAYOUTS + "eagle1_layout",
-           card_facts=_CARD + "eagle1_facts",
+           card_facts=_CARD + "eagle1_facts", foreign_config=_FOREIGN + "eagle1_config",
            sglang_algorithm="EAGLE", drafter=_DRAFTERS + "head_drafters:eagle_drafter", rows=_ROWS + "eagle_rows",
            vllm_profile=True, choose_shape=True),
     Family("eagle3", "EAGLE-3", "specheads_eagle3", "specheads.models.eagle3:Eagle3Model",
@@ -134,7 +136,7 @@ FAMILIES: tuple[Family, ...] = (
            layouts={"vllm": "LlamaForCausalLMEagle3", "sglang": "LlamaForCausalLMEagle3",
                     "speculators": "Eagle3DraftModel"},
            head_tensors=_LAYOUTS + "eagle3_tensors", build_layout=_LAYOUTS + "eagle3_layout",
-           card_facts=_CARD + "eagle3_facts",
+           card_facts=_CARD + "eagle3_facts", foreign_config=_FOREIGN + "eagle3_config",
            draft_vocab=True, vllm_method="eagle3", sglang_algorithm="EAGLE3", speculators_type="eagle3",
            drafter=_DRAFTERS + "head_drafters:eagle_drafter", rows=_ROWS + "eagle_rows", vllm_profile=True,
            choose_shape=True),
@@ -144,7 +146,7 @@ FAMILIES: tuple[Family, ...] = (
            # SGLang srt/models/dflash.py EntryClass); speculators' format, which vLLM converts (algos.update_dflash)
            layouts={"vllm": "DFlashDraftModel", "sglang": "DFlashDraftModel", "speculators": "DFlashSpeculator"},
            head_tensors=_LAYOUTS + "dflash_tensors", build_layout=_LAYOUTS + "dflash_layout",
-           card_facts=_CARD + "dflash_facts",
+           card_facts=_CARD + "dflash_facts", foreign_config=_FOREIGN + "dflash_config",
            vllm_method="dflash", sglang_algorithm="DFLASH", speculators_type="dflash",
            drafter=_DRAFTERS + "head_drafters:dflash_drafter", rows=_ROWS + "dflash_rows", drafts="block"),
     Family("peagle", "P-EAGLE", "specheads_peagle", "specheads.models.peagle:PEagleModel",
@@ -152,7 +154,7 @@ FAMILIES: tuple[Family, ...] = (
            # EAGLE-3's loader, served with parallel_drafting: true; speculators' peagle format (algos.update_peagle)
            layouts={"vllm": "LlamaForCausalLMEagle3", "speculators": "PEagleSpeculator"}, draft_vocab=True,
            head_tensors=_LAYOUTS + "peagle_tensors", build_layout=_LAYOUTS + "peagle_layout",
-           card_facts=_CARD + "peagle_facts",
+           card_facts=_CARD + "peagle_facts", foreign_config=_FOREIGN + "peagle_config",
            vllm_method="eagle3", vllm_extra={"parallel_drafting": True}, speculators_type="peagle",
            drafter=_DRAFTERS + "peagle_drafter:peagle_drafter", rows=_ROWS + "peagle_rows", drafts="depths",
            sglang_note="# SGLang: no parallel-drafting EAGLE (P-EAGLE) in SGLang 0.5.23: serve with vLLM (the line "
@@ -165,7 +167,7 @@ FAMILIES: tuple[Family, ...] = (
            # vLLM registry -> qwen3_dspark.Qwen3DSparkForCausalLM; kept by vLLM's algos.update_dspark
            layouts={"vllm": "Qwen3DSparkModel", "speculators": "Qwen3DSparkModel"},
            head_tensors=_LAYOUTS + "dspark_tensors", build_layout=_LAYOUTS + "dspark_layout",
-           card_facts=_CARD + "dspark_facts",
+           card_facts=_CARD + "dspark_facts", foreign_config=_FOREIGN + "dspark_config",
            # the confidence head sizes each request's verified drafts (vLLM's V2 runner)
            vllm_method="dspark", vllm_extra={"enable_adaptive_verification": True}, speculators_type="dspark",
            drafter=_DRAFTERS + "dspark_drafter:dspark_drafter", rows=_ROWS + "dspark_rows", drafts="block",

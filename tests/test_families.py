@@ -43,7 +43,8 @@ def test_classes_import_and_agree(f):
     for ref in (*f.methods.values(), f.drafter, f.rows):
         assert callable(families.load(ref))
     if f.exported:  # a layout of ours: what its head folder holds and each engine's folder
-        assert all(callable(families.load(ref)) for ref in (f.head_tensors, f.build_layout, f.card_facts))
+        assert all(callable(families.load(ref)) for ref in (f.head_tensors, f.build_layout, f.card_facts,
+                                                            f.foreign_config))
 
 
 def test_every_stage_covers_every_family():

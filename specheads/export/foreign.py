@@ -88,7 +88,7 @@ from specheads.errors import UserError
 from specheads.export.checks import ExportError, check_draft_vocab, check_tensors
 from specheads.export.layouts import Layout, LayoutError, TargetInfo, TensorSpec, build_layout, method_of
 from specheads.export.reload import build_head, head_state
-from specheads.families import FAMILIES, family
+from specheads.families import FAMILIES, family, load
 
 FORMATS = {
     "speculators": "vLLM speculators' format (config.json with speculators_model_type eagle3, dflash, peagle or "
@@ -268,11 +268,11 @@ def _norm_flags(cfg: dict) -> dict[str, bool]:
     return flags
 
 
-def _eagle3_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo, family: str = "EAGLE-3") -> dict:
+def eagle3_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo, title: str = "EAGLE-3") -> dict:
     flags = _norm_flags(cfg)
     for flag, what in _EAGLE3_FLAGS.items():
-        if flags[flag] and family != "EAGLE-3":  # the P-EAGLE head (vLLM's update_peagle forwards no norm_output)
-            raise _fail(folder, fmt, f"{flag}: true ({what}); the specheads {family} head does not compute that")
+        if flags[flag] and title != "EAGLE-3":  # the P-EAGLE head (vLLM's update_peagle forwards no norm_output)
+            raise _fail(folder, fmt, f"{flag}: true ({what}); the specheads {title} head does not compute that")
     raw = (cfg.get("transformer_layer_config") or {}) if fmt == "speculators" else cfg
     layer = _layer_config(folder, fmt, raw, ("llama", "qwen3"), "qwen3" if fmt == "speculators" else "llama")
     aux = _aux_layers(fmt, cfg)
@@ -286,7 +286,7 @@ def _eagle3_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo, family
                     folder, fmt, target, "eagle_aux_hidden_state_layer_ids"),
                 "fc_norm": bool(cfg.get("fc_norm")), "target": verifier or target.name,
                 "qk_norm": (raw.get("model_type") or ("qwen3" if fmt == "speculators" else "llama")) == "qwen3",
-                **_window(folder, fmt, layer), **({} if family != "EAGLE-3" else flags)}
+                **_window(folder, fmt, layer), **({} if title != "EAGLE-3" else flags)}
     if head_cfg["draft_vocab_size"] > head_cfg["vocab_size"]:
         raise _fail(folder, fmt, f"draft_vocab_size {head_cfg['draft_vocab_size']} exceeds the vocabulary "
                                  f"{head_cfg['vocab_size']}")
@@ -307,7 +307,7 @@ def _modelopt_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> d
     rope = cfg.get("rope_scaling") or {}
     if (rope.get("rope_type") or rope.get("type") or "default") != "default" and "rope_theta" not in rope:
         cfg = {k: v for k, v in cfg.items() if k != "rope_scaling"}
-    return {**_eagle3_config(folder, fmt, cfg, target), "hidden_after_input_norm": True}
+    return {**eagle3_config(folder, fmt, cfg, target), "hidden_after_input_norm": True}
 
 
 def _window(folder: Path, fmt: str, layer) -> dict:
@@ -387,7 +387,7 @@ def _dflash_refusals(folder: Path, fmt: str, cfg: dict, layer) -> None:
                                  "the masked slots with the target's row mask_token_id")
 
 
-def _dflash_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
+def dflash_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
     spec = fmt == "speculators"
     layer = _layer_config(folder, fmt, (cfg.get("transformer_layer_config") or {}) if spec else cfg,
                           ("qwen3", "llama") if not spec else ("qwen3",), "qwen3")
@@ -412,16 +412,16 @@ def foreign_depths(cfg: dict) -> int:
     return int(methods[0].get("speculative_tokens") or PEAGLE_DEPTHS)
 
 
-def _peagle_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
+def peagle_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
     """EAGLE-3's config (the same fields, defaults and refusals) plus the mask token and the depths drafted."""
-    head_cfg = _eagle3_config(folder, fmt, cfg, target, "P-EAGLE")
+    head_cfg = eagle3_config(folder, fmt, cfg, target, "P-EAGLE")
     if cfg.get("mask_token_id") is None:
         raise _fail(folder, fmt, "names no mask_token_id (vLLM needs it as its parallel-drafting token)")
     return {**head_cfg, "model_type": "specheads_peagle", "mask_token_id": int(cfg["mask_token_id"]),
             "num_depths": foreign_depths(cfg)}
 
 
-def _dspark_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
+def dspark_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
     """DFlash's config (the same fields, defaults and refusals) plus the Markov and confidence heads."""
     value = {k: cfg.get(k, default) for k, default in _DSPARK_DEFAULTS.items()}
     if value["sample_from_anchor"]:
@@ -434,13 +434,13 @@ def _dspark_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dic
     if int(value["markov_rank"]) <= 0:
         raise _fail(folder, fmt, f"markov_rank {value['markov_rank']} (no Markov head); the specheads DSpark head "
                                  "has one")
-    head_cfg = _dflash_config(folder, fmt, cfg, target)
+    head_cfg = dflash_config(folder, fmt, cfg, target)
     return {**head_cfg, "model_type": "specheads_dspark", "markov_rank": int(value["markov_rank"]),
             "markov_head_type": "vanilla", "enable_confidence_head": bool(value["enable_confidence_head"]),
             "confidence_head_with_markov": bool(value["confidence_head_with_markov"])}
 
 
-def _medusa_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
+def medusa_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
     """The sizes the format leaves to the target (FasterDecoding writes none) come from it; written ones are checked."""
     return {"model_type": "medusa", "hidden_size": int(cfg.get("hidden_size") or target.hidden_size),
             "vocab_size": int(cfg.get("vocab_size") or target.vocab_size),
@@ -448,13 +448,11 @@ def _medusa_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dic
             "medusa_fc_bias": True, "target_name": cfg.get("base_model_name_or_path") or target.name}
 
 
-def _eagle1_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
+def eagle1_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
     layer = _layer_config(folder, fmt, cfg, ("llama",), "llama")
     return {"model_type": "specheads_eagle1", **_draft_fields(layer), "target": target.name}
 
 
-_CONFIGS = {"eagle3": _eagle3_config, "dflash": _dflash_config, "medusa": _medusa_config, "eagle1": _eagle1_config,
-            "peagle": _peagle_config, "dspark": _dspark_config}
 
 
 def _engine(fmt: str, cfg: dict) -> str:
@@ -470,7 +468,8 @@ def foreign_head_config(folder: str | Path, target: TargetInfo) -> tuple[str, di
     folder = Path(folder)
     fmt, method = check_format(folder)
     cfg = _config(folder)
-    head_cfg = (_modelopt_config if fmt == "modelopt" else _CONFIGS[method])(folder, fmt, cfg, target)
+    read = _modelopt_config if fmt == "modelopt" else load(family(method).foreign_config)  # the family's reader
+    head_cfg = read(folder, fmt, cfg, target)
     try:  # the tensors' layout: ModelOpt's norm order changes no tensor (and is refused by export layouts)
         layout = build_layout(method, _engine(fmt, cfg),
                               {k: v for k, v in head_cfg.items() if k != "hidden_after_input_norm"}, target)
