@@ -24,14 +24,18 @@ from specheads.decoding.runner import TargetRunner
 from specheads.targets import Target, eos_token_ids
 
 
-def held_out_prompts(batches: Iterable, n: int, max_prompt_tokens: int = 384) -> list[list[int]]:
+def held_out_prompts(batches: Iterable, n: int, max_prompt_tokens: int = 384,
+                     image_token: int | None = None) -> list[list[int]]:
     """Up to ``n`` prompts: each held-out row up to its first assistant (loss-masked) token, the
-    assistant header included, cut to its last ``max_prompt_tokens`` tokens."""
+    assistant header included, cut to its last ``max_prompt_tokens`` tokens. A row whose prompt holds
+    ``image_token`` (a vision-language target's) is left out: the measured decode feeds token ids, no pixels."""
     out: list[list[int]] = []
     for batch in batches:
         batch = batch() if callable(batch) else batch
         for ids, mask, att in zip(batch["input_ids"], batch["loss_mask"], batch["attention_mask"]):
             first = ((mask > 0) & (att > 0)).nonzero()
+            if len(first) and image_token is not None and bool((ids[: int(first[0])] == image_token).any()):
+                continue
             if len(first) and int(first[0]) >= 2:
                 out.append(ids[: int(first[0])].tolist()[-max_prompt_tokens:])
             if len(out) >= n:

@@ -109,7 +109,8 @@ def _measured(method, model, target, source, accelerator, measure: dict, metrics
     n = measure.get("prompts", 0)
     if not n or not hasattr(method, "drafter") or not accelerator.is_main_process:
         return {}
-    prompts = held_out_prompts(source.batches(0), n)
+    image_token = target.config.image_token_id if target.vision_language else None
+    prompts = held_out_prompts(source.batches(0), n, image_token=image_token)
     with target.layers_loaded():
         out = measure_acceptance(method, model, target, prompts, measure["k"], measure["tokens"],
                                  measure.get("fans", ()))

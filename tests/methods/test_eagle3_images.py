@@ -211,3 +211,40 @@ def test_other_methods_refuse_image_rows_in_one_line(image_store):
         with pytest.raises(StoreMismatchError, match="holds 2 image rows .* train EAGLE-3 \\(method=eagle3\\)") as e:
             FeatureDataset(store, spec=spec, target=target)
         assert "\n" not in str(e.value)
+
+
+def test_the_train_and_export_recipes_take_an_image_store(image_store, tmp_path):
+    """The train recipe trains EAGLE-3 from the image store; the vLLM layout's config carries the target's M-RoPE
+    settings, which make vLLM's draft (Eagle3LlamaForCausalLM, the class its Eagle3Qwen2_5vl/Eagle3Qwen3vl
+    architectures and LlamaForCausalLMEagle3 all load) rotate by the target's 3-D positions; speculators' too."""
+    from tests.test_hydra_configs import load_recipe
+    from tests.test_long_rows import compose
+
+    target, prepared, store = image_store
+    t = ["target=hf", f"target.name_or_path={target.name}", "target.dtype=float32", "target.device=cpu"]
+    summary = load_recipe("train.py").run(compose("train", [
+        *t, "method=eagle3", f"features_dir={store}", f"prepared_dir={prepared}", f"output_dir={tmp_path / 'train'}",
+        f"method.draft_vocab_size={target.vocab_size}", "train.max_steps=2", "data.eval_samples=0",
+        "train.measure_prompts=0", "train.progress=false", "wandb.mode=disabled"]))
+    assert summary["steps"] == 2 and 0 < summary["final_loss"] < float("inf")
+    load_recipe("export.py").run(compose("export", [*t, f"head_dir={tmp_path / 'train' / 'head'}",
+                                                    f"output_dir={tmp_path / 'export'}"]))
+    rope = target.config.get_text_config().rope_parameters
+    vllm = json.loads((tmp_path / "export" / "vllm" / "config.json").read_text())
+    speculators = json.loads((tmp_path / "export" / "speculators" / "config.json").read_text())
+    assert vllm["architectures"] == ["LlamaForCausalLMEagle3"]
+    for config in (vllm, speculators["transformer_layer_config"]):
+        assert config["rope_parameters"]["mrope_section"] == rope["mrope_section"] == [2, 1, 1]
+        assert config["rope_parameters"]["mrope_interleaved"] is True
+
+
+def test_the_measured_decode_during_training_leaves_image_prompts_out(image_store):
+    """Training's measured decode runs the target's language model on token ids (no pixels): image prompts are left
+    out, the text chat's is kept."""
+    from specheads.training.acceptance import held_out_prompts
+
+    target, _, store = image_store
+    batch = _batch(store, target)
+    assert len(held_out_prompts([batch], 5)) == 3
+    (kept,) = held_out_prompts([batch], 5, image_token=target.config.image_token_id)
+    assert target.config.image_token_id not in kept and target.config.vision_start_token_id not in kept
