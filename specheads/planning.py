@@ -19,6 +19,7 @@ training's loss computes it again on the columns it needs (a draft vocabulary, o
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from collections import Counter
@@ -393,6 +394,8 @@ def make_plan(*, target_name: str, config, method_name: str, method_settings: di
     head_step = (6.0 * trainable + head_attention) * tokens * unroll * epochs
     offline_cols, online_cols, width = label_columns(method_name, method, size)
     labels_s = 2.0 * size.hidden_size * tokens * epochs / head_rate  # per LM-head column the loss computes
+    # a row longer than collect.batch_tokens is a batch of its own (specheads.data.features): the batch is the row
+    batch_tokens = max(batch_tokens, math.ceil(tokens_per_sample))
     chunk_rows, logits_bytes = collect_logits_bytes(size, batch_tokens, torch_dtype)
     lm_head = LMHeadCost(params=size.lm_head_params, flops_share=size.lm_head_params / max(size.active_params, 1),
                          probe_flops=head_rate / processes, time_share=lm_head_s / (decoder_s + lm_head_s),

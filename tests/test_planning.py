@@ -150,7 +150,7 @@ def test_the_lm_head_is_costed_apart_from_the_decoder(fixed_rates):
 
 
 def test_collection_holds_one_chunk_of_logits_not_a_batch(fixed_rates):
-    small, big = gemma_plan(batch_tokens=512), gemma_plan(batch_tokens=8192)
+    small, big = gemma_plan(batch_tokens=512, tokens_per_sample=500), gemma_plan(batch_tokens=8192)
     assert small.lm_head.collect_bytes == 512 * 262144 * 4
     assert big.lm_head.chunk_rows == 1024 and big.lm_head.collect_bytes == 1024 * 262144 * 4  # 1 GiB, not 8
     assert big.memory["one device"] < 268098176 * 4 / 2**30 + 1.5
@@ -235,6 +235,9 @@ def test_a_token_of_a_long_row_costs_more_than_one_of_a_short_row(fixed_rates):
     assert mean_keys(16384, 512) == pytest.approx((512 * 513 / 2 + (16384 - 512) * 512) / 16384)
     g_short, g_long = (gemma_plan(tokens_per_sample=T) for T in (2048, 16384))
     assert g_short.attention.target_flops < g_long.attention.target_flops < 8 * g_short.attention.target_flops
+    # collection's activations: a row longer than collect.batch_tokens (1024 here) is a batch of its own
+    assert long.memory["one device"] > short.memory["one device"]
+    assert plan_for("qwen3_8b", tokens_per_sample=512).memory == plan_for("qwen3_8b", tokens_per_sample=1024).memory
 
 
 def test_the_reasoning_preset_is_priced_at_its_long_rows(tmp_path, fixed_rates, capsys):
