@@ -68,7 +68,7 @@ class DFlashConfig(LlamaConfig):
         mask = default_mask_token(target) if mask_token_id is None else int(mask_token_id)
         return cls(num_hidden_layers=num_layers, block_size=block_size, aux_layers=aux, mask_token_id=mask,
                    target_hidden_size=target.hidden_size, num_target_layers=target.num_layers, target=target.name,
-                   tie_word_embeddings=False, **draft_fields_from_target(target.config))
+                   tie_word_embeddings=False, **draft_fields_from_target(target.config, mrope=False))
 
 
 def default_mask_token(target: Target) -> int:

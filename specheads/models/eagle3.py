@@ -87,8 +87,9 @@ class Eagle3Config(LlamaConfig):
     def from_target(cls, target: Target, draft_vocab_size: int, aux_layers=None, fc_norm: bool = False,
                     norm_before_fc: bool = False, norm_before_residual: bool = False,
                     norm_output: bool = False, sliding_window: int | None = None, qk_norm: bool = False,
-                    num_layers: int = 1) -> "Eagle3Config":
-        """sliding_window: W for every draft layer (None: full attention); num_layers: P-EAGLE's layer count."""
+                    num_layers: int = 1, mrope: bool = True) -> "Eagle3Config":
+        """sliding_window: W for every draft layer (None: full attention); num_layers: P-EAGLE's layer count;
+        mrope: keep a vision-language target's M-RoPE settings (``draft_fields_from_target``; P-EAGLE drops them)."""
         aux = list(aux_layers) if aux_layers is not None else list(default_eagle3_layers(target.num_layers))
         window = {} if sliding_window is None else {"sliding_window": int(sliding_window),
                                                     "layer_types": ["sliding_attention"] * int(num_layers)}
@@ -98,7 +99,7 @@ class Eagle3Config(LlamaConfig):
                    target_hidden_size=target.hidden_size, aux_layers=aux, target=target.name, fc_norm=fc_norm,
                    norm_before_fc=norm_before_fc, norm_before_residual=norm_before_residual, norm_output=norm_output,
                    qk_norm=bool(qk_norm), tie_word_embeddings=False, **window,
-                   **draft_fields_from_target(target.config))
+                   **draft_fields_from_target(target.config, mrope=mrope))
 
 
 class Eagle3Model(PreTrainedModel):

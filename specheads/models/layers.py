@@ -76,9 +76,14 @@ _COPIED_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "nu
                   "eos_token_id", "pad_token_id")
 
 
-def draft_fields_from_target(target_config) -> dict:
+MROPE_KEYS = ("mrope_section", "mrope_interleaved")  # a vision-language target's M-RoPE settings (models.mrope)
+
+
+def draft_fields_from_target(target_config, mrope: bool = True) -> dict:
     """The Llama-layer fields a drafter copies from its target (sizes, norm eps, rope settings); a multimodal
-    target's from its language model's config (``text_config``), M-RoPE settings (``mrope_section``) included."""
+    target's from its language model's config (``text_config``). ``mrope=False`` drops its M-RoPE settings
+    (``MROPE_KEYS``) for a drafter that trains at 1-D positions and that vLLM refuses with M-RoPE (drafts with extra
+    input slots: DFlash, P-EAGLE); vLLM hands a draft without them the temporal positions."""
     if hasattr(target_config, "get_text_config"):
         target_config = target_config.get_text_config()
     fields = {k: getattr(target_config, k) for k in _COPIED_FIELDS if getattr(target_config, k, None) is not None}
@@ -92,7 +97,7 @@ def draft_fields_from_target(target_config) -> dict:
         # RoPE per layer type (Gemma-3: local and global bases): the draft layer attends to the whole context
         # like the target's full-attention layers, and an engine's Llama config takes one set of parameters.
         rope = rope.get("full_attention") or next(iter(rope.values()))
-    fields["rope_parameters"] = dict(rope)
+    fields["rope_parameters"] = {k: v for k, v in rope.items() if mrope or k not in MROPE_KEYS}
     return fields
 
 

@@ -52,7 +52,7 @@ class PEagleConfig(Eagle3Config):
         from specheads.models.dflash import default_mask_token
 
         base = Eagle3Config.from_target(target, draft_vocab_size, aux_layers, fc_norm, sliding_window=sliding_window,
-                                        qk_norm=qk_norm, num_layers=num_layers).to_dict()
+                                        qk_norm=qk_norm, num_layers=num_layers, mrope=False).to_dict()
         for key in ("model_type", "transformers_version", "architectures"):
             base.pop(key, None)
         base.update(num_hidden_layers=int(num_layers), num_depths=int(num_depths),

@@ -123,6 +123,16 @@ def test_the_draft_config_keeps_the_mrope_settings(vl_target, tmp_path):
     again = Eagle3Model.from_pretrained(tmp_path).attach(target)
     assert isinstance(again.rotary_emb, MRotaryEmbedding)
     assert torch.equal(again.rotary_emb.axes, draft.rotary_emb.axes)
+    # drafters trained at 1-D positions (text rows only) keep plain RoPE: vLLM hands them the temporal positions,
+    # and refuses M-RoPE for drafts with extra input slots (P-EAGLE, DFlash)
+    from specheads.models.dflash import DFlashConfig
+    from specheads.models.peagle import PEagleConfig, PEagleModel
+
+    peagle = PEagleConfig.from_target(target, draft_vocab_size=64, num_depths=2)
+    for config in (peagle, DFlashConfig.from_target(target, block_size=4)):
+        assert "mrope_section" not in config.rope_parameters
+        assert config.rope_parameters["rope_theta"] == target.config.get_text_config().rope_parameters["rope_theta"]
+    assert not isinstance(PEagleModel(peagle).rotary_emb, MRotaryEmbedding)
 
 
 def _batch(store, target, ids=None):
