@@ -8,12 +8,10 @@
     specheads evaluate ...            (same overrides)
 """
 
-import json
 import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, Optional
 
 import hydra
@@ -25,7 +23,7 @@ from tqdm import tqdm
 from specheads import families
 from specheads.decoding.drafters import TreeShape
 from specheads.decoding.exact import ExactDecodeCalls
-from specheads.errors import ConfigError, InputNotFoundError, UserError, check_output_folder, user_errors
+from specheads.errors import ConfigError, check_output_folder, user_errors
 from specheads.overrides import check_command_line
 from specheads.progress import evaluation_steps
 from specheads.evaluation.inputs import (check_auto_shape, check_draft_model, check_medusa_choices,
@@ -34,10 +32,9 @@ from specheads.evaluation.prompts import BenchmarkSpec, check_benchmark_files, l
 from specheads.evaluation.report import write_report
 from specheads.evaluation.resume import EvalResume
 from specheads.ranges import check_number
-from specheads.evaluation.suite import (HEAD_MODEL_TYPES, EvalConfig, ServingProfiles, evaluate, head_source,
-                                       plan_methods, verifier_for)
-from specheads.export.foreign import (FORMATS, check_format, foreign_format, formats_looked_for, read_foreign_head,
-                                      weight_files)
+from specheads.evaluation.suite import EvalConfig, ServingProfiles, evaluate, plan_methods
+from specheads.export.foreign import FORMATS, read_foreign_head
+from specheads.heads import HEAD_DIR_HINT, head_kind, head_source, verifier_for
 from specheads.export.target import target_info
 from specheads.targets import load_target
 
@@ -117,37 +114,6 @@ ConfigStore.instance().store(name="evaluate_schema", node=EvaluateSchema)
 # The names `specheads train` gives its methods, as the evaluator's drafter families (Medusa-1 and -2 heads are
 # both drafted as Medusa; a Medusa-2 head brings its adapted target).
 HEAD_ALIASES = families.aliases()
-HEAD_DIR_HINT = "give the output_dir of `specheads train` (holding head/) or its head/ folder"
-
-
-def head_kind(head_dir: str, setting: str = "head_dir") -> str:
-    """The drafter family of a trained head, read from the ``model_type`` its trainer wrote in config.json;
-    the folder must exist and hold the head's config and weights (checked before any target load)."""
-    path = Path(head_dir).expanduser()
-    if not path.is_dir():
-        raise InputNotFoundError(f"{setting}={head_dir}: no such folder; {HEAD_DIR_HINT}")
-    folder = path / "head" if (path / "head" / "config.json").is_file() else path
-    config = folder / "config.json"
-    if not config.is_file():
-        raise InputNotFoundError(f"{setting}={head_dir} holds no head checkpoint (no config.json, nor head/config.json); "
-                                 f"{HEAD_DIR_HINT}")
-    try:
-        model_type = json.loads(config.read_text()).get("model_type")
-    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as e:
-        raise UserError(f"{config} is not a readable head config ({e}); train the head again") from None
-    kinds = {v: k for k, v in HEAD_MODEL_TYPES.items()}
-    foreign = foreign_format(folder)
-    if model_type not in kinds and foreign is None:
-        raise UserError(f"{setting}={head_dir}: {config} names model_type {model_type!r}, which is no head "
-                        f"specheads trains ({', '.join(sorted(kinds))}), nor is it a head trained elsewhere "
-                        f"({formats_looked_for()}); {HEAD_DIR_HINT}")
-    if not weight_files(folder):
-        raise InputNotFoundError(f"{setting}={head_dir}: {folder} holds config.json but no weights (*.safetensors, "
-                                 "pytorch_model*.bin, medusa_lm_head.pt); the head was not saved completely: train it "
-                                 "again (the same command resumes)")
-    if foreign is not None:
-        return check_format(folder)[1]  # a speculators head of another algorithm is refused here
-    return kinds[model_type]
 
 
 def check_foreign_heads(heads: dict[str, str | None], target: str) -> None:
@@ -236,7 +202,7 @@ def check_inputs(cfg: DictConfig, ecfg: EvalConfig, settings: dict[str, str]) ->
     if any(m.ngram_table for m in ecfg.methods):
         check_ngram_table(cfg.head_ngram_table)
     for m in ecfg.methods:
-        if m.drafter == "medusa" and m.shape.choices:
+        if m.shape.kind == "static" and m.shape.choices and m.head_dir:  # Medusa's tree, given
             check_medusa_choices(settings.get(m.head_dir, "head_dir"), m.head_dir, m.shape.choices)
     for path in {m.head_dir for m in ecfg.methods if m.auto_shape}:
         check_auto_shape(settings.get(path, "head_dir"), path, prompts)
@@ -267,7 +233,7 @@ def run(cfg: DictConfig) -> dict:
                            allow_empty=bool(cfg.heads))
     for kind, path in heads.values():
         methods[:0] = plan_methods(kind, path, [], **{**method_settings(cfg), "head_shape": (
-            cfg.head_shape if kind in ("eagle1", "eagle3") else "tree")}, allow_empty=True)
+            cfg.head_shape if families.family(kind).choose_shape else "tree")}, allow_empty=True)
     ecfg = eval_config(cfg, methods)
     target_path = cfg.target.name_or_path
     adapted = verifier_for(head_method, cfg.head_dir)

@@ -3,6 +3,7 @@ head itself loaded.
 
     folder = resolve_head_dir("runs/x")            # a training output folder's head/, or the folder itself
     head_source(folder)                            # "specheads", or the foreign format (export/foreign.FORMATS)
+    head_kind(folder)                              # its family's name, the folder checked (config, weights)
     model = load_head(folder, target)              # the specheads model, unattached
     family(name).build_drafter(model, target, spec)   # the family's drafter over it (decoding/)
     dflash_block_size(folder), dspark_block_size(folder), peagle_depths(folder), mtp_steps(folder)
@@ -18,10 +19,12 @@ import json
 from pathlib import Path
 
 from specheads.errors import InputNotFoundError, UserError
-from specheads.export.foreign import foreign_block_size, foreign_depths, foreign_format, load_foreign_head
+from specheads.export.foreign import (check_format, foreign_block_size, foreign_depths, foreign_format,
+                                      formats_looked_for, load_foreign_head, weight_files)
 from specheads.families import FAMILIES, family, family_of_model_type, find
 
 OURS = "specheads"  # ``head_source`` of a head trained here
+HEAD_DIR_HINT = "give the output_dir of `specheads train` (holding head/) or its head/ folder"
 
 
 def resolve_head_dir(path: str | Path) -> str:
@@ -50,6 +53,37 @@ def head_config(head_dir: str | Path) -> dict:
 def head_model_type(head_dir: str) -> str | None:
     """The ``model_type`` of a head folder's config.json (None when it names none)."""
     return head_config(head_dir).get("model_type")
+
+
+def head_kind(head_dir: str, setting: str = "head_dir") -> str:
+    """The drafter family of a trained head, read from the ``model_type`` its trainer wrote in config.json (another
+    toolkit's folder: from its format, ``export.foreign.check_format``); the folder must exist and hold the head's
+    config and weights (checked before any target load). ``setting`` names the folder's setting in errors."""
+    path = Path(head_dir).expanduser()
+    if not path.is_dir():
+        raise InputNotFoundError(f"{setting}={head_dir}: no such folder; {HEAD_DIR_HINT}")
+    folder = path / "head" if (path / "head" / "config.json").is_file() else path
+    config = folder / "config.json"
+    if not config.is_file():
+        raise InputNotFoundError(f"{setting}={head_dir} holds no head checkpoint (no config.json, nor head/config.json); "
+                                 f"{HEAD_DIR_HINT}")
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as e:
+        raise UserError(f"{config} is not a readable head config ({e}); train the head again") from None
+    kinds = {f.model_type: f.name for f in FAMILIES}
+    foreign = foreign_format(folder)
+    if model_type not in kinds and foreign is None:
+        raise UserError(f"{setting}={head_dir}: {config} names model_type {model_type!r}, which is no head "
+                        f"specheads trains ({', '.join(sorted(kinds))}), nor is it a head trained elsewhere "
+                        f"({formats_looked_for()}); {HEAD_DIR_HINT}")
+    if not weight_files(folder):
+        raise InputNotFoundError(f"{setting}={head_dir}: {folder} holds config.json but no weights (*.safetensors, "
+                                 "pytorch_model*.bin, medusa_lm_head.pt); the head was not saved completely: train it "
+                                 "again (the same command resumes)")
+    if foreign is not None:
+        return check_format(folder)[1]  # a speculators head of another algorithm is refused here
+    return kinds[model_type]
 
 
 def check_head_kind(drafter: str, head_dir: str) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specheads.errors import ConfigError, InputNotFoundError, UserError
+from specheads.heads import head_source
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,6 @@ def check_head_fits(setting: str, head_dir: str, facts: TargetFacts) -> None:
     ``target_hidden_size``, ``vocab_size``, ``num_target_layers`` and each of ``aux_layers``): drafting with it
     would fail on mismatched tensor shapes after the plain pass. Heads trained elsewhere are read against the
     target by ``check_foreign_heads``."""
-    from specheads.heads import head_source
-
     if head_source(head_dir) != "specheads":
         return
     cfg = head_config(head_dir)
