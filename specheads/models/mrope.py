@@ -50,19 +50,18 @@ class MRotaryEmbedding(nn.Module):
             raise ValueError(f"M-RoPE drafts take the default rope type, got {rope.get('rope_type')!r}")
         self.section, self.interleaved = mrope_settings(config)
         self.theta, self.dim = float(rope["rope_theta"]), int(config.head_dim)
-        frequency_axes(self.section, self.interleaved, self.dim // 2, "cpu")  # checked here, before any work
+        self.axes()  # the section checked here, before any work
         # No buffers: from_pretrained builds modules on the meta device and leaves non-persistent buffers unset
 
-    @property
-    def axes(self) -> torch.Tensor:
+    def axes(self, device=None) -> torch.Tensor:
         """(head_dim / 2,) the axis of each frequency (``frequency_axes``)."""
-        return frequency_axes(self.section, self.interleaved, self.dim // 2, "cpu")
+        return frequency_axes(self.section, self.interleaved, self.dim // 2, device or "cpu")
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if position_ids.dim() == 2:  # 1-D positions: every axis the same
             position_ids = position_ids[..., None].expand(*position_ids.shape, 3)
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.dim, 2, dtype=torch.float, device=x.device) / self.dim))
-        pos = position_ids.to(x.device).float().index_select(-1, frequency_axes(self.section, self.interleaved, self.dim // 2, x.device))  # (B, T, half)
+        pos = position_ids.to(x.device).float().index_select(-1, self.axes(x.device))  # (B, T, head_dim / 2)
         freqs = pos * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)

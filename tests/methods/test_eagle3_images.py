@@ -122,7 +122,7 @@ def test_the_draft_config_keeps_the_mrope_settings(vl_target, tmp_path):
     assert saved["mrope_section"] == target.config.get_text_config().rope_parameters["mrope_section"]
     again = Eagle3Model.from_pretrained(tmp_path).attach(target)
     assert isinstance(again.rotary_emb, MRotaryEmbedding)
-    assert torch.equal(again.rotary_emb.axes, draft.rotary_emb.axes)
+    assert torch.equal(again.rotary_emb.axes(), draft.rotary_emb.axes())
     # drafters trained at 1-D positions (text rows only) keep plain RoPE: vLLM hands them the temporal positions,
     # and refuses M-RoPE for drafts with extra input slots (P-EAGLE, DFlash)
     from specheads.models.dflash import DFlashConfig
