@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node N tests/distributed/sp_worker.py OUT_DIR CASE [CASE ...]
 
-CASE is ``name:T:B:steps:dtype:heads:kv_heads:window:offpath:feature`` (``window`` 0 = full attention). For each
+CASE is ``name:T:B:steps:dtype:heads:kv_heads:window:offpath:feature[:mrope]`` (``window`` 0 = full attention;
+``mrope`` 1: the head rotates by M-RoPE and the batch holds 3-D ``positions``, as a vision-language target's). For each
 case every rank builds the same tiny EAGLE-3 head (hidden 32) and the same random batch of B rows of T
 positions (features as a feature store holds them; a padded tail on row 1 when B > 1), wraps the engine's
 ``TrainingModule`` in DDP over gloo as ``accelerate launch`` does, and runs one forward and backward with each row
@@ -25,10 +26,10 @@ VOCAB, HIDDEN, DRAFT_VOCAB = 128, 32, 64
 
 
 def parse(case: str) -> dict:
-    name, T, B, steps, dtype, heads, kv_heads, window, offpath, feature = case.split(":")
+    name, T, B, steps, dtype, heads, kv_heads, window, offpath, feature, *mrope = case.split(":")
     return {"name": name, "T": int(T), "B": int(B), "steps": int(steps), "dtype": getattr(torch, dtype),
             "heads": int(heads), "kv_heads": int(kv_heads), "window": int(window) or None, "offpath": float(offpath),
-            "feature": float(feature)}
+            "feature": float(feature), "mrope": bool(int(mrope[0])) if mrope else False}
 
 
 def build(case: dict):
@@ -46,6 +47,12 @@ def build(case: dict):
     model = method.make_model(target).to(dtype).attach(target)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.2)
+    if case["mrope"]:  # Qwen3-VL's interleaved M-RoPE over the head's 4 frequencies (head_dim 8)
+        from specheads.models.mrope import MRotaryEmbedding
+
+        model.config.rope_parameters = {**model.config.rope_parameters, "mrope_section": [2, 1, 1],
+                                        "mrope_interleaved": True}
+        model.rotary_emb = MRotaryEmbedding(model.config)
     ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))[:DRAFT_VOCAB].sort().values
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[ids] = True
@@ -61,9 +68,12 @@ def batch(case: dict) -> dict:
         attn[1, T - T // 3:] = 0  # a padded tail
     loss_mask = (torch.rand(B, T, generator=g) > 0.2).long() * attn
     loss_mask[:, : T // 10] = 0  # a prompt
-    return {"input_ids": torch.randint(0, VOCAB, (B, T), generator=g) * attn, "attention_mask": attn,
-            "loss_mask": loss_mask, "hidden_aux": torch.randn(B, T, 3 * HIDDEN, generator=g, dtype=dtype),
-            "hidden_last": torch.randn(B, T, HIDDEN, generator=g, dtype=dtype)}
+    out = {"input_ids": torch.randint(0, VOCAB, (B, T), generator=g) * attn, "attention_mask": attn,
+           "loss_mask": loss_mask, "hidden_aux": torch.randn(B, T, 3 * HIDDEN, generator=g, dtype=dtype),
+           "hidden_last": torch.randn(B, T, HIDDEN, generator=g, dtype=dtype)}
+    if case["mrope"]:  # 3-D positions whose axes differ (an image's), zero on padding as a store's collate gives them
+        out["positions"] = torch.randint(0, T, (B, T, 3), generator=g) * attn[..., None]
+    return out
 
 
 def run(module, batch: dict) -> tuple[float, dict, dict, float]:

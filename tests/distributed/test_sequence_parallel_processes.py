@@ -30,6 +30,8 @@ CASES = {
     "window": "window:203:2:3:float64:4:2:16:0.5:0",
     # the feature regression sums in float32 (losses.feature_loss), whatever the head's dtype
     "feature": "feature:150:1:3:float64:4:2:0:1:0.1",
+    # a vision-language target's head: M-RoPE at the batch's 3-D positions, each rank's slice of them
+    "mrope": "mrope:203:2:3:float64:4:2:0:1:0:1",
 }
 
 
@@ -39,7 +41,8 @@ FLOAT64 = {"rtol": 1e-12, "atol": 1e-15}
 TOLERANCE = {"long": (FLOAT32, {"rtol": 0, "atol": 1e-4}, FLOAT32),
              "grouped": (FLOAT64, {"rtol": 0, "atol": 0}, FLOAT64),
              "window": (FLOAT64, {"rtol": 0, "atol": 0}, FLOAT64),
-             "feature": ({"rtol": 1e-7, "atol": 0}, {"rtol": 0, "atol": 0}, FLOAT64)}
+             "feature": ({"rtol": 1e-7, "atol": 0}, {"rtol": 0, "atol": 0}, FLOAT64),
+             "mrope": (FLOAT64, {"rtol": 0, "atol": 0}, FLOAT64)}
 
 
 def free_port() -> int:
