@@ -22,6 +22,15 @@ from specheads.targets import Target
 log = logging.getLogger(__name__)
 
 
+def every_row(batch: dict, target: Target) -> torch.Tensor:
+    """(B, T) the loss mask of ``loss_rows=all``: every real token, except a vision-language target's image tokens
+    (never labels: the engine drafts after an image, never inside one)."""
+    mask = batch["attention_mask"]
+    if getattr(target, "vision_language", False):
+        mask = mask * (batch["input_ids"] != target.config.image_token_id)
+    return mask
+
+
 class Eagle3Method(FusedLayers):
     """EAGLE-3 training: training-time test over ``ttt_steps`` steps, soft CE on the draft vocabulary.
 
@@ -203,7 +212,7 @@ class Eagle3Method(FusedLayers):
 
     def loss(self, model: Eagle3Model, batch: dict, target: Target) -> StepOutput:
         if self.loss_rows == "all":
-            batch = {**batch, "loss_mask": batch["attention_mask"]}
+            batch = {**batch, "loss_mask": every_row(batch, target)}
         shard, own = self.sequence_parallel, None
         if shard is not None:  # this rank's positions and the ttt_steps + 1 after them
             batch, own = shard.local_batch(batch, self.ttt_steps + 1)

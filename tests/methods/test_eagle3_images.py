@@ -258,3 +258,15 @@ def test_the_measured_decode_during_training_leaves_image_prompts_out(image_stor
     assert len(held_out_prompts([batch], 5)) == 3
     (kept,) = held_out_prompts([batch], 5, image_token=target.config.image_token_id)
     assert target.config.image_token_id not in kept and target.config.vision_start_token_id not in kept
+
+
+def test_loss_rows_all_never_labels_an_image_token(image_store):
+    from specheads.methods.eagle3 import every_row
+
+    target, prepared, store = image_store
+    batch = _batch(store, target)
+    mask = every_row(batch, target)
+    image = batch["input_ids"] == target.config.image_token_id
+    assert not bool(mask[image].any()) and bool(mask[~image & (batch["attention_mask"] > 0)].all())
+    method = Eagle3Method(draft_vocab_size=target.vocab_size, vocab_data=str(prepared), ttt_steps=2, loss_rows="all")
+    assert torch.isfinite(method.loss(method.build(target), batch, target).loss)
