@@ -1,8 +1,15 @@
-"""The M-RoPE a vision-language target's EAGLE-3 draft trains with is the one vLLM's draft applies: the draft
-config's ``rope_parameters`` (``mrope_section``, ``mrope_interleaved``) handed to vLLM's own ``get_rope`` rotate
-queries and keys at 3-D positions exactly as ``specheads.models.mrope`` does (Qwen2.5-VL's sections in order,
-Qwen3-VL's interleaved; the tiny test targets' settings and the released 7B/8B models'). Runs wherever the engine
-is installed (one engine python, no model load: a few seconds)."""
+"""What vLLM's EAGLE-3 draft of a vision-language target reads, checked against the installed engine's own code (one
+engine python, no model load: a few seconds; runs wherever the engine is installed):
+
+* its M-RoPE is the one the draft trains with: the draft config's ``rope_parameters`` (``mrope_section``,
+  ``mrope_interleaved``) handed to vLLM's ``get_rope`` rotate queries and keys at 3-D positions exactly as
+  ``specheads.models.mrope`` does (Qwen2.5-VL's sections in order, Qwen3-VL's interleaved; the tiny test targets'
+  settings and the released 7B/8B models');
+* the class it loads the draft as (``LlamaForCausalLMEagle3``, the export's, and ``Eagle3Qwen2_5vlForCausalLM`` /
+  ``Eagle3Qwen3vlForCausalLM`` alike) takes no multimodal embeddings, so its proposer hands it token ids and the
+  draft embeds the image token at image slots, as training feeds it (docs/train.md). An engine whose draft starts
+  taking the vision features there fails this test: training must then feed those.
+"""
 
 from __future__ import annotations
 
@@ -32,7 +39,12 @@ for case in json.loads(sys.stdin.read()):
         rope = get_rope(case["head_dim"], 4096, True, case["rope_parameters"], torch.float32)
     q, k = rope.forward_native(torch.tensor(case["positions"]), torch.tensor(case["q"]), torch.tensor(case["k"]))
     out.append({"class": type(rope).__name__, "q": q.tolist(), "k": k.tolist()})
-print(json.dumps(out))
+from vllm.model_executor.models import ModelRegistry, supports_multimodal_embeddings
+archs = ["LlamaForCausalLMEagle3", "Eagle3Qwen2_5vlForCausalLM", "Eagle3Qwen3vlForCausalLM"]
+classes = {a: ModelRegistry._try_load_model_cls(a) for a in archs}
+draft = {"classes": sorted({c.__name__ for c in classes.values()}),
+         "takes_vision_features": any(supports_multimodal_embeddings(c) for c in classes.values())}
+print(json.dumps({"rope": out, "draft": draft}))
 """
 
 
@@ -46,7 +58,7 @@ def _ours(config: Eagle3Config, positions: torch.Tensor, q: torch.Tensor, k: tor
     return q.transpose(1, 2).reshape(N, -1), k.transpose(1, 2).reshape(N, -1)
 
 
-def test_the_drafts_mrope_is_vllms():
+def test_the_draft_reads_what_vllm_hands_it():
     engine = _engine()
     g = torch.Generator().manual_seed(0)
     cases, ours = [], []
@@ -64,8 +76,9 @@ def test_the_drafts_mrope_is_vllms():
     proc = subprocess.run([engine.python, "-c", ENGINE_SIDE], input=json.dumps(cases), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
-    for (q, k), got, case in zip(ours, theirs, CASES):
+    reply = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert reply["draft"] == {"classes": ["Eagle3LlamaForCausalLM"], "takes_vision_features": False}
+    for (q, k), got, case in zip(ours, reply["rope"], CASES):
         assert got["class"] == "MRotaryEmbedding", case
         torch.testing.assert_close(q, torch.tensor(got["q"]), rtol=1e-5, atol=1e-5, msg=str(case))
         torch.testing.assert_close(k, torch.tensor(got["k"]), rtol=1e-5, atol=1e-5, msg=str(case))
