@@ -114,6 +114,7 @@ def load(ref: str):
 
 _DRAFTERS, _ROWS = "specheads.decoding.", "specheads.evaluation.plan:"
 _LAYOUTS, _CARD, _FOREIGN = "specheads.export.layouts:", "specheads.export.card:", "specheads.export.foreign:"
+_DOMINO = "specheads.export.domino:"  # Domino's export functions, in its own file
 FAMILIES: tuple[Family, ...] = (
     Family("medusa", "Medusa", "medusa", "specheads.models.medusa:MedusaHeads", "specheads.models.medusa:MedusaConfig",
            {"medusa1": "specheads.methods.medusa:Medusa1Method", "medusa2": "specheads.methods.medusa:Medusa2Method"},
@@ -173,6 +174,14 @@ FAMILIES: tuple[Family, ...] = (
            drafter=_DRAFTERS + "dspark_drafter:dspark_drafter", rows=_ROWS + "dspark_rows", drafts="block",
            sglang_note="# SGLang: its DSpark loader was not checked against this layout: serve with vLLM's GPU build "
                        "(above)"),
+    Family("domino", "Domino", "specheads_domino", "specheads.models.domino:DominoModel",
+           "specheads.models.domino:DominoConfig", {"domino": "specheads.methods.domino:DominoMethod"}, "aux",
+           # z-lab's DFlash format with dflash_config.projector_type domino (ModelOpt's export), which SGLang's DFLASH
+           # algorithm reads; vLLM has no Domino drafter
+           layouts={"sglang": "DFlashDraftModel"}, head_tensors=_DOMINO + "domino_tensors",
+           build_layout=_DOMINO + "domino_layout", card_facts=_DOMINO + "domino_facts",
+           foreign_config=_DOMINO + "domino_config", sglang_algorithm="DFLASH",
+           drafter=_DRAFTERS + "domino_drafter:domino_drafter", rows=_ROWS + "domino_rows", drafts="block"),
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
 _BY_ALIAS = {alias: f for f in FAMILIES for alias in f.aliases}

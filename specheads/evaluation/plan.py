@@ -166,6 +166,12 @@ def dspark_rows(p: HeadPlan) -> list[MethodSpec]:
                        confidence_threshold=p.dspark_threshold)]
 
 
+def domino_rows(p: HeadPlan) -> list[MethodSpec]:
+    """The block as a chain of B-1, corrected left to right."""
+    chain = TreeShape("chain", k=dflash_block_size(p.head_dir, "domino") - 1)
+    return [MethodSpec(f"domino-chain{chain.k}", "domino", chain, p.verify, head_dir=p.head_dir)]
+
+
 # ------------------------------------------------------------------ the baselines
 
 
