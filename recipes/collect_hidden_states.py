@@ -28,7 +28,8 @@ from specheads.targets.chat_templates import resolve as resolve_chat_template
 from specheads.targets.loading import check_parallel
 from specheads.targets.parallel import leave_unless_first_rank
 from specheads.methods import build_method
-from specheads.methods.base import FeatureSpec, FusedLayers
+from specheads.methods.base import FusedLayers
+from specheads.data.store import FeatureSpec
 try:  # the method/ group's schemas (conf/method/medusa*.yaml extend them)
     from specheads.recipes.train import register_configs
 except ModuleNotFoundError as e:  # an install older than the packaged recipes: recipes/ is sys.path[0]

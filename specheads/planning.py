@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from specheads.data.store import bytes_per_token, canonical_dtype, fits_on_disk
 from specheads.errors import ConfigError
 from specheads.ranges import check_number
-from specheads.methods.losses import TARGET_CHUNK
+from specheads.targets import TARGET_CHUNK
 
 GiB = 2**30
 LAYOUT_SIZES = (1, 2, 4, 8)

@@ -31,7 +31,7 @@ import torch
 
 from specheads.errors import UserError
 from specheads.hardware import DTYPES, Choice
-from specheads.targets import Target, TargetFeatures
+from specheads.targets import Target, TargetFeatures, target_argmax
 
 log = logging.getLogger(__name__)
 
@@ -247,8 +247,6 @@ class CapturedTarget(Target):
             computed = self._fallback.forward_features(input_ids[missing, :width], mask[missing, :width],
                                                        aux_layers=aux_layers, need_last=need_last)
             if need_last and computed.argmax is None:
-                from specheads.methods.losses import target_argmax
-
                 computed.argmax = target_argmax(self._fallback.logits, computed.last)
         for b, f in enumerate(found):
             n = lengths[b]

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
+from specheads.data.engine_features import engine_dtype
+from specheads.engine_process import EngineProcess, engine_settings, find_engine, worker_cores
 from specheads.errors import ConfigError
-from specheads.targets import Target
+from specheads.targets import Target, check_aux_layers, default_eagle3_layers
 from specheads.targets.context import ContextLimit, check_fits_context
 
 log = logging.getLogger(__name__)
@@ -65,8 +67,6 @@ def model_len(cfg: EngineRegenConfig, max_length: int, max_prompt_tokens: int, m
 
 def capture_layers(cfg: EngineRegenConfig, target: Target) -> list[int]:
     """The fused layers to keep: as set, or EAGLE-3's default for the target's depth; refused if out of range."""
-    from specheads.targets.model import check_aux_layers, default_eagle3_layers
-
     layers = list(default_eagle3_layers(target.num_layers)) if cfg.capture_layers is None else \
         [int(i) for i in cfg.capture_layers]
     check_aux_layers(layers, target, "regenerate.engine.capture_layers")
@@ -77,9 +77,6 @@ class EngineAnswers:
     """vLLM answering for ``regenerate`` (module doc); ``close()`` stops the engine."""
 
     def __init__(self, target: Target, cfg: EngineRegenConfig, log_dir: str | Path):
-        from specheads.data.engine_features import engine_dtype
-        from specheads.serving.engine import EngineProcess, engine_settings, find_engine, worker_cores
-
         path = getattr(target, "path", None)
         if path is None or not Path(path).is_dir():
             raise ConfigError(f"regenerate=engine: target '{target.name}' is not a model folder vLLM can read "

@@ -13,14 +13,20 @@ Each rank starts its own engine over its share of the rows. A row is one request
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 import tempfile
 from pathlib import Path
 
 import torch
 
+from specheads.engine_process import EngineProcess, engine_settings, find_engine, rank_gpus, worker_cores
 from specheads.errors import ConfigError
+from specheads.hardware import DTYPES, Choice, cpu_bf16_supported
+from specheads.targets import load_tokenizer, resolve_target_path
 from specheads.targets.model import Target, TargetFeatures
+from specheads.targets.parallel import ParallelLayout, launch_rank_world
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +93,6 @@ class EngineTarget(Target):
 def engine_dtype(requested: str) -> str:
     """The engine's dtype for ``target.dtype``: as set, or for ``auto`` bfloat16 on a GPU or a CPU with bfloat16
     kernels, else float32."""
-    from specheads.hardware import cpu_bf16_supported
-
     if requested != "auto":
         return str(requested)
     return "bfloat16" if torch.cuda.is_available() or cpu_bf16_supported() else "float32"
@@ -98,9 +102,6 @@ def meta_target(name_or_path: str, chat_template: str | None = None) -> Target:
     """The target as a store knows it, built on the meta device (config, layer count, tokenizer; no weights read).
     A .gguf target is refused: vLLM reads a model folder or hub snapshot."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from specheads.targets import load_tokenizer, resolve_target_path
-    from specheads.targets.parallel import ParallelLayout, launch_rank_world
 
     path = resolve_target_path(name_or_path)
     if not Path(path).is_dir():
@@ -120,9 +121,6 @@ def engine_target(meta: Target, aux_layers, need_last: bool, dtype: str = "auto"
                   tensor_parallel_size: int = 1) -> EngineTarget:
     """Start vLLM (the engine venv's python: ``python`` or the one ``find_engine`` finds) on the target ``meta``
     describes, capturing ``aux_layers`` and the last state; refuses, before the engine starts, a layer it lacks."""
-    from specheads.hardware import DTYPES, Choice
-    from specheads.serving.engine import EngineProcess, engine_settings, find_engine, rank_gpus, worker_cores
-
     bad = [i for i in aux_layers if not 0 <= int(i) < meta.num_layers]
     if bad:
         raise ConfigError(f"collect engine=vllm: aux layer(s) {bad} out of range for target '{meta.name}' with "
@@ -152,11 +150,6 @@ def engine_collect_rate(config, architecture: str, aux_layers, need_last: bool, 
     one row to warm up, then ``rows`` rows of ``row_tokens`` random ids captured as collection does;
     ``architecture``: the model class vLLM builds (``LlamaForCausalLM``) where the config does not name one.
     Returns ``{"tokens_per_s", "load_s"`` (the engine's start, process included), ``"dtype", "version"}``."""
-    import json
-    import random
-
-    from specheads.serving.engine import EngineProcess, engine_settings, find_engine, worker_cores
-
     engine = find_engine(python)
     dtype = engine_dtype(dtype)
     with tempfile.TemporaryDirectory(prefix="specheads-engine-probe-") as folder:

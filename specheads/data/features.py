@@ -29,17 +29,16 @@ from torch.utils.data import Dataset, Sampler
 from tqdm import tqdm
 
 from specheads.data.store import (
-    MANIFEST, PLAN, SHARD_DIR, STORE_FORMAT, CorruptShardError, InsufficientDiskError, ShardRecord, ShardWriter,
-    StoreMismatchError, atomic_write_json, bytes_per_token, canonical_dtype, check_shard_file, decode_hidden,
-    disk_slack, fits_on_disk, read_manifest, read_record, record_file, remove_stale_temps,
+    ARGMAX_KEY, MANIFEST, PLAN, POSITIONS_KEY, SHARD_DIR, STORE_FORMAT, CorruptShardError, FeatureSpec,
+    InsufficientDiskError, ShardRecord, ShardWriter, StoreMismatchError, atomic_write_json, bytes_per_token,
+    canonical_dtype, check_shard_file, decode_hidden, disk_slack, fits_on_disk, read_manifest, read_record,
+    record_file, remove_stale_temps,
 )
 from specheads.errors import ConfigError
 from specheads.ranges import check_number
 from specheads.data.images import image_reader, with_pixels
-from specheads.targets import Target, default_eagle3_layers
+from specheads.targets import Target, default_eagle3_layers, target_argmax
 from specheads.targets.model import uses_mrope
-from specheads.methods.base import ARGMAX_KEY, POSITIONS_KEY, FeatureSpec
-from specheads.methods.losses import target_argmax
 
 log = logging.getLogger(__name__)
 

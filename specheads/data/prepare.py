@@ -36,14 +36,14 @@ from specheads.data.render import (ChatRenderer, TemplateError, ToolTurnError, c
                                    render_samples)
 from specheads.data.sources import (MIXTURE, Conversation, MixturePart, SkipReport, SourceError, check_sources,
                                     iter_conversations, iter_mixture, mixture_counts, mixture_parts)
-from specheads.errors import ConfigError, InputNotFoundError, UserError, check_output_folder
+from specheads.errors import ConfigError, UserError, check_output_folder
+# load_prepared is re-exported: recipes, scripts and users read prepared sets as specheads.data.prepare.load_prepared
+from specheads.prepared import FORMAT, META_FILE, DataMismatchError, load_prepared  # noqa: F401
 from specheads.targets import Target, tokenizer_fingerprint
 from specheads.targets.context import context_limit
 
 log = logging.getLogger(__name__)
 
-FORMAT = "specheads.prepared/1"
-META_FILE = "specheads_meta.json"
 ROWS_FILE = "rows.arrow"  # the rows streamed into the work folder, before save_to_disk
 NO_LOSS_TOKENS = "no assistant token within max_length"
 TEMPLATE_REFUSED = "chat template cannot render the chat"
@@ -52,10 +52,6 @@ TOOL_TURN_NOT_RENDERED = "tool turn the chat template does not render"
 REGENERATE_VERSION = 2  # 2: regenerated answers are the target's token ids (1 decoded and re-tokenized them)
 PREPARED_FILES = re.compile(r"(data|cache)-.+\.arrow|dataset_info\.json|state\.json")  # what save_to_disk writes
 STALE_TMP_SECONDS = 3600  # a work folder of a dead process untouched this long is removed (see _remove_stale_tmp)
-
-
-class DataMismatchError(UserError, ValueError):
-    """Prepared data (or features) made for another tokenizer / target / setting."""
 
 
 class PrepareError(UserError, ValueError):
@@ -600,20 +596,6 @@ def write_prepared(rows: dict[str, list], meta: dict[str, Any], out_dir: str | P
               for i, x, m, d in zip(rows["id"], rows["input_ids"], rows["loss_mask"], rows["domain"]))
     tmp, _ = _write_rows(tuples, out_dir)
     _finish(tmp, {"format": FORMAT, **meta}, out_dir)
-
-
-def load_prepared(path: str | Path):
-    """(datasets.Dataset, meta dict) of a prepared folder; a folder of another kind is refused."""
-    import datasets
-
-    path = Path(path)
-    meta_path = path / META_FILE
-    if not meta_path.exists():
-        raise InputNotFoundError(f"{path} is not a prepared dataset (no {META_FILE}); run `specheads prepare` first")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT:
-        raise DataMismatchError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    return datasets.load_from_disk(str(path)), meta
 
 
 def check_prepared_matches(meta: dict[str, Any], target: Target) -> None:

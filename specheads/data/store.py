@@ -30,14 +30,38 @@ from typing import Any
 
 import torch
 
-from specheads.data.prepare import DataMismatchError
 from specheads.errors import ConfigError, UserError
+from specheads.prepared import DataMismatchError
 
 STORE_FORMAT = "specheads.features/1"
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 SHARD_DIR = "shards"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+
+
+# The batch key of the target's full-vocabulary argmax at each position (B, T) long, from hidden_last: feature
+# stores hold it (computed once at collection), so a method reads it instead of the target's full logits.
+ARGMAX_KEY = "target_argmax"
+POSITIONS_KEY = "positions"  # (B, T, 3) a vision-language target's 3-D M-RoPE positions (Qwen2-VL family)
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """Which target tensors a method trains on (see ``specheads.targets`` for the layer convention).
+
+    aux_layers: inputs of these decoder layers, concatenated in this order into ``hidden_aux``
+    need_last:  the post-norm last hidden state, as ``hidden_last``
+    online_only: the target itself is trained (Medusa-2), so stored features would go stale
+    image_rows: the method trains on a vision-language target's image rows as the serving engine drafts there
+    (EAGLE-3: the token embeddings the engine's draft reads at image slots, the target's M-RoPE positions)
+    """
+
+    aux_layers: tuple[int, ...] = ()
+    need_last: bool = True
+    online_only: bool = False
+    image_rows: bool = False
+
 
 STORE_DTYPES = {
     "float32": torch.float32,

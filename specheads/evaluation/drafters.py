@@ -12,6 +12,7 @@ from pathlib import Path
 from specheads.data.features import FeatureDataset
 from specheads.data.prepare import check_prepared_matches, load_prepared
 from specheads.data.render import chat_id
+from specheads.data.store import ARGMAX_KEY
 from specheads.decoding.drafters import Drafter, EarlyExitDrafter, ModelDrafter, NgramDrafter, TreeShape
 from specheads.decoding.lookahead import LookaheadDrafter
 from specheads.decoding.ngram_table import NgramTable
@@ -21,7 +22,6 @@ from specheads.errors import InputNotFoundError
 from specheads.evaluation.spec import MethodSpec
 from specheads.families import family
 from specheads.heads import check_adapted_target, load_head, resolve_head_dir
-from specheads.methods.base import ARGMAX_KEY
 from specheads.methods.medusa import tree_for_head
 from specheads.targets import Target, load_target
 

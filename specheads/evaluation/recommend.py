@@ -103,9 +103,3 @@ def _verify_cost(row: dict, plain_row: dict) -> float:
 
 def _target_time_per_forward(row: dict) -> float:
     return row["target_time_s"] / row["target_forwards"]
-
-
-def best_for_gpu(entry: dict) -> dict | None:
-    """The prediction ``recommend`` picked for GPU serving in one of its entries (``best_k_gpu``), or None."""
-    k = entry.get("best_k_gpu")
-    return next((p for p in entry.get("predictions") or () if p["k"] == k), None)

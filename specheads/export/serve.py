@@ -20,7 +20,6 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specheads.evaluation.recommend import best_for_gpu
 from specheads.export.checks import ExportError
 from specheads.export.engine_targets import VLLM_CPU_REFUSED
 from specheads.families import FAMILIES, family
@@ -98,6 +97,14 @@ def _rows(report: list[dict] | None, keep) -> list[dict]:
     """Matching rows, the preferred temperature and domain first."""
     rows = [r for r in report or () if keep(r)]
     return sorted(rows, key=lambda r: (r["temperature"] != PREFERRED_T, r["domain"] != PREFERRED_DOMAIN))
+
+
+
+def best_for_gpu(entry: dict) -> dict | None:
+    """The prediction the evaluation recommended for GPU serving in a row's ``recommendation`` entry (its
+    ``best_k_gpu``; ``specheads.evaluation.recommend`` writes it), or None."""
+    k = entry.get("best_k_gpu")
+    return next((p for p in entry.get("predictions") or () if p["k"] == k), None)
 
 
 def _from_row(row: dict) -> ServeParams:

@@ -26,11 +26,10 @@ from pathlib import Path
 import torch
 
 from specheads.methods.base import ARGMAX_KEY, FusedLayers, StepOutput
-from specheads.methods.losses import (dpace_weights, frozen_linear, hard_cross_entropy, head_cross_entropy,
-                                     target_argmax)
+from specheads.methods.losses import dpace_weights, frozen_linear, hard_cross_entropy, head_cross_entropy
 from specheads.methods.ttt import summarize_steps
 from specheads.models.dflash import BlockLayout, DFlashConfig, DFlashModel
-from specheads.targets import Target, logit_softcap
+from specheads.targets import Target, logit_softcap, target_argmax
 
 log = logging.getLogger(__name__)
 

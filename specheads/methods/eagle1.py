@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 
 from specheads.methods.base import ARGMAX_KEY, FeatureSpec, StepOutput
-from specheads.methods.losses import feature_loss, soft_cross_entropy, target_argmax, target_probs, uniform_noise
+from specheads.methods.losses import feature_loss, soft_cross_entropy, target_probs, uniform_noise
 from specheads.methods.ttt import default_positions, shift_tokens, step_rows, summarize_steps, unrolled_accuracy
 from specheads.models.eagle1 import Eagle1Config, Eagle1Model
-from specheads.targets import Target
+from specheads.targets import Target, target_argmax
 
 
 class Eagle1Method:

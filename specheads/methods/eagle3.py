@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 
 from specheads.methods.base import ARGMAX_KEY, FusedLayers, StepOutput
-from specheads.methods.losses import column_logits, target_argmax, target_probs
+from specheads.methods.losses import column_logits, target_probs
 from specheads.methods.ttt import TargetRows, summarize_steps, ttt_loss, unrolled_accuracy
 from specheads.models.eagle3 import Eagle3Config, Eagle3Model
 from specheads.models.vocab import build_draft_vocab, count_loss_tokens, coverage
-from specheads.targets import Target
+from specheads.targets import Target, target_argmax
 
 log = logging.getLogger(__name__)
 

@@ -42,9 +42,8 @@ from torch.utils.checkpoint import checkpoint
 
 from specheads.decoding.drafters import TreeShape
 from specheads.models.medusa import MedusaHeads, medusa_for_target
-from specheads.targets import Target, logit_softcap, output_logits
-from specheads.methods.losses import (linear_cross_entropy, logit_chunk_rows, soft_cross_entropy, target_argmax,
-                                      target_probs)
+from specheads.targets import Target, logit_softcap, output_logits, target_argmax
+from specheads.methods.losses import linear_cross_entropy, logit_chunk_rows, soft_cross_entropy, target_probs
 from specheads.methods.base import FeatureSpec, StepOutput
 
 ADAPTED_TARGET_DIR = "target"

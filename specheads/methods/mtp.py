@@ -17,10 +17,11 @@ import torch
 
 from specheads.errors import ConfigError
 from specheads.methods.base import ARGMAX_KEY, FeatureSpec, StepOutput
-from specheads.methods.losses import frozen_linear, hard_cross_entropy, head_cross_entropy, target_argmax
+from specheads.methods.losses import frozen_linear, hard_cross_entropy, head_cross_entropy
 from specheads.methods.ttt import step_rows, summarize_steps, unroll, unrolled_accuracy
 from specheads.models.mtp import MTPConfig, MTPModel
 from specheads.models.mtp_checkpoint import check_mtp_tensors, read_mtp_tensors, target_folder
+from specheads.targets import target_argmax
 
 
 def step_weights(num_steps: int, beta: float) -> list[float]:

@@ -30,10 +30,10 @@ import torch
 
 from specheads.methods.base import ARGMAX_KEY, StepOutput
 from specheads.methods.eagle3 import Eagle3Method
-from specheads.methods.losses import soft_cross_entropy, target_argmax
+from specheads.methods.losses import soft_cross_entropy
 from specheads.methods.ttt import shift_tokens, summarize_steps
 from specheads.models.peagle import ParallelLayout, PEagleConfig, PEagleModel
-from specheads.targets import Target
+from specheads.targets import Target, target_argmax
 
 
 def depth_count(n: int, d: int, ratio: float, ratio_min: float) -> int:

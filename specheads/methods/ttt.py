@@ -26,7 +26,8 @@ from specheads.models.layers import UnrollCache
 from specheads.models.mrope import step_positions
 from specheads.methods.base import POSITIONS_KEY as POSITIONS
 from specheads.methods.losses import (SOFT_CHUNK_BYTES, feature_loss, linear_soft_cross_entropy, logit_chunk_rows,
-                                      soft_cross_entropy, target_argmax)
+                                      soft_cross_entropy)
+from specheads.targets import target_argmax
 
 
 def shift_tokens(input_ids: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:

@@ -15,6 +15,8 @@ from typing import Collection, Iterable
 import numpy as np
 import torch
 
+from specheads.prepared import load_prepared
+
 log = logging.getLogger(__name__)
 
 
@@ -29,8 +31,6 @@ def count_loss_tokens(dataset, vocab_size: int, max_samples: int | None = None,
     many counted rows. Returns counts (vocab_size,) int64.
     """
     if isinstance(dataset, (str, Path)):
-        from specheads.data.prepare import load_prepared
-
         dataset, _ = load_prepared(str(dataset))
     keep = None if rows is None else {str(r) for r in rows}
     counts = np.zeros(vocab_size, dtype=np.int64)

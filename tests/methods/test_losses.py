@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specheads.methods.losses import ROW_MULTIPLE, pad_rows, soft_cross_entropy, target_argmax, target_probs
+from specheads.methods.losses import ROW_MULTIPLE, pad_rows, soft_cross_entropy, target_probs
+from specheads.targets import target_argmax
 
 
 def test_target_argmax_is_argmax_with_first_index_on_ties():
