@@ -65,15 +65,25 @@ def domino_facts(layout: Layout, cfg: dict) -> list[tuple[str, str]]:
 
 
 def domino_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict:
-    """A ModelOpt Domino export's config.json -> our head config: DFlash's fields plus Domino's from
-    ``dflash_config`` (``shift_label`` must be written: ModelOpt's and SpecForge's defaults differ)."""
+    """A ModelOpt Domino export's config.json -> our head config: DFlash's fields (its reader and refusals, given the
+    config without Domino's keys) plus Domino's from ``dflash_config`` or the top level (``shift_label`` must be
+    written: ModelOpt's default is true, SpecForge's false)."""
     nested = cfg.get("dflash_config") or {}
-    if nested.get("projector_type") != PROJECTOR:
-        raise _fail(folder, fmt, f"dflash_config.projector_type {nested.get('projector_type')!r}, not {PROJECTOR!r}")
-    if "shift_label" not in nested:
-        raise _fail(folder, fmt, "dflash_config names no shift_label (ModelOpt's default is true, SpecForge's false)")
-    out = dflash_config(folder, fmt, cfg, target)
-    out.update(model_type="specheads_domino", shift_label=bool(nested["shift_label"]),
-               pure_draft_prefix_len=int(nested.get("pure_draft_prefix_len", 1)),
-               gru_hidden_dim=int(nested["gru_hidden_dim"]), emb_dim=int(nested.get("emb_dim", cfg.get("emb_dim"))))
+    value = lambda key: nested.get(key, cfg.get(key))  # noqa: E731  (z-lab's loader reads both places)
+    if value("projector_type") != PROJECTOR:
+        raise _fail(folder, fmt, f"dflash_config.projector_type {value('projector_type')!r}, not {PROJECTOR!r}")
+    if value("shift_label") is None:
+        raise _fail(folder, fmt, "names no shift_label (ModelOpt's default is true, SpecForge's false)")
+    missing = [k for k in ("gru_hidden_dim", "emb_dim") if value(k) is None]
+    if missing:
+        raise _fail(folder, fmt, f"dflash_config.projector_type {PROJECTOR!r} names no {' or '.join(missing)} (the "
+                                 "GRU's and the correction's sizes)")
+    keys = ("projector_type", *_FIELDS)
+    plain = {k: v for k, v in cfg.items() if k not in keys}
+    plain["dflash_config"] = {k: v for k, v in nested.items() if k not in keys}
+    out = dflash_config(folder, fmt, plain, target)
+    out.update(model_type="specheads_domino", shift_label=bool(value("shift_label")),
+               pure_draft_prefix_len=int(value("pure_draft_prefix_len") if value("pure_draft_prefix_len") is not None
+                                         else 1),
+               gru_hidden_dim=int(value("gru_hidden_dim")), emb_dim=int(value("emb_dim")))
     return out

@@ -59,8 +59,9 @@ SpecForge's, z-lab's and FasterDecoding's code (docs/evaluate.md):
   tensors as speculators' DFlash, no embedding or LM head. Our ``vllm`` DFlash layout. NVIDIA ModelOpt 0.47's DFlash
   export (``export_speculative_decoding``) is this format (``dflash_config.causal`` false, its bidirectional blocks),
   with ``num_target_layers`` 0 after an offline run (its base model loaded without layers): read as not written;
-  its DSpark and Domino exports (``dflash_config.projector_type`` ``dspark``/``domino``, ``shift_label`` true: block
-  slot k drafts the token at anchor + k + 1, from the anchor slot on) are refused.
+  its Domino export (``dflash_config.projector_type: domino``) is a Domino head (``export/domino.py``, read by its
+  family's reader); its DSpark export (``projector_type: dspark``, ``shift_label`` true: block slot k drafts the
+  token at anchor + k + 1, from the anchor slot on) is refused.
 * ``medusa``: the original Medusa format (FasterDecoding, TGI): ``config.json`` with ``medusa_num_heads`` (default 4),
   ``medusa_num_layers`` (default 1), ``base_model_name_or_path``, the sizes left to the target; tensors
   ``{k}.{j}.linear.weight|bias`` and ``{k}.{layers}.weight`` in ``medusa_lm_head.safetensors`` or ``.pt``. Our
@@ -86,7 +87,8 @@ from safetensors.torch import load_file
 
 from specheads.errors import UserError
 from specheads.export.checks import ExportError, check_draft_vocab, check_tensors
-from specheads.export.layouts import Layout, LayoutError, TargetInfo, TensorSpec, build_layout, method_of
+from specheads.export.layouts import (Layout, LayoutError, TargetInfo, TensorSpec, build_layout, engines_for,
+                                      method_of)
 from specheads.export.reload import build_head, head_state
 from specheads.families import FAMILIES, family, load
 
@@ -106,6 +108,8 @@ EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eag
 _ARCHITECTURES = {**dict.fromkeys(EAGLE3_ARCHITECTURES, "eagle3"), "DFlashDraftModel": "dflash",
                   "EagleLlamaForCausalLM": "eagle1", "LlamaForCausalLMEagle": "eagle1"}  # architecture -> format
 SPECULATORS_METHODS = tuple(f.speculators_type for f in FAMILIES if f.speculators_type)  # speculators_model_type read
+# dflash_config.projector_type -> the family a z-lab DFlash folder then holds (ModelOpt's exports of DFlash's variants)
+_PROJECTOR_FAMILIES = {"domino": "domino"}
 PEAGLE_DEPTHS = 8  # speculators' num_depths default, which it writes as the greedy proposal's speculative_tokens
 _DSPARK_DEFAULTS = {  # speculators' DSparkSpeculatorConfig defaults (sample_from_anchor true: refused)
     "sample_from_anchor": True, "markov_rank": 256, "markov_head_type": "vanilla", "enable_confidence_head": True,
@@ -175,7 +179,8 @@ def check_format(folder: str | Path) -> tuple[str, str]:
         raise ForeignHeadError(f"{folder} holds no head of a known format: looked for a specheads head (config.json "
                                f"model_type specheads_*), {formats_looked_for()}")
     if fmt != "speculators":
-        return fmt, "eagle3" if fmt == "modelopt" else fmt
+        return fmt, "eagle3" if fmt == "modelopt" else _PROJECTOR_FAMILIES.get(
+            _dflash_value(_config(folder), "projector_type"), fmt)
     kind = _config(folder)["speculators_model_type"]
     if kind not in SPECULATORS_METHODS:
         raise _fail(folder, fmt, f"speculators_model_type {kind!r}: only speculators' "
@@ -471,7 +476,8 @@ def foreign_head_config(folder: str | Path, target: TargetInfo) -> tuple[str, di
     read = _modelopt_config if fmt == "modelopt" else load(family(method).foreign_config)  # the family's reader
     head_cfg = read(folder, fmt, cfg, target)
     try:  # the tensors' layout: ModelOpt's norm order changes no tensor (and is refused by export layouts)
-        layout = build_layout(method, _engine(fmt, cfg),
+        engine = _engine(fmt, cfg)
+        layout = build_layout(method, engine if engine in engines_for(method) else engines_for(method)[0],
                               {k: v for k, v in head_cfg.items() if k != "hidden_after_input_norm"}, target)
     except LayoutError as e:
         raise _fail(folder, fmt, str(e)) from None

@@ -81,3 +81,34 @@ def test_round_trip(exported):
     assert set(got) == set(want)
     for k, v in want.items():
         torch.testing.assert_close(got[k].to(v.dtype), v, msg=k)
+
+
+def test_the_folder_reads_back_as_another_toolkits_domino_head(exported, tmp_path):
+    """The folder is ModelOpt's Domino export: read as a foreign z-lab DFlash folder whose projector_type makes it a
+    Domino head, it is the same head; without shift_label (the trainers' defaults differ) it is refused."""
+    import shutil
+
+    from specheads.export.foreign import ForeignHeadError, check_format, load_foreign_head
+    from specheads.heads import dflash_block_size
+
+    model, out = exported
+    folder = tmp_path / "modelopt"
+    shutil.copytree(out / "sglang", folder)
+    (folder / "specheads_export.json").unlink()
+    (folder / "README.md").unlink()
+    assert check_format(folder) == ("dflash", "domino") and dflash_block_size(folder, "domino") == B
+    target = make_tiny_target("llama", vocab=V, hidden=H, layers=LAYERS)
+    back = load_foreign_head(folder, target)
+    assert type(back).__name__ == "DominoModel" and back.config.aux_layers == sorted(AUX)
+    want = model.state_dict()
+    blocks = want["fc.weight"].chunk(len(AUX), dim=1)  # written in ascending layer order
+    want["fc.weight"] = torch.cat([blocks[j] for j in sorted(range(len(AUX)), key=lambda j: AUX[j])], dim=1)
+    got = back.state_dict()
+    assert set(got) == set(want)
+    for k, v in got.items():
+        torch.testing.assert_close(v.to(want[k].dtype), want[k], msg=k)
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["dflash_config"]["shift_label"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ForeignHeadError, match="shift_label"):
+        load_foreign_head(folder, target)
