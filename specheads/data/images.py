@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlparse
 
+from specheads.data.store import StoreMismatchError
 from specheads.errors import UserError
+from specheads.targets import resolve_target_path
 
 log = logging.getLogger(__name__)
 
@@ -264,8 +266,6 @@ def load_vision(name_or_path: str, tokenizer) -> VisionRenderer | None:
     yet gets one whose ``refusal`` says so: its text conversations prepare as before, an image one is refused."""
     from transformers import AutoConfig, AutoImageProcessor
 
-    from specheads.targets import resolve_target_path
-
     path = resolve_target_path(name_or_path)
     config = None
     for local in (True, False):  # the cached config first: no network where the machine has it
@@ -334,25 +334,6 @@ def expand_images(ids: list[int], mask: list[int], grids: list[list[int]], visio
     return out_ids, out_mask, image, False
 
 
-def render_image_samples(conv, renderer, vision: VisionRenderer, max_length: int) -> list[ImageSample]:
-    """The rows of an image chat (``render.render_samples`` with each image's tokens in place). ``ImageError``
-    when an image cannot be read; ``TemplateError`` when the template does not render one placeholder per image."""
-    from specheads.data.render import TemplateError, render_samples
-
-    refs = conversation_images(conv.messages)
-    grids = vision.grids([open_image(r) for r in refs])
-    rendered = render_samples(conv, renderer, 1 << 62)
-    samples = []
-    for r in rendered.samples:
-        shown = r.input_ids.count(vision.image_token_id)
-        if shown > len(refs) or (not r.suffix and shown != len(refs)):
-            raise TemplateError(f"conversation {conv.id}: the chat template renders {shown} image placeholder(s) "
-                                f"for {len(refs)} image(s)")
-        ids, mask, kept, cut = expand_images(r.input_ids, r.loss_mask, grids, vision, max_length)
-        samples.append(ImageSample(ids, mask, refs[:kept], grids[:kept], cut, r.suffix))
-    return samples
-
-
 # --------------------------------------------------------------------------- collection
 
 
@@ -361,8 +342,6 @@ def image_reader(target, dataset, vision=None) -> VisionRenderer | None:
     image rows with a target that reads no images are refused in one line."""
     if "images" not in dataset.column_names:
         return vision
-    from specheads.data.store import StoreMismatchError
-
     if not getattr(target, "vision_language", False):
         raise StoreMismatchError(f"the prepared rows hold images and target '{target.name}' has no vision part; "
                                  "collect with the vision-language target they were prepared for")
@@ -376,8 +355,6 @@ def with_pixels(batch: dict[str, Any], vision: VisionRenderer) -> dict[str, Any]
     ``image_grid_thw`` (n_images, 3) of every row's images in row order, in place of their references; a batch
     without an image loses the references only. An image whose grid differs from the one prepared (the file
     changed since, or another image processor) is refused, naming it."""
-    from specheads.data.store import StoreMismatchError
-
     refs = [r for row in batch.pop("images", []) for r in row]
     grids = [g for row in batch.pop("image_grid_thw", []) for g in row]
     if not refs:

@@ -33,7 +33,7 @@ from specheads.data.engine_answers import capture_layers, model_len
 from specheads.data import images as img
 from specheads.data.regenerate import RegenerateConfig, count_retokenized, count_truncated, regenerate
 from specheads.data.render import (ChatRenderer, TemplateError, ToolTurnError, chat_id, chat_template_sha,
-                                   render_samples)
+                                   render_image_samples, render_samples)
 from specheads.data.sources import (MIXTURE, Conversation, MixturePart, SkipReport, SourceError, check_sources,
                                     iter_conversations, iter_mixture, mixture_counts, mixture_parts)
 from specheads.errors import ConfigError, UserError, check_output_folder
@@ -173,7 +173,7 @@ def _render_vision(conv: Conversation, renderer, vision, max_length: int, stats:
     """The rows of one chat for a vision-language target: (id, ids, mask, domain, image refs, grids). A chat whose
     image cannot be read is one line naming the row and the file, skipped and counted."""
     try:
-        samples = img.render_image_samples(conv, renderer, vision, max_length)
+        samples = render_image_samples(conv, renderer, vision, max_length)
     except img.ImageError as e:
         log.warning("skipping conversation %s: image %s", conv.id, e)
         stats.first_error.setdefault(img.IMAGE_UNREADABLE, f"{conv.id}: {e}")

@@ -34,7 +34,7 @@ template that refuses them or drops their content raises ``ToolTurnError`` (the 
 counted).
 
 Image chats (``specheads.data.images``) render here with each image as its content part, which the template
-shows as its placeholder token; ``images.render_image_samples`` puts each image's tokens in place.
+shows as its placeholder token; ``render_image_samples`` puts each image's tokens in place.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from specheads.data.images import IMAGES, template_content
+from specheads.data.images import (IMAGES, ImageSample, VisionRenderer, conversation_images, expand_images, open_image,
+                                   template_content)
 from specheads.data.sources import REASONING, Conversation
 from specheads.errors import UserError
 
@@ -390,3 +391,20 @@ def turn_token_groups(rendered: Rendered) -> list[list[int]]:
     if current:
         groups.append(current)
     return groups
+
+
+def render_image_samples(conv, renderer, vision: VisionRenderer, max_length: int) -> list[ImageSample]:
+    """The rows of an image chat (``render_samples`` with each image's tokens in place). ``ImageError``
+    when an image cannot be read; ``TemplateError`` when the template does not render one placeholder per image."""
+    refs = conversation_images(conv.messages)
+    grids = vision.grids([open_image(r) for r in refs])
+    rendered = render_samples(conv, renderer, 1 << 62)
+    samples = []
+    for r in rendered.samples:
+        shown = r.input_ids.count(vision.image_token_id)
+        if shown > len(refs) or (not r.suffix and shown != len(refs)):
+            raise TemplateError(f"conversation {conv.id}: the chat template renders {shown} image placeholder(s) "
+                                f"for {len(refs)} image(s)")
+        ids, mask, kept, cut = expand_images(r.input_ids, r.loss_mask, grids, vision, max_length)
+        samples.append(ImageSample(ids, mask, refs[:kept], grids[:kept], cut, r.suffix))
+    return samples

@@ -210,11 +210,11 @@ def test_a_cut_never_ends_inside_an_image(vl_target, photos, tmp_path):
         {"role": "assistant", "content": "An astronaut."},
         {"role": "user", "content": [{"type": "image", "image": str(photos["coffee"])}]},
         {"role": "assistant", "content": "Coffee."}]}, 0, SkipReport())
-    from specheads.data.render import ChatRenderer
+    from specheads.data.render import ChatRenderer, render_image_samples
 
-    whole = img.render_image_samples(conv, ChatRenderer(tok), vision, 1 << 20)[0]
+    whole = render_image_samples(conv, ChatRenderer(tok), vision, 1 << 20)[0]
     second = [i for i, t in enumerate(whole.input_ids) if t == vision.image_token_id][-1]  # last image token
-    (cut,) = img.render_image_samples(conv, ChatRenderer(tok), vision, second)
+    (cut,) = render_image_samples(conv, ChatRenderer(tok), vision, second)
     assert cut.truncated and len(cut.images) == 1 and cut.grids == whole.grids[:1]
     assert cut.input_ids == whole.input_ids[:len(cut.input_ids)]
     assert cut.input_ids.count(vision.image_token_id) == vision.tokens_per_image(whole.grids[0])
