@@ -21,6 +21,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from specheads.families import family
+
 log = logging.getLogger("specheads.run")
 # Stages run as modules (`python -m specheads.recipes.<stage>`), found through the installed package
 # (a clone's editable install or site-packages) and run in the current directory.
@@ -80,6 +82,9 @@ def serve_stage_wanted(setting, head: str) -> bool:
     if str(setting) != "auto":
         raise SystemExit(f"specheads run: error: serve={setting}: use serve=auto (when vLLM's venv exists), "
                          "serve=true or serve=false")
+    if "vllm" not in family(head).layouts:  # no vLLM folder is exported for it (specheads/families.py)
+        log.info("vLLM has no %s drafter: the run ends without the serve stage", family(head).title)
+        return False
     from specheads.serving.engine import EngineNotFoundError, find_engine
 
     try:

@@ -50,3 +50,22 @@ def test_evaluate_a_domino_head(target, domino_dir, monkeypatch):
     row = {m["name"]: m for m in report["methods"]}["domino-chain3"]["by_temperature"]["0.0"]["all"]
     assert row["draft_forwards_per_step"] == 1.0
     assert row["tau"] == pytest.approx(row["new_tokens"] / row["target_forwards"])
+
+
+def test_the_run_ends_without_vllms_serve_stage(tmp_path, monkeypatch):
+    """vLLM has no Domino drafter (no vLLM folder is exported): ``serve=auto`` leaves the serve stage out even where
+    an engine is found; an EAGLE-3 head there is served."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("recipe_pipeline_domino", root / "recipes" / "pipeline.py")
+    pipeline = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = pipeline
+    spec.loader.exec_module(pipeline)
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").symlink_to(root / "tests" / "serving" / "fake_python.sh")
+    monkeypatch.setenv("SPECHEADS_ENGINE_VENV", str(tmp_path / "venv"))
+    assert pipeline.serve_stage_wanted("auto", "eagle3") is True
+    assert pipeline.serve_stage_wanted("auto", "domino") is False
