@@ -434,8 +434,19 @@ def test_a_long_row_benchmark_is_recorded_and_rendered_with_its_growth_in_the_tr
     assert entry["kind"] == "long_row_bench" and entry["commit"] == CHECKOUT.commit
     data = rt.load(results)
     table = rt.long_row_benches(data)
-    assert "| EAGLE-3 | 7 | fused | 16384 | 2000 | 57.9 | 110.0 |" in table
+    assert "| EAGLE-3 | 7 | fused | 16384 | 2000 | 2900 | 57.9 | 110.0 |" in table
     assert "EAGLE-3 TTT 7 (fused) memory 4.1x, CPU time 5.8x" in table
     assert "DFlash TTT 1 (fused) memory 4.0x, CPU time 8.0x" in table
     assert "commit `0123456` on 2099-01-01, box" in table
     assert "No record yet" in rt.long_row_benches({"runs": []})
+    # a newer record of other methods keeps this one's EAGLE-3 rows; a newer EAGLE-3 record replaces them
+    newer = {**report, "rows": [_long_row("peagle", 3, 8192, 500, 20.0), _long_row("dflash", 1, 8192, 250, 9.0)]}
+    record(_write(tmp_path, "p.json", newer), results, CHECKOUT, machine="box", date="2099-01-02")
+    table = rt.long_row_benches(rt.load(results))
+    assert "| EAGLE-3 | 7 | fused | 16384 | 2000 |" in table and "| P-EAGLE | 3 | fused | 8192 | 500 |" in table
+    assert "| DFlash | 1 | fused | 8192 | 250 |" in table and "| DFlash | 1 | fused | 8192 | 300 |" not in table
+    assert table.count("commit `0123456`") == 2
+    latest = {**report, "rows": [_long_row("eagle3", 3, 8192, 700, 30.0)]}
+    record(_write(tmp_path, "e.json", latest), results, CHECKOUT, machine="box", date="2099-01-03")
+    table = rt.long_row_benches(rt.load(results))
+    assert "| EAGLE-3 | 3 | fused | 8192 | 700 |" in table and "| EAGLE-3 | 7 |" not in table
