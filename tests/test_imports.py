@@ -1,6 +1,6 @@
 """The package's import graph: arrows point one way.
 
-Every module under ``specheads/`` is parsed (no import runs), and every import of the package is read, at the top
+Every module under ``specheads/`` (and ``kernels/``, which ships as ``specheads.kernels``) is parsed (no import runs), and every import of the package is read, at the top
 of a file or inside a function alike: a late import is still an arrow. Arrows are then drawn between the package's
 parts, a subpackage (``data``, ``methods``, ...) or a top-level module (``errors``, ``engine_process``, ...):
 
@@ -21,6 +21,8 @@ from pathlib import Path
 import specheads
 
 PACKAGE = Path(specheads.__file__).parent
+# kernels/ sits at the top of a clone and ships as specheads.kernels (pyproject.toml)
+KERNELS = PACKAGE / "kernels" if (PACKAGE / "kernels").is_dir() else PACKAGE.parent / "kernels"
 
 FORBIDDEN = {
     ("data", "methods"),     # FeatureSpec lives with the store (data/store.py), target_argmax with the target
@@ -31,13 +33,21 @@ FORBIDDEN = {
 ALLOWED_CIRCLES: dict[tuple[str, str], str] = {}
 
 
+def _files() -> list[Path]:
+    return sorted({*PACKAGE.rglob("*.py"), *KERNELS.rglob("*.py")})
+
+
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if path.is_relative_to(KERNELS):
+        parts = ["specheads", "kernels", *path.relative_to(KERNELS).with_suffix("").parts]
+    else:
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _is_module(name: str) -> bool:
-    base = PACKAGE.parent.joinpath(*name.split("."))
+    parts = name.split(".")
+    base = KERNELS.joinpath(*parts[2:]) if parts[:2] == ["specheads", "kernels"] else PACKAGE.parent.joinpath(*parts)
     return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
@@ -62,7 +72,7 @@ def _imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
 def module_graph() -> dict[str, dict[str, int]]:
     """{module: {imported module: line}} over every import of the package, at any depth of the file."""
     graph: dict[str, dict[str, int]] = defaultdict(dict)
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in _files():
         module = _module_name(path)
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             for name in _imported(node, module, path.name == "__init__.py"):
@@ -139,6 +149,7 @@ def test_the_graph_sees_late_and_relative_imports():
     assert "specheads.data.images" in graph["specheads.data.prepare"]  # from specheads.data import images as img
     late = [m for m, imported in graph.items() if "specheads.kernels.verify_greedy" in imported]
     assert "specheads.decoding.batched_verify" in late  # imported inside a function (Triton is optional)
+    assert "specheads.kernels" in graph["specheads.kernels.verify_greedy"]  # kernels/ ships as specheads.kernels
 
 
 def test_forbidden_arrows_are_absent():
