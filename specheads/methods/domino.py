@@ -9,17 +9,22 @@ greedy tokens with ``labels=target``, what greedy drafting feeds). The loss mixe
 cross-entropies, each the weighted mean ``sum w CE / sum w``:
 
     L = (1 - lambda) * CE(final) + lambda * CE(base)
-    lambda(step) = lambda_base_start * max(0, 1 - step / (lambda_base_decay_ratio * total_steps))
+    lambda = lambda_base_start * max(0, 1 - progress / lambda_base_decay_ratio)
+    progress = max(step / total_steps, minutes trained / budget_minutes)
 
 so training starts on the backbone alone (lambda = 1: the correction gets no gradient, hence
-``find_unused_parameters``) and ends on the corrected drafts. ``total_steps`` null keeps lambda at its start.
-No distillation term.
+``find_unused_parameters``) and ends on the corrected drafts. Under a time budget (``budget_minutes``, the run's
+``train.max_minutes``) the share of it used counts as progress too, as the learning-rate schedule's decay does:
+a budget that stops training long before ``total_steps`` still ends on the corrected drafts (the clock is this
+process's, from the first step; a resumed run restarts it). Neither set keeps lambda at its start. No
+distillation term.
 
 Held-out metrics: DFlash's ``step{m-1}``/``joint{m-1}`` sums of the corrected drafts, teacher-forced.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -33,18 +38,23 @@ from specheads.models.domino import DominoConfig, DominoModel
 from specheads.targets import Target, target_argmax
 
 
-def mix_weight(step: int, start: float, decay_ratio: float, total_steps: int | None) -> float:
-    """lambda at ``step``: ``start`` falling linearly to 0 over ``decay_ratio * total_steps`` steps."""
-    if total_steps is None or decay_ratio <= 0:
-        return float(start) if total_steps is None else 0.0
-    return float(start) * max(0.0, 1.0 - step / (decay_ratio * total_steps))
+def mix_weight(step: int, start: float, decay_ratio: float, total_steps: int | None,
+               time_fraction: float | None = None) -> float:
+    """lambda at ``step``: ``start`` falling linearly to 0 over ``decay_ratio`` of the training, whose progress is the
+    larger of ``step / total_steps`` and ``time_fraction`` (the share of a time budget used); either may be None."""
+    parts = [p for p in (None if total_steps is None else step / total_steps, time_fraction) if p is not None]
+    if not parts:
+        return float(start)
+    if decay_ratio <= 0:
+        return 0.0
+    return float(start) * max(0.0, 1.0 - max(parts) / decay_ratio)
 
 
 class DominoMethod(DFlashMethod):
     """DFlash's settings plus gru_hidden_dim (G, null = 1024 capped at the target's hidden size), emb_dim (E, null
-    = 256, capped alike), pure_draft_prefix_len, shift_label, lambda_base_start, lambda_base_decay_ratio and
-    total_steps (the steps lambda decays over, with the ratio). ``loss`` and ``lk_weight`` are DFlash's plain
-    cross-entropy only."""
+    = 256, capped alike), pure_draft_prefix_len, shift_label, lambda_base_start, lambda_base_decay_ratio,
+    total_steps and budget_minutes (the training's length in steps and in minutes, either null). ``loss`` and
+    ``lk_weight`` are DFlash's plain cross-entropy only."""
 
     name = "domino"
     find_unused_parameters = True  # the correction gets no gradient while lambda = 1
@@ -54,7 +64,7 @@ class DominoMethod(DFlashMethod):
                  head_chunk: int = 2048, target_chunk: int = 1024, gru_hidden_dim: int | None = None,
                  emb_dim: int | None = None, pure_draft_prefix_len: int = 1, shift_label: bool = True,
                  lambda_base_start: float = 1.0, lambda_base_decay_ratio: float = 1.0, total_steps: int | None = None,
-                 init_layer_from_target: bool = False):
+                 budget_minutes: float | None = None, init_layer_from_target: bool = False):
         super().__init__(num_layers=num_layers, block_size=block_size, aux_layers=aux_layers,
                          mask_token_id=mask_token_id, anchors=anchors, gamma=gamma, labels=labels,
                          eval_anchors=eval_anchors, head_chunk=head_chunk, target_chunk=target_chunk,
@@ -62,23 +72,30 @@ class DominoMethod(DFlashMethod):
         if not 0.0 <= lambda_base_start <= 1.0 or lambda_base_decay_ratio < 0:
             raise ValueError(f"domino: lambda_base_start must lie in [0, 1] and lambda_base_decay_ratio be "
                              f"non-negative (got {lambda_base_start}, {lambda_base_decay_ratio})")
-        if pure_draft_prefix_len < 0 or (total_steps is not None and total_steps < 1):
-            raise ValueError(f"domino: pure_draft_prefix_len must be >= 0 and total_steps >= 1 or null (got "
-                             f"{pure_draft_prefix_len}, {total_steps})")
+        if pure_draft_prefix_len < 0 or (total_steps is not None and total_steps < 1) or (
+                budget_minutes is not None and not budget_minutes > 0):
+            raise ValueError(f"domino: pure_draft_prefix_len must be >= 0, total_steps >= 1 or null and budget_minutes "
+                             f"> 0 or null (got {pure_draft_prefix_len}, {total_steps}, {budget_minutes})")
         if gru_hidden_dim is not None and gru_hidden_dim < 1 or emb_dim is not None and emb_dim < 1:
             raise ValueError(f"domino: gru_hidden_dim and emb_dim must be positive (got {gru_hidden_dim}, {emb_dim})")
         self.gru_hidden_dim, self.emb_dim = gru_hidden_dim, emb_dim
         self.pure_draft_prefix_len, self.shift_label = int(pure_draft_prefix_len), bool(shift_label)
         self.lambda_base_start, self.lambda_base_decay_ratio = float(lambda_base_start), float(lambda_base_decay_ratio)
-        self.total_steps, self.step = total_steps, 0
+        self.total_steps, self.budget_minutes, self.step = total_steps, budget_minutes, 0
+        self._started: float | None = None  # time.monotonic() at the first step
 
     def on_step_start(self, step: int) -> None:
         self.step = step
+        if self._started is None:
+            self._started = time.monotonic()
 
     @property
     def mix(self) -> float:
-        """lambda, the backbone's share of the loss, at the current step."""
-        return mix_weight(self.step, self.lambda_base_start, self.lambda_base_decay_ratio, self.total_steps)
+        """lambda, the backbone's share of the loss, at the current step (and minute of a time budget)."""
+        used = None
+        if self.budget_minutes is not None and self._started is not None:
+            used = (time.monotonic() - self._started) / (60.0 * self.budget_minutes)
+        return mix_weight(self.step, self.lambda_base_start, self.lambda_base_decay_ratio, self.total_steps, used)
 
     def build(self, target: Target) -> DominoModel:
         self.bind(target)

@@ -127,9 +127,15 @@ def test_the_mix_decays_linearly_to_zero():
     assert mix_weight(0, 1.0, 1.0, 100) == 1.0 and mix_weight(50, 1.0, 1.0, 100) == pytest.approx(0.5)
     assert mix_weight(25, 1.0, 0.5, 100) == pytest.approx(0.5) and mix_weight(80, 1.0, 0.5, 100) == 0.0
     assert mix_weight(10 ** 6, 0.8, 1.0, None) == 0.8
+    assert mix_weight(10, 1.0, 1.0, 100, 0.75) == pytest.approx(0.25)  # a time budget three quarters used
+    assert mix_weight(10, 1.0, 0.5, None, 0.25) == pytest.approx(0.5) and mix_weight(0, 1.0, 0.0, 10) == 0.0
     method = DominoMethod(total_steps=10)
     method.on_step_start(5)
     assert method.mix == pytest.approx(0.5)
+    timed = DominoMethod(total_steps=10 ** 6, budget_minutes=1.0)
+    timed.on_step_start(0)
+    timed._started -= 45.0  # three quarters of the minute used
+    assert timed.mix == pytest.approx(0.25, abs=0.01)
 
 
 def test_save_and_load_round_trip(tmp_path, setup):
@@ -142,7 +148,8 @@ def test_save_and_load_round_trip(tmp_path, setup):
 
 
 @pytest.mark.parametrize("bad", [{"lambda_base_start": 1.5}, {"lambda_base_decay_ratio": -1},
-                                 {"pure_draft_prefix_len": -1}, {"total_steps": 0}, {"gru_hidden_dim": 0}])
+                                 {"pure_draft_prefix_len": -1}, {"total_steps": 0}, {"gru_hidden_dim": 0},
+                                 {"budget_minutes": 0}])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError, match="domino"):
         DominoMethod(**bad)
