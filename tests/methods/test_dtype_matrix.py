@@ -13,6 +13,7 @@ import torch
 from specheads.data.features import CollectOptions, FeatureDataset, TokenDataset, collect_hidden_states
 from specheads.methods.dflash import DFlashMethod
 from specheads.methods.dspark import DSparkMethod
+from specheads.methods.domino import DominoMethod
 from specheads.methods.eagle1 import Eagle1Method
 from specheads.methods.eagle3 import Eagle3Method
 from specheads.methods.medusa import Medusa1Method, Medusa2Method
@@ -32,6 +33,7 @@ METHODS = {
         {"input_ids": i, "loss_mask": m} for i, m in zip(ROWS["input_ids"], ROWS["loss_mask"])]),
     "dflash": lambda: DFlashMethod(block_size=4, anchors=4),
     "dspark": lambda: DSparkMethod(block_size=4, anchors=4),
+    "domino": lambda: DominoMethod(block_size=4, anchors=4, lambda_base_start=0.5),
     "peagle": lambda: PEagleMethod(draft_vocab_size=64, num_depths=3, vocab_data=[
         {"input_ids": i, "loss_mask": m} for i, m in zip(ROWS["input_ids"], ROWS["loss_mask"])]),
 }

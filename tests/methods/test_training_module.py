@@ -46,11 +46,12 @@ def _method(name):
                                                        vocab_data=[{"input_ids": list(range(V)), "loss_mask": [1] * V}]),
           "peagle": dict(draft_vocab_size=64, num_depths=3, num_layers=2,
                          vocab_data=[{"input_ids": list(range(V)), "loss_mask": [1] * V}]),
-          "dspark": dict(block_size=4, anchors=4, num_layers=2, markov_rank=8)}
+          "dspark": dict(block_size=4, anchors=4, num_layers=2, markov_rank=8),
+          "domino": dict(block_size=4, anchors=4, num_layers=2, lambda_base_start=0.5)}
     return build_method(name, **kw[name])
 
 
-@pytest.mark.parametrize("name", ["medusa1", "medusa2", "eagle1", "eagle3", "peagle", "dspark"])
+@pytest.mark.parametrize("name", ["medusa1", "medusa2", "eagle1", "eagle3", "peagle", "dspark", "domino"])
 def test_loss_through_a_ddp_wrapper_matches_the_plain_module(group, name):
     from torch.nn.parallel import DistributedDataParallel as DDP
 

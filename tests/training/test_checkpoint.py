@@ -180,7 +180,7 @@ def test_a_resume_whose_build_made_other_frozen_weights_is_refused(tmp_path):
         load_checkpoint(acc, path)
 
 
-@pytest.mark.parametrize("name", ["medusa1", "medusa2", "eagle1", "eagle3", "peagle", "dspark"])
+@pytest.mark.parametrize("name", ["medusa1", "medusa2", "eagle1", "eagle3", "peagle", "dspark", "domino"])
 def test_each_familys_checkpoint_holds_its_trained_weights_and_buffers(tmp_path, name):
     """EAGLE-3's and P-EAGLE's d2t/t2d (buffers set at build) are kept; only Medusa-2's (LoRA: the target) frozen
     weights live in these modules at their defaults, the other families lend the target's outside the state dict."""
