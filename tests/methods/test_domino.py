@@ -168,12 +168,13 @@ def test_a_few_steps_lower_the_loss_on_a_tiny_store(tmp_path):
     method = DominoMethod(block_size=4, anchors=8, total_steps=30, lambda_base_decay_ratio=0.5)
     train_src, held = sources(n_train=32, n_eval=8, max_tokens=192)
     cfg = TrainConfig(output_dir=str(tmp_path), max_steps=30, eval_every=0, save_every=0, wandb_mode="disabled",
-                      progress=False, log_every=1, measure_prompts=0)
+                      progress=False, log_every=1, measure_prompts=2, measure_tokens=8)
     summary = train(method, target, train_src, cfg, OptimConfig(lr=3e-3, warmup_steps=0), held)
     rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in ln]
     losses = [r["loss"] for r in rows]
     assert sum(losses[-6:]) < 0.7 * sum(losses[:6]), losses
     assert rows[0]["lambda"] == 1.0 and rows[-1]["lambda"] == 0.0
     assert summary["eval"]["step0_acc"] > 0.1, summary["eval"]
+    assert summary["eval"]["measured_tau"] >= 1.0 and summary["eval"]["measured_k"] == 3  # the drafter, a chain of B-1
     loaded = DominoModel.from_pretrained(summary["head_dir"]).attach(target)
     assert loaded.config.gru_hidden_dim == min(1024, target.hidden_size)
