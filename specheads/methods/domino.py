@@ -176,7 +176,7 @@ class DominoMethod(DFlashMethod):
 
     @torch.no_grad()
     def evaluate(self, model: DominoModel, batch: dict, target: Target) -> dict[str, float]:
-        """Per predicted offset m: top-1 agreement of the corrected drafts (``step{m-1}``) and offsets 1..m all
+        """Per drafted token m (1..B-1): top-1 agreement of the corrected drafts (``step{m-1}``) and tokens 1..m all
         right (``joint{m-1}``), as sums over a fixed draw of anchors."""
         gen = torch.Generator(device=batch["input_ids"].device).manual_seed(0)
         h, labels, weights, prefix = self._blocks(model, batch, target, self.eval_anchors, gen)
@@ -185,7 +185,7 @@ class DominoMethod(DFlashMethod):
         out: dict[str, float] = {}
         f = model.first_slot
         chain, first = torch.ones_like(counted[:, :, 0]), counted[:, :, f]
-        for k in range(f, self.block_size):
+        for k in range(f, f + self.block_size - 1):  # the B-1 tokens a block drafts (DominoDrafter)
             c, r = counted[:, :, k], right[:, :, k]
             out[f"step{k - f}_correct"], out[f"step{k - f}_total"] = float(r.sum()), float(c.sum())
             chain = chain & c & r

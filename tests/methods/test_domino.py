@@ -178,3 +178,12 @@ def test_a_few_steps_lower_the_loss_on_a_tiny_store(tmp_path):
     assert summary["eval"]["measured_tau"] >= 1.0 and summary["eval"]["measured_k"] == 3  # the drafter, a chain of B-1
     loaded = DominoModel.from_pretrained(summary["head_dir"]).attach(target)
     assert loaded.config.gru_hidden_dim == min(1024, target.hidden_size)
+
+
+@pytest.mark.parametrize("shift_label", [True, False])
+def test_held_out_metrics_cover_the_b_minus_1_drafted_tokens(shift_label):
+    target, method, model, batch = _setup(shift_label)
+    ev = method.evaluate(model, batch, target)
+    assert sorted(k for k in ev if k.endswith("_total") and k.startswith("step")) == [
+        f"step{i}_total" for i in range(method.block_size - 1)]
+    assert all(ev[f"joint{i}_correct"] <= ev[f"step{i}_correct"] for i in range(method.block_size - 1))
