@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 from tqdm import tqdm
 
+from specheads.data import budget
 from specheads.data.store import (
     ARGMAX_KEY, MANIFEST, PLAN, POSITIONS_KEY, SHARD_DIR, STORE_FORMAT, CorruptShardError, FeatureSpec,
     InsufficientDiskError, ShardRecord, ShardWriter, StoreMismatchError, atomic_write_json, bytes_per_token,
@@ -498,8 +499,6 @@ def _estimate(target, spec, tokens: TokenDataset, batches: list[list[int]], todo
 
 def _within_budget(target, spec, dataset, tokens: TokenDataset, opts: CollectOptions, root: Path, source):
     """The prepared rows that fit ``opts.max_minutes`` (``budget.decide``), the source record saying so."""
-    from specheads.data import budget
-
     if opts.max_minutes <= 0:
         raise ValueError(f"collect.max_minutes must be positive (or null for no budget), got {opts.max_minutes}")
 
@@ -529,8 +528,6 @@ def _cut_at_deadline(target, spec, dataset, tokens: TokenDataset, shards: list[l
     """Stop a budgeted collection past its deadline: keep the finished shards (every one before ``shard``)
     and the rows ``done`` of ``shard``; record the cut (``budget.cut``), move the store to the plan of those
     rows (``replan``), and hand the writer the new plan for the rows of ``shard`` it holds."""
-    from specheads.data import budget
-
     kept = sorted([i for sh in shards[:shard] for i in sh] + done)
     renumber = {old: new for new, old in enumerate(kept)}
     lengths = [tokens.lengths[i] for i in kept]
@@ -606,9 +603,7 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
     # a budget's deadline (``budget.OVERRUN``): one process only, whose store the cut can move; rows with ids
     deadline = None
     if opts.max_minutes is not None and opts.world_size == 1 and not cut and tokens.has_ids:
-        from specheads.data.budget import OVERRUN
-
-        deadline = t0 + opts.max_minutes * 60 * OVERRUN
+        deadline = t0 + opts.max_minutes * 60 * budget.OVERRUN
     try:
         stopped = False
         for s in todo:

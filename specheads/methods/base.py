@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from specheads.data.store import ARGMAX_KEY, POSITIONS_KEY, FeatureSpec  # noqa: F401  (the methods' names for them)
-from specheads.targets import Target
+from specheads.targets import Target, check_aux_layers, default_eagle3_layers
 
 
 @dataclass
@@ -42,8 +42,6 @@ class FusedLayers:
     @property
     def feature_spec(self) -> FeatureSpec:
         """Needs the target's layer count when ``aux_layers`` is unset: call ``bind(target)`` or ``build`` first."""
-        from specheads.targets import default_eagle3_layers
-
         if self.aux_layers is None:
             if self._num_target_layers is None:
                 raise RuntimeError(f"{type(self).__name__}.feature_spec: aux_layers is unset; call bind(target) or "
@@ -54,8 +52,6 @@ class FusedLayers:
 
     def bind(self, target: Target):
         """Learn the target's layer count; aux layers it does not have are refused here, before any work."""
-        from specheads.targets import check_aux_layers
-
         check_aux_layers(self.aux_layers, target, "method.aux_layers")
         self._num_target_layers = target.num_layers
         return self

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from specheads.decoding.head_drafters import DFlashDrafter
 from specheads.methods.base import ARGMAX_KEY, FusedLayers, StepOutput
 from specheads.methods.losses import dpace_weights, frozen_linear, hard_cross_entropy, head_cross_entropy
 from specheads.methods.ttt import summarize_steps
@@ -193,8 +194,6 @@ class DFlashMethod(FusedLayers):
     def drafter(model, shape):
         """The drafter the evaluator uses (measured acceptance during training): a chain is cut to the B-1
         tokens one block drafts."""
-        from specheads.decoding.head_drafters import DFlashDrafter
-
         return DFlashDrafter(model, block_chain(shape, model.block_size))
 
     def save(self, model: DFlashModel, out_dir: str, target: Target) -> None:

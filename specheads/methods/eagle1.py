@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from specheads.decoding.head_drafters import EagleDrafter
 from specheads.methods.base import ARGMAX_KEY, FeatureSpec, StepOutput
 from specheads.methods.losses import feature_loss, soft_cross_entropy, target_probs, uniform_noise
 from specheads.methods.ttt import default_positions, shift_tokens, step_rows, summarize_steps, unrolled_accuracy
@@ -74,8 +75,6 @@ class Eagle1Method:
     @staticmethod
     def drafter(model, shape):
         """The drafter the evaluator uses (measured acceptance during training)."""
-        from specheads.decoding.head_drafters import EagleDrafter
-
         return EagleDrafter(model, shape, "eagle1")
 
     def save(self, model: Eagle1Model, out_dir: str, target: Target) -> None:

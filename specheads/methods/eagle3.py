@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from specheads.decoding.head_drafters import EagleDrafter
 from specheads.methods.base import ARGMAX_KEY, FusedLayers, StepOutput
 from specheads.methods.losses import column_logits, target_probs
 from specheads.methods.ttt import TargetRows, summarize_steps, ttt_loss, unrolled_accuracy
@@ -245,8 +246,6 @@ class Eagle3Method(FusedLayers):
     @staticmethod
     def drafter(model, shape):
         """The drafter the evaluator uses (measured acceptance during training)."""
-        from specheads.decoding.head_drafters import EagleDrafter
-
         return EagleDrafter(model, shape, "eagle3")
 
     def save(self, model: Eagle3Model, out_dir: str, target: Target) -> None:

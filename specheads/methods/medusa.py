@@ -41,6 +41,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from specheads.decoding.drafters import TreeShape
+from specheads.decoding.head_drafters import MedusaDrafter
+from specheads.decoding.tree import choices_from_accuracies, normalize_choices
+from specheads.errors import ConfigError
 from specheads.models.medusa import MedusaHeads, medusa_for_target
 from specheads.targets import Target, logit_softcap, output_logits, target_argmax
 from specheads.methods.losses import linear_cross_entropy, logit_chunk_rows, soft_cross_entropy, target_probs
@@ -219,8 +222,6 @@ def write_medusa_tree(head_dir: str | os.PathLike, acc: Sequence[Sequence[float]
                       calibrated_on: str = "held-out training rows") -> dict:
     """``medusa_tree.json`` beside the heads: the per-head rank accuracies and the tree of
     ``num_nodes`` choices they give (``choices_from_accuracies``, Medusa's rule)."""
-    from specheads.decoding.tree import choices_from_accuracies
-
     acc = [[float(a) for a in row] for row in acc]
     tree = {"format": TREE_FORMAT, "calibrated_on": calibrated_on,
             "basis": "head k's rank-r candidate equals the target's greedy token k+2 ahead (after the data prefix)",
@@ -247,8 +248,6 @@ def read_medusa_tree(head_dir: str | os.PathLike) -> dict | None:
 
 def default_choices(num_heads: int, num_nodes: int = TREE_NODES) -> list[tuple[int, ...]]:
     """The uncalibrated fallback tree: Medusa's rule on the fixed prior accuracies (``PRIOR_TOP1``)."""
-    from specheads.decoding.tree import choices_from_accuracies
-
     top1 = [PRIOR_TOP1[min(d, len(PRIOR_TOP1) - 1)] for d in range(num_heads)]
     acc = [[a * PRIOR_RANK_DECAY ** r for r in range(TREE_RANKS)] for a in top1]
     return choices_from_accuracies(acc, num_nodes)
@@ -258,8 +257,6 @@ def tree_for_head(head_dir: str | os.PathLike, num_heads: int, num_nodes: int) -
     """(static tree choices, where they come from) for a saved head, fitted on nothing being scored:
     the head's training-time calibration (``medusa_tree.json``: rebuilt at ``num_nodes`` from its rank
     accuracies), else the uncalibrated default (``default_choices``, with a warning)."""
-    from specheads.decoding.tree import choices_from_accuracies, normalize_choices
-
     tree = read_medusa_tree(head_dir)
     if tree is None:
         log.warning("Medusa head %s has no %s (a training-time tree calibration): using the uncalibrated "
@@ -343,8 +340,6 @@ class Medusa1Method:
     def drafter(model, shape):
         """The heads as the evaluator's drafter (measured acceptance during training); a chain is
         capped at the number of heads."""
-        from specheads.decoding.head_drafters import MedusaDrafter
-
         heads = model
         return MedusaDrafter(heads, TreeShape("chain", k=min(shape.k, heads.config.num_heads)))
 
@@ -494,8 +489,6 @@ class Medusa2Method:
     def build(self, target: Target) -> nn.Module:
         """Injects LoRA into ``target.model`` in place (adapters on = adapted, off = original)."""
         if target.layout.tp_size > 1:
-            from specheads.errors import ConfigError
-
             raise ConfigError("medusa2 trains the target itself, which a tensor-parallel target (target.parallel=tp) "
                               "cannot do here: use target.parallel=none or device_map, or FSDP / DeepSpeed ZeRO-3 "
                               "(conf/launcher/) to shard it")
@@ -524,8 +517,6 @@ class Medusa2Method:
     @staticmethod
     def drafter(model, shape):
         """The heads as a drafter; ``target.model`` (adapted in place) verifies them."""
-        from specheads.decoding.head_drafters import MedusaDrafter
-
         heads = model.heads
         return MedusaDrafter(heads, TreeShape("chain", k=min(shape.k, heads.config.num_heads)))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from specheads.decoding.mtp_drafter import MTPDrafter
 from specheads.errors import ConfigError
 from specheads.methods.base import ARGMAX_KEY, FeatureSpec, StepOutput
 from specheads.methods.losses import frozen_linear, hard_cross_entropy, head_cross_entropy
@@ -107,8 +108,6 @@ class MTPMethod:
 
     @staticmethod
     def drafter(model, shape):
-        from specheads.decoding.mtp_drafter import MTPDrafter
-
         return MTPDrafter(model, shape)
 
     def save(self, model: MTPModel, out_dir: str, target) -> None:

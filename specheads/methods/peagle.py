@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specheads.decoding.peagle_drafter import PEagleDrafter
 from specheads.methods.base import ARGMAX_KEY, StepOutput
 from specheads.methods.eagle3 import Eagle3Method
 from specheads.methods.losses import soft_cross_entropy
@@ -230,8 +231,6 @@ class PEagleMethod(Eagle3Method):
     def drafter(model, shape):
         """The drafter the evaluator uses (measured acceptance during training): a chain cut to K tokens."""
         from dataclasses import replace
-
-        from specheads.decoding.peagle_drafter import PEagleDrafter
 
         if shape.kind == "chain" and shape.k > model.num_depths:
             shape = replace(shape, k=model.num_depths)

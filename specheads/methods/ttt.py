@@ -27,6 +27,7 @@ from specheads.models.mrope import step_positions
 from specheads.methods.base import POSITIONS_KEY as POSITIONS
 from specheads.methods.losses import (SOFT_CHUNK_BYTES, feature_loss, linear_soft_cross_entropy, logit_chunk_rows,
                                       soft_cross_entropy)
+from specheads.models.eagle3 import Eagle3Model
 from specheads.targets import target_argmax
 
 
@@ -105,8 +106,6 @@ def _linear_head(model) -> torch.nn.Linear | None:
     (EAGLE-3's ``logits``, not overridden), else None. A head whose weight DeepSpeed ZeRO-3 partitions (``ds_id``)
     is None too: the linear path makes the weight's gradient in the forward pass, of the gathered shape, which the
     partitioned parameter refuses in backward; the generic path goes through the module as ZeRO-3 expects."""
-    from specheads.models.eagle3 import Eagle3Model
-
     head = getattr(model, "lm_head", None)
     if (isinstance(head, torch.nn.Linear) and getattr(type(model), "logits", None) is Eagle3Model.logits
             and not hasattr(head.weight, "ds_id")):

@@ -17,7 +17,9 @@ from specheads.engine_process import (ENGINE_VENV, SETUP_COMMAND, Engine, Engine
                                       EngineProcess, EngineRefusedError, engine_settings, find_engine, first_line,
                                       rank_gpus, root_cause, tail, worker_cores)
 from specheads.errors import InputNotFoundError, UserError
+from specheads.export.foreign import check_format, foreign_format, weight_files
 from specheads.export.serve import VLLM_METHOD, vllm_speculative_config
+from specheads.models.mtp_checkpoint import check_mtp_tensors
 from specheads.targets.model import recurrent_layer_types
 
 
@@ -68,8 +70,7 @@ def read_export(folder: str | Path) -> ExportedHead:
         raise InputNotFoundError(f"export_dir={folder} holds no weights ({weights}); export the head again")
     adapted = path / "target" if info.get("adapted_target") and (path / "target").is_dir() else None
     if method == "mtp":  # a stitched target: the folder is the model served; vLLM would draft with a random layer
-        from specheads.models.mtp_checkpoint import check_mtp_tensors  # if its MTP tensors were missing
-
+        # if its MTP tensors were missing
         check_mtp_tensors(path, int(info.get("mtp_layer", 0)))
         adapted = path
     return ExportedHead(path, method, layout, info.get("target"), str(adapted) if adapted else None, info)
@@ -79,8 +80,6 @@ def _foreign_export(path: Path) -> ExportedHead | None:
     """A head folder another trainer wrote (speculators, SpecForge, ModelOpt, z-lab's DFlash, Medusa's:
     ``export.foreign``), served as that trainer wrote it, the way its users serve it; None for a folder of no known
     format. Its ``layout`` is the format; ``info`` {"foreign": format}."""
-    from specheads.export.foreign import check_format, foreign_format, weight_files
-
     if foreign_format(path) is None:
         return None
     fmt, method = check_format(path)

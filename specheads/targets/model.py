@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from specheads.errors import SpecheadsError
+from specheads.errors import ConfigError, SpecheadsError
 from specheads.targets.parallel import ParallelLayout
 from specheads.targets.tokenizers import tokenizer_fingerprint
 
@@ -95,8 +95,6 @@ def default_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
 
 def check_aux_layers(aux_layers, target: "Target", setting: str = "aux_layers") -> None:
     """Refuse aux layers the target does not have (a ``ConfigError`` naming them), before any work."""
-    from specheads.errors import ConfigError
-
     bad = [i for i in (aux_layers or ()) if not 0 <= int(i) < target.num_layers]
     if bad:
         raise ConfigError(f"{setting} {list(aux_layers)}: layer(s) {bad} out of range for target '{target.name}' "

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
+from specheads.data.features import LengthGroupedBatchSampler, add_features, collate_features
 from specheads.data.store import FeatureSpec
 from specheads.targets import Target, data_parallel_share
 
@@ -62,8 +63,6 @@ class DatasetBatches:
             raise ValueError("DatasetBatches over an empty selection: nothing to train or evaluate on")
 
     def _plan(self, epoch: int) -> list[list[int]]:
-        from specheads.data.features import LengthGroupedBatchSampler
-
         sampler = LengthGroupedBatchSampler(self.lengths, self.max_tokens, self.batch_size, self.shuffle, self.seed)
         sampler.set_epoch(epoch)
         return list(sampler)
@@ -76,8 +75,6 @@ class DatasetBatches:
             yield functools.partial(self._load, [self.indices[i] for i in idx])
 
     def _load(self, rows: list[int]) -> dict[str, torch.Tensor]:
-        from specheads.data.features import collate_features
-
         ds = self.dataset
         samples = ds.rows(rows) if hasattr(ds, "rows") else [ds[i] for i in rows]
         if self.max_length:
@@ -128,8 +125,6 @@ def micro_batches(source: BatchSource, epoch: int, pos: int, world: int = 1, ran
 def prepare_batch(batch: dict[str, torch.Tensor], target: Target, spec: FeatureSpec, device) -> dict[str, torch.Tensor]:
     """Move a batch to ``device``, cast stored features to float32 (what online features are),
     compute missing features with ``specheads.data.features.add_features`` (the function collection uses)."""
-    from specheads.data.features import add_features
-
     out = {}
     for k, v in batch.items():
         if isinstance(v, torch.Tensor):
