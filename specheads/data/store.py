@@ -48,7 +48,8 @@ POSITIONS_KEY = "positions"  # (B, T, 3) a vision-language target's 3-D M-RoPE p
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    """Which target tensors a method trains on (see ``specheads.targets`` for the layer convention).
+    """Which target tensors a method trains on (see ``specheads.targets`` for the layer convention): the contract
+    between a method (``Method.feature_spec``), which declares it, and collection and the trainer, which read it.
 
     aux_layers: inputs of these decoder layers, concatenated in this order into ``hidden_aux``
     need_last:  the post-norm last hidden state, as ``hidden_last``
