@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from specheads.decoding.domino_drafter import DominoDrafter
 from specheads.methods.base import ARGMAX_KEY, StepOutput
 from specheads.methods.dflash import DFlashMethod, block_chain, init_from_target, slot_cross_entropy
 from specheads.models.dflash import BlockLayout
@@ -196,8 +197,6 @@ class DominoMethod(DFlashMethod):
     def drafter(model, shape):
         """The evaluator's drafter (measured acceptance during training): the block as a chain, corrected left to
         right."""
-        from specheads.decoding.domino_drafter import DominoDrafter
-
         return DominoDrafter(model, block_chain(shape, model.block_size))
 
     def save(self, model: DominoModel, out_dir: str, target: Target) -> None:
