@@ -93,7 +93,8 @@ def test_compute_features_are_hf_hidden_states_post_norm_last(tiny_target):
 
 
 def test_spec_for_method():
-    assert spec_for_method("eagle3", 30) == FeatureSpec((2, 15, 27), True)
+    assert spec_for_method("eagle3", 30) == FeatureSpec((2, 15, 27), True, image_rows=True)  # trains on image rows
+    assert not spec_for_method("eagle1", 30).image_rows and not spec_for_method("medusa1", 30).image_rows
     assert spec_for_method("eagle3", 30, [1, 2, 3]).aux_layers == (1, 2, 3)
     assert spec_for_method("eagle1", 30) == FeatureSpec((), True)
     assert spec_for_method("medusa1", 30).aux_layers == ()
