@@ -306,7 +306,7 @@ def make_entry(path: str | Path, checkout: Checkout, *, wall_s: float | None = N
         entry["machine"] = machine or cpu_description()
     stamp = {"date": date or dt.date.today().isoformat(), "commit": checkout.commit, "dirty": checkout.dirty}
     extra = {k: v for k, v in (("run", run), ("what", what), ("fresh_clone", fresh_clone)) if v is not None}
-    return KINDS[kind], {"kind": entry.pop("kind"), **stamp, **extra, **entry}
+    return KINDS[kind], {"kind": entry.pop("kind"), **stamp, **entry, **extra}  # --run/--what over the input's
 
 
 def load_results(path: str | Path) -> dict:

@@ -429,9 +429,11 @@ def test_a_long_row_benchmark_is_recorded_and_rendered_with_its_growth_in_the_tr
             _long_row("eagle3", 7, 32768, 4100, 230.0), _long_row("dflash", 1, 8192, 300, 10.0),
             _long_row("dflash", 1, 32768, 1200, 80.0)]
     report = {"kind": "long_row_bench", "target": "shape:smollm2-135m", "dtype": "float32", "threads": 2,
-              "rows": rows}
-    entry = record(_write(tmp_path, "r.json", report), results, CHECKOUT, machine="box", date="2099-01-01")
+              "run": "scripts/bench/ttt_memory.py --json /tmp/r.json", "rows": rows}
+    entry = record(_write(tmp_path, "r.json", report), results, CHECKOUT, machine="box", date="2099-01-01",
+                   run="scripts/bench/ttt_memory.py --tokens 8192 16384 32768")
     assert entry["kind"] == "long_row_bench" and entry["commit"] == CHECKOUT.commit
+    assert entry["run"] == "scripts/bench/ttt_memory.py --tokens 8192 16384 32768"  # --run over the report's own
     data = rt.load(results)
     table = rt.long_row_benches(data)
     assert "| EAGLE-3 | 7 | fused | 16384 | 2000 | 2900 | 57.9 | 110.0 |" in table
