@@ -15,7 +15,7 @@ import torch
 from specheads.decoding.cpu_linears import pack_like
 from specheads.decoding.drafters import TreeShape
 from specheads.decoding.head_drafters import DFlashDrafter, _nparams
-from specheads.decoding.tree import DraftTree, probs
+from specheads.decoding.tree import DraftTree, draw_token
 
 
 class DominoDrafter(DFlashDrafter):
@@ -41,12 +41,9 @@ class DominoDrafter(DFlashDrafter):
         for j in range(h.shape[1]):
             out, state = model.gru_states(prev[:, None], state)  # the anchor and the tokens drafted so far
             lj = model.draft_logits(h[:, j], out[:, 0] if j + first >= model.suffix_start else None).double()
-            if temperature <= 0:
-                tok = lj.argmax(-1)
-            else:
-                q = probs(lj, temperature)
-                tok = torch.multinomial(q.cpu(), 1, generator=generator)[:, 0].to(lj.device)
-                qs.append(q.cpu())
+            tok, q = draw_token(lj, temperature, generator)
+            if q is not None:
+                qs.append(q)
             toks.append(tok)
             logits.append(lj)
             prev = tok

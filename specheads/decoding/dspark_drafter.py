@@ -18,7 +18,7 @@ import torch
 from specheads.decoding.cpu_linears import pack_like
 from specheads.decoding.head_drafters import DFlashDrafter, _nparams
 from specheads.decoding.drafters import TreeShape
-from specheads.decoding.tree import DraftTree, probs
+from specheads.decoding.tree import DraftTree, draw_token
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -49,12 +49,9 @@ class DSparkDrafter(DFlashDrafter):
         prev = anchors
         for j in range(h.shape[1]):
             lj = self.model.draft_logits(h[:, j], prev).double()
-            if temperature <= 0:
-                tok = lj.argmax(-1)
-            else:
-                q = probs(lj, temperature)
-                tok = torch.multinomial(q.cpu(), 1, generator=generator)[:, 0].to(lj.device)
-                qs.append(q.cpu())
+            tok, q = draw_token(lj, temperature, generator)
+            if q is not None:
+                qs.append(q)
             toks.append(tok)
             prevs.append(prev)
             logits.append(lj)

@@ -258,3 +258,13 @@ def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double()
     return torch.softmax(logits / temperature, -1)
 
+
+def draw_token(logits: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token per row of ``logits`` (B, V): the argmax at T = 0 (law None), else a sample of
+    ``probs(logits, T)`` drawn on the CPU with ``generator``, returned with that law (B, V) float64 on the CPU, which
+    the verifier's accept/reject rule needs."""
+    if temperature <= 0:
+        return logits.argmax(-1), None
+    q = probs(logits, temperature).cpu()
+    return torch.multinomial(q, 1, generator=generator)[:, 0].to(logits.device), q
+
