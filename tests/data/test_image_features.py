@@ -2,18 +2,16 @@
 are the states of a plain full forward of the VL model on the same row, the vision encoder runs once per image,
 and the store keeps the 3-D M-RoPE positions the language model ran at."""
 
-import json
-
 import pytest
 import torch
 
 from specheads.data import images as img
 from specheads.data.features import CollectOptions, FeatureDataset, collect_hidden_states, spec_for_method
-from specheads.data.prepare import PrepareConfig, load_prepared, prepare
+from specheads.data.prepare import load_prepared
 from specheads.data.store import StoreMismatchError
-from specheads.targets import Target, load_target, load_tokenizer
+from specheads.targets import load_target
 
-from tests.data.vision_targets import save_photos, save_vision_target
+from tests.data.vision_targets import prepare_image_chats, save_vision_target
 
 pytest.importorskip("skimage", reason="scikit-image (the dev extra) holds the sample photographs")
 
@@ -24,26 +22,7 @@ def prepared(request, tmp_path_factory):
     text chat, prepared for a tiny random VL target."""
     root = tmp_path_factory.mktemp(request.param)
     folder = save_vision_target(root / "target", request.param)
-    photos = save_photos(root / "photos")
-    rows = [
-        {"id": "two", "messages": [
-            {"role": "user", "content": [{"type": "image", "image": str(photos["astronaut"])},
-                                         {"type": "text", "text": "and"},
-                                         {"type": "image", "image": str(photos["coffee"])}]},
-            {"role": "assistant", "content": "An astronaut and coffee."},
-            {"role": "user", "content": [{"type": "text", "text": "This?"},
-                                         {"type": "image", "image": str(photos["chelsea"])}]},
-            {"role": "assistant", "content": "A cat."}]},
-        {"id": "one", "image": str(photos["chelsea"]), "conversations": [
-            {"from": "human", "value": "<image>\nWhat animal is this?"}, {"from": "gpt", "value": "A tabby cat."}]},
-        {"id": "text", "messages": [{"role": "user", "content": "Hello there"},
-                                    {"role": "assistant", "content": "Hi! How can I help?"}]},
-    ]
-    (root / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tok = load_tokenizer(str(folder))
-    prepare(Target.tokenizer_only(tok, str(folder)), PrepareConfig(source="jsonl", path=str(root / "c.jsonl"),
-                                                                   num_proc=1), root / "prepared",
-            img.load_vision(str(folder), tok))
+    prepare_image_chats(root, folder)
     return folder, root / "prepared"
 
 

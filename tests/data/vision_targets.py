@@ -116,3 +116,40 @@ def save_photos(folder: str | Path, names=tuple(SAMPLES)) -> dict[str, Path]:
         out[name] = folder / f"{name}.jpg"
         photo(name).save(out[name], quality=90)
     return out
+
+
+def image_chats(photos: dict[str, Path]) -> list[dict]:
+    """Three conversations over ``save_photos``' files: two images in one turn and one in a later turn (OpenAI-style
+    parts), one ShareGPT4V ``<image>`` chat, and a text chat."""
+    return [
+        {"id": "two", "messages": [
+            {"role": "user", "content": [{"type": "image", "image": str(photos["astronaut"])},
+                                         {"type": "text", "text": "and"},
+                                         {"type": "image", "image": str(photos["coffee"])}]},
+            {"role": "assistant", "content": "An astronaut and a cup of coffee."},
+            {"role": "user", "content": [{"type": "text", "text": "This?"},
+                                         {"type": "image", "image": str(photos["chelsea"])}]},
+            {"role": "assistant", "content": "A cat, sitting."}]},
+        {"id": "one", "image": str(photos["chelsea"]), "conversations": [
+            {"from": "human", "value": "<image>\nWhat animal is this?"}, {"from": "gpt", "value": "A tabby cat."}]},
+        {"id": "text", "messages": [{"role": "user", "content": "Hello there"},
+                                    {"role": "assistant", "content": "Hi! How can I help?"}]},
+    ]
+
+
+def prepare_image_chats(root: Path, folder: Path) -> Path:
+    """``image_chats`` over photos saved in ``root``, written as JSONL and prepared for the VL target in ``folder``
+    (its processor and template); returns the prepared folder, ``root / "prepared"``."""
+    import json
+
+    from specheads.data import images as img
+    from specheads.data.prepare import PrepareConfig, prepare
+    from specheads.targets import Target, load_tokenizer
+
+    rows = image_chats(save_photos(root / "photos"))
+    (root / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = load_tokenizer(str(folder))
+    prepare(Target.tokenizer_only(tok, str(folder)),
+            PrepareConfig(source="jsonl", path=str(root / "c.jsonl"), num_proc=1), root / "prepared",
+            img.load_vision(str(folder), tok))
+    return root / "prepared"

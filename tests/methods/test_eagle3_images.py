@@ -12,17 +12,15 @@ import json
 import pytest
 import torch
 
-from specheads.data import images as img
 from specheads.data.features import (CollectOptions, FeatureDataset, collate_features, collect_hidden_states,
                                      spec_for_method)
-from specheads.data.prepare import PrepareConfig, prepare
 from specheads.data.store import StoreMismatchError
 from specheads.methods.eagle3 import Eagle3Method
 from specheads.models.eagle3 import Eagle3Config, Eagle3Model
 from specheads.models.mrope import MRotaryEmbedding
-from specheads.targets import Target, load_target, load_tokenizer
+from specheads.targets import Target, load_target
 
-from tests.data.vision_targets import save_photos, save_vision_target
+from tests.data.vision_targets import prepare_image_chats, save_vision_target
 
 pytest.importorskip("skimage", reason="scikit-image (the dev extra) holds the sample photographs")
 
@@ -43,26 +41,7 @@ def image_store(tmp_path_factory):
     first turn and one in a later turn, a one-image ShareGPT4V chat, a text chat."""
     root = tmp_path_factory.mktemp("images")
     folder = save_vision_target(root / "target", "qwen3_vl")
-    photos = save_photos(root / "photos")
-    rows = [
-        {"id": "two", "messages": [
-            {"role": "user", "content": [{"type": "image", "image": str(photos["astronaut"])},
-                                         {"type": "text", "text": "and"},
-                                         {"type": "image", "image": str(photos["coffee"])}]},
-            {"role": "assistant", "content": "An astronaut and a cup of coffee."},
-            {"role": "user", "content": [{"type": "text", "text": "This?"},
-                                         {"type": "image", "image": str(photos["chelsea"])}]},
-            {"role": "assistant", "content": "A cat, sitting."}]},
-        {"id": "one", "image": str(photos["chelsea"]), "conversations": [
-            {"from": "human", "value": "<image>\nWhat animal is this?"}, {"from": "gpt", "value": "A tabby cat."}]},
-        {"id": "text", "messages": [{"role": "user", "content": "Hello there"},
-                                    {"role": "assistant", "content": "Hi! How can I help?"}]},
-    ]
-    (root / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tok = load_tokenizer(str(folder))
-    prepare(Target.tokenizer_only(tok, str(folder)), PrepareConfig(source="jsonl", path=str(root / "c.jsonl"),
-                                                                   num_proc=1), root / "prepared",
-            img.load_vision(str(folder), tok))
+    prepare_image_chats(root, folder)
     target = load_target(str(folder), dtype="float32", device="cpu")
     from specheads.data.prepare import load_prepared
 
