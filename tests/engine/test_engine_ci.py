@@ -88,11 +88,12 @@ def test_a_head_exported_here_is_served_by_the_real_vllm_as_the_evaluator_measur
               "eval_report=null", cwd=tmp_path)
     shuffled_export = shuffle_weights(tmp_path / "export", tmp_path / "export-shuffled")
     stage("export")
-    # the evaluator's chain of 3 (the head's own: K = 3) on the same prompts
+    # the evaluator's chain of 3 (the head's own: K = 3) on the same prompts; its acceptance is the fast pass's
+    # (the exact pass adds only the lossless verdict, which the engine's own greedy identity stands for here)
     evaluated = tmp_path / "eval" / "report.json"
     specheads("evaluate", F32, f"head_dir={tmp_path / 'train'}", *evalset, "baselines=[]", "temperatures=[0.0]",
               "batch_sizes=[1]", "serving.engines=[vllm]", "serving.vllm_num_speculative_tokens=3",
-              "cpu_linears=plain", f"output_dir={evaluated.parent}", cwd=tmp_path)
+              "cpu_linears=plain", "exact_forward=off", f"output_dir={evaluated.parent}", cwd=tmp_path)
     stage("evaluate")
     serve = ["serve-eval", *evalset, f"eval_report={evaluated}", "num_speculative_tokens=3", "vllm.enforce_eager=true"]
     specheads(*serve, f"export_dir={tmp_path / 'export'}", f"output_dir={tmp_path / 'serve'}", cwd=tmp_path)
