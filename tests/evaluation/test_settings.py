@@ -96,14 +96,18 @@ def _specheads(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
-@pytest.mark.parametrize("override,message", [
+REFUSED = [
     ("temperatures=[-1]", "temperatures=[-1]: -1 is out of range: give a finite number >= 0"),
     ("eval.max_minutes=0", "eval.max_minutes=0.0 is out of range: give a finite number > 0 (or null)"),
     ("tree.depth=0", "tree.depth=0 is out of range: give an integer >= 1"),
     ("threads=0", "threads=0 is out of range: give an integer >= 1 (or null)"),
-])
-def test_the_cli_refuses_a_setting_in_one_line_before_the_target_loads(tmp_path, override, message):
-    """The target named does not exist: a run that reached its loading would fail otherwise."""
+]
+
+
+def test_the_cli_refuses_a_setting_in_one_line_before_the_target_loads(tmp_path):
+    """The target named does not exist: a run that reached its loading would fail otherwise. One command through
+    the CLI (its one line, exit status, no output folder); every refused setting through the recipe's own run below."""
+    override, message = REFUSED[0]
     started = time.monotonic()
     proc = _specheads("evaluate", override, "target.name_or_path=/nonexistent/model", f"output_dir={tmp_path / 'eval'}",
                       cwd=tmp_path)
@@ -114,3 +118,23 @@ def test_the_cli_refuses_a_setting_in_one_line_before_the_target_loads(tmp_path,
     assert lines[-1].startswith(f"specheads evaluate: error: {message}"), proc.stderr[-3000:]
     assert sum("error:" in line for line in lines) == 1
     assert not (tmp_path / "eval").exists() and took < 60
+
+
+@pytest.mark.parametrize("override,message", REFUSED)
+def test_the_recipe_refuses_a_setting_before_the_target_loads(tmp_path, override, message):
+    """The evaluate recipe's ``run`` (what the CLI runs) on the composed config: the setting's ConfigError, raised
+    before the target (which does not exist) is looked for and before the output folder is made."""
+    import importlib.util
+
+    from hydra import compose, initialize_config_dir
+
+    spec = importlib.util.spec_from_file_location("evaluate_recipe_settings", ROOT / "recipes" / "evaluate.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)  # registers the schema
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("evaluate", [override, "target.name_or_path=/nonexistent/model",
+                                   f"output_dir={tmp_path / 'eval'}"])
+    with pytest.raises(ConfigError) as e:
+        recipe.run(cfg)
+    assert str(e.value).startswith(message)
+    assert not (tmp_path / "eval").exists()
