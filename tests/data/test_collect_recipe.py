@@ -124,15 +124,19 @@ def test_a_users_own_target_starts_on_a_cpu_without_device_or_dtype_overrides(ti
     assert source["budget"]["rows"] == source["budget"]["prepared_rows"] == 30
 
 
-@pytest.mark.parametrize("override, words", [
+BAD_ENGINE_SETTINGS = [
     (["engine=sglang"], ["engine=sglang", "hf", "vllm", "auto"]),
     (["engine=vllm", "vllm.max_model_len=8"], ["vllm.max_model_len=8", "longest prepared row"]),
     (["engine=vllm", "method.aux_layers=[1,2,99]"], ["99", "out of range"]),
     (["engine=vllm", "target.parallel=tp"], ["vllm.tensor_parallel_size"]),
-])
-def test_a_bad_engine_setting_is_one_line_before_any_engine_starts(tiny_setup, tmp_path, override, words):
-    """Refused before the engine is looked for: these fail the same with no engine installed."""
+]
+
+
+def test_a_bad_engine_setting_is_one_line_before_any_engine_starts(tiny_setup, tmp_path):
+    """Refused before the engine is looked for: these fail the same with no engine installed. One command through
+    the CLI (its one line and exit status); every bad setting through the recipe's own ``collect`` below."""
     model_dir, prepared = tiny_setup
+    override, words = BAD_ENGINE_SETTINGS[0]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "SPECHEADS_ENGINE_PYTHON": "/nonexistent"}
     proc = subprocess.run([sys.executable, "-m", "specheads.cli", "collect",
                            *overrides(model_dir, prepared, tmp_path / "out"), *override],
@@ -140,6 +144,31 @@ def test_a_bad_engine_setting_is_one_line_before_any_engine_starts(tiny_setup, t
     err = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
     assert proc.returncode == 2 and err.startswith("specheads collect: error:"), proc.stderr[-2000:]
     assert all(w in err for w in words), err
+
+
+@pytest.mark.parametrize("override, words", BAD_ENGINE_SETTINGS)
+def test_the_recipe_refuses_a_bad_engine_setting_before_any_engine_is_looked_for(tiny_setup, tmp_path, monkeypatch,
+                                                                                 override, words):
+    """The collect recipe's ``collect`` (what the CLI runs) on the composed config, with no engine to be found
+    (a run that looked for one would fail otherwise): the setting's ConfigError, no store written."""
+    import importlib.util
+
+    from hydra import compose, initialize_config_dir
+
+    from specheads.errors import ConfigError
+
+    model_dir, prepared = tiny_setup
+    monkeypatch.setenv("SPECHEADS_ENGINE_PYTHON", "/nonexistent")
+    spec = importlib.util.spec_from_file_location("collect_recipe_engine_settings",
+                                                  REPO / "recipes" / "collect_hidden_states.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)  # registers the schema
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("collect_hidden_states", [*overrides(model_dir, prepared, tmp_path / "out"), *override])
+    with pytest.raises(ConfigError) as e:
+        recipe.collect(cfg)
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert not (tmp_path / "out" / "manifest.json").exists()
 
 
 def test_engine_auto_takes_the_transformers_forward_where_no_engine_is_found(tiny_setup, tmp_path):
