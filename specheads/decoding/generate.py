@@ -161,9 +161,7 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts:
     runner.aux_layers = tuple(drafter.aux_layers)
     wait = _device_wait(runner.device) if sync else (lambda: None)
     t_start = time.perf_counter()
-    feats = runner.prefill([list(p) for p in prompts])
-    drafter.start([list(p) for p in prompts], feats)
-    wait()
+    _prefill(runner, drafter, prompts, wait)
     prefill_time = time.perf_counter() - t_start
     seqs = [list(p) for p in prompts]
     new: list[list[int]] = [[] for _ in prompts]
@@ -178,46 +176,18 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts:
     try:
         while any(active):
             counted = counter.count
-            t0 = time.perf_counter()
-            trees = drafter.propose(seqs, active, temperature, generator)
-            wait()
-            t1 = time.perf_counter()
-            with counter.paused():  # the target's forward: not a draft forward, whatever modules it shares
-                out = _verify_forward(runner, seqs, trees, active)
-            wait()
-            t2 = time.perf_counter()
-            draft_time += t1 - t0
-            target_time += t2 - t1
+            trees, out, dt, tt = _draft_and_forward(runner, drafter, counter, seqs, active, temperature, generator,
+                                                    wait)
+            draft_time += dt
+            target_time += tt
             sizes.append(sum(1 + trees[b].fed for b in range(len(seqs)) if active[b]))
-            for b, tree in enumerate(trees):
-                if active[b] and tree.fed > tree.size:
-                    drafter.observe_forward(b, out.logits[b, : tree.fed + 1], tree)
+            _observe_extra_nodes(drafter, out.logits, trees, active)
             t3 = time.perf_counter()
-            keeps, news, verdicts = [], [], []
-            batched = _verify_batch(out.logits, trees, active, verify_backend) \
-                if verify_backend and (temperature <= 0 or method == "greedy") else None
-            for b, tree in enumerate(trees):
-                if not active[b]:
-                    keeps.append([]); news.append([]); verdicts.append(None)
-                    continue
-                v = batched[b] if batched is not None else \
-                    verify_fn(method, out.logits[b, : tree.size + 1], tree, temperature, generator)
-                verdicts.append(v)
-                keeps.append([0] + [i + 1 for i in v.path])
-                news.append([int(tree.tokens[i]) for i in v.path] + [v.bonus])
+            keeps, news, verdicts = _step_verdicts(out.logits, trees, active, method, temperature, generator,
+                                                   verify_fn, verify_backend)
             verify_time += time.perf_counter() - t3
             runner.commit(keeps)
-            emitted: dict[int, int] = {}
-            for b in range(len(seqs)):
-                if active[b]:
-                    emitted[b] = _append(b, news[b], seqs, new, active, max_new_tokens, eos)
-                    if stop is not None and active[b] and stop(b, new[b]):
-                        active[b] = False
-                    if drafter.needs_features:
-                        drafter.observe(b, news[b], _rows(out.hidden_last, b, keeps[b]),
-                                        _rows(out.hidden_aux, b, keeps[b]))
-                    else:
-                        drafter.observe(b, news[b], None, None)
+            emitted = _advance_rows(drafter, out, keeps, news, seqs, new, active, max_new_tokens, eos, stop)
             by_step.append(counter.count - counted)  # propose, observe_forward and observe: the whole step
             for b, n in emitted.items():
                 stats[b].add(verdicts[b], trees[b], n, by_step[-1])
@@ -226,6 +196,74 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts:
         counter.close()
     return GenerationResult(new, stats, runner.forward_calls - forwards0, prefill_time, target_time,
                             draft_time, time.perf_counter() - t_start, sizes, verify_time, by_step)
+
+
+def _prefill(runner: TargetRunner, drafter: Drafter, prompts: Sequence[Sequence[int]],
+             wait: Callable[[], None]) -> None:
+    """Prefill the target on the prompts and start the drafter on its features."""
+    feats = runner.prefill([list(p) for p in prompts])
+    drafter.start([list(p) for p in prompts], feats)
+    wait()
+
+
+def _draft_and_forward(runner: TargetRunner, drafter: Drafter, counter: ForwardCounter, seqs, active: list[bool],
+                       temperature: float, generator: torch.Generator | None, wait: Callable[[], None]):
+    """A step's drafts and its target forward over them; returns the trees, the forward's output and the seconds
+    each took (the counter paused over the target's forward: not a draft forward, whatever modules it shares)."""
+    t0 = time.perf_counter()
+    trees = drafter.propose(seqs, active, temperature, generator)
+    wait()
+    t1 = time.perf_counter()
+    with counter.paused():
+        out = _verify_forward(runner, seqs, trees, active)
+    wait()
+    t2 = time.perf_counter()
+    return trees, out, t1 - t0, t2 - t1
+
+
+def _observe_extra_nodes(drafter: Drafter, logits: torch.Tensor, trees: list[DraftTree], active: list[bool]) -> None:
+    """Show the drafter the target's logits of each active row whose tree fed extra (never verified) nodes."""
+    for b, tree in enumerate(trees):
+        if active[b] and tree.fed > tree.size:
+            drafter.observe_forward(b, logits[b, : tree.fed + 1], tree)
+
+
+def _step_verdicts(logits: torch.Tensor, trees: list[DraftTree], active: list[bool], method: str,
+                   temperature: float, generator: torch.Generator | None, verify_fn: VerifyFn,
+                   verify_backend: str | None):
+    """Each row's verdict, the cache entries it keeps and its new tokens (empty and None for inactive rows): greedy
+    steps of the batch in one batched call where ``verify_backend`` asks, else row by row through ``verify_fn``."""
+    keeps, news, verdicts = [], [], []
+    batched = _verify_batch(logits, trees, active, verify_backend) \
+        if verify_backend and (temperature <= 0 or method == "greedy") else None
+    for b, tree in enumerate(trees):
+        if not active[b]:
+            keeps.append([]); news.append([]); verdicts.append(None)
+            continue
+        v = batched[b] if batched is not None else \
+            verify_fn(method, logits[b, : tree.size + 1], tree, temperature, generator)
+        verdicts.append(v)
+        keeps.append([0] + [i + 1 for i in v.path])
+        news.append([int(tree.tokens[i]) for i in v.path] + [v.bonus])
+    return keeps, news, verdicts
+
+
+def _advance_rows(drafter: Drafter, out, keeps: list[list[int]], news: list[list[int]], seqs, new, active,
+                  max_new_tokens: int, eos: set[int], stop: Callable[[int, list[int]], bool] | None) -> dict[int, int]:
+    """Append each active row's new tokens, end the rows that stop, and feed the drafter what was kept; returns
+    how many tokens each active row appended."""
+    emitted: dict[int, int] = {}
+    for b in range(len(seqs)):
+        if active[b]:
+            emitted[b] = _append(b, news[b], seqs, new, active, max_new_tokens, eos)
+            if stop is not None and active[b] and stop(b, new[b]):
+                active[b] = False
+            if drafter.needs_features:
+                drafter.observe(b, news[b], _rows(out.hidden_last, b, keeps[b]),
+                                _rows(out.hidden_aux, b, keeps[b]))
+            else:
+                drafter.observe(b, news[b], None, None)
+    return emitted
 
 
 def _device_wait(device: torch.device) -> Callable[[], None]:
