@@ -112,11 +112,42 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     checkpoint = checkpoint or (lambda r: None)
     prompts = load_benchmarks(cfg.benchmarks)
     eos = eos_token_ids(target)
+    kernels, measured = _settle_decoding(target, cfg, prompts, state.report if state is not None else {})
+    runner = TargetRunner(target.model)
+    if state is not None and decisions(state.report) != decisions(measured):
+        log.warning("this machine now decodes the target otherwise than the interrupted evaluation did (%s vs %s): "
+                    "the evaluation starts over", decisions(measured), decisions(state.report))
+        state = None
+    if state is None:
+        state = _plain_state(target, runner, kernels, prompts, cfg, eos, progress, resized, key, measured, started)
+    else:
+        state.report.setdefault("resumed", []).append(
+            {"methods_taken_up": [r["name"] for r in state.report["methods"]]})
+        log.info("taking up an interrupted evaluation: the plain pass and %d of %d methods are done (%s)",
+                 state.done, len(cfg.methods), resume.path)
+    if resume is not None:
+        resume.save(state)
+    prompts = state.plan.prompts
+    plain_tokens = {p.id: r for p, r in zip(prompts, state.ids["fast_tokens"])}  # the fast pass's plain output
+    for i, (spec, temps, sizes) in enumerate(zip(cfg.methods, state.plan.temperatures, state.plan.batch_sizes)):
+        if i < state.done or not temps:  # done before an interruption; left out for time (the budget's record)
+            continue
+        _method_row(spec, temps, sizes, state, target, runner, kernels, prompts, plain_tokens, cfg, eos, progress,
+                    checkpoint)
+        state.done = i + 1
+        if resume is not None:
+            resume.save(state)
+    state.report["recommendation"] = recommend(state.report, cfg.recommend_ks)
+    return state.report
+
+
+def _settle_decoding(target: Target, cfg: EvalConfig, prompts, taken: dict) -> tuple[Kernels, dict]:
+    """The fast and exact passes' kernels, set to the fast pass, and the choices measured for them (an interrupted
+    evaluation's report ``taken``: its measured choices, applied as they were)."""
     # before any forward: the fast pass's attention, then the exact pass's (both passes, plain and speculative)
     kernels, exact = prepare_kernels(target.model, cfg.exact_forward, cfg.grouped_attention)
     # an interrupted evaluation's measured choices are applied as they were (timings on a busy machine could
     # choose otherwise now, and its finished rows were decoded under them); the proof runs all the same
-    taken = state.report if state is not None else {}
     linears_mode = (taken.get("cpu_linears") or {}).get("linears") or cfg.cpu_linears
     if linears_mode == "auto":
         log.info("timing the target's linear layers packed and plain")  # a phase, not a step of the bar
@@ -129,74 +160,66 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     if exact.get("fallback"):
         linears = exact["fallback"]["cpu_linears"]
     kernels.use_fast()  # every decode from here on, but the exact pass's (``kernels.exact()``)
-    runner = TargetRunner(target.model)
     measured = {"exact_forward": exact, "cpu_linears": linears, "cpu_threads": threads,
                 "target_dtype": str(target.dtype), "passes": kernels.record()}
-    if state is not None and decisions(state.report) != decisions(measured):
-        log.warning("this machine now decodes the target otherwise than the interrupted evaluation did (%s vs %s): "
-                    "the evaluation starts over", decisions(measured), decisions(state.report))
-        state = None
-    if state is None:
-        if cfg.max_minutes is None:
-            plan = full_plan(prompts, cfg.methods, cfg.temperatures, cfg.batch_sizes)
-        else:
-            plan = fit_budget(prompts, target, runner, kernels, cfg, eos, time.perf_counter() - started)
-        if resized is not None:  # the bar's total, the exact pass's decodes counted
-            resized(plan.steps(cfg.methods, cfg.repeats, cfg.paired, cfg.batch_prompts, kernels.exact_pass))
-        prompts = plan.prompts
-        t0 = time.perf_counter()
-        ids, plain = _plain_pass(target, runner, kernels, prompts, cfg, eos, progress)
-        plain = _plain_passes(runner, prompts, ids, plain, cfg, eos, progress, plan.plain_temperatures())
-        plain_seconds = time.perf_counter() - t0
-        report = {"target": target.name, "num_prompts": len(prompts), "prompt_ids": [p.id for p in prompts],
-                  "max_new_tokens": cfg.max_new_tokens,
-                  "temperatures": list(cfg.temperatures), "target_params": _nparams(target.model),
-                  "repeats": cfg.repeats, "paired": cfg.paired, "plain": _timed_rows(plain[0.0]),
-                  "plain_by_temperature": {str(T): _timed_rows(passes) for T, passes in plain.items()},
-                  "plain_seconds": plain_seconds, **measured,
-                  "target_dtype_choice": target.dtype_choice.record() if getattr(target, "dtype_choice", None)
-                  else None,
-                  "machine": machine_description(target.device),
-                  "data_separation": separation_record(cfg.benchmarks, prompts),
-                  "budget": plan.record, "methods": []}
-        chosen: dict[tuple[str, str | None], dict] = {}  # one shape per head (with or without a lookup branch)
-        state = EvalState(key, plan, ids, plain, report, chosen, done=0)
-    else:
-        plan, ids, plain, report, chosen = state.plan, state.ids, state.plain, state.report, state.chosen
-        prompts = plan.prompts
-        report.setdefault("resumed", []).append({"methods_taken_up": [r["name"] for r in report["methods"]]})
-        log.info("taking up an interrupted evaluation: the plain pass and %d of %d methods are done (%s)",
-                 state.done, len(cfg.methods), resume.path)
-    if resume is not None:
-        resume.save(state)
-    plain_tokens = {p.id: r for p, r in zip(prompts, ids["fast_tokens"])}  # the fast pass's plain output
-    for i, (spec, temps, sizes) in enumerate(zip(cfg.methods, plan.temperatures, plan.batch_sizes)):
-        if i < state.done or not temps:  # done before an interruption; left out for time (the budget's record)
-            continue
-        if spec.auto_shape:
-            key = (spec.drafter, spec.head_dir)
-            if key not in chosen:
-                chosen[key] = _choose_shape(spec, target, runner, ids, eos, progress, prompts)
-            spec.shape = _chosen_shape(chosen[key])
-            report.setdefault("shape_choice", {})[spec.name] = chosen[key]
-        drafter = build_drafter(spec, target, prompts, ids, cfg)
-        def partial(row, done=len(report["methods"])):
-            row["train_tau"] = train_tau(spec.head_dir)
-            if spec.head_dir:
-                row["head_source"] = head_source(spec.head_dir)
-            if spec.tree_source:
-                row["tree_source"] = spec.tree_source
-            report["methods"][done:] = [row]
-            report["recommendation"] = recommend(report, cfg.recommend_ks)
-            checkpoint(report)
+    return kernels, measured
 
-        partial(_eval_method(spec, drafter, target, runner, kernels, prompts, ids, plain, plain_tokens, cfg, eos,
-                             progress, partial, temps, sizes))
-        state.done = i + 1
-        if resume is not None:
-            resume.save(state)
-    report["recommendation"] = recommend(report, cfg.recommend_ks)
-    return report
+
+def _plain_state(target: Target, runner, kernels: Kernels, prompts, cfg: EvalConfig, eos, progress: Progress,
+                 resized: Callable[[int], None] | None, key, measured: dict, started: float) -> EvalState:
+    """A fresh evaluation's state: its plan (the whole of it, or what fits the time budget), the plain passes and
+    the report's opening, no method done yet."""
+    if cfg.max_minutes is None:
+        plan = full_plan(prompts, cfg.methods, cfg.temperatures, cfg.batch_sizes)
+    else:
+        plan = fit_budget(prompts, target, runner, kernels, cfg, eos, time.perf_counter() - started)
+    if resized is not None:  # the bar's total, the exact pass's decodes counted
+        resized(plan.steps(cfg.methods, cfg.repeats, cfg.paired, cfg.batch_prompts, kernels.exact_pass))
+    prompts = plan.prompts
+    t0 = time.perf_counter()
+    ids, plain = _plain_pass(target, runner, kernels, prompts, cfg, eos, progress)
+    plain = _plain_passes(runner, prompts, ids, plain, cfg, eos, progress, plan.plain_temperatures())
+    plain_seconds = time.perf_counter() - t0
+    report = {"target": target.name, "num_prompts": len(prompts), "prompt_ids": [p.id for p in prompts],
+              "max_new_tokens": cfg.max_new_tokens,
+              "temperatures": list(cfg.temperatures), "target_params": _nparams(target.model),
+              "repeats": cfg.repeats, "paired": cfg.paired, "plain": _timed_rows(plain[0.0]),
+              "plain_by_temperature": {str(T): _timed_rows(passes) for T, passes in plain.items()},
+              "plain_seconds": plain_seconds, **measured,
+              "target_dtype_choice": target.dtype_choice.record() if getattr(target, "dtype_choice", None)
+              else None,
+              "machine": machine_description(target.device),
+              "data_separation": separation_record(cfg.benchmarks, prompts),
+              "budget": plan.record, "methods": []}
+    chosen: dict[tuple[str, str | None], dict] = {}  # one shape per head (with or without a lookup branch)
+    return EvalState(key, plan, ids, plain, report, chosen, done=0)
+
+
+def _method_row(spec: MethodSpec, temps, sizes, state: EvalState, target: Target, runner, kernels: Kernels, prompts,
+                plain_tokens: dict, cfg: EvalConfig, eos, progress: Progress,
+                checkpoint: Callable[[dict], None]) -> None:
+    """Evaluate one method (its automatic shape chosen first, once per head) and put its row in the report,
+    checkpointing the report after each part."""
+    report, chosen = state.report, state.chosen
+    if spec.auto_shape:
+        key = (spec.drafter, spec.head_dir)
+        if key not in chosen:
+            chosen[key] = _choose_shape(spec, target, runner, state.ids, eos, progress, prompts)
+        spec.shape = _chosen_shape(chosen[key])
+        report.setdefault("shape_choice", {})[spec.name] = chosen[key]
+    drafter = build_drafter(spec, target, prompts, state.ids, cfg)
+    def partial(row, done=len(report["methods"])):
+        row["train_tau"] = train_tau(spec.head_dir)
+        if spec.head_dir:
+            row["head_source"] = head_source(spec.head_dir)
+        if spec.tree_source:
+            row["tree_source"] = spec.tree_source
+        report["methods"][done:] = [row]
+        report["recommendation"] = recommend(report, cfg.recommend_ks)
+        checkpoint(report)
+
+    partial(_eval_method(spec, drafter, target, runner, kernels, prompts, state.ids, state.plain, plain_tokens, cfg,
+                         eos, progress, partial, temps, sizes))
 
 
 def fit_budget(prompts: list[EvalPrompt], target: Target, runner, kernels: Kernels, cfg: EvalConfig, eos,
