@@ -30,6 +30,63 @@ def specheads(*args: str, cwd: Path, **env_extra: str) -> subprocess.CompletedPr
                           text=True, timeout=300)
 
 
+def in_process(verb: str, *args: str, cwd: Path, **env_extra: str) -> subprocess.CompletedProcess:
+    """``specheads <verb> <args>`` run in this process, for the cases that share the wiring a real CLI run of the
+    same verb proves: the steps of ``specheads.cli.main`` and of the recipe's ``__main__`` block (the group
+    check, ``check_command_line``), then the recipe's own ``main`` body (``main.__wrapped__``: what
+    ``@hydra.main`` calls) on the settings ``specheads.overrides.compose`` composes as ``@hydra.main`` does,
+    logging to stdout as the recipes' ``hydra/job_logging: stdout`` does. Only the interpreter's start (seconds
+    of imports) is left out; the exit status is the ``SystemExit`` code, stdout and stderr what was written. An
+    exception other than ``SystemExit`` propagates (the CLI would print a traceback)."""
+    import contextlib
+    import importlib
+    import io
+    import logging
+
+    from omegaconf import open_dict
+
+    from specheads import cli, paths
+    from specheads.overrides import check_command_line, compose
+
+    config = Path(cli.VERBS[verb]).stem
+    recipe = importlib.import_module(paths.recipe_module(config))  # registers its schemas, as its run does
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handler, level = logging.StreamHandler(out), root.level
+    handler.setLevel(logging.INFO)
+    saved_env = {k: os.environ.get(k) for k in ("SPECHEADS_TRACEBACK", "HYDRA_FULL_ERROR", *env_extra)}
+    here = os.getcwd()
+    code = 0
+    try:
+        for k in ("SPECHEADS_TRACEBACK", "HYDRA_FULL_ERROR"):
+            os.environ.pop(k, None)
+        os.environ.update(env_extra)
+        os.chdir(cwd)
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            cli.check_group_choices(verb, list(args))
+            check_command_line(verb, config, list(args))
+            cfg = compose(config, list(args), verb)
+            with open_dict(cfg):
+                del cfg["hydra"]  # @hydra.main hands the task its settings without Hydra's own
+            recipe.main.__wrapped__(cfg)
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, (int, type(None))):  # SystemExit("message"): Python prints it, exit status 1
+            err.write(f"{e.code}\n")
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        os.chdir(here)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess([verb, *args], code, out.getvalue(), err.getvalue())
+
+
 def one_line(proc: subprocess.CompletedProcess, stage: str) -> str:
     """The single error line of a run that must have failed as a user error (exit 2, no traceback)."""
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -96,23 +153,26 @@ def fx(tmp_path_factory):
 # --------------------------------------------------------------------------- 1, 2: evaluate reads the head folder first
 
 
-@pytest.mark.parametrize("head", ["missing", "no_head"])
-def test_evaluate_refuses_a_head_folder_before_loading_the_target(fx, tmp_path, head):
+@pytest.mark.parametrize("run, head", [pytest.param(specheads, "missing", id="cli-missing"),
+                                       pytest.param(in_process, "missing", id="in_process-missing"),
+                                       pytest.param(in_process, "no_head", id="in_process-no_head")])
+def test_evaluate_refuses_a_head_folder_before_loading_the_target(fx, tmp_path, run, head):
     head_dir = {"missing": tmp_path / "nonexistent", "no_head": fx["root"] / "A"}[head]
     out = tmp_path / "eval"
-    line = one_line(specheads("evaluate", "head_method=eagle3", f"head_dir={head_dir}", *fx["target"], "eval=tiny",
-                              f"output_dir={out}", cwd=tmp_path), "evaluate")
+    line = one_line(run("evaluate", "head_method=eagle3", f"head_dir={head_dir}", *fx["target"], "eval=tiny",
+                        f"output_dir={out}", cwd=tmp_path), "evaluate")
     assert f"head_dir={head_dir}" in line and "specheads train" in line
     assert ("no such folder" if head == "missing" else "holds no head checkpoint") in line
     assert not out.exists()  # nothing decoded: the plain baselines used to run (and write a report) first
 
 
 def test_evaluate_refuses_a_head_method_the_folder_contradicts(fx, tmp_path):
-    line = one_line(specheads("evaluate", "head_method=eagle1", f"head_dir={fx['eagle3']}", *fx["target"],
-                              f"output_dir={tmp_path / 'eval'}", cwd=tmp_path), "evaluate")
+    """In process: the evaluate recipe's CLI wiring is proven by the real run of the test above."""
+    line = one_line(in_process("evaluate", "head_method=eagle1", f"head_dir={fx['eagle3']}", *fx["target"],
+                               f"output_dir={tmp_path / 'eval'}", cwd=tmp_path), "evaluate")
     assert "holds a head of kind eagle3" in line and "leave head_method out" in line
-    line = one_line(specheads("evaluate", "head_method=nonsense", f"head_dir={fx['eagle3']}", *fx["target"],
-                              f"output_dir={tmp_path / 'eval'}", cwd=tmp_path), "evaluate")
+    line = one_line(in_process("evaluate", "head_method=nonsense", f"head_dir={fx['eagle3']}", *fx["target"],
+                               f"output_dir={tmp_path / 'eval'}", cwd=tmp_path), "evaluate")
     assert "head_method=nonsense" in line and "medusa1" in line and "read from head_dir" in line
     assert not (tmp_path / "eval").exists()
 
@@ -132,12 +192,16 @@ def test_evaluate_takes_train_method_names_and_reads_the_kind_from_the_folder(fx
 # --------------------------------------------------------------------------- 3: a target that is nowhere
 
 
-@pytest.mark.parametrize("stage", ["prepare", "collect", "train", "evaluate"])
-def test_a_target_that_is_neither_a_folder_nor_a_hub_id_is_one_line_in_every_stage(fx, tmp_path, stage):
+# real CLI runs for prepare and collect; train's and evaluate's CLI wiring is proven by their real runs below and
+# above (the range test, the head folder test): each stage runs in process as well
+@pytest.mark.parametrize("run, stage", [pytest.param(specheads, s, id=f"cli-{s}") for s in ("prepare", "collect")]
+                         + [pytest.param(in_process, s, id=f"in_process-{s}")
+                            for s in ("prepare", "collect", "train", "evaluate")])
+def test_a_target_that_is_neither_a_folder_nor_a_hub_id_is_one_line_in_every_stage(fx, tmp_path, run, stage):
     extra = {"collect": [f"prepared_dir={fx['A']}", f"out_dir={tmp_path / 'out'}"],
              "train": [f"prepared_dir={fx['A']}", f"output_dir={tmp_path / 'out'}", *TRAIN_QUICK]}
-    proc = specheads(stage, "target=hf", "target.name_or_path=/nonexistent/model", "target.device=cpu",
-                     *extra.get(stage, [f"output_dir={tmp_path / 'out'}"]), cwd=tmp_path)
+    proc = run(stage, "target=hf", "target.name_or_path=/nonexistent/model", "target.device=cpu",
+               *extra.get(stage, [f"output_dir={tmp_path / 'out'}"]), cwd=tmp_path)
     line = one_line(proc, stage)
     assert "target '/nonexistent/model': no such folder, and not a hub id" in line
     assert "set target.name_or_path to a local model folder" in line
@@ -152,15 +216,16 @@ def test_a_hub_id_outside_the_cache_while_offline_is_one_line(tmp_path):
 
 
 def test_a_folder_without_config_json_is_not_a_target(fx, tmp_path):
-    line = one_line(specheads("prepare", "target=hf", f"target.name_or_path={fx['root'] / 'A'}",
-                              f"output_dir={tmp_path / 'out'}", cwd=tmp_path), "prepare")
+    """In process: prepare's CLI wiring is proven by the real runs of the tests above."""
+    line = one_line(in_process("prepare", "target=hf", f"target.name_or_path={fx['root'] / 'A'}",
+                               f"output_dir={tmp_path / 'out'}", cwd=tmp_path), "prepare")
     assert "holds no config.json, so it is not a model folder" in line
 
 
 # --------------------------------------------------------------------------- 4: value ranges
 
 
-@pytest.mark.parametrize("override, message", [
+RANGE_CASES = [
     ("optim.lr=-1", "optim.lr=-1.0 is out of range: give a finite number > 0"),
     ("optim.lr=inf", "optim.lr=inf is out of range: give a finite number > 0"),  # inf > 0 passed the old check
     ("optim.weight_decay=-0.1", "optim.weight_decay=-0.1 is out of range: give a finite number >= 0"),
@@ -170,21 +235,29 @@ def test_a_folder_without_config_json_is_not_a_target(fx, tmp_path):
     ("data.epochs=-1", "data.epochs=-1.0 is out of range: give a finite number > 0 (or null)"),
     ("method.num_heads=0", "method.num_heads=0 is out of range: give an integer >= 1"),
     ("train.resume=/no/such/step", "train.resume=/no/such/step: no such checkpoint folder"),
-])
-def test_out_of_range_training_settings_are_one_line_before_work(fx, tmp_path, override, message):
+]
+# A real CLI run for one value of the range checks (check_config) and for the resume check (check_resume): they
+# prove the wiring (exit 2, one line, no traceback, no output folder); every value runs in process as well.
+RANGE_CLI = ("optim.lr=inf", "train.resume=/no/such/step")
+
+
+@pytest.mark.parametrize("run, override, message",
+                         [pytest.param(specheads, o, m, id=f"cli-{o}") for o, m in RANGE_CASES if o in RANGE_CLI]
+                         + [pytest.param(in_process, o, m, id=f"in_process-{o}") for o, m in RANGE_CASES])
+def test_out_of_range_training_settings_are_one_line_before_work(fx, tmp_path, run, override, message):
     out = tmp_path / "train"
-    line = one_line(specheads("train", "method=medusa1", *fx["target"], f"prepared_dir={fx['A']}",
-                              f"output_dir={out}", *TRAIN_QUICK, override, cwd=tmp_path), "train")
+    line = one_line(run("train", "method=medusa1", *fx["target"], f"prepared_dir={fx['A']}",
+                        f"output_dir={out}", *TRAIN_QUICK, override, cwd=tmp_path), "train")
     assert message in line
     assert not out.exists()
 
 
 def test_a_float_count_of_a_method_without_a_schema_is_one_line_before_work(fx, tmp_path):
     """EAGLE-3's settings have no typed schema, so method.ttt_steps=2.5 reached range(ttt_steps) mid-training."""
-    out = tmp_path / "train"
-    line = one_line(specheads("train", "method=eagle3", "method.draft_vocab_size=64", *fx["target"],
-                              f"prepared_dir={fx['A']}", f"output_dir={out}", *TRAIN_QUICK, "method.ttt_steps=2.5",
-                              cwd=tmp_path), "train")
+    out = tmp_path / "train"  # in process: train's CLI wiring is proven by the real runs of the range test
+    line = one_line(in_process("train", "method=eagle3", "method.draft_vocab_size=64", *fx["target"],
+                               f"prepared_dir={fx['A']}", f"output_dir={out}", *TRAIN_QUICK, "method.ttt_steps=2.5",
+                               cwd=tmp_path), "train")
     assert line.endswith("method.ttt_steps=2.5 is out of range: give an integer >= 1")
     assert not out.exists()
 
@@ -240,10 +313,10 @@ def test_each_checked_setting_refuses_a_bad_value(where, setting, bad, tmp_path)
 
 
 def test_a_store_collected_from_another_prepared_set_is_one_line(fx, tmp_path):
-    out = tmp_path / "train"
-    line = one_line(specheads("train", "method=eagle3", "method.draft_vocab_size=64", *fx["target"],
-                              f"prepared_dir={fx['A']}", f"features_dir={fx['store_b']}", f"output_dir={out}",
-                              *TRAIN_QUICK, cwd=tmp_path), "train")
+    out = tmp_path / "train"  # in process (as in the tests below): train's CLI wiring is proven by the range test
+    line = one_line(in_process("train", "method=eagle3", "method.draft_vocab_size=64", *fx["target"],
+                               f"prepared_dir={fx['A']}", f"features_dir={fx['store_b']}", f"output_dir={out}",
+                               *TRAIN_QUICK, cwd=tmp_path), "train")
     assert f"features_dir={fx['store_b']} was collected from other data than prepared_dir={fx['A']}" in line
     assert "30 of the store's samples missing there" in line
     assert f"pass prepared_dir={fx['B'].resolve()}" in line and f"specheads collect prepared_dir={fx['A']}" in line
@@ -261,15 +334,15 @@ def test_a_store_and_its_own_prepared_set_pass(fx):
 
 
 def test_a_features_dir_without_a_store_is_one_line(fx, tmp_path):
-    line = one_line(specheads("train", "method=medusa1", *fx["target"], f"features_dir={fx['root'] / 'A'}",
-                              f"output_dir={tmp_path / 'train'}", *TRAIN_QUICK, cwd=tmp_path), "train")
+    line = one_line(in_process("train", "method=medusa1", *fx["target"], f"features_dir={fx['root'] / 'A'}",
+                               f"output_dir={tmp_path / 'train'}", *TRAIN_QUICK, cwd=tmp_path), "train")
     assert f"features_dir={fx['root'] / 'A'}" in line and "specheads collect" in line
 
 
 def test_a_store_for_a_method_that_trains_the_target_is_one_line_before_work(fx, tmp_path):
     out = tmp_path / "train"
-    line = one_line(specheads("train", "method=medusa2", *fx["target"], f"features_dir={fx['store_b']}",
-                              f"output_dir={out}", *TRAIN_QUICK, cwd=tmp_path), "train")
+    line = one_line(in_process("train", "method=medusa2", *fx["target"], f"features_dir={fx['store_b']}",
+                               f"output_dir={out}", *TRAIN_QUICK, cwd=tmp_path), "train")
     assert "method medusa2 trains the target, so it needs online features: unset features_dir" in line
     assert not out.exists()
 
@@ -299,7 +372,8 @@ def test_export_of_a_folder_that_is_no_head_is_one_line(tmp_path):
 
 
 def test_a_required_setting_left_out_is_one_line(tmp_path):
-    line = one_line(specheads("export", f"head_dir={tmp_path}", cwd=tmp_path), "export")
+    """In process: export's CLI wiring is proven by the real run of the test above."""
+    line = one_line(in_process("export", f"head_dir={tmp_path}", cwd=tmp_path), "export")
     assert "output_dir is required and has no default: give output_dir=..." in line
 
 
@@ -362,9 +436,15 @@ def _checkpoint(out: Path, settings: dict | None, corrupt: bool = False) -> None
         victim.write_bytes(victim.read_bytes()[:-10])
 
 
-@pytest.mark.parametrize("case", ["other_settings", "corrupt_checkpoint", "output_in_a_file", "no_prepared_dir",
-                                  "store_of_another_target"])
-def test_train_refuses_its_folders_in_one_line_before_the_target_loads(fx, tmp_path, case):
+FOLDER_CASES = ["other_settings", "corrupt_checkpoint", "output_in_a_file", "no_prepared_dir",
+                "store_of_another_target"]
+
+
+@pytest.mark.parametrize("run, case", [pytest.param(specheads, "other_settings", id="cli-other_settings")]
+                         + [pytest.param(in_process, c, id=f"in_process-{c}") for c in FOLDER_CASES])
+def test_train_refuses_its_folders_in_one_line_before_the_target_loads(fx, tmp_path, monkeypatch, run, case):
+    """One real CLI run proves the wiring; every case runs in process too, where the precision probe and the
+    target's load are replaced by ones that fail the test if they are reached."""
     out, extra = tmp_path / "train", [f"prepared_dir={fx['A']}"]
     if case == "other_settings":
         _checkpoint(out, {"method": {"name": "medusa1", "num_heads": 2}})
@@ -384,8 +464,18 @@ def test_train_refuses_its_folders_in_one_line_before_the_target_loads(fx, tmp_p
                                                   "num_layers": 2, "shards": []}))
         extra = [f"features_dir={store}"]
     before = sorted(p.name for p in out.rglob("*")) if out.is_dir() else None
-    proc = specheads("train", "method=medusa1", "method.num_heads=3", *fx["target"], *extra, f"output_dir={out}",
-                     *TRAIN_QUICK, cwd=tmp_path)
+    if run is in_process:
+        import importlib
+
+        from specheads import targets as target_lib
+
+        def reached(*args, **kwargs):
+            raise AssertionError("the refusal came after the precision probe or the target's load")
+
+        monkeypatch.setattr(importlib.import_module("specheads.recipes.train"), "training_precision", reached)
+        monkeypatch.setattr(target_lib, "load_target", reached)
+    proc = run("train", "method=medusa1", "method.num_heads=3", *fx["target"], *extra, f"output_dir={out}",
+               *TRAIN_QUICK, cwd=tmp_path)
     line = one_line(proc, "train")
     assert "training precision" not in proc.stdout  # refused before the precision probe and the target's load
     assert (sorted(p.name for p in out.rglob("*")) if out.is_dir() else None) == before  # nothing written or removed

@@ -65,13 +65,52 @@ def test_good_overrides_compose():
     assert list(cfg.temperatures) == [0] and cfg.heads.medusa == "runs/m1" and cfg.eval.chat_dir == "a b"
 
 
-@pytest.mark.parametrize("verb, override, said", [
-    ("evaluate", "temperature=-1", "did you mean temperatures?"),
-    ("train", "train.max_steps=abc", "could not be converted to Integer"),
-    ("prepare", "data.num_sample=3", "did you mean data.num_samples?"),
+def cli_main_in_process(verb: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``specheads <verb> <args>`` as ``specheads.cli.main`` runs it, in this process: the recipe module runs as
+    ``__main__`` (its own ``check_command_line`` call), only the interpreter's start is left out. For a command
+    line the recipe refuses before ``@hydra.main`` starts: a recipe that let it through ends with Hydra's own lines
+    and exit status 1 (``one_line`` refuses them), or fails here if Hydra started a job."""
+    import contextlib
+    import io
+    import os
+    import warnings
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from specheads import cli
+
+    out, err, argv, here, code = io.StringIO(), io.StringIO(), list(sys.argv), os.getcwd(), 0
+    saved_env = {k: os.environ.pop(k, None) for k in ("SPECHEADS_TRACEBACK", "HYDRA_FULL_ERROR")}  # as specheads()
+    try:
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            # runpy's note that the recipe module was imported before (by this test session): no CLI run sees it
+            warnings.filterwarnings("ignore", "'specheads.recipes.", RuntimeWarning)
+            cli.main([verb, *args])
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv[:] = argv
+        os.chdir(here)
+        os.environ.update({k: v for k, v in saved_env.items() if v is not None})
+        started = GlobalHydra.instance().is_initialized()
+        GlobalHydra.instance().clear()
+    assert not started, "Hydra started a job: the recipe did not refuse the command line first"
+    return subprocess.CompletedProcess([verb, *args], code, out.getvalue(), err.getvalue())
+
+
+# a real CLI run for train proves the wiring (exit 2, one line, no traceback); every recipe runs its own
+# check_command_line (its module run as __main__, as the CLI runs it) in process as well
+@pytest.mark.parametrize("run, verb, override, said", [
+    pytest.param(specheads, "train", "train.max_steps=abc", "could not be converted to Integer", id="cli-train"),
+    *[pytest.param(cli_main_in_process, verb, override, said, id=f"in_process-{verb}") for verb, override, said in [
+        ("evaluate", "temperature=-1", "did you mean temperatures?"),
+        ("train", "train.max_steps=abc", "could not be converted to Integer"),
+        ("prepare", "data.num_sample=3", "did you mean data.num_samples?"),
+    ]],
 ])
-def test_every_recipe_refuses_a_bad_override_in_one_line(tmp_path, verb, override, said):
-    line = one_line(specheads(verb, override, f"output_dir={tmp_path / 'out'}", cwd=tmp_path), verb)
+def test_every_recipe_refuses_a_bad_override_in_one_line(tmp_path, run, verb, override, said):
+    line = one_line(run(verb, override, f"output_dir={tmp_path / 'out'}", cwd=tmp_path), verb)
     assert override in line and said in line
     assert not (tmp_path / "out").exists()
 

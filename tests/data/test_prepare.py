@@ -94,18 +94,31 @@ def test_tool_turns_are_kept_or_skipped_and_counted_by_what_the_template_renders
     assert meta["num_samples"] == 1 and meta["skipped"] == {TOOL_TURN_NOT_RENDERED: 1}
 
 
-@pytest.mark.parametrize("overrides, words", [
+ENGINE_CASES = [
     (["regenerate.engine.capture_layers=[1,99]"], ["regenerate.engine.capture_layers", "99", "out of range"]),
     (["data.max_length=8192", "regenerate.engine.max_model_len=4096"], ["data.max_length=8192",
                                                                      "regenerate.engine.max_model_len=4096"]),
     (["regenerate.engine.max_model_len=0"], ["max_model_len", "positive"]),
     (["regenerate.engine.max_model_len=1024", "data.max_length=512"], ["regenerate.max_prompt_tokens=1024",
                                                                        "no room for an answer"]),
-])
-def test_a_bad_engine_regeneration_setting_is_one_line_before_any_engine_starts(tmp_path, overrides, words):
+]
+
+
+def run_in_process(*overrides, env_extra=None):
+    """The recipe's own steps in this process (tests/test_cli_errors.py's ``in_process``), from ROOT as run_recipe."""
+    from tests.test_cli_errors import in_process
+
+    return in_process("prepare", *overrides, cwd=ROOT, **(env_extra or {}))
+
+
+# one real run of the recipe proves its wiring (exit 2, the last stderr line); every case runs in process as well
+@pytest.mark.parametrize("run, overrides, words",
+                         [pytest.param(run_recipe, *ENGINE_CASES[0], id="script-0")]
+                         + [pytest.param(run_in_process, *c, id=f"in_process-{i}") for i, c in enumerate(ENGINE_CASES)])
+def test_a_bad_engine_regeneration_setting_is_one_line_before_any_engine_starts(tmp_path, run, overrides, words):
     """Refused before the engine is looked for (no engine python here: these fail the same without one)."""
-    res = run_recipe("regenerate=engine", *overrides, f"output_dir={tmp_path / 'o'}",
-                     env_extra={"SPECHEADS_ENGINE_PYTHON": "/nonexistent"})
+    res = run("regenerate=engine", *overrides, f"output_dir={tmp_path / 'o'}",
+              env_extra={"SPECHEADS_ENGINE_PYTHON": "/nonexistent"})
     err = (res.stderr.strip().splitlines() or [""])[-1]
     assert res.returncode == 2 and err.startswith("specheads prepare: error:"), res.stderr[-2000:]
     assert all(w in err for w in words), err

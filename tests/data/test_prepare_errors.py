@@ -19,7 +19,7 @@ from specheads.data.prepare import (META_FILE, PrepareConfig, PrepareError, chec
 from specheads.data.sources import SourceError, check_source, check_sources
 from specheads.errors import ConfigError
 from specheads.targets import Target
-from tests.test_cli_errors import one_line, specheads
+from tests.test_cli_errors import in_process, one_line, specheads
 
 ROWS = {"id": ["a", "b"], "input_ids": [[1, 2, 3], [4, 5]], "loss_mask": [[0, 1, 1], [0, 1]], "domain": ["chat"] * 2}
 
@@ -175,13 +175,13 @@ def test_the_run_refuses_num_proc_below_one_before_its_first_stage(capsys):
 
 
 def test_a_device_this_machine_lacks_is_refused_before_preparing(tmp_path):
+    """In process (``in_process``: the recipe's own steps): prepare's CLI wiring is proven by the real run of
+    test_cli_refuses_a_folder_of_other_files_before_any_work."""
     import torch
-
-    from tests.test_cli_errors import one_line, specheads
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    proc = specheads("prepare", "target.device=cuda", f"output_dir={tmp_path / 'out'}", cwd=tmp_path)
+    proc = in_process("prepare", "target.device=cuda", f"output_dir={tmp_path / 'out'}", cwd=tmp_path)
     assert "target.device=cuda: this machine has no CUDA device" in one_line(proc, "prepare")
     assert not (tmp_path / "out").exists()
 
@@ -193,8 +193,8 @@ def test_a_max_length_past_the_targets_context_is_one_line_before_any_work(tmp_p
     chats.write_text(json.dumps({"id": "long", "messages": [
         {"role": "user", "content": "Count on."}, {"role": "assistant", "content": "1 2 3 " * 900}]}))
     data = ["data=jsonl", f"data.path={chats}"]
-    line = one_line(specheads("prepare", *data, "data.max_length=8193", f"output_dir={tmp_path / 'o'}",
-                              cwd=tmp_path), "prepare")
+    line = one_line(in_process("prepare", *data, "data.max_length=8193", f"output_dir={tmp_path / 'o'}",
+                               cwd=tmp_path), "prepare")  # in process, as the test above; the success is a real run
     assert "data.max_length=8193 is longer than target 'smollm2' can read (8192 tokens: max_position_embeddings " \
            "8192 in its config); give at most 8192" in line, line
     assert not (tmp_path / "o").exists() and siblings(tmp_path / "o") == []
