@@ -24,6 +24,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from specheads.decoding.head_drafters import DFlashDrafter
 from specheads.methods.base import ARGMAX_KEY, FusedLayers, StepOutput
@@ -106,20 +107,34 @@ class DFlashMethod(FusedLayers):
         order = anchors.masked_fill(~valid, T).argsort(dim=1)  # valid anchors first, by position
         return anchors.gather(1, order), valid.gather(1, order)
 
-    def _blocks(self, model: DFlashModel, batch: dict, target: Target, n: int, generator=None):
+    sequence_parallel = None  # a training.sequence_parallel.SequenceShard: this rank trains a slice of each row
+
+    def _blocks(self, model: DFlashModel, batch: dict, target: Target, n: int, generator=None, shard=None):
         """Run one block per anchor; returns (h (B, n, bs, H), labels (B, n, bs), weights (B, n, bs), source
-        (B, n, bs): the position whose target state predicts each slot's token, a + j - 1)."""
+        (B, n, bs): the position whose target state predicts each slot's token, a + j - 1). With a
+        sequence-parallel ``shard`` the context is this rank's slice of the row and the blocks its share of the
+        row's (``SequenceShard.blocks``: n is then that share, padded blocks invalid)."""
         ids, att, lm = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
         B, T = ids.shape
         bs = self.block_size
         anchors, valid = self.sample_anchors(batch, n, generator)
-        n = anchors.shape[1]
         cache = model.new_cache()
-        positions = torch.arange(T, device=ids.device).expand(B, -1)
-        model.extend_context(cache, model.fuse(batch["hidden_aux"]), positions)
+        if shard is None:
+            positions = torch.arange(T, device=ids.device).expand(B, -1)
+            model.extend_context(cache, model.fuse(batch["hidden_aux"]), positions)
+            mask = BlockLayout(anchors, bs, att)  # the dense mask off the CPU only (models.dflash)
+        else:  # this rank's C context positions, its share of the blocks; attention over the group's (all-to-all)
+            from specheads.training.sequence_parallel import ShardedBlockLayout
+
+            anchors, valid, group_anchors = shard.blocks(anchors, valid)
+            local, own = shard.local_batch({"input_ids": ids, "hidden_aux": batch["hidden_aux"],
+                                            "attention_mask": att}, 0)
+            model.extend_context(cache, model.fuse(local["hidden_aux"]), shard.positions(B, own, ids.device))
+            whole = BlockLayout(group_anchors, bs, F.pad(att, (0, shard.size * own - T)))
+            mask = ShardedBlockLayout(anchors, bs, local["attention_mask"], shard=shard, whole=whole)
+        n = anchors.shape[1]
         block_ids = model.block_inputs(ids.gather(1, anchors)).reshape(B, n * bs)
         block_pos = (anchors[:, :, None] + torch.arange(bs, device=ids.device)).reshape(B, n * bs)
-        mask = BlockLayout(anchors, bs, att)  # the dense mask off the CPU only (models.dflash)
         h = model.decode(block_ids, block_pos, cache, mask).view(B, n, bs, -1)
         where = block_pos.view(B, n, bs)  # the position slot j predicts: a + j
         inside = (where < T) & valid[:, :, None]
@@ -136,10 +151,21 @@ class DFlashMethod(FusedLayers):
         return h, labels, weights, (at - 1).clamp(min=0)
 
     def loss(self, model: DFlashModel, batch: dict, target: Target) -> StepOutput:
-        h, labels, weights, source = self._blocks(model, batch, target, self.anchors)
+        shard = self.sequence_parallel
+        h, labels, weights, source = self._blocks(model, batch, target, self.anchors, shard=shard)
         sel = weights > 0
-        if not bool(sel.any()):
+        # The loss's denominator (the weights' sum, or the counted slots' under dpace), over the group's blocks with
+        # sequence parallel: each rank's share of the one-process mean, summed by shard.combine.
+        counts = torch.stack([sel.sum(dtype=torch.float64), weights.sum(dtype=torch.float64)])
+        if shard is not None:
+            counts = shard.total(counts)
+        if not bool(counts[0] > 0):
             return StepOutput(loss=h.sum() * 0.0, metrics={"blocks": 0.0})
+        if not bool(sel.any()):  # this rank's blocks count nothing, the group's do
+            # every parameter in the graph (DDP's reduction), every rank's share in float32 (one all-reduce)
+            loss = shard.combine((model.norm(h).sum() * 0.0).float())
+            nothing = sel.new_zeros(0)
+            return StepOutput(loss=loss, metrics=self._group_metrics(shard, sel, nothing, nothing.long()))
         if self.lk_weight:
             B = h.shape[0]
             rows = torch.arange(B, device=h.device)[:, None, None].expand_as(source)
@@ -151,18 +177,34 @@ class DFlashMethod(FusedLayers):
         if self.loss_name == "dpace":
             per_slot = ce.new_zeros(sel.shape)
             per_slot[sel] = ce.detach()
-            loss = (dpace_weights(per_slot, sel)[sel] * ce).sum() / sel.sum()
+            loss = (dpace_weights(per_slot, sel)[sel] * ce).sum() / counts[0].to(ce.dtype)
         else:
             w = weights[sel]
-            loss = (ce * w).sum() / w.sum()
+            loss = (ce * w).sum() / counts[1].to(ce.dtype)
         right = pred == labels[sel]
         slot = torch.arange(self.block_size, device=h.device).expand_as(sel)[sel]
+        if shard is not None:
+            return StepOutput(loss=shard.combine(loss.float()), metrics=self._group_metrics(shard, sel, right, slot))
         metrics = {"blocks": float(sel.any(-1).sum())}
         for j in range(1, self.block_size):
             here = slot == j
             if bool(here.any()):
                 metrics[f"step{j - 1}_acc"] = float(right[here].float().mean())
         return StepOutput(loss=loss, metrics=metrics)
+
+    def _group_metrics(self, shard, sel: torch.Tensor, right: torch.Tensor, slot: torch.Tensor) -> dict[str, float]:
+        """``loss``'s metrics over a sequence-parallel group's blocks: counted blocks, and per slot the right
+        labels over the counted ones, each summed over the group."""
+        here = slot[None, :] == torch.arange(1, self.block_size, device=slot.device)[:, None]  # (bs - 1, N)
+        sums = torch.cat([sel.any(-1).sum(dtype=torch.float64)[None], here.sum(1, dtype=torch.float64),
+                          (here & right[None, :]).sum(1, dtype=torch.float64)])
+        sums = shard.total(sums).tolist()
+        k = self.block_size - 1
+        metrics = {"blocks": sums[0]}
+        for j in range(1, self.block_size):
+            if sums[j] > 0:
+                metrics[f"step{j - 1}_acc"] = sums[k + j] / sums[j]
+        return metrics
 
     @torch.no_grad()
     def evaluate(self, model: DFlashModel, batch: dict, target: Target) -> dict[str, float]:

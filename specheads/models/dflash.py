@@ -123,19 +123,22 @@ class DFlashAttention(nn.Module):
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
         k, v = self.kv(x, cos, sin)
         if isinstance(attn_mask, BlockLayout):
-            out = attn_mask.attend(q, ctx_k, ctx_v, k, v, self.head_dim ** -0.5)
-            if out is not None:
-                return self.o_proj(out.transpose(1, 2).reshape(B, q_len, -1))
-            attn_mask = attn_mask.dense(0 if ctx_k is None else ctx_k.shape[2])
-        if ctx_k is not None:
-            k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
-        gqa = self.num_heads != self.num_kv_heads
-        if gqa and q.device.type != "cpu":  # CUDA's memory-efficient kernel takes a mask, not unequal head counts
-            rep = self.num_heads // self.num_kv_heads
-            k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[:, None], scale=self.head_dim ** -0.5,
-                                             enable_gqa=gqa)
+            out = attn_mask.run(q, ctx_k, ctx_v, k, v, self.head_dim ** -0.5)
+        else:
+            out = masked_attention(q, ctx_k, ctx_v, k, v, attn_mask, self.head_dim ** -0.5)
         return self.o_proj(out.transpose(1, 2).reshape(B, q_len, -1))
+
+
+def masked_attention(q: torch.Tensor, ctx_k: torch.Tensor | None, ctx_v: torch.Tensor | None, k: torch.Tensor,
+                     v: torch.Tensor, attn_mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """(B, nh, q, D) attention of q over [ctx_k; k] (B, nkv, S + q, D) where ``attn_mask`` (B, q, S + q) is True."""
+    if ctx_k is not None:
+        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and q.device.type != "cpu":  # CUDA's memory-efficient kernel takes a mask, not unequal head counts
+        rep = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[:, None], scale=scale, enable_gqa=gqa)
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -281,6 +284,15 @@ class BlockLayout:
     def dense(self, context_len: int) -> torch.Tensor:
         """The (B, n·block_size, context_len + n·block_size) bool mask (``block_attention_mask``)."""
         return block_attention_mask(self.anchors, self.block_size, context_len, self.context_valid)
+
+    def run(self, q: torch.Tensor, ctx_k: torch.Tensor | None, ctx_v: torch.Tensor | None, k: torch.Tensor,
+            v: torch.Tensor, scale: float) -> torch.Tensor:
+        """(B, nh, n·bs, D) attention of the block queries: ``attend`` where it takes the tensors, else through the
+        dense mask. A sequence-parallel layout (``training.sequence_parallel.ShardedBlockLayout``) overrides it."""
+        out = self.attend(q, ctx_k, ctx_v, k, v, scale)
+        if out is None:
+            out = masked_attention(q, ctx_k, ctx_v, k, v, self.dense(0 if ctx_k is None else ctx_k.shape[2]), scale)
+        return out
 
     def attend(self, q: torch.Tensor, ctx_k: torch.Tensor | None, ctx_v: torch.Tensor | None, k: torch.Tensor,
                v: torch.Tensor, scale: float) -> torch.Tensor | None:

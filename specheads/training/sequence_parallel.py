@@ -22,6 +22,16 @@ group's loss, and its backward hands each rank N times its share of the gradient
 DDP, DeepSpeed ZeRO and FSDP take already is, per data-parallel group, the one-process gradient of that group's
 batch: the engine's gradient sync needs no change.
 
+DFlash (``methods.dflash``) splits the same way with its own unit of work: each rank fuses the target's states of
+its C positions into context keys and values (nothing after its slice: no halo), and the row's blocks (anchors drawn
+from the whole row, the same on every rank of the group: rank 0's draw is broadcast) are dealt in order, ``ceil(n /
+N)`` to each rank, padded with empty blocks (``SequenceShard.blocks``), so every rank runs as many block queries. In
+each draft layer's attention (``ShardedBlockLayout.run``) the all-to-all turns the context's keys and values and the
+blocks' queries, keys and values into (whole row, heads / N) and (every block, heads / N), the one-process block
+attention runs there (each block over the context before its anchor and its own slots) and the reverse all-to-all
+returns this rank's blocks. Labels and masks are read from the whole batch every rank holds; the loss is this rank's
+weighted sum over the group's total weight, summed by the same differentiable all-reduce.
+
 Groups are N consecutive ranks (a node's processes are numbered consecutively). Held-out evaluation and the
 measured decode read whole rows on each rank, as without sequence parallel.
 """
@@ -36,9 +46,10 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 from specheads.errors import ConfigError
+from specheads.models.dflash import BlockLayout
 from specheads.models.layers import UnrollCache, unrolled_attention
 
-METHODS = ("eagle3",)
+METHODS = ("eagle3", "dflash")
 """Methods whose loss takes a ``SequenceShard`` (``method.sequence_parallel``)."""
 
 
@@ -164,6 +175,23 @@ class SequenceShard:
         """(B, C) the row positions of this rank's owned slice."""
         return (self.rank * own + torch.arange(own, device=device)).expand(batch_size, own)
 
+    def blocks(self, anchors: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DFlash's blocks: (this rank's anchors (B, m), their validity (B, m), the group's anchors (B, size m)) of
+        the row's ``anchors``/``valid`` (B, n) as group rank 0 drew them, dealt in order, ``m = ceil(n / size)``
+        each, padded with invalid blocks anchored at 0."""
+        both = torch.cat([anchors, valid.long()], dim=1).contiguous()
+        torch.distributed.broadcast(both, src=torch.distributed.get_rank() - self.rank, group=self.group)
+        n = anchors.shape[1]
+        return self.deal(both[:, :n], both[:, n:].bool())
+
+    def deal(self, anchors: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``blocks`` without the broadcast: the group's blocks dealt in order, this rank's share."""
+        n = anchors.shape[1]
+        m = math.ceil(n / self.size)
+        anchors, valid = F.pad(anchors, (0, self.size * m - n)), F.pad(valid, (0, self.size * m - n))
+        mine = slice(self.rank * m, (self.rank + 1) * m)
+        return anchors[:, mine], valid[:, mine], anchors
+
     def cache(self, num_layers: int) -> "ShardedUnrollCache":
         return ShardedUnrollCache(self, num_layers)
 
@@ -200,6 +228,21 @@ class ShardedUnrollCache(UnrollCache):
         self.values[layer].append(shard.to_heads(v))
         out = unrolled_attention(shard.to_heads(q), self.keys[layer], self.values[layer], scale, window)
         return shard.to_positions(out)
+
+
+@dataclass
+class ShardedBlockLayout(BlockLayout):
+    """A DFlash ``BlockLayout`` of this rank's blocks (``anchors`` (B, m)) over its context slice (``context_valid``
+    (B, C)) whose attention runs on this rank's heads over the group's blocks and the whole row (``whole``: the
+    group's anchors (B, size m), the row's validity padded to (B, size C)); module docstring."""
+
+    shard: SequenceShard | None = None
+    whole: BlockLayout | None = None
+
+    def run(self, q, ctx_k, ctx_v, k, v, scale: float) -> torch.Tensor:
+        s = self.shard
+        out = self.whole.run(s.to_heads(q), s.to_heads(ctx_k), s.to_heads(ctx_v), s.to_heads(k), s.to_heads(v), scale)
+        return s.to_positions(out)
 
 
 # --------------------------------------------------------------------------- collectives with exact backward

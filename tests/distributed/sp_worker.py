@@ -1,10 +1,12 @@
-"""Run under torchrun by test_sequence_parallel_processes.py: an EAGLE-3 loss on rows split across the processes.
+"""Run under torchrun by test_sequence_parallel_processes.py: an EAGLE-3 or DFlash loss on rows split across the
+processes.
 
     torchrun --nproc_per_node N tests/distributed/sp_worker.py OUT_DIR CASE [CASE ...]
 
 CASE is ``name:T:B:steps:dtype:heads:kv_heads:window:offpath:feature[:mrope]`` (``window`` 0 = full attention;
-``mrope`` 1: the head rotates by M-RoPE and the batch holds 3-D ``positions``, as a vision-language target's). For each
-case every rank builds the same tiny EAGLE-3 head (hidden 32) and the same random batch of B rows of T
+``mrope`` 1: the head rotates by M-RoPE and the batch holds 3-D ``positions``, as a vision-language target's), or
+for DFlash ``dflash:name:T:B:block_size:anchors:dtype:heads:kv_heads:loss:labels:lk_weight``. For each
+case every rank builds the same tiny EAGLE-3 or DFlash head (hidden 32) and the same random batch of B rows of T
 positions (features as a feature store holds them; a padded tail on row 1 when B > 1), wraps the engine's
 ``TrainingModule`` in DDP over gloo as ``accelerate launch`` does, and runs one forward and backward with each row
 split across the N ranks (``train.sequence_parallel=N``): DDP averages the gradients over the ranks. Rank 0 then
@@ -26,6 +28,11 @@ VOCAB, HIDDEN, DRAFT_VOCAB = 128, 32, 64
 
 
 def parse(case: str) -> dict:
+    if case.startswith("dflash:"):
+        _, name, T, B, block, anchors, dtype, heads, kv_heads, loss, labels, lk = case.split(":")
+        return {"method": "dflash", "name": name, "T": int(T), "B": int(B), "block_size": int(block),
+                "anchors": int(anchors), "dtype": getattr(torch, dtype), "heads": int(heads),
+                "kv_heads": int(kv_heads), "loss": loss, "labels": labels, "lk_weight": float(lk), "mrope": False}
     name, T, B, steps, dtype, heads, kv_heads, window, offpath, feature, *mrope = case.split(":")
     return {"name": name, "T": int(T), "B": int(B), "steps": int(steps), "dtype": getattr(torch, dtype),
             "heads": int(heads), "kv_heads": int(kv_heads), "window": int(window) or None, "offpath": float(offpath),
@@ -40,6 +47,18 @@ def build(case: dict):
     dtype = case["dtype"]
     target = make_tiny_target("llama", vocab=VOCAB, hidden=HIDDEN, layers=3, heads=case["heads"],
                               kv_heads=case["kv_heads"], dtype=dtype)
+    if case.get("method") == "dflash":  # 2 draft layers: the second's keys and values come through the first
+        from specheads.methods.dflash import DFlashMethod
+
+        method = DFlashMethod(num_layers=2, block_size=case["block_size"], aux_layers=[0, 1, 2],
+                              anchors=case["anchors"], loss=case["loss"], labels=case["labels"],
+                              lk_weight=case["lk_weight"], mask_token_id=VOCAB - 1)
+        torch.manual_seed(1)
+        model = method.build(target).to(dtype)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        torch.manual_seed(4)  # the anchors' draw: rank 0's in both runs
+        return method, model, target, batch(case)
     method = Eagle3Method(draft_vocab_size=DRAFT_VOCAB, aux_layers=[0, 1, 2], ttt_steps=case["steps"],
                           sliding_window=case["window"], offpath_weight=case["offpath"],
                           feature_weight=case["feature"])

@@ -1,5 +1,5 @@
 """Sequence parallel (``train.sequence_parallel``): rows split across 2 CPU processes (gloo) give the loss, the
-step metrics and every gradient of one process (specheads/training/sequence_parallel.py).
+step metrics and every gradient of one process, for EAGLE-3 and DFlash (specheads/training/sequence_parallel.py).
 
 One torchrun launch of ``sp_worker.py`` runs every case; each rank wraps the engine's ``TrainingModule`` in DDP, as
 ``accelerate launch`` does, so the gradients compared are the ones the optimizer would step with.
@@ -32,6 +32,14 @@ CASES = {
     "feature": "feature:150:1:3:float64:4:2:0:1:0.1",
     # a vision-language target's head: M-RoPE at the batch's 3-D positions, each rank's slice of them
     "mrope": "mrope:203:2:3:float64:4:2:0:1:0:1",
+    # DFlash (dflash:name:T:B:block_size:anchors:dtype:heads:kv_heads:loss:labels:lk_weight): one 16k-token row of
+    # 64 blocks of 8 in float32; in float64, two rows (one padded) with an odd count of blocks (the second rank's
+    # share padded) and grouped-query heads, with the LK term and with D-PACE on the data's labels, and one block
+    # (the second rank trains none of it: its share is padding)
+    "dflash_long": "dflash:dflash_long:16384:1:8:64:float32:2:2:ce:target:0",
+    "dflash_grouped": "dflash:dflash_grouped:203:2:4:25:float64:4:2:ce:target:0.3",
+    "dflash_dpace": "dflash:dflash_dpace:150:2:5:7:float64:4:2:dpace:data:0",
+    "dflash_one": "dflash:dflash_one:40:1:4:1:float64:4:2:ce:target:0",
 }
 
 
@@ -42,7 +50,12 @@ TOLERANCE = {"long": (FLOAT32, {"rtol": 0, "atol": 1e-4}, FLOAT32),
              "grouped": (FLOAT64, {"rtol": 0, "atol": 0}, FLOAT64),
              "window": (FLOAT64, {"rtol": 0, "atol": 0}, FLOAT64),
              "feature": ({"rtol": 1e-7, "atol": 0}, {"rtol": 0, "atol": 0}, FLOAT64),
-             "mrope": (FLOAT64, {"rtol": 0, "atol": 0}, FLOAT64)}
+             "mrope": (FLOAT64, {"rtol": 0, "atol": 0}, FLOAT64),
+             # DFlash's loss is float32 whatever the head's dtype (the head's cross-entropy), its accuracies a float32
+             # mean in one process and a ratio of the group's counts split
+             "dflash_long": (FLOAT32, {"rtol": 0, "atol": 1e-6}, FLOAT32),
+             **{name: (FLOAT32, {"rtol": 0, "atol": 1e-6}, FLOAT64)
+                for name in ("dflash_grouped", "dflash_dpace", "dflash_one")}}
 
 
 def free_port() -> int:

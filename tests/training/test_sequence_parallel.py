@@ -16,7 +16,7 @@ from specheads.training.batches import IterableSource, micro_batches
 @pytest.mark.parametrize("kwargs, words", [
     ({"size": 0, "method": "eagle3"}, "give a whole number of processes per row, >= 1"),
     ({"size": 2, "method": "medusa1"}, "method medusa1 does not split rows across processes yet"),
-    ({"size": 2, "method": "dflash"}, "method dflash does not split rows"),
+    ({"size": 2, "method": "dspark"}, "method dspark does not split rows"),
     ({"size": 2, "method": "eagle3", "world": 3}, "does not divide the 3 launched processes"),
     ({"size": 2, "method": "eagle3", "world": 4, "heads": 9, "kv_heads": 3}, "the drafter's 9 attention heads"),
     ({"size": 2, "method": "eagle3", "world": 2, "heads": 4, "kv_heads": 1}, "the drafter's 1 key/value heads"),
@@ -32,6 +32,7 @@ def test_a_size_the_run_can_take_passes():
     sp.check_settings(1, "medusa1", world=3, heads=9, kv_heads=3)  # 1: nothing is split
     sp.check_settings(2, "eagle3", world=4, heads=4, kv_heads=2)
     sp.check_settings(3, "eagle3", world=3, heads=9, kv_heads=3)
+    sp.check_settings(2, "dflash", world=4, heads=4, kv_heads=2)
 
 
 def test_the_launch_check_reads_the_world_size_and_the_targets_heads(monkeypatch):
@@ -103,3 +104,29 @@ def test_the_ranks_of_a_group_read_one_batch_and_the_groups_the_next():
     read = {rank: [int(next(stream)[2]["i"]) for _ in range(2)] for rank in range(4)
             for stream in [micro_batches(source, 0, 0, *sp.data_share(4, rank, 2))]}
     assert read == {0: [0, 2], 1: [0, 2], 2: [1, 3], 3: [1, 3]}
+
+
+def test_dflash_blocks_are_dealt_in_order_and_each_share_padded_to_the_same_count():
+    anchors = torch.tensor([[3, 8, 20, 31, 40], [5, 9, 1, 0, 0]])
+    valid = torch.tensor([[True] * 5, [True, True, False, False, False]])
+    shares = [sp.SequenceShard(2, r, None).deal(anchors, valid) for r in range(2)]
+    (a0, v0, whole), (a1, v1, whole1) = shares
+    assert a0.tolist() == [[3, 8, 20], [5, 9, 1]] and v0.tolist() == [[True] * 3, [True, True, False]]
+    assert a1.tolist() == [[31, 40, 0], [0, 0, 0]] and v1.tolist() == [[True, True, False], [False] * 3]
+    assert torch.equal(whole, whole1) and whole.tolist() == [[3, 8, 20, 31, 40, 0], [5, 9, 1, 0, 0, 0]]
+    one, _, _ = sp.SequenceShard(2, 1, None).deal(anchors[:, :1], valid[:, :1])  # 1 block: rank 1's share is padding
+    assert one.shape == (2, 1)
+
+
+def test_the_recipe_takes_dflash_and_refuses_a_method_derived_from_it(monkeypatch):
+    from tests.training.test_train_recipe import compose, load_recipe
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    for name in ("dspark", "domino"):  # their losses read blocks their own way: not split yet
+        cfg = compose("target.name_or_path=nowhere", "prepared_dir=nowhere", "output_dir=nowhere", f"method={name}",
+                      "train.sequence_parallel=2")
+        with pytest.raises(ConfigError, match=f"method {name} does not split rows"):
+            load_recipe().check_config(cfg)
+    load_recipe().check_config(compose("target.name_or_path=nowhere", "prepared_dir=nowhere", "output_dir=nowhere",
+                                       "method=dflash", "train.sequence_parallel=2"))
