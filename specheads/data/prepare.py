@@ -271,6 +271,35 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path, vision=None
     check_sources(cfg.source, cfg.path, cfg.parts)
     _remove_stale_tmp(out_dir)
     given = cfg  # the settings as given: what a later run compares (``prepared_is_current``)
+    cfg = _settle_engine(target, cfg)
+    tok = target.tokenizer
+    report, part_reports = SkipReport(), {}
+    dedup = DedupReport()
+    convs = unique_conversations(read_conversations(cfg, report, part_reports), benchmark_keys(), dedup)
+    convs = check_image_rows(convs, vision, cfg.regenerate is not None)
+    if vision is not None and vision.refusal:  # its text conversations only (an image one is refused above)
+        vision = None
+    stats = RenderStats()
+    renderer = ChatRenderer(tok, cfg.chat_template_kwargs)  # a tokenizer without a template is refused here
+    retokenized = None
+    if cfg.regenerate is not None:
+        convs, retokenized = _regenerate_chats(target, convs, cfg, renderer, stats, report, out_dir)
+    num_proc = cfg.num_proc or default_num_proc()
+    rows = render_stream(convs, renderer, cfg.max_length, stats, num_proc, cfg.chunk_size, vision)
+    tmp, counts = _write_rows(rows, out_dir, vision is not None)
+    if not counts["samples"]:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _refuse_empty(cfg, report, dedup, stats)
+    meta = _metadata(target, cfg, given, out_dir, counts, stats, report, part_reports, dedup, retokenized,
+                     num_proc, vision, t0)
+    _finish(tmp, meta, out_dir)
+    _log_prepared(meta, cfg, counts, stats, report, dedup, num_proc)
+    return meta
+
+
+def _settle_engine(target: Target, cfg: PrepareConfig) -> PrepareConfig:
+    """The settings with the regenerating engine's context settled, refused before any work where the engine
+    could not capture the longest rows or answer within it (its capture layers checked against the target)."""
     engine = cfg.regenerate.engine if cfg.regenerate is not None else None
     if engine is not None:  # vLLM's context: as set, or room for the longest row and the longest prompt and answer
         limit = context_limit(getattr(target.model, "config", None), target.tokenizer)
@@ -286,42 +315,47 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path, vision=None
     if engine is not None and cfg.regenerate.max_prompt_tokens >= engine.max_model_len:
         raise PrepareError(f"regenerate.max_prompt_tokens={cfg.regenerate.max_prompt_tokens} leaves no room for an "
                            f"answer within regenerate.engine.max_model_len={engine.max_model_len}: raise it")
-    tok = target.tokenizer
-    report, part_reports = SkipReport(), {}
-    dedup = DedupReport()
-    convs = unique_conversations(read_conversations(cfg, report, part_reports), benchmark_keys(), dedup)
-    convs = check_image_rows(convs, vision, cfg.regenerate is not None)
-    if vision is not None and vision.refusal:  # its text conversations only (an image one is refused above)
-        vision = None
-    stats = RenderStats()
-    renderer = ChatRenderer(tok, cfg.chat_template_kwargs)  # a tokenizer without a template is refused here
+    return cfg
+
+
+def _regenerate_chats(target: Target, convs, cfg: PrepareConfig, renderer: ChatRenderer, stats: RenderStats,
+                      report: SkipReport, out_dir: Path) -> tuple[list[Conversation], Any]:
+    """The chats the template renders, answered again by the target (those left unanswered counted), and the
+    re-tokenization counts of an endpoint's text answers (None for an engine's)."""
+    convs = [c for c in convs if _renders(c, renderer, cfg.max_length, stats.later, stats.first_error)]  # regenerate only chats the template can render
+    if not convs and not report.kept:
+        _no_usable_conversation(cfg, report)
+    asked = len(convs)
+    convs = regenerate(target, convs, out_dir.with_name(out_dir.name + ".regen.jsonl"), cfg.regenerate,
+                       template_kwargs=cfg.chat_template_kwargs, capture=capture_dir(out_dir),
+                       rows_of=lambda conv: _sample_ids(conv, renderer, cfg.max_length))
+    if asked > len(convs):
+        stats.later[NO_REGENERATED_ANSWER] += asked - len(convs)
     retokenized = None
-    if cfg.regenerate is not None:
-        convs = [c for c in convs if _renders(c, renderer, cfg.max_length, stats.later, stats.first_error)]  # regenerate only chats the template can render
-        if not convs and not report.kept:
-            _no_usable_conversation(cfg, report)
-        asked = len(convs)
-        convs = regenerate(target, convs, out_dir.with_name(out_dir.name + ".regen.jsonl"), cfg.regenerate,
-                           template_kwargs=cfg.chat_template_kwargs, capture=capture_dir(out_dir),
-                           rows_of=lambda conv: _sample_ids(conv, renderer, cfg.max_length))
-        if asked > len(convs):
-            stats.later[NO_REGENERATED_ANSWER] += asked - len(convs)
-        if cfg.regenerate.endpoint:
-            # answers from a serving endpoint that returned text only: chats re-tokenized, and those whose
-            # re-tokenization differs from the engine's ids or text
-            retokenized = count_retokenized(convs)
-    num_proc = cfg.num_proc or default_num_proc()
-    rows = render_stream(convs, renderer, cfg.max_length, stats, num_proc, cfg.chunk_size, vision)
-    tmp, counts = _write_rows(rows, out_dir, vision is not None)
-    if not counts["samples"]:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not report.kept:
-            _no_usable_conversation(cfg, report)
-        if not dedup.kept:
-            raise PrepareError(f"every conversation read repeats an earlier one's first user turn ({dedup.within}) "
-                               f"or is an MT-bench/HumanEval prompt ({dedup.of_evaluation}): nothing left to train on")
-        why = "; ".join(f"{n} ({reason}; first: {stats.first_error.get(reason, '?')})" for reason, n in stats.later.items())
-        raise PrepareError(f"every conversation was dropped while rendering: {why}")
+    if cfg.regenerate.endpoint:
+        # answers from a serving endpoint that returned text only: chats re-tokenized, and those whose
+        # re-tokenization differs from the engine's ids or text
+        retokenized = count_retokenized(convs)
+    return convs, retokenized
+
+
+def _refuse_empty(cfg: PrepareConfig, report: SkipReport, dedup: DedupReport, stats: RenderStats) -> None:
+    """Raise why no sample was prepared: no usable conversation, every one a duplicate, or every one dropped while
+    rendering."""
+    if not report.kept:
+        _no_usable_conversation(cfg, report)
+    if not dedup.kept:
+        raise PrepareError(f"every conversation read repeats an earlier one's first user turn ({dedup.within}) "
+                           f"or is an MT-bench/HumanEval prompt ({dedup.of_evaluation}): nothing left to train on")
+    why = "; ".join(f"{n} ({reason}; first: {stats.first_error.get(reason, '?')})" for reason, n in stats.later.items())
+    raise PrepareError(f"every conversation was dropped while rendering: {why}")
+
+
+def _metadata(target: Target, cfg: PrepareConfig, given: PrepareConfig, out_dir: Path, counts: dict[str, Any],
+              stats: RenderStats, report: SkipReport, part_reports: dict[str, SkipReport], dedup: DedupReport,
+              retokenized, num_proc: int, vision, t0: float) -> dict[str, Any]:
+    """The prepared set's metadata (``specheads_meta.json``): what it holds, where from, and what was skipped."""
+    tok = target.tokenizer
     later, split = stats.later, stats.split
     meta = {
         "format": FORMAT, "target": target.name, "tokenizer_fingerprint": tokenizer_fingerprint(tok),
@@ -350,7 +384,13 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path, vision=None
     }
     if vision is not None:  # what collection needs to recompute each row's pixel inputs from its references
         meta["images"] = {**vision.describe(), "rows": counts["image_rows"], "images": counts["images"]}
-    _finish(tmp, meta, out_dir)
+    return meta
+
+
+def _log_prepared(meta: dict[str, Any], cfg: PrepareConfig, counts: dict[str, Any], stats: RenderStats,
+                  report: SkipReport, dedup: DedupReport, num_proc: int) -> None:
+    """Log what was prepared, what was dropped and why, and the per-turn and cut-answer counts."""
+    later, split = stats.later, stats.split
     log.info("prepared %d samples from %d conversations (%d tokens, %d truncated to %d) in %.1f s with %d "
              "process(es); %s%s", meta["num_samples"], counts["chats"], meta["num_tokens"], stats.truncated,
              cfg.max_length, meta["seconds"], num_proc, report.summary(),
@@ -367,7 +407,6 @@ def prepare(target: Target, cfg: PrepareConfig, out_dir: str | Path, vision=None
     if stats.cut_answers:
         log.info("%d regenerated chats end with an answer cut at regenerate.max_new_tokens (kept without an "
                  "end-of-turn token; counted as regenerated_truncated in %s)", stats.cut_answers, META_FILE)
-    return meta
 
 
 def _no_usable_conversation(cfg: PrepareConfig, report: SkipReport) -> None:
