@@ -569,13 +569,7 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
         dataset, tokens, source = _within_budget(target, spec, dataset, tokens, opts, root, source)
     if tokens.has_images:  # recorded: a trainer refuses image rows until it trains as the engine drafts them
         source = {**(source or {}), IMAGE_ROWS: sum(1 for refs in dataset["images"] if refs)}
-    ids = [str(x) for x in dataset["id"]] if tokens.has_ids else [str(i) for i in range(len(tokens))]
-    bpt = bytes_per_token(target.hidden_size, len(spec.aux_layers), spec.need_last, opts.dtype)
-    shards = plan_shards(tokens.lengths, max(1, opts.shard_bytes // bpt), opts.shard_samples)
-    header = store_header(target, spec, opts, ids, tokens.lengths, shards, source)
-    cut = ((source or {}).get("budget") or {}).get("cut") if opts.max_minutes is not None else None
-    open_plan(root, header, adopt_from=cut and cut["from_plan"],
-              contents=[([ids[i] for i in sh], [tokens.lengths[i] for i in sh]) for sh in shards] if cut else None)
+    ids, shards, header, cut = _open_store(target, spec, dataset, tokens, opts, root, source)
     mine = list(range(opts.rank, len(shards), opts.world_size))
     if opts.write:
         remove_stale_temps(root, mine)
@@ -588,12 +582,42 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
              len(mine) - len(todo))
     t0 = time.perf_counter()
     if not opts.write:  # a tensor-parallel peer: the same forward passes, nothing written
-        for s in todo:
-            for b in plan[s]:
-                compute_features(target, tokens.batch(b), spec, argmax=spec.need_last)
-        log.info("rank %d: computed its group's %d shards for the group's writer", opts.rank, len(todo))
-        return {"rank": opts.rank, "shards_written": 0, "shards_skipped": len(mine) - len(todo), "samples": 0,
-                "tokens": 0, "seconds": time.perf_counter() - t0, "tokens_per_s": 0.0, "manifest": None}
+        return _compute_for_writer(target, spec, tokens, todo, plan, len(mine), opts, t0)
+    records = _write_shards(target, spec, dataset, tokens, shards, todo, plan, ids, header, cut, todo_tokens, opts,
+                            root, t0)
+    return _written_summary(root, records, len(mine) - len(todo), opts, t0)
+
+
+def _open_store(target, spec: FeatureSpec, dataset, tokens: TokenDataset, opts: CollectOptions, root: Path,
+                source: dict | None):
+    """Plan the store's shards and open its plan at ``root`` (a budget's cut adopts the plan it came from);
+    returns the row ids, the shards, the store's header and the cut (None if none)."""
+    ids = [str(x) for x in dataset["id"]] if tokens.has_ids else [str(i) for i in range(len(tokens))]
+    bpt = bytes_per_token(target.hidden_size, len(spec.aux_layers), spec.need_last, opts.dtype)
+    shards = plan_shards(tokens.lengths, max(1, opts.shard_bytes // bpt), opts.shard_samples)
+    header = store_header(target, spec, opts, ids, tokens.lengths, shards, source)
+    cut = ((source or {}).get("budget") or {}).get("cut") if opts.max_minutes is not None else None
+    open_plan(root, header, adopt_from=cut and cut["from_plan"],
+              contents=[([ids[i] for i in sh], [tokens.lengths[i] for i in sh]) for sh in shards] if cut else None)
+    return ids, shards, header, cut
+
+
+def _compute_for_writer(target, spec: FeatureSpec, tokens: TokenDataset, todo: list[int], plan: dict, n_mine: int,
+                        opts: CollectOptions, t0: float) -> dict[str, Any]:
+    """A tensor-parallel peer's share: the same forward passes as its group's writer, nothing written."""
+    for s in todo:
+        for b in plan[s]:
+            compute_features(target, tokens.batch(b), spec, argmax=spec.need_last)
+    log.info("rank %d: computed its group's %d shards for the group's writer", opts.rank, len(todo))
+    return {"rank": opts.rank, "shards_written": 0, "shards_skipped": n_mine - len(todo), "samples": 0,
+            "tokens": 0, "seconds": time.perf_counter() - t0, "tokens_per_s": 0.0, "manifest": None}
+
+
+def _write_shards(target, spec: FeatureSpec, dataset, tokens: TokenDataset, shards: list[list[int]], todo: list[int],
+                  plan: dict, ids: list[str], header: dict, cut, todo_tokens: int, opts: CollectOptions, root: Path,
+                  t0: float) -> list:
+    """Compute and write the shards ``todo`` (a budget's deadline cuts the store where it passes); returns the
+    records of the shards written."""
     # what waits for the writer is bounded in tokens (four batches' worth): a long row's batch waits alone
     writer = ShardWriter(root, header["dtype"], max(1, len(spec.aux_layers)), header["plan_hash"],
                          max_pending_tokens=4 * opts.batch_tokens)
@@ -624,14 +648,18 @@ def collect_hidden_states(target: Target, dataset, spec: FeatureSpec, out_dir: s
         raise
     finally:
         bar.close()
-    records = writer.close()
+    return writer.close()
+
+
+def _written_summary(root: Path, records: list, skipped: int, opts: CollectOptions, t0: float) -> dict[str, Any]:
+    """Finalize the store if this process completed it, log what was written and return the summary."""
     seconds = time.perf_counter() - t0
     done_tokens = sum(r.num_tokens for r in records)
     manifest = finalize_store(root)
     log.info("rank %d wrote %d shards (%d tokens) in %.1f s (%.0f tokens/s)%s", opts.rank, len(records),
              done_tokens, seconds, done_tokens / max(seconds, 1e-9),
              "; store complete, manifest written" if manifest else "; other shards still pending")
-    return {"rank": opts.rank, "shards_written": len(records), "shards_skipped": len(mine) - len(todo),
+    return {"rank": opts.rank, "shards_written": len(records), "shards_skipped": skipped,
             "samples": sum(r.num_samples for r in records), "tokens": done_tokens, "seconds": seconds,
             "tokens_per_s": done_tokens / max(seconds, 1e-9), "manifest": manifest}
 
