@@ -77,35 +77,20 @@ def load_target(
     its figures are logged in one line and kept as ``Target.dtype_choice``. ``chat_template``: a template for
     the tokenizer (``specheads.targets.chat_templates``: a file, a shipped name, or a model that has one).
     """
-    from transformers import AutoTokenizer
-
-    from specheads.hardware import DTYPES, Choice, choose_dtype, cpu_bf16_supported, resolve_device
+    from specheads.hardware import resolve_device
 
     mode = check_parallel(parallel)
     device = resolve_device(device)
-    if isinstance(dtype, torch.dtype):
-        dtype = str(dtype).removeprefix("torch.")
-    on_gpu = torch.device(device).type == "cuda" or (str(parallel) != "none" and torch.cuda.is_available())
-    # as set, or the GPU's answer; None: auto on the CPU, decided below on the model loaded in float32
-    choice = None if dtype == "auto" and not on_gpu else choose_dtype(dtype, "cuda" if on_gpu else "cpu")
-    dtype = DTYPES[choice.value] if choice else torch.float32
+    choice, dtype = _asked_dtype(dtype, device, parallel)
     kwargs, layout = split_kwargs(mode, tp_size, max_memory)
-    path = resolve_target_path(name_or_path)
-    try:
-        model = model_class(path).from_pretrained(path, dtype=dtype, **kwargs)
-        tokenizer = apply_chat_template(AutoTokenizer.from_pretrained(path), chat_template)
-    except OSError as e:
-        raise TargetLoadError(f"cannot load target '{name_or_path}': {e}; {TARGET_HINT}") from e
+    model, tokenizer = _load_model(name_or_path, dtype, kwargs, chat_template)
     if not kwargs:  # whole: none, or tp with groups of one
         model.to(device)
     if layout is not None:  # tp
         finish_tensor_parallel(model, layout, sharded=bool(kwargs))
     model.eval().requires_grad_(False)
-    if choice is None:  # bfloat16 where a probe of this model's own layers is faster (and the CPU has its kernels)
-        choice = (choose_dtype("auto", "cpu", model, rows=probe_rows) if mode == "none" or not cpu_bf16_supported()
-                  else Choice("float32", "split target on the CPU (its ranks must agree)"))
-        if choice.value != "float32":
-            model.to(DTYPES[choice.value])
+    if choice is None:
+        choice = _settle_cpu_dtype(model, mode, probe_rows)
     log.info("%s", choice.line("target dtype"))
     if layout is None:
         rank, world = launch_rank_world()
@@ -113,3 +98,41 @@ def load_target(
     target = Target(model, tokenizer, name=name_or_path, layout=layout)
     target.dtype_choice = choice
     return target
+
+
+def _asked_dtype(dtype: torch.dtype | str, device, parallel: str | None):
+    """The dtype choice as set, or the GPU's answer (None: auto on the CPU, decided on the model loaded in float32),
+    and the dtype to load the model in."""
+    from specheads.hardware import DTYPES, choose_dtype
+
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    on_gpu = torch.device(device).type == "cuda" or (str(parallel) != "none" and torch.cuda.is_available())
+    choice = None if dtype == "auto" and not on_gpu else choose_dtype(dtype, "cuda" if on_gpu else "cpu")
+    return choice, DTYPES[choice.value] if choice else torch.float32
+
+
+def _load_model(name_or_path: str, dtype: torch.dtype, kwargs: dict, chat_template: str | None):
+    """The target's model and tokenizer (``chat_template`` applied) from its resolved path, or a
+    ``TargetLoadError``."""
+    from transformers import AutoTokenizer
+
+    path = resolve_target_path(name_or_path)
+    try:
+        model = model_class(path).from_pretrained(path, dtype=dtype, **kwargs)
+        tokenizer = apply_chat_template(AutoTokenizer.from_pretrained(path), chat_template)
+    except OSError as e:
+        raise TargetLoadError(f"cannot load target '{name_or_path}': {e}; {TARGET_HINT}") from e
+    return model, tokenizer
+
+
+def _settle_cpu_dtype(model, mode: str, probe_rows: int | RowsFor):
+    """The CPU's dtype choice, the model cast to it: bfloat16 where a probe of this model's own layers is faster
+    (and the CPU has its kernels); float32 for a target split on a CPU with them (its ranks must agree)."""
+    from specheads.hardware import DTYPES, Choice, choose_dtype, cpu_bf16_supported
+
+    choice = (choose_dtype("auto", "cpu", model, rows=probe_rows) if mode == "none" or not cpu_bf16_supported()
+              else Choice("float32", "split target on the CPU (its ranks must agree)"))
+    if choice.value != "float32":
+        model.to(DTYPES[choice.value])
+    return choice
