@@ -366,11 +366,8 @@ def make_plan(*, target_name: str, config, method_name: str, method_settings: di
               num_samples: int, tokens_per_sample: float, epochs: float, batch_tokens: int, device: str,
               processes: int = 1, device_gib: float = 80.0, probe_tokens: int = 256, disk_dir: str | Path | None = None,
               train_tokens: int = 4096, engine: str | None = None, engine_python: str | None = None) -> Plan:
-    check_sizes({"num_samples": num_samples, "tokens_per_sample": tokens_per_sample, "epochs": epochs,
-                 "processes": processes, "device_gib": device_gib, "probe_tokens": probe_tokens,
-                 "train_tokens": train_tokens, "batch_tokens": batch_tokens})
-    if engine not in (None, "hf", "vllm"):
-        raise ConfigError(f"plan.engine={engine}: use vllm (time vLLM's collection too) or leave it null")
+    _check_plan_settings(num_samples, tokens_per_sample, epochs, processes, device_gib, probe_tokens, train_tokens,
+                         batch_tokens, engine)
     store_dtype = canonical_dtype(store_dtype)
     target = meta_target(config, target_name)
     size = target_size(target)
@@ -403,12 +400,7 @@ def make_plan(*, target_name: str, config, method_name: str, method_settings: di
                          online_columns=online_cols, probs_width=width, train_tokens=train_tokens,
                          train_bytes=train_label_bytes(train_tokens, online_cols if spec.online_only else offline_cols,
                                                        width))
-    free = None
-    if disk_dir is not None:
-        probe = Path(disk_dir)
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        free = shutil.disk_usage(probe).free
+    free = _disk_free(disk_dir)
     plan = Plan(target=target_name, method=method_name, dtype=dtype, dtype_reason=choice.reason,
                 num_samples=num_samples, tokens=tokens, epochs=epochs, target_size=size, head_trainable=trainable,
                 store_bytes=store, disk_free=free,
@@ -420,13 +412,38 @@ def make_plan(*, target_name: str, config, method_name: str, method_settings: di
                                         head_flops=head_attention, collect_s=attention_s,
                                         train_s=head_attention * tokens * unroll * epochs / rate))
     if engine == "vllm" and not spec.online_only:
-        from specheads.data.engine_features import engine_collect_rate
-
-        probe = engine_collect_rate(config, type(target.model).__name__, spec.aux_layers or (), spec.need_last,
-                                    python=engine_python)
-        plan.engine = {**probe, "collect_s": probe["load_s"] + tokens / (probe["tokens_per_s"] * processes)}
+        plan.engine = _engine_collect(config, target, spec, engine_python, tokens, processes)
     plan.advice = advise(plan)
     return plan
+
+
+def _check_plan_settings(num_samples, tokens_per_sample, epochs, processes, device_gib, probe_tokens, train_tokens,
+                         batch_tokens, engine) -> None:
+    """Refuse a size that is not a positive number (``check_sizes``) or an engine other than hf or vllm."""
+    check_sizes({"num_samples": num_samples, "tokens_per_sample": tokens_per_sample, "epochs": epochs,
+                 "processes": processes, "device_gib": device_gib, "probe_tokens": probe_tokens,
+                 "train_tokens": train_tokens, "batch_tokens": batch_tokens})
+    if engine not in (None, "hf", "vllm"):
+        raise ConfigError(f"plan.engine={engine}: use vllm (time vLLM's collection too) or leave it null")
+
+
+def _disk_free(disk_dir: str | Path | None) -> int | None:
+    """Free bytes on the disk that holds ``disk_dir`` (its nearest existing folder); None without one."""
+    if disk_dir is None:
+        return None
+    probe = Path(disk_dir)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def _engine_collect(config, target, spec, engine_python: str | None, tokens: int, processes: int) -> dict:
+    """vLLM's collection rate for this target and spec, probed, and the seconds it would collect ``tokens`` in."""
+    from specheads.data.engine_features import engine_collect_rate
+
+    probe = engine_collect_rate(config, type(target.model).__name__, spec.aux_layers or (), spec.need_last,
+                                python=engine_python)
+    return {**probe, "collect_s": probe["load_s"] + tokens / (probe["tokens_per_s"] * processes)}
 
 
 def advise(plan: Plan) -> list[str]:
