@@ -497,48 +497,77 @@ def tree_vs_sequential(model: nn.Module, contexts=(40, 150), sizes=(3, 6, 12), s
     checked: list[tuple[list[int], list[int], list[int], torch.Tensor]] = []
     with torch.no_grad():
         for length, n in cases:
-            prompt = [rng.randrange(vocab) for _ in range(length)]
-            toks = [rng.randrange(vocab) for _ in range(n)]
-            parents = [-1] + [rng.randrange(-1, i) for i in range(1, n)]
-            ref = reference_parents(parents) if reference_parents else parents
-            r.prefill([prompt])
-            context = r.slots.committed
-            tree = r.forward(torch.tensor([toks]), torch.tensor([parents])).logits[0]
+            prompt, toks, parents, ref, context, tree = _random_tree_forward(r, rng, vocab, length, n,
+                                                                             reference_parents)
             checked.append((prompt, toks, parents, tree))
-            # one walk per leaf of the reference tree: each node's one-token logits are taken once, on the first
-            # walk that passes it (what a one-token forward after its ancestors gives, whichever leaf it leads to);
-            # each walk starts from the prompt's prefill, rewound to (``TargetRunner.rewind``), not made again
-            seen: set[int] = set()
-            for leaf in (i for i in range(n) if i not in set(ref)):
-                r.rewind(context)
-                for j in _path(ref, leaf):
-                    one = r.forward(torch.tensor([[toks[j]]]), torch.tensor([[-1]])).logits[0, 0]
-                    r.commit([[0]])
-                    if j in seen:
-                        continue
-                    seen.add(j)
-                    total += 1
-                    moved += _path(ref, j) != _path(parents, j)
-                    unequal += not torch.equal(one, tree[j])
-                    worst = max(worst, float((one.float() - tree[j].float()).abs().max()))
+            nodes, case_moved, case_unequal, worst = _one_token_walks(r, context, toks, parents, ref, tree, worst)
+            total += nodes
+            moved += case_moved
+            unequal += case_unequal
         if batch > 1:
-            rows = [checked[b % len(checked)] for b in range(batch)]
-            q = max(len(toks) for _, toks, _, _ in rows)
-            tok = torch.zeros(batch, q, dtype=torch.long)
-            par = torch.full((batch, q), -1, dtype=torch.long)
-            live = torch.zeros(batch, q, dtype=torch.bool)
-            for b, (_, toks, parents, _) in enumerate(rows):
-                tok[b, :len(toks)], par[b, :len(toks)], live[b, :len(toks)] = (torch.tensor(toks),
-                                                                               torch.tensor(parents), True)
-            r.prefill([prompt for prompt, _, _, _ in rows])
-            out = r.forward(tok, par, live).logits
-            for b, (_, toks, _, tree) in enumerate(rows):
-                for i in range(len(toks)):
-                    batch_nodes += 1
-                    batch_unequal += not torch.equal(out[b, i], tree[i])
-                    worst = max(worst, float((out[b, i].float() - tree[i].float()).abs().max()))
+            batch_nodes, batch_unequal, worst = _batched_vs_trees(r, checked, batch, worst)
     return {"nodes": total + batch_nodes, "unequal": unequal + batch_unequal, "largest_difference": worst,
             "moved": moved, "batch": batch, "batch_nodes": batch_nodes, "batch_unequal": batch_unequal}
+
+
+def _random_tree_forward(r: TargetRunner, rng: random.Random, vocab: int, length: int, n: int, reference_parents):
+    """A random prompt of ``length`` tokens prefilled and a random tree of ``n`` nodes verified after it in one
+    forward; returns the prompt, the tree's tokens and parents, the reference's parents, the committed context and
+    the tree's logits."""
+    prompt = [rng.randrange(vocab) for _ in range(length)]
+    toks = [rng.randrange(vocab) for _ in range(n)]
+    parents = [-1] + [rng.randrange(-1, i) for i in range(1, n)]
+    ref = reference_parents(parents) if reference_parents else parents
+    r.prefill([prompt])
+    context = r.slots.committed
+    tree = r.forward(torch.tensor([toks]), torch.tensor([parents])).logits[0]
+    return prompt, toks, parents, ref, context, tree
+
+
+def _one_token_walks(r: TargetRunner, context, toks: list[int], parents: list[int], ref: list[int],
+                     tree: torch.Tensor, worst: float) -> tuple[int, int, int, float]:
+    """Each node's one-token logits along the reference tree against its tree logits; returns the nodes compared,
+    those whose reference path moved, those unequal, and ``worst`` raised to the largest difference."""
+    nodes = moved = unequal = 0
+    # one walk per leaf of the reference tree: each node's one-token logits are taken once, on the first
+    # walk that passes it (what a one-token forward after its ancestors gives, whichever leaf it leads to);
+    # each walk starts from the prompt's prefill, rewound to (``TargetRunner.rewind``), not made again
+    seen: set[int] = set()
+    for leaf in (i for i in range(len(toks)) if i not in set(ref)):
+        r.rewind(context)
+        for j in _path(ref, leaf):
+            one = r.forward(torch.tensor([[toks[j]]]), torch.tensor([[-1]])).logits[0, 0]
+            r.commit([[0]])
+            if j in seen:
+                continue
+            seen.add(j)
+            nodes += 1
+            moved += _path(ref, j) != _path(parents, j)
+            unequal += not torch.equal(one, tree[j])
+            worst = max(worst, float((one.float() - tree[j].float()).abs().max()))
+    return nodes, moved, unequal, worst
+
+
+def _batched_vs_trees(r: TargetRunner, checked: list, batch: int, worst: float) -> tuple[int, int, float]:
+    """One verify forward of ``batch`` rows, each a checked case's (prompt, tree) in turn, against each tree's own
+    batch-1 logits; returns the nodes compared, those unequal, and ``worst`` raised to the largest difference."""
+    batch_nodes = batch_unequal = 0
+    rows = [checked[b % len(checked)] for b in range(batch)]
+    q = max(len(toks) for _, toks, _, _ in rows)
+    tok = torch.zeros(batch, q, dtype=torch.long)
+    par = torch.full((batch, q), -1, dtype=torch.long)
+    live = torch.zeros(batch, q, dtype=torch.bool)
+    for b, (_, toks, parents, _) in enumerate(rows):
+        tok[b, :len(toks)], par[b, :len(toks)], live[b, :len(toks)] = (torch.tensor(toks),
+                                                                       torch.tensor(parents), True)
+    r.prefill([prompt for prompt, _, _, _ in rows])
+    out = r.forward(tok, par, live).logits
+    for b, (_, toks, _, tree) in enumerate(rows):
+        for i in range(len(toks)):
+            batch_nodes += 1
+            batch_unequal += not torch.equal(out[b, i], tree[i])
+            worst = max(worst, float((out[b, i].float() - tree[i].float()).abs().max()))
+    return batch_nodes, batch_unequal, worst
 
 
 def _one_token_ms(model: nn.Module, rounds: int = 3, reps: int = 2) -> dict[str, float]:
