@@ -136,36 +136,11 @@ def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: 
     Returns (loss scalar, per-step stats with accuracy against the target argmax on those rows).
     """
     total, stats, own = None, [], hidden.shape[1]
-    position_ids = cache = None
-    if shard is not None:
-        position_ids = shard.positions(hidden.shape[0], own, hidden.device)
-        cache = shard.cache(model.num_draft_layers)
-    if POSITIONS in batch:  # a vision-language target's M-RoPE positions, as the engine hands them to the draft
-        position_ids = batch[POSITIONS][:, :own]
+    position_ids, cache = _unroll_positions(model, hidden, batch, shard)
     for i, h_out in unroll(model, hidden, batch["input_ids"], steps, position_ids, cache):
-        b, t = step_rows(batch, i)
-        keep = rows.in_vocab[b, t + 1 + i] & (t < own)  # a shard's halo positions are another rank's
-        b, t = b[keep], t[keep]
-        idx = rows.row_of[b, t + 1 + i]
-        n, weight = b.numel(), None
-        if offpath_weight != 1.0:
-            offpath = (rows.row_of[b, t + i] >= 0) & (batch["input_ids"][b, t + 1 + i] != rows.argmax[b, t + i])
-            weight = torch.where(offpath, offpath_weight, 1.0).to(rows.probs.dtype)
-        weighed = float(n) if weight is None else float(weight.sum())
-        if shard is not None:  # the group's counts: the step's loss is the one-process mean
-            counts = shard.total(torch.tensor([n, weighed], dtype=torch.float64, device=hidden.device))
-            n, weighed = int(counts[0]), float(counts[1])
-        denom = float(max(n, 1)) if weight is None else max(weighed, 1e-6)
-        # The step's labels are rows.probs[idx] (* weight): gathered a chunk at a time inside the loss, never copied
-        # whole (steps x (N, V) float32 kept for backward, 7 GiB at 8k tokens and 7 steps).
-        head = _linear_head(model)
-        if head is not None:  # gradients made in the forward pass: no logits or labels kept for backward
-            loss_sum, pred = linear_soft_cross_entropy(
-                model.normed(h_out[b, t]), head.weight, rows.probs, idx, weight, head.bias,
-                chunk=min(chunk, logit_chunk_rows(head.weight.shape[0], SOFT_CHUNK_BYTES)), lk_weight=lk_weight)
-        else:
-            loss_sum, pred = soft_cross_entropy(model.logits, h_out[b, t], rows.probs, chunk=chunk,
-                                                lk_weight=lk_weight, index=idx, row_weight=weight)
+        b, t, idx, weight = _step_targets(batch, rows, i, own, offpath_weight)
+        n, denom = _step_counts(b.numel(), weight, shard, hidden.device)
+        loss_sum, pred = _step_soft_loss(model, h_out, b, t, rows, idx, weight, chunk, lk_weight)
         step_loss = loss_sum / denom
         if feature_weight:
             true = batch["hidden_last"][b, t + 1 + i]
@@ -178,6 +153,58 @@ def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: 
     if shard is not None:
         total, stats = shard.combine(total), _group_stats(stats, shard)
     return total, stats
+
+
+def _unroll_positions(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], shard):
+    """The positions the draft unrolls at (a shard's, or a vision-language target's M-RoPE positions, as the engine
+    hands them to the draft; None: the default) and a shard's cache (None without one)."""
+    position_ids = cache = None
+    if shard is not None:
+        position_ids = shard.positions(hidden.shape[0], hidden.shape[1], hidden.device)
+        cache = shard.cache(model.num_draft_layers)
+    if POSITIONS in batch:
+        position_ids = batch[POSITIONS][:, :hidden.shape[1]]
+    return position_ids, cache
+
+
+def _step_targets(batch: dict[str, torch.Tensor], rows: TargetRows, i: int, own: int, offpath_weight: float):
+    """Step ``i``'s rows (b, t) whose target argmax lies in the draft vocabulary, their label rows in
+    ``rows.probs``, and their weights (None unless ``offpath_weight`` != 1: the off-path rows weighed down)."""
+    b, t = step_rows(batch, i)
+    keep = rows.in_vocab[b, t + 1 + i] & (t < own)  # a shard's halo positions are another rank's
+    b, t = b[keep], t[keep]
+    idx = rows.row_of[b, t + 1 + i]
+    weight = None
+    if offpath_weight != 1.0:
+        offpath = (rows.row_of[b, t + i] >= 0) & (batch["input_ids"][b, t + 1 + i] != rows.argmax[b, t + i])
+        weight = torch.where(offpath, offpath_weight, 1.0).to(rows.probs.dtype)
+    return b, t, idx, weight
+
+
+def _step_counts(n: int, weight: torch.Tensor | None, shard, device: torch.device) -> tuple[int, float]:
+    """The step's row count and its loss's denominator (the rows, or their total weight); a shard's are the
+    group's."""
+    weighed = float(n) if weight is None else float(weight.sum())
+    if shard is not None:  # the group's counts: the step's loss is the one-process mean
+        counts = shard.total(torch.tensor([n, weighed], dtype=torch.float64, device=device))
+        n, weighed = int(counts[0]), float(counts[1])
+    denom = float(max(n, 1)) if weight is None else max(weighed, 1e-6)
+    return n, denom
+
+
+def _step_soft_loss(model, h_out: torch.Tensor, b: torch.Tensor, t: torch.Tensor, rows: TargetRows,
+                    idx: torch.Tensor, weight: torch.Tensor | None, chunk: int, lk_weight: float):
+    """The step's summed soft cross-entropy against its label rows and the draft's predictions; through the linear
+    head's fused loss where it has one."""
+    # The step's labels are rows.probs[idx] (* weight): gathered a chunk at a time inside the loss, never copied
+    # whole (steps x (N, V) float32 kept for backward, 7 GiB at 8k tokens and 7 steps).
+    head = _linear_head(model)
+    if head is not None:  # gradients made in the forward pass: no logits or labels kept for backward
+        return linear_soft_cross_entropy(
+            model.normed(h_out[b, t]), head.weight, rows.probs, idx, weight, head.bias,
+            chunk=min(chunk, logit_chunk_rows(head.weight.shape[0], SOFT_CHUNK_BYTES)), lk_weight=lk_weight)
+    return soft_cross_entropy(model.logits, h_out[b, t], rows.probs, chunk=chunk,
+                              lk_weight=lk_weight, index=idx, row_weight=weight)
 
 
 def _group_stats(stats: list[StepStats], shard) -> list[StepStats]:
