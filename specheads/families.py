@@ -79,6 +79,18 @@ class Family:
     build_layout: str = ""
     card_facts: str = ""
     foreign_config: str = ""
+    # its export is its target with the head stitched back in (``export/mtp.py``): that folder is the model served,
+    # with no separate draft folder
+    stitched: bool = False
+    # engine layouts written as one folder that each of those engines serves (z-lab's DFlash format: vLLM and SGLang);
+    # a layout outside it is read by its own engine only
+    one_folder: tuple[str, ...] = ()
+    # the engine layout TGI's ``text-generation-launcher`` serves too (the serve commands add its line); None: none
+    tgi_layout: str | None = None
+    # the model card repeats its "served by" row above the serve commands (engine support that is easy to miss)
+    card_served_by_note: bool = False
+    # the model card's line after the serve commands of its speculators folder (``{folder}``: the folder they name)
+    speculators_card_note: str | None = None
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -124,7 +136,7 @@ FAMILIES: tuple[Family, ...] = (
            sglang_note="# SGLang: no Medusa support (no Medusa loader in SGLang 0.5.23): serve with vLLM up to 0.32 "
                        "(the line above) or TGI",
            drafter=_DRAFTERS + "head_drafters:medusa_drafter", rows=_ROWS + "medusa_rows", vllm_profile=True,
-           calibrated_tree=True),
+           calibrated_tree=True, tgi_layout="medusa", card_served_by_note=True),
     Family("eagle1", "EAGLE-1", "specheads_eagle1", "specheads.models.eagle1:Eagle1Model",
            "specheads.models.eagle1:Eagle1Config", {"eagle1": "specheads.methods.eagle1:Eagle1Method"}, "last",
            layouts={"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}, vllm_method="eagle",
@@ -140,7 +152,9 @@ FAMILIES: tuple[Family, ...] = (
            card_facts=_CARD + "eagle3_facts", foreign_config=_FOREIGN + "eagle3_config",
            draft_vocab=True, vllm_method="eagle3", sglang_algorithm="EAGLE3", speculators_type="eagle3",
            drafter=_DRAFTERS + "head_drafters:eagle_drafter", rows=_ROWS + "eagle_rows", vllm_profile=True,
-           choose_shape=True),
+           choose_shape=True,
+           speculators_card_note="With speculators itself: `from speculators import SpeculatorModel; "
+                                 "SpeculatorModel.from_pretrained({folder!r})`."),
     Family("dflash", "DFlash", "specheads_dflash", "specheads.models.dflash:DFlashModel",
            "specheads.models.dflash:DFlashConfig", {"dflash": "specheads.methods.dflash:DFlashMethod"}, "aux",
            # z-lab's format, one folder both engines load (vLLM registry -> qwen3_dflash.DFlashQwen3ForCausalLM,
@@ -149,7 +163,10 @@ FAMILIES: tuple[Family, ...] = (
            head_tensors=_LAYOUTS + "dflash_tensors", build_layout=_LAYOUTS + "dflash_layout",
            card_facts=_CARD + "dflash_facts", foreign_config=_FOREIGN + "dflash_config",
            vllm_method="dflash", sglang_algorithm="DFLASH", speculators_type="dflash",
-           drafter=_DRAFTERS + "head_drafters:dflash_drafter", rows=_ROWS + "dflash_rows", drafts="block"),
+           drafter=_DRAFTERS + "head_drafters:dflash_drafter", rows=_ROWS + "dflash_rows", drafts="block",
+           one_folder=("vllm", "sglang"),
+           speculators_card_note="SGLang cannot read this folder (no speculators-format reader in 0.5.23): serve the "
+                                 "`sglang/` (or `vllm/`) export with `--speculative-algorithm DFLASH` instead."),
     Family("peagle", "P-EAGLE", "specheads_peagle", "specheads.models.peagle:PEagleModel",
            "specheads.models.peagle:PEagleConfig", {"peagle": "specheads.methods.peagle:PEagleMethod"}, "aux",
            # EAGLE-3's loader, served with parallel_drafting: true; speculators' peagle format (algos.update_peagle)
@@ -161,7 +178,7 @@ FAMILIES: tuple[Family, ...] = (
            sglang_note="# SGLang: no parallel-drafting EAGLE (P-EAGLE) in SGLang 0.5.23: serve with vLLM (the line "
                        "above)"),
     Family("mtp", "MTP", "specheads_mtp", "specheads.models.mtp:MTPModel", "specheads.models.mtp:MTPConfig",
-           {"mtp": "specheads.methods.mtp:MTPMethod"}, "last", vllm_method="mtp",
+           {"mtp": "specheads.methods.mtp:MTPMethod"}, "last", vllm_method="mtp", stitched=True,
            drafter=_DRAFTERS + "mtp_drafter:mtp_drafter", rows=_ROWS + "mtp_rows"),
     Family("dspark", "DSpark", "specheads_dspark", "specheads.models.dspark:DSparkModel",
            "specheads.models.dspark:DSparkConfig", {"dspark": "specheads.methods.dspark:DSparkMethod"}, "aux",

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from specheads.export.engine_targets import VLLM_CPU_REFUSED, vllm_refusal
 from specheads.export.layouts import Layout, TargetInfo
-from specheads.export.serve import (FOLDER_PLACEHOLDER, NO_SGLANG, TARGET_VAR, serve_commands, serve_params,
-                                    target_line)
+from specheads.export.serve import (FOLDER_PLACEHOLDER, NO_SGLANG, TARGET_VAR, engine_family, serve_commands,
+                                    serve_params, target_line)
 from specheads.export.target import TargetOrigin, portable_name
 from specheads.families import family, load
 from specheads.targets import chat_templates
@@ -208,7 +208,7 @@ def _acceptance(card: CardInputs, engine: str) -> list[str]:
     if not card.report:
         return ["Not measured: no evaluation report was given to the export (eval_report=.../report.json, or "
                 "eval_report=auto with the pipeline's run folder)."]
-    profile = "vllm" if engine in ("speculators", "medusa") else engine
+    profile = engine_family(engine)  # the speculators and medusa layouts: vLLM's profile
     src = f" (`{Path(*Path(card.report_path).parts[-3:])}`)" if card.report_path else ""
     L = [f"Measured by `specheads evaluate` on this head{src} (α = accepted ÷ tested drafts; τ = tokens per target "
          f"forward, bonus included). Rows marked ◀ use the {profile} serving profile.", "",
@@ -242,9 +242,13 @@ def _lossless(card: CardInputs) -> list[str]:
     return L
 
 
+_ENGINE_TITLES = {"vllm": "vLLM", "sglang": "SGLang"}
+
+
 def card_text(layout: Layout, card: CardInputs) -> str:
     """The README.md of one exported engine folder."""
-    title = family(layout.method).title
+    fam = family(layout.method)
+    title = fam.title
     front = ([f"base_model: {card.base_model}"] if card.base_model else []) + \
         [f"tags: [speculative-decoding, {layout.method}, {layout.engine}, specheads]"]
     name = card.base_model or Path(card.target.name).name
@@ -259,8 +263,8 @@ def card_text(layout: Layout, card: CardInputs) -> str:
     engine_name = {"speculators": "vLLM (speculators format)", "medusa": "TGI or vLLM 0.32"}.get(layout.engine,
                                                                                                layout.engine)
     L += ["", f"## Serve it with {engine_name}", "", f"Draft settings: {p.source}.", ""]
-    if layout.method == "medusa":
-        L += [f"Medusa is served by: {SERVED_BY[layout.method, layout.engine]}.", ""]
+    if fam.card_served_by_note:
+        L += [f"{title} is served by: {SERVED_BY[layout.method, layout.engine]}.", ""]
     set_target = []
     if not card.origin.hub_id and not card.adapted:
         set_target = [target_line(card.origin.hint, "REPLACE: see the warning above")]
@@ -276,18 +280,14 @@ def card_text(layout: Layout, card: CardInputs) -> str:
                   "warning above"] if set_target else []
         chat = ["llm = " + cmds["python"], cmds["python_chat"]] if "python_chat" in cmds else [cmds["python"]]
         L += ["```python", "from vllm import LLM", *py_set, *chat, "```", ""]
-    if layout.engine == "speculators" and layout.method == "eagle3":
-        L += ["With speculators itself: `from speculators import SpeculatorModel; "
-              f"SpeculatorModel.from_pretrained({folder!r})`.", ""]
-    if layout.method == "dflash" and layout.engine in ("vllm", "sglang"):
-        other = "sglang" if layout.engine == "vllm" else "vllm"
+    if layout.engine == "speculators" and fam.speculators_card_note:
+        L += [fam.speculators_card_note.format(folder=folder), ""]
+    others = [e for e in fam.one_folder if e != layout.engine] if layout.engine in fam.one_folder else []
+    for other in others:  # one folder that these engines serve too
         cmds = _card_commands(layout, card, folder, other, template)
-        L += [f"The same folder serves {'SGLang' if other == 'sglang' else 'vLLM'} "
-              f"({serve_params('dflash', card.cfg, other, card.report, card.spec_tokens).source}):", "",
+        L += [f"The same folder serves {_ENGINE_TITLES[other]} "
+              f"({serve_params(layout.method, card.cfg, other, card.report, card.spec_tokens).source}):", "",
               "```bash", *pre, *set_target, cmds["shell"], "```", ""]
-    if layout.method == "dflash" and layout.engine == "speculators":
-        L += ["SGLang cannot read this folder (no speculators-format reader in 0.5.23): serve the `sglang/` (or "
-              "`vllm/`) export with `--speculative-algorithm DFLASH` instead.", ""]
     n = len(layout.tensors)
     L += ["## Layout", ""] + [f"- {n_}" for n_ in layout.notes]
     L += [f"- Files: `config.json`, `{layout.weights_file}` ({n} tensors), `specheads_export.json`"
