@@ -184,7 +184,7 @@ def serve_commands(method: str, engine: str, target: str, model: str, p: ServePa
         if chat_template:
             out["python_chat"] = ("llm.chat([{'role': 'user', 'content': 'Hello'}], "
                                   f"chat_template=open({chat_template!r}).read())")
-        if engine == "medusa":
+        if engine == family(method).tgi_layout:  # Medusa's original layout
             out["tgi"] = (f"text-generation-launcher --model-id {model}   # serves config.json's "
                           "base_model_name_or_path with these heads")
         return out
@@ -233,7 +233,7 @@ def exported_lines(export_dir: str | Path, target_here: str | None = None) -> li
     if not folders:
         return [f"(no exported folder in {export_dir})"]
     prov = folders[0][1]
-    if prov["method"] == "mtp":  # a stitched target (export/mtp.py): the folder is the model, no draft repo
+    if family(prov["method"]).stitched:  # a stitched target (export/mtp.py): the folder is the model, no draft repo
         s = json.dumps(prov["serve"]["speculative_config"])
         return [f"# vLLM (the stitched target: {folders[0][0]})", f"vllm serve {folders[0][0]} --speculative-config '{s}'"]
     target, lines = prov.get("target_id") or target_here, []
