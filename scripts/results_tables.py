@@ -534,7 +534,7 @@ def trainer_comparisons(data: dict, peer: str) -> str:
             seen.add(key)
             runs.append(r)
     if not runs:
-        return (f"_No record yet: `python scripts/bench/compare_{peer}.py ... --epochs 1 --evaluate --json c.json`, "
+        return (f"_No record yet: `python scripts/peers/compare_{peer}.py ... --epochs 1 --evaluate --json c.json`, "
                 "then `specheads record c.json`._")
     return "\n\n".join(_trainer_comparison(r, peer) for r in runs)
 

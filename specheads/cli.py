@@ -8,7 +8,7 @@
     specheads plan target=qwen3_8b plan.num_samples=500000   # store bytes, memory per layout, time, before any run
     specheads serve-eval export_dir=runs/quickstart/export/eagle3/vllm   # the head in vLLM (bash scripts/setup_engine.sh)
     specheads run            # the whole pipeline on the embedded default (see recipes/pipeline.py)
-    specheads record runs/quickstart/run_summary.json   # append a measurement to docs/benchmarks.json (--help)
+    specheads record runs/quickstart/run_summary.json --into results.json   # keep a run's report, commit, machine
     specheads --conf-dir     # where the shipped Hydra configs are (e.g. conf/launcher/*.yaml for accelerate)
 
 Each verb runs the module ``specheads.recipes.<recipe>``, as ``python -m specheads.recipes.<recipe>``
@@ -44,12 +44,17 @@ def record_main(argv: list[str]) -> None:
     from specheads.record import checkout_state, record
 
     ap = argparse.ArgumentParser(prog="specheads record", description=(
-        "Append a measurement to docs/benchmarks.json, stamped with the checkout's commit (and whether its tree "
-        "was dirty), the date and the machine: a run_summary.json, a serve_report.json, a pytest log (its closing "
-        "'N passed ... in X s' line) or the output of scripts/check_engine_loaders.py."))
+        "Keep a history of your runs: append one run's report to a results file (JSON, newest first), stamped "
+        "with the commit of the code that ran (and whether its tree was dirty), the date, the machine and, for a "
+        "run_summary.json, the run's settings, so that runs on other commits, machines or settings can be "
+        "compared later. It reads a run_summary.json (specheads run), a serve_report.json (specheads "
+        "serve-eval), a pytest log (its closing 'N passed ... in X s' line), the output of "
+        "scripts/check_engine_loaders.py or the --json report of a benchmark script (scripts/bench/, scripts/peers/). "
+        "How-to: docs/install.md, 'Keeping a record of your runs'."))
     ap.add_argument("file", help="the output to record")
     ap.add_argument("--checkout", default=".", help="the git checkout that was measured (default: here)")
-    ap.add_argument("--into", default=None, help="the results file (default: CHECKOUT/docs/benchmarks.json)")
+    ap.add_argument("--into", default=None, help="the results file, started if it does not exist yet (default: "
+                    "CHECKOUT/docs/benchmarks.json, the project's own record, which must exist)")
     ap.add_argument("--wall-s", type=float, default=None, help="a test log's whole command, set-up included, in s")
     ap.add_argument("--run", default=None, help="the command that was measured, as the tables should show it")
     ap.add_argument("--what", default=None, help="one line on what ran (the history table's 'what ran')")
@@ -60,7 +65,7 @@ def record_main(argv: list[str]) -> None:
     with user_errors("record"):
         entry = record(args.file, args.into or Path(args.checkout) / "docs" / "benchmarks.json",
                        checkout_state(args.checkout), wall_s=args.wall_s, machine=args.machine, date=args.date,
-                       run=args.run, what=args.what, fresh_clone=args.fresh_clone)
+                       run=args.run, what=args.what, fresh_clone=args.fresh_clone, new_ok=args.into is not None)
     dirty = " (dirty tree)" if entry["dirty"] else ""
     print(f"recorded a {entry['kind']} entry: {entry['date']}, commit {entry['commit'][:7]}{dirty}, {entry['machine']}")
 

@@ -15,7 +15,7 @@
   step, memory above set-up and time, per method, row length and training-time-test steps) -> an entry of
   ``long_row_benches``, of ``scripts/bench/bench_evaluate.py`` (a decoding step's
   time split by phase per batch size, tree size and verification backend) -> an entry of ``eval_benches``;
-* the ``--json`` report of ``scripts/bench/compare_speculators.py``, ``compare_modelopt.py`` or
+* the ``--json`` report of ``scripts/peers/compare_speculators.py``, ``compare_modelopt.py`` or
   ``compare_specforge.py`` (our trainer and another toolkit's for one drafter family, its ``peer``, on one store:
   tokens/s, memory, held-out figures and, with ``--evaluate``, α and τ per domain of both heads) -> an entry of
   ``trainer_comparisons``
@@ -55,7 +55,7 @@ PEERS = ("speculators", "modelopt", "specforge")  # the toolkits whose trainers 
 WHAT_IT_READS = ("a run_summary.json (specheads run), a serve_report.json (specheads serve-eval), a pytest log "
                  "(its closing 'N passed ... in X s' line), the output of scripts/check_engine_loaders.py or the "
                  "report of scripts/bench/bench_backends.py, bench_train.py, ttt_memory.py, bench_evaluate.py or "
-                 "compare_<peer>.py "
+                 "scripts/peers/compare_<peer>.py "
                  "(speculators, modelopt, specforge)")
 PYTEST_LINE = re.compile(r"^=*\s*((?:\d+ (?:passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)"
                          r"(?:, )?)+) in ([\d.]+)s\b", re.M)
@@ -337,9 +337,10 @@ def write_results(path: str | Path, data: dict) -> None:
         raise
 
 
-def record(path: str | Path, results: str | Path, checkout: Checkout, **stamp) -> dict:
-    """Append ``path``'s entry to the results file (newest first) and return it."""
-    data = load_results(results)
+def record(path: str | Path, results: str | Path, checkout: Checkout, *, new_ok: bool = False, **stamp) -> dict:
+    """Append ``path``'s entry to the results file (newest first) and return it; with ``new_ok``, a results file
+    that does not exist yet starts empty (a user's own file, named by ``--into``)."""
+    data = {"runs": []} if new_ok and not Path(results).exists() else load_results(results)
     key, entry = make_entry(path, checkout, **stamp)
     data.setdefault(key, []).insert(0, entry)
     write_results(results, data)

@@ -1,4 +1,4 @@
-"""scripts/bench/compare_modelopt.py without ModelOpt: our feature store as ModelOpt's offline rows (our training and
+"""scripts/peers/compare_modelopt.py without ModelOpt: our feature store as ModelOpt's offline rows (our training and
 held-out rows, the same tokens and hidden states, the answer mask at ModelOpt's position for EAGLE-3 and as it is for
 DFlash, our draft vocabulary as ModelOpt loads it), the mapping of our settings to ModelOpt's DFlash config and to ours,
 the refused families and the report, a trainer comparison against ModelOpt. With ModelOpt importable
@@ -21,7 +21,7 @@ from tests.conftest import load_script
 from tests.data.test_features import SMALL, make_prepared
 from tests.test_compare_specforge import final, store  # noqa: F401  (store: a fixture)
 
-bench = load_script("scripts/bench/compare_modelopt.py")
+bench = load_script("scripts/peers/compare_modelopt.py")
 
 
 def test_the_store_converts_to_modelopts_offline_rows(tiny_target, tmp_path):

@@ -1,4 +1,4 @@
-"""scripts/bench/compare_specforge.py without SpecForge: our feature store as SpecForge's offline rows (our training and
+"""scripts/peers/compare_specforge.py without SpecForge: our feature store as SpecForge's offline rows (our training and
 held-out rows, the same tokens and hidden states, the answer mask at SpecForge's position, our draft vocabulary as its
 vocab mapping; DFlash's rows), the check of which side of the final norm the store's last state is on, the target
 folder SpecForge's target head reads, and the mapping of our settings to SpecForge's run config (EAGLE-3, DFlash).
@@ -20,7 +20,7 @@ from specheads.models.vocab import build_draft_vocab, count_loss_tokens
 from tests.conftest import load_script
 from tests.data.test_features import SMALL, make_prepared
 
-bench = load_script("scripts/bench/compare_specforge.py")
+bench = load_script("scripts/peers/compare_specforge.py")
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""scripts/bench/compare_speculators.py: our feature store, converted, reads back through speculators' own
+"""scripts/peers/compare_speculators.py: our feature store, converted, reads back through speculators' own
 dataset class as the same rows, tokens and hidden states (skipped where speculators is not importable)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tests.data.test_features import SMALL, make_prepared
 REPO = Path(__file__).resolve().parents[1]
 
 
-bench = load_script("scripts/bench/compare_speculators.py")
+bench = load_script("scripts/peers/compare_speculators.py")
 MISSING = bench.speculators_missing()
 
 

@@ -120,6 +120,26 @@ def test_the_command_stamps_the_checkouts_commit_and_dirtiness(tmp_path, capsys)
     assert exit_.value.code == 2 and err.count("\n") == 1 and "missing.json" in err
 
 
+def test_into_a_results_file_of_ones_own_starts_it_and_appends_newest_first(tmp_path, capsys):
+    repo = tmp_path / "clone"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    mine = tmp_path / "mine" / "results.json"
+    mine.parent.mkdir()
+    summary = _write(tmp_path, "run_summary.json", json.dumps({**SUMMARY, "settings": {"train": ["lr=1e-3"]}}))
+    for date in ("2026-12-04", "2026-12-05"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["record", str(summary), "--checkout", str(repo), "--into", str(mine), "--date", date])
+        assert exit_.value.code == 0
+    runs = json.loads(mine.read_text())["runs"]
+    assert [r["date"] for r in runs] == ["2026-12-05", "2026-12-04"]
+    assert runs[0]["settings"] == {"train": ["lr=1e-3"]} and runs[0]["machine"] == SUMMARY["machine"]
+    assert not (repo / "docs").exists()  # the project's own record is not started behind the user's back
+    capsys.readouterr()
+
+
 def test_method_keys_follow_the_evaluation_row_names():
     assert [method_key(n) for n in ("eagle3-auto", "eagle3-auto+ngram4+x1", "eagle3-auto+ngram4", "eagle3-vllm",
                                     "ngram-chain4", "dflash-chain7", "dspark-chain7", "dspark-sched0.5")] == \
@@ -258,7 +278,7 @@ def test_a_backends_benchmark_is_recorded_and_rendered_in_the_collect_guide(tmp_
 
 
 def _compare_report(**over) -> dict:
-    """What ``scripts/bench/compare_speculators.py --json`` writes: one setting, both trainers, both heads evaluated."""
+    """What ``scripts/peers/compare_speculators.py --json`` writes: one setting, both trainers, both heads evaluated."""
     def run(trainer, steps, rate, acc, taus):
         return {"setting": "bfloat16:ttt1", "trainer": trainer, "rc": 0, "wall_s": 99.0, "peak_rss_mib": 2050.4,
                 "peak_anon_mib": 1500.6, "steps": steps, "tokens": 331000, "train_s": 80.04, "tokens_per_s": rate,
@@ -287,7 +307,7 @@ def _compare_report(**over) -> dict:
 def test_a_speculators_comparison_is_recorded_without_commands_and_rendered(tmp_path, results):
     rt, _ = _results_tables()
     entry = record(_write(tmp_path, "compare.json", _compare_report()), results, CHECKOUT, date="2099-01-01",
-                   run="python scripts/bench/compare_speculators.py --epochs 1 --evaluate")
+                   run="python scripts/peers/compare_speculators.py --epochs 1 --evaluate")
     assert entry["kind"] == "trainer_compare" and entry["peer"] == "speculators" and entry["commit"] == CHECKOUT.commit
     assert entry["machine"] == "CPU X (2 cores)" and entry["budget"] == {"epochs": 1}
     data = rt.load(results)
@@ -303,7 +323,7 @@ def test_a_speculators_comparison_is_recorded_without_commands_and_rendered(tmp_
     assert "1 epoch over the same 700 training rows (331000 tokens) for each trainer" in text
     assert "commit `0123456`" in text and "speculators 0.9.0" in text
     assert "2 threads; speculators also given `--no-norm-output`;" in text and "ours also given" not in text
-    assert "torch 2.13.0 (`python scripts/bench/compare_speculators.py --epochs 1 --evaluate`):" in text
+    assert "torch 2.13.0 (`python scripts/peers/compare_speculators.py --epochs 1 --evaluate`):" in text
     assert "| bfloat16:ttt1 | ours (specheads) | 180 | 331000 | 4,001 | 4,000 | 2.50× | 2,050 | 1,501 | 2.500 | 0.410 |" in text
     assert "| bfloat16:ttt1 | theirs (speculators) | 165 | 331000 | 1,600 | 1,600 | – |" in text
     assert "12 prompts × 32 new tokens, target float32, batch 1; lossless exact" in text

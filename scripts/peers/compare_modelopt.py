@@ -1,14 +1,14 @@
 """Benchmark our EAGLE-3 or DFlash trainer against NVIDIA ModelOpt 0.47's on the same target, rows and settings (run by
 hand).
 
-    PYTHONPATH= python scripts/bench/compare_modelopt.py --modelopt-site /tmp/modelopt-site \
+    PYTHONPATH= python scripts/peers/compare_modelopt.py --modelopt-site /tmp/modelopt-site \
         --features runs/quickstart/features --prepared runs/quickstart/prepared --epochs 1 --evaluate --json mo.json
     ... --settings float32:1 bfloat16:3       # dtype (float32, or bfloat16 autocast) and TTT steps, both trainers
     ... --method dflash --evaluate --json mo-dflash.json   # DFlash (block 8, 32 anchors a row: the section below)
     ... --method dflash --max-steps 4 --warmup-steps 1     # a smoke test: 4 optimizer steps each
     ... --only ours                           # our trainer alone (ModelOpt need not be installed)
-    python scripts/bench/compare_modelopt.py --reuse mo.json --json mo-eval.json   # evaluate those heads again
-    python scripts/bench/compare_modelopt.py --reuse mo.json --serve --json mo-served.json  # serve both in vLLM
+    python scripts/peers/compare_modelopt.py --reuse mo.json --json mo-eval.json   # evaluate those heads again
+    python scripts/peers/compare_modelopt.py --reuse mo.json --serve --json mo-served.json  # serve both in vLLM
 
 ModelOpt (nvidia-modelopt 0.47, with ``pulp`` and ``scipy`` that ``modelopt.torch`` imports) is not a dependency of
 this project: install it into a folder of its own (``pip install --no-deps --target DIR nvidia-modelopt pulp scipy``)

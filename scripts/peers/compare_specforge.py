@@ -1,14 +1,14 @@
 """Benchmark our EAGLE-3 or DFlash trainer against SGLang SpecForge's on the same target, rows and settings (run by
 hand).
 
-    python scripts/bench/compare_specforge.py --specforge-site /tmp/specforge-site \
+    python scripts/peers/compare_specforge.py --specforge-site /tmp/specforge-site \
         --features runs/quickstart/features --prepared runs/quickstart/prepared --epochs 1 --evaluate --json sf.json
     ... --settings bfloat16:3 bfloat16:7     # TTT steps (bfloat16 only: see below), each trained by both
     ... --method dflash --evaluate --json sf-dflash.json   # DFlash (block 8, 32 anchors a row: the section below)
     ... --method dflash --max-steps 4 --warmup-steps 1     # a smoke test: 4 optimizer steps each
     ... --only ours                          # our trainer alone (SpecForge need not be installed)
-    python scripts/bench/compare_specforge.py --reuse sf.json --json sf-eval.json   # evaluate those heads again
-    python scripts/bench/compare_specforge.py --reuse sf.json --serve --json sf-served.json  # serve both in vLLM
+    python scripts/peers/compare_specforge.py --reuse sf.json --json sf-eval.json   # evaluate those heads again
+    python scripts/peers/compare_specforge.py --reuse sf.json --serve --json sf-served.json  # serve both in vLLM
 
 SpecForge (0.2) is not a dependency of this project. Install its wheel alone into a folder of its own
 (``pip install --no-deps --target DIR specforge``) and give that folder as ``--specforge-site``. Its offline CPU path

@@ -1,6 +1,6 @@
 """Benchmark our EAGLE-3 trainer against vLLM speculators' on the same target, data and settings (run by hand).
 
-    PYTHONPATH=<folder holding speculators and its deps> python scripts/bench/compare_speculators.py \
+    PYTHONPATH=<folder holding speculators and its deps> python scripts/peers/compare_speculators.py \
         --features runs/quickstart/features --prepared runs/quickstart/prepared --minutes 2.5
     ... --settings float32:3 bfloat16:3 float32:1 bfloat16:1 --draft-vocab-size 4096 --json report.json
     ... --only ours                        # our trainer alone (speculators need not be installed)
@@ -9,8 +9,8 @@
     ... --settings bfloat16:1 --epochs 1 --evaluate --their-arg=--no-norm-before-residual \
         --their-arg=--no-norm-before-fc --their-arg=--no-norm-output --their-arg=--full-attention-indices=0 \
         --json h2h-arch.json                # the same, their head in our architecture (the original EAGLE-3's)
-    python scripts/bench/compare_speculators.py --reuse h2h.json --json h2h-eval.json   # evaluate those heads again
-    python scripts/bench/compare_speculators.py --reuse h2h.json --serve --json h2h-served.json  # and serve them
+    python scripts/peers/compare_speculators.py --reuse h2h.json --json h2h-eval.json   # evaluate those heads again
+    python scripts/peers/compare_speculators.py --reuse h2h.json --serve --json h2h-served.json  # and serve them
 
 speculators (pip install speculators, v0.9) is not a dependency of this project: without it the script
 says so and skips its runs. To keep this project's torch and transformers, install it and the modules it
