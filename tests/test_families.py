@@ -89,7 +89,6 @@ ALLOWED = {
     "export/foreign.py": 7,
     "export/layouts.py": 1,
     "planning.py": 4,
-    "serving/engine.py": 2,
 }
 
 

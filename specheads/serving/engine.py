@@ -19,6 +19,7 @@ from specheads.engine_process import (ENGINE_VENV, SETUP_COMMAND, Engine, Engine
 from specheads.errors import InputNotFoundError, UserError
 from specheads.export.foreign import check_format, foreign_format, weight_files
 from specheads.export.serve import VLLM_METHOD, vllm_speculative_config
+from specheads.families import family
 from specheads.models.mtp_checkpoint import check_mtp_tensors
 from specheads.targets.model import recurrent_layer_types
 
@@ -62,14 +63,15 @@ def read_export(folder: str | Path) -> ExportedHead:
     if method not in VLLM_METHOD:
         raise UserError(f"export_dir={folder}: method {method!r} is no head vLLM drafts with "
                         f"({', '.join(sorted(set(VLLM_METHOD)))})")
-    if layout == "sglang" and method != "dflash":
+    fam = family(method)
+    if layout == "sglang" and not {layout, "vllm"} <= set(fam.one_folder):  # vLLM reads it only if it is vLLM's too
         raise UserError(f"export_dir={folder} is the SGLang layout, which vLLM does not read for {method}; give the "
                         f"vllm/ (or speculators/) folder beside it")
     weights = info.get("weights") or "model.safetensors"
     if not (path / weights).is_file() and not any(path.glob("*.safetensors")):
         raise InputNotFoundError(f"export_dir={folder} holds no weights ({weights}); export the head again")
     adapted = path / "target" if info.get("adapted_target") and (path / "target").is_dir() else None
-    if method == "mtp":  # a stitched target: the folder is the model served; vLLM would draft with a random layer
+    if fam.stitched:  # a stitched target: the folder is the model served; vLLM would draft with a random layer
         # if its MTP tensors were missing
         check_mtp_tensors(path, int(info.get("mtp_layer", 0)))
         adapted = path
