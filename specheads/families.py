@@ -91,6 +91,11 @@ class Family:
     card_served_by_note: bool = False
     # the model card's line after the serve commands of its speculators folder (``{folder}``: the folder they name)
     speculators_card_note: str | None = None
+    # the target LM-head columns its training loss takes per trained row (``planning.label_columns``): "full" (the
+    # whole distribution), "draft" (the stored argmax, then its draft vocabulary's columns), "labels" (none on the
+    # data's tokens, the whole distribution when distilled from the target), "argmax" (none on the data's tokens,
+    # else the target's argmax computed online)
+    label_columns: str = "full"
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -136,7 +141,7 @@ FAMILIES: tuple[Family, ...] = (
            sglang_note="# SGLang: no Medusa support (no Medusa loader in SGLang 0.5.23): serve with vLLM up to 0.32 "
                        "(the line above) or TGI",
            drafter=_DRAFTERS + "head_drafters:medusa_drafter", rows=_ROWS + "medusa_rows", vllm_profile=True,
-           calibrated_tree=True, tgi_layout="medusa", card_served_by_note=True),
+           calibrated_tree=True, tgi_layout="medusa", card_served_by_note=True, label_columns="labels"),
     Family("eagle1", "EAGLE-1", "specheads_eagle1", "specheads.models.eagle1:Eagle1Model",
            "specheads.models.eagle1:Eagle1Config", {"eagle1": "specheads.methods.eagle1:Eagle1Method"}, "last",
            layouts={"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}, vllm_method="eagle",
@@ -152,7 +157,7 @@ FAMILIES: tuple[Family, ...] = (
            card_facts=_CARD + "eagle3_facts", foreign_config=_FOREIGN + "eagle3_config",
            draft_vocab=True, vllm_method="eagle3", sglang_algorithm="EAGLE3", speculators_type="eagle3",
            drafter=_DRAFTERS + "head_drafters:eagle_drafter", rows=_ROWS + "eagle_rows", vllm_profile=True,
-           choose_shape=True,
+           choose_shape=True, label_columns="draft",
            speculators_card_note="With speculators itself: `from speculators import SpeculatorModel; "
                                  "SpeculatorModel.from_pretrained({folder!r})`."),
     Family("dflash", "DFlash", "specheads_dflash", "specheads.models.dflash:DFlashModel",
@@ -164,7 +169,7 @@ FAMILIES: tuple[Family, ...] = (
            card_facts=_CARD + "dflash_facts", foreign_config=_FOREIGN + "dflash_config",
            vllm_method="dflash", sglang_algorithm="DFLASH", speculators_type="dflash",
            drafter=_DRAFTERS + "head_drafters:dflash_drafter", rows=_ROWS + "dflash_rows", drafts="block",
-           one_folder=("vllm", "sglang"),
+           one_folder=("vllm", "sglang"), label_columns="argmax",
            speculators_card_note="SGLang cannot read this folder (no speculators-format reader in 0.5.23): serve the "
                                  "`sglang/` (or `vllm/`) export with `--speculative-algorithm DFLASH` instead."),
     Family("peagle", "P-EAGLE", "specheads_peagle", "specheads.models.peagle:PEagleModel",

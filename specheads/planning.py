@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from specheads.data.store import bytes_per_token, canonical_dtype, fits_on_disk
 from specheads.errors import ConfigError
+from specheads.families import family, find
 from specheads.ranges import check_number
 from specheads.targets import TARGET_CHUNK
 
@@ -230,7 +231,7 @@ def head_parameters(method_name: str, target, settings: dict) -> tuple[int, Any,
     settings = {k: v for k, v in settings.items() if k not in ("name", "vocab_data", "vocab_rows")}
     method = build_method(method_name, **settings)
     with torch.device("meta"):
-        if method_name == "eagle3":  # its build needs the data to pick the draft vocabulary: size only here
+        if family(method_name).draft_vocab:  # its build needs the data to pick the draft vocabulary: size only here
             method.bind(target)
             head = method.make_model(target)
         else:
@@ -275,17 +276,17 @@ def label_columns(method_name: str, method, size: TargetSize) -> tuple[int, int,
     vocabulary's columns only (online: all, then keeps the draft's); EAGLE-1 and self-distilled Medusa keep the
     full distribution; DFlash and Medusa on the data's tokens need none (DFlash online: the argmax)."""
     V = size.vocab_size
-    if method_name == "eagle3":
+    fam = find(method_name)
+    columns = fam.label_columns if fam is not None else "full"  # unknown: the full distribution, the dearest case
+    if columns == "draft":
         draft = min(int(getattr(method, "draft_vocab_size", None) or V), V)
         return draft, V, draft
-    if method_name == "eagle1":
-        return V, V, V
-    if method_name.startswith("medusa"):
+    if columns == "labels":
         distilled = getattr(method, "labels", "data") == "target" or getattr(method, "target_loss", None) == "kl"
         return (V, V, V) if distilled else (0, 0, 0)
-    if method_name == "dflash":
+    if columns == "argmax":
         return (0, 0, 0) if getattr(method, "labels", "target") == "data" else (0, V, 0)
-    return V, V, V  # unknown: the full distribution, the dearest case
+    return V, V, V
 
 
 def train_label_bytes(train_tokens: int, columns: int, probs_width: int) -> int:

@@ -88,7 +88,6 @@ ALLOWED = {
     "export/export.py": 1,
     "export/foreign.py": 7,
     "export/layouts.py": 1,
-    "planning.py": 4,
 }
 
 
