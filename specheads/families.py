@@ -96,6 +96,12 @@ class Family:
     # data's tokens, the whole distribution when distilled from the target), "argmax" (none on the data's tokens,
     # else the target's argmax computed online)
     label_columns: str = "full"
+    # it trains on a store's image rows (their M-RoPE positions; ``FeatureSpec.image_rows``, the method class's
+    # ``trains_image_rows``)
+    image_rows: bool = False
+    # its training methods that train on online features only (a feature store would go stale: Medusa-2 trains the
+    # target with its heads; ``FeatureSpec.online_only``)
+    online_methods: tuple[str, ...] = ()
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -141,7 +147,8 @@ FAMILIES: tuple[Family, ...] = (
            sglang_note="# SGLang: no Medusa support (no Medusa loader in SGLang 0.5.23): serve with vLLM up to 0.32 "
                        "(the line above) or TGI",
            drafter=_DRAFTERS + "head_drafters:medusa_drafter", rows=_ROWS + "medusa_rows", vllm_profile=True,
-           calibrated_tree=True, tgi_layout="medusa", card_served_by_note=True, label_columns="labels"),
+           calibrated_tree=True, tgi_layout="medusa", card_served_by_note=True, label_columns="labels",
+           online_methods=("medusa2",)),
     Family("eagle1", "EAGLE-1", "specheads_eagle1", "specheads.models.eagle1:Eagle1Model",
            "specheads.models.eagle1:Eagle1Config", {"eagle1": "specheads.methods.eagle1:Eagle1Method"}, "last",
            layouts={"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}, vllm_method="eagle",
@@ -157,7 +164,7 @@ FAMILIES: tuple[Family, ...] = (
            card_facts=_CARD + "eagle3_facts", foreign_config=_FOREIGN + "eagle3_config",
            draft_vocab=True, vllm_method="eagle3", sglang_algorithm="EAGLE3", speculators_type="eagle3",
            drafter=_DRAFTERS + "head_drafters:eagle_drafter", rows=_ROWS + "eagle_rows", vllm_profile=True,
-           choose_shape=True, label_columns="draft",
+           choose_shape=True, label_columns="draft", image_rows=True,
            speculators_card_note="With speculators itself: `from speculators import SpeculatorModel; "
                                  "SpeculatorModel.from_pretrained({folder!r})`."),
     Family("dflash", "DFlash", "specheads_dflash", "specheads.models.dflash:DFlashModel",

@@ -36,6 +36,7 @@ from specheads.data.store import (
     record_file, remove_stale_temps,
 )
 from specheads.errors import ConfigError
+from specheads.families import aliases, find
 from specheads.ranges import check_number
 from specheads.data.images import image_reader, with_pixels
 from specheads.targets import Target, default_eagle3_layers, target_argmax
@@ -50,17 +51,19 @@ PIXEL_KEYS = ("pixel_values", "image_grid_thw")  # a vision-language batch's pix
 
 
 def spec_for_method(method: str, num_layers: int, aux_layers: Sequence[int] | None = None) -> FeatureSpec:
-    """The features a head family trains on: Medusa-1 / EAGLE-1 the last state; EAGLE-3 three aux layers
-    (default ``default_eagle3_layers``) plus the last state (its target distribution = lm_head(last))."""
+    """The features a head family (or training method) trains on, from its registry entry: the last state
+    (Medusa, EAGLE-1, MTP), or aux layers (default ``default_eagle3_layers``) plus the last state (its target
+    distribution = lm_head(last)); online only for Medusa-2; image rows where the family trains on them."""
     method = method.lower().replace("-", "").replace("_", "")
-    if method in ("medusa1", "medusa", "eagle1", "eagle"):
-        return FeatureSpec(aux_layers=(), need_last=True)
-    if method == "eagle3":
-        layers = tuple(aux_layers) if aux_layers else default_eagle3_layers(num_layers)
-        return FeatureSpec(aux_layers=tuple(int(i) for i in layers), need_last=True, image_rows=True)
-    if method == "medusa2":
-        return FeatureSpec(aux_layers=(), need_last=True, online_only=True)
-    raise ValueError(f"unknown method {method!r}; expected medusa1, medusa2, eagle1 or eagle3")
+    fam = find(method)
+    if fam is None:
+        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(aliases())}")
+    online = method in fam.online_methods
+    if not fam.aux_states:
+        return FeatureSpec(aux_layers=(), need_last=True, online_only=online)
+    layers = tuple(aux_layers) if aux_layers else default_eagle3_layers(num_layers)
+    return FeatureSpec(aux_layers=tuple(int(i) for i in layers), need_last=True, image_rows=fam.image_rows,
+                       online_only=online)
 
 
 # --------------------------------------------------------------------------- computing
