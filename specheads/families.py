@@ -102,6 +102,9 @@ class Family:
     # its training methods that train on online features only (a feature store would go stale: Medusa-2 trains the
     # target with its heads; ``FeatureSpec.online_only``)
     online_methods: tuple[str, ...] = ()
+    # one draft forward makes every depth (Medusa's heads run side by side): the recommendation keeps the measured
+    # draft forwards per step at each shorter depth instead of scaling them with depth (``evaluation/recommend.py``)
+    one_forward: bool = False
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -148,7 +151,7 @@ FAMILIES: tuple[Family, ...] = (
                        "(the line above) or TGI",
            drafter=_DRAFTERS + "head_drafters:medusa_drafter", rows=_ROWS + "medusa_rows", vllm_profile=True,
            calibrated_tree=True, tgi_layout="medusa", card_served_by_note=True, label_columns="labels",
-           online_methods=("medusa2",)),
+           online_methods=("medusa2",), one_forward=True),
     Family("eagle1", "EAGLE-1", "specheads_eagle1", "specheads.models.eagle1:Eagle1Model",
            "specheads.models.eagle1:Eagle1Config", {"eagle1": "specheads.methods.eagle1:Eagle1Method"}, "last",
            layouts={"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}, vllm_method="eagle",

@@ -25,6 +25,7 @@ shown beside.
 from __future__ import annotations
 
 from specheads.acceptance_math import chain_tau, leviathan_speedup, speedup_from_tau
+from specheads.families import find
 
 
 def row_kind(shape: str) -> str:
@@ -64,6 +65,8 @@ def recommend(report: dict, ks=(1, 2, 3, 4, 5, 6, 8)) -> dict:
     out = {}
     for m in report["methods"]:
         kind = row_kind(m.get("shape", ""))
+        fam = find(m.get("drafter"))  # None: a baseline drafter
+        one_forward = fam is not None and fam.one_forward
         per_t = {}
         for T, doms in m["by_temperature"].items():
             plain = (report.get("plain_by_temperature") or {}).get(T) or report["plain"]
@@ -72,7 +75,7 @@ def recommend(report: dict, ks=(1, 2, 3, 4, 5, 6, 8)) -> dict:
                 depth = len(row.get("nodes_by_depth") or row.get("tested") or [])  # the deepest draft made
                 v = _verify_cost(row, plain.get(d, {}))
                 c = row.get("cost_ratio_c") or 0.0
-                preds = predict(row, kind, depth, c, v, m["c_gpu"], m.get("drafter") == "medusa",
+                preds = predict(row, kind, depth, c, v, m["c_gpu"], one_forward,
                                 ks if kind == "chain" else range(1, depth + 1))
                 if not preds:
                     continue
