@@ -172,7 +172,7 @@ def write_export(plan: ExportPlan) -> None:
         for e, layout in plan.layouts.items():
             sub, final = (tmp / e, plan.out / e) if plan.nested else (tmp, plan.out)
             provenance = _provenance(plan, e, layout, final)
-            if plan.adapted is not None and e == "medusa":
+            if plan.adapted is not None and e == family(plan.method).tgi_layout:
                 # TGI serves base_model_name_or_path: for Medusa-2 the adapted target copied beside the heads.
                 layout.config["base_model_name_or_path"] = str(final / plan.adapted.name)
             tensors = build_tensors(layout, plan.source, plan.dtype, plan.target_source)
