@@ -331,7 +331,8 @@ def build_layout(method: str, engine: str, cfg: dict, target: TargetInfo, spec_t
 
 
 def medusa_layout(cfg: dict, engine: str, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
-    return _medusa_original(cfg, target, src) if engine == "medusa" else _medusa(cfg, engine, target, src)
+    tgi = engine == family("medusa").tgi_layout  # FasterDecoding's original format, which TGI serves
+    return _medusa_original(cfg, target, src) if tgi else _medusa(cfg, engine, target, src)
 
 
 def eagle1_layout(cfg: dict, engine: str, target: TargetInfo, src: dict, spec_tokens: int) -> Layout:
