@@ -105,6 +105,14 @@ class Family:
     # one draft forward makes every depth (Medusa's heads run side by side): the recommendation keeps the measured
     # draft forwards per step at each shorter depth instead of scaling them with depth (``evaluation/recommend.py``)
     one_forward: bool = False
+    # its head reads the token embedding, so another toolkit's folder of it may carry the target's copy (Medusa's heads
+    # read none; ``export/foreign.py``)
+    token_embedding: bool = True
+    # another toolkit's folder of it may carry a copy of the target's LM head, which the head borrows
+    lm_head_copy: bool = False
+    # ``dflash_config.projector_type`` of a z-lab-format folder of it (ModelOpt's exports of DFlash's variants); None:
+    # a folder naming none is DFlash's own
+    projector_type: str | None = None
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -151,7 +159,7 @@ FAMILIES: tuple[Family, ...] = (
                        "(the line above) or TGI",
            drafter=_DRAFTERS + "head_drafters:medusa_drafter", rows=_ROWS + "medusa_rows", vllm_profile=True,
            calibrated_tree=True, tgi_layout="medusa", card_served_by_note=True, label_columns="labels",
-           online_methods=("medusa2",), one_forward=True),
+           online_methods=("medusa2",), one_forward=True, token_embedding=False),
     Family("eagle1", "EAGLE-1", "specheads_eagle1", "specheads.models.eagle1:Eagle1Model",
            "specheads.models.eagle1:Eagle1Config", {"eagle1": "specheads.methods.eagle1:Eagle1Method"}, "last",
            layouts={"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}, vllm_method="eagle",
@@ -179,7 +187,7 @@ FAMILIES: tuple[Family, ...] = (
            card_facts=_CARD + "dflash_facts", foreign_config=_FOREIGN + "dflash_config",
            vllm_method="dflash", sglang_algorithm="DFLASH", speculators_type="dflash",
            drafter=_DRAFTERS + "head_drafters:dflash_drafter", rows=_ROWS + "dflash_rows", drafts="block",
-           one_folder=("vllm", "sglang"), label_columns="argmax",
+           one_folder=("vllm", "sglang"), label_columns="argmax", lm_head_copy=True, projector_type="dflash",
            speculators_card_note="SGLang cannot read this folder (no speculators-format reader in 0.5.23): serve the "
                                  "`sglang/` (or `vllm/`) export with `--speculative-algorithm DFLASH` instead."),
     Family("peagle", "P-EAGLE", "specheads_peagle", "specheads.models.peagle:PEagleModel",
@@ -203,6 +211,7 @@ FAMILIES: tuple[Family, ...] = (
            card_facts=_CARD + "dspark_facts", foreign_config=_FOREIGN + "dspark_config",
            # the confidence head sizes each request's verified drafts (vLLM's V2 runner)
            vllm_method="dspark", vllm_extra={"enable_adaptive_verification": True}, speculators_type="dspark",
+           lm_head_copy=True,
            drafter=_DRAFTERS + "dspark_drafter:dspark_drafter", rows=_ROWS + "dspark_rows", drafts="block",
            sglang_note="# SGLang: its DSpark loader was not checked against this layout: serve with vLLM's GPU build "
                        "(above)"),
@@ -212,7 +221,7 @@ FAMILIES: tuple[Family, ...] = (
            # algorithm reads; vLLM has no Domino drafter
            layouts={"sglang": "DFlashDraftModel"}, head_tensors=_DOMINO + "domino_tensors",
            build_layout=_DOMINO + "domino_layout", card_facts=_DOMINO + "domino_facts",
-           foreign_config=_DOMINO + "domino_config", sglang_algorithm="DFLASH",
+           foreign_config=_DOMINO + "domino_config", sglang_algorithm="DFLASH", projector_type="domino",
            drafter=_DRAFTERS + "domino_drafter:domino_drafter", rows=_ROWS + "domino_rows", drafts="block"),
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)

@@ -87,8 +87,8 @@ from safetensors.torch import load_file
 
 from specheads.errors import UserError
 from specheads.export.checks import ExportError, check_draft_vocab, check_tensors
-from specheads.export.layouts import (Layout, LayoutError, TargetInfo, TensorSpec, build_layout, engines_for,
-                                      method_of)
+from specheads.export.layouts import (ENGINES, Layout, LayoutError, TargetInfo, TensorSpec, build_layout,
+                                      engines_for, method_of)
 from specheads.export.reload import build_head, head_state
 from specheads.families import FAMILIES, family, load
 
@@ -109,7 +109,7 @@ _ARCHITECTURES = {**dict.fromkeys(EAGLE3_ARCHITECTURES, "eagle3"), "DFlashDraftM
                   "EagleLlamaForCausalLM": "eagle1", "LlamaForCausalLMEagle": "eagle1"}  # architecture -> format
 SPECULATORS_METHODS = tuple(f.speculators_type for f in FAMILIES if f.speculators_type)  # speculators_model_type read
 # dflash_config.projector_type -> the family a z-lab DFlash folder then holds (ModelOpt's exports of DFlash's variants)
-_PROJECTOR_FAMILIES = {"domino": "domino"}
+_PROJECTOR_FAMILIES = {f.projector_type: f.name for f in FAMILIES if f.projector_type}
 PEAGLE_DEPTHS = 8  # speculators' num_depths default, which it writes as the greedy proposal's speculative_tokens
 _DSPARK_DEFAULTS = {  # speculators' DSparkSpeculatorConfig defaults (sample_from_anchor true: refused)
     "sample_from_anchor": True, "markov_rank": 256, "markov_head_type": "vanilla", "enable_confidence_head": True,
@@ -371,7 +371,7 @@ def _dflash_refusals(folder: Path, fmt: str, cfg: dict, layer) -> None:
         raise _fail(folder, fmt, f"{what}; the specheads DFlash head runs every layer as full, bidirectional "
                                  "attention")
     projector = _dflash_value(cfg, "projector_type")
-    if projector not in (None, "dflash"):
+    if projector is not None and projector != family("dflash").projector_type:  # not DFlash's own
         raise _fail(folder, fmt, f"dflash_config.projector_type {projector!r} (a {projector} head beside the DFlash "
                                  "layers, ModelOpt's); the specheads DFlash head has none")
     if _dflash_value(cfg, "shift_label"):
@@ -462,7 +462,7 @@ def eagle1_config(folder: Path, fmt: str, cfg: dict, target: TargetInfo) -> dict
 
 def _engine(fmt: str, cfg: dict) -> str:
     """The export layout (its engine) a folder of ``fmt`` is in."""
-    if fmt in ("speculators", "medusa"):
+    if fmt in ENGINES:  # speculators' format and FasterDecoding's Medusa format are our layouts of those names
         return fmt
     return "sglang" if "LlamaForCausalLMEagle" in (cfg.get("architectures") or ()) else "vllm"
 
@@ -522,18 +522,19 @@ def _expected(layout: Layout, head_cfg: dict, names: set[str]) -> dict[str, Tens
     the target's tensors, speculators' training-only tensors, EAGLE-3's maps of a full vocabulary."""
     H, V = head_cfg["hidden_size"], head_cfg["vocab_size"]
     expected = {n: s for n, s in layout.tensors.items() if not (layout.rules[n].from_target and n not in names)}
-    optional = {} if layout.method == "medusa" else {"embed_tokens.weight": TensorSpec((V, H))}
-    if layout.method in ("dflash", "dspark"):
+    fam = family(layout.method)
+    optional = {"embed_tokens.weight": TensorSpec((V, H))} if fam.token_embedding else {}
+    if fam.lm_head_copy:
         optional["lm_head.weight"] = TensorSpec((V, H))  # the target's LM head, which the head borrows
     if layout.engine == "speculators":
         optional["verifier_norm.weight"] = TensorSpec((H,))  # training only
-    if family(layout.method).draft_vocab:
+    if fam.draft_vocab:
         DV = head_cfg["draft_vocab_size"]
         optional.update({"d2t": TensorSpec((DV,), "int64"), "t2d": TensorSpec((V,), "bool")})  # a full vocabulary's
         if layout.engine == "speculators":
             optional["verifier_lm_head.weight"] = TensorSpec((DV, H))
     expected.update({n: s for n, s in optional.items() if n in names and n not in expected})
-    if family(layout.method).draft_vocab and "t2d" not in names:
+    if fam.draft_vocab and "t2d" not in names:
         expected.pop("t2d", None)  # rebuilt from d2t (``_t2d``)
     return expected
 
