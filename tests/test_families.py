@@ -42,6 +42,10 @@ def test_classes_import_and_agree(f):
     assert issubclass(f.model_class().config_class, f.config_class())
     for ref in (*f.methods.values(), f.drafter, f.rows):
         assert callable(families.load(ref))
+    for m, ref in f.methods.items():  # the registry's training facts agree with the method classes'
+        cls = families.load(ref)
+        assert getattr(cls, "trains_image_rows", False) == f.image_rows
+        assert (m in f.online_methods) == bool(getattr(getattr(cls, "feature_spec", None), "online_only", False))
     if f.exported:  # a layout of ours: what its head folder holds and each engine's folder
         assert all(callable(families.load(ref)) for ref in (f.head_tensors, f.build_layout, f.card_facts,
                                                             f.foreign_config))
