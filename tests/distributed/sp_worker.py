@@ -5,7 +5,8 @@ processes.
 
 CASE is ``name:T:B:steps:dtype:heads:kv_heads:window:offpath:feature[:mrope]`` (``window`` 0 = full attention;
 ``mrope`` 1: the head rotates by M-RoPE and the batch holds 3-D ``positions``, as a vision-language target's), or
-for DFlash ``dflash:name:T:B:block_size:anchors:dtype:heads:kv_heads:loss:labels:lk_weight``. For each
+for DFlash ``dflash:name:T:B:block_size:anchors:dtype:heads:kv_heads:loss:labels:lk_weight[:dense]`` (``dense`` 1:
+the blocks attend through the dense mask, the path off the CPU, instead of ``ranged_attention``). For each
 case every rank builds the same tiny EAGLE-3 or DFlash head (hidden 32) and the same random batch of B rows of T
 positions (features as a feature store holds them; a padded tail on row 1 when B > 1), wraps the engine's
 ``TrainingModule`` in DDP over gloo as ``accelerate launch`` does, and runs one forward and backward with each row
@@ -29,18 +30,20 @@ VOCAB, HIDDEN, DRAFT_VOCAB = 128, 32, 64
 
 def parse(case: str) -> dict:
     if case.startswith("dflash:"):
-        _, name, T, B, block, anchors, dtype, heads, kv_heads, loss, labels, lk = case.split(":")
+        _, name, T, B, block, anchors, dtype, heads, kv_heads, loss, labels, lk, *dense = case.split(":")
         return {"method": "dflash", "name": name, "T": int(T), "B": int(B), "block_size": int(block),
                 "anchors": int(anchors), "dtype": getattr(torch, dtype), "heads": int(heads),
-                "kv_heads": int(kv_heads), "loss": loss, "labels": labels, "lk_weight": float(lk), "mrope": False}
+                "kv_heads": int(kv_heads), "loss": loss, "labels": labels, "lk_weight": float(lk), "mrope": False,
+                "dense": bool(int(dense[0])) if dense else False}
     name, T, B, steps, dtype, heads, kv_heads, window, offpath, feature, *mrope = case.split(":")
     return {"name": name, "T": int(T), "B": int(B), "steps": int(steps), "dtype": getattr(torch, dtype),
             "heads": int(heads), "kv_heads": int(kv_heads), "window": int(window) or None, "offpath": float(offpath),
             "feature": float(feature), "mrope": bool(int(mrope[0])) if mrope else False}
 
 
-def build(case: dict):
-    """(method, head, target, batch): identical on every rank (fixed seeds)."""
+def build(case: dict, rank: int = 0):
+    """(method, head, target, batch): identical on every rank (fixed seeds), but for the random state DFlash draws
+    its anchors from (each rank's own: the group takes rank 0's draw)."""
     from specheads.methods.eagle3 import Eagle3Method
     from tests.conftest import make_tiny_target
 
@@ -57,7 +60,7 @@ def build(case: dict):
         model = method.build(target).to(dtype)
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.2)
-        torch.manual_seed(4)  # the anchors' draw: rank 0's in both runs
+        torch.manual_seed(4 + rank)  # the anchors' draw: rank 0's in both runs
         return method, model, target, batch(case)
     method = Eagle3Method(draft_vocab_size=DRAFT_VOCAB, aux_layers=[0, 1, 2], ttt_steps=case["steps"],
                           sliding_window=case["window"], offpath_weight=case["offpath"],
@@ -114,9 +117,13 @@ def main(out_dir: str, *cases: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    from specheads.models import ranged_attention
+
+    supported = ranged_attention.supported
     for text in cases:
         case = parse(text)
-        method, model, target, rows = build(case)
+        ranged_attention.supported = (lambda *tensors: False) if case.get("dense") else supported
+        method, model, target, rows = build(case, rank)
         shard = sequence_parallel.enable(method, world)
         assert shard is not None and shard.rank == rank
         split = run(DistributedDataParallel(TrainingModule(method, model, target)), rows)

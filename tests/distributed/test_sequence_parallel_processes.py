@@ -35,11 +35,13 @@ CASES = {
     # DFlash (dflash:name:T:B:block_size:anchors:dtype:heads:kv_heads:loss:labels:lk_weight): one 16k-token row of
     # 64 blocks of 8 in float32; in float64, two rows (one padded) with an odd count of blocks (the second rank's
     # share padded) and grouped-query heads, with the LK term and with D-PACE on the data's labels, and one block
-    # (the second rank trains none of it: its share is padding)
+    # (the second rank trains none of it: its share is padding); the grouped case again through the dense mask (the
+    # blocks' attention off the CPU)
     "dflash_long": "dflash:dflash_long:16384:1:8:64:float32:2:2:ce:target:0",
     "dflash_grouped": "dflash:dflash_grouped:203:2:4:25:float64:4:2:ce:target:0.3",
     "dflash_dpace": "dflash:dflash_dpace:150:2:5:7:float64:4:2:dpace:data:0",
     "dflash_one": "dflash:dflash_one:40:1:4:1:float64:4:2:ce:target:0",
+    "dflash_dense": "dflash:dflash_dense:203:2:4:25:float64:4:2:ce:target:0.3:1",
 }
 
 
@@ -55,7 +57,7 @@ TOLERANCE = {"long": (FLOAT32, {"rtol": 0, "atol": 1e-4}, FLOAT32),
              # mean in one process and a ratio of the group's counts split
              "dflash_long": (FLOAT32, {"rtol": 0, "atol": 1e-6}, FLOAT32),
              **{name: (FLOAT32, {"rtol": 0, "atol": 1e-6}, FLOAT64)
-                for name in ("dflash_grouped", "dflash_dpace", "dflash_one")}}
+                for name in ("dflash_grouped", "dflash_dpace", "dflash_one", "dflash_dense")}}
 
 
 def free_port() -> int:
