@@ -103,18 +103,19 @@ def test_two_processes_give_every_gradient_of_one(results, name):
 # --------------------------------------------------------------------------- through the recipe
 
 
-@pytest.fixture(scope="module")
-def recipe_runs(assets, tmp_path_factory):
-    """EAGLE-3 through recipes/train.py, 6 optimizer steps of 2 micro-batches of 9 rows: 2 processes under
+@pytest.fixture(scope="module", params=["eagle3", "dflash"])
+def recipe_runs(assets, tmp_path_factory, request):
+    """EAGLE-3 or DFlash through recipes/train.py, 6 optimizer steps of 2 micro-batches of 9 rows: 2 processes under
     cpu_ddp.yaml with ``train.sequence_parallel=2`` (one group: both ranks read every batch, each trains half of
-    every row) and one process."""
+    every row, DFlash half of its blocks) and one process."""
     from dist_launch import EQUIV_ARGS, PER_RANK_BATCH, launch, single_process, train_args
 
-    root = tmp_path_factory.mktemp("sequence_parallel_recipe")
+    method = request.param
+    root = tmp_path_factory.mktemp(f"sequence_parallel_recipe_{method}")
     args = [*EQUIV_ARGS, f"data.batch_size={PER_RANK_BATCH}"]
-    split = launch("cpu_ddp.yaml", root / "split", train_args(assets, root / "split", "eagle3", *args,
+    split = launch("cpu_ddp.yaml", root / "split", train_args(assets, root / "split", method, *args,
                                                               "train.sequence_parallel=2")).check()
-    whole = single_process(root / "whole", train_args(assets, root / "whole", "eagle3", *args)).check()
+    whole = single_process(root / "whole", train_args(assets, root / "whole", method, *args)).check()
     return split, whole
 
 
