@@ -124,14 +124,12 @@ class DFlashMethod(FusedLayers):
             model.extend_context(cache, model.fuse(batch["hidden_aux"]), positions)
             mask = BlockLayout(anchors, bs, att)  # the dense mask off the CPU only (models.dflash)
         else:  # this rank's C context positions, its share of the blocks; attention over the group's (all-to-all)
-            from specheads.training.sequence_parallel import ShardedBlockLayout
-
             anchors, valid, group_anchors = shard.blocks(anchors, valid)
             local, own = shard.local_batch({"input_ids": ids, "hidden_aux": batch["hidden_aux"],
                                             "attention_mask": att}, 0)
             model.extend_context(cache, model.fuse(local["hidden_aux"]), shard.positions(B, own, ids.device))
             whole = BlockLayout(group_anchors, bs, F.pad(att, (0, shard.size * own - T)))
-            mask = ShardedBlockLayout(anchors, bs, local["attention_mask"], shard=shard, whole=whole)
+            mask = shard.block_layout(anchors, bs, local["attention_mask"], whole)
         n = anchors.shape[1]
         block_ids = model.block_inputs(ids.gather(1, anchors)).reshape(B, n * bs)
         block_pos = (anchors[:, :, None] + torch.arange(bs, device=ids.device)).reshape(B, n * bs)

@@ -195,6 +195,12 @@ class SequenceShard:
     def cache(self, num_layers: int) -> "ShardedUnrollCache":
         return ShardedUnrollCache(self, num_layers)
 
+    def block_layout(self, anchors: torch.Tensor, block_size: int, context_valid: torch.Tensor,
+                     whole: BlockLayout) -> "ShardedBlockLayout":
+        """DFlash's ``BlockLayout`` for this rank's blocks over its context slice, attending over the group's
+        (``ShardedBlockLayout``): the method asks the shard for it, so ``methods/`` needs no import of training."""
+        return ShardedBlockLayout(anchors, block_size, context_valid, shard=self, whole=whole)
+
     def total(self, values: torch.Tensor) -> torch.Tensor:
         """The group's sum of ``values`` (no gradient): counts and metrics."""
         out = values.detach().clone()
