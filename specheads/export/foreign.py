@@ -125,6 +125,9 @@ _MODELOPT_SETTINGS = {  # ModelOpt's eagle_config settings: the value the speche
 _MODELOPT_MARKERS = {*_MODELOPT_SETTINGS, "next_layer_regular", "parallel_draft_heads_num_layers"} - {
     "use_aux_hidden_state"}
 _BORROWED = {"embed_tokens.weight": "token embedding", "lm_head.weight": "LM head"}  # target tensors a folder may copy
+# the formats (keys of FORMATS) that nest EAGLE-3's settings under eagle_config, its aux layer ids counted as decoder
+# outputs, and name the draft decoder layer layers.0 (vLLM reads it as midlayer): SpecForge's and ModelOpt's EAGLE-3
+_EAGLE_CONFIG_FORMATS = frozenset({"eagle3", "modelopt"})
 
 
 class ForeignHeadError(UserError, ValueError):
@@ -167,7 +170,9 @@ def foreign_format(folder: str | Path) -> str | None:
     if "medusa_num_heads" in cfg:
         return "medusa"
     fmt = next((fmt for arch, fmt in _ARCHITECTURES.items() if arch in (cfg.get("architectures") or ())), None)
-    return "modelopt" if fmt == "eagle3" and _MODELOPT_MARKERS & set(cfg.get("eagle_config") or ()) else fmt
+    # an eagle_config carrying ModelOpt's settings: ModelOpt's export (its architecture names SpecForge's too)
+    return "modelopt" if fmt in _EAGLE_CONFIG_FORMATS and _MODELOPT_MARKERS & set(cfg.get("eagle_config") or ()) \
+        else fmt
 
 
 def check_format(folder: str | Path) -> tuple[str, str]:
@@ -246,7 +251,7 @@ def _aux_layers(fmt: str, cfg: dict) -> list[int] | None:
     if top is not None:  # vLLM's key (speculators' too): layer inputs, like ours
         return [int(i) for i in top]
     nested = ((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-              if fmt in ("eagle3", "modelopt") else None)
+              if fmt in _EAGLE_CONFIG_FORMATS else None)
     if nested:  # SpecForge / SGLang / ModelOpt: id v is decoder layer v's output = the input of layer v + 1
         return [int(i) + 1 for i in nested]
     return None
@@ -591,7 +596,7 @@ def read_foreign_head(folder: str | Path, target: TargetInfo) -> ForeignHead:
     folder = Path(folder)
     where = f"{folder} ({FORMATS[fmt]})"
     tensors = _weights(folder, fmt)
-    if fmt in ("eagle3", "modelopt"):  # vLLM reads layers.0.* as midlayer.* (and SpecForge writes midlayer.*)
+    if fmt in _EAGLE_CONFIG_FORMATS:  # vLLM reads layers.0.* as midlayer.* (and SpecForge writes midlayer.*)
         tensors = {("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n): t
                    for n, t in tensors.items()}
     if family(layout.method).draft_vocab:
