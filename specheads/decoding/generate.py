@@ -200,8 +200,9 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter | None, prompts:
 
 def _prefill(runner: TargetRunner, drafter: Drafter, prompts: Sequence[Sequence[int]],
              wait: Callable[[], None]) -> None:
-    """Prefill the target on the prompts and start the drafter on its features."""
-    feats = runner.prefill([list(p) for p in prompts])
+    """Prefill the target on the prompts (with the images an image prompt carries: ``vision_prompts``) and start
+    the drafter on its features."""
+    feats = runner.prefill(list(prompts))
     drafter.start([list(p) for p in prompts], feats)
     wait()
 

@@ -26,6 +26,7 @@ from specheads.decoding.cpu_linears import pack_like
 from specheads.decoding.drafters import Drafter, TreeShape
 from specheads.decoding.slots import TreeSlots
 from specheads.decoding.tree import DraftTree, dynamic_trees, normalize_choices, probs, static_tree
+from specheads.models.mrope import mrope_settings
 
 
 def _nparams(module) -> int:
@@ -133,6 +134,9 @@ class EagleDrafter(Drafter):
         B = len(prompts)
         self.cache = self.model.new_cache()
         self.slots = TreeSlots(B, self.device)
+        # an M-RoPE draft rotates by the target's 3-D positions of an image prompt, as it was trained and as vLLM's
+        # proposer hands them: slot t at the target's position t (``vision_prompts.MropePositions``)
+        self.mrope = getattr(feats, "mrope", None) if mrope_settings(self.model.config) else None
         self.pending_h = [self._feature(_row(feats.hidden_last, b), _row(feats.hidden_aux, b))[: len(p) - 1]
                           for b, p in enumerate(prompts)]
         self.pending_ids = [list(p[1:]) for p in prompts]
@@ -146,9 +150,11 @@ class EagleDrafter(Drafter):
         else tree or chain nodes, whose anchor is the tree's root (the last verified position)."""
         pos, mask = self.slots.extend(parents, live)
         window = self._window(pos, verified)
+        mrope = getattr(self, "mrope", None)
+        at = pos if mrope is None else mrope.at(pos).permute(1, 2, 0).to(self.device)  # (B, q, 3)
         if window is None:
-            return self.model.step(hidden, ids, pos, mask, self.cache)
-        h_out = self.model.decode(hidden, ids, pos, mask, self.cache, window_mask=window)
+            return self.model.step(hidden, ids, at, mask, self.cache)
+        h_out = self.model.decode(hidden, ids, at, mask, self.cache, window_mask=window)
         return h_out, self.model.logits(h_out)
 
     def _window(self, pos: torch.Tensor, verified: bool) -> torch.Tensor | None:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from specheads.decoding.slots import TreeSlots
+from specheads.decoding.vision_prompts import MropePositions, joined_images, mrope_positions
 from specheads.errors import UserError
 from specheads.targets import (UnsupportedTargetError, capture_layer_inputs, model_family, output_logits,
                                recurrent_layer_types)
@@ -78,11 +79,13 @@ PREFILL_CHUNK = 512  # prompt tokens per prefill forward: longer prompts are fed
 
 @dataclass
 class ForwardOutput:
-    """logits: (B, q, V) or None; hidden_last: (B, q, H) post-norm; hidden_aux: (B, q, k*H) or None."""
+    """logits: (B, q, V) or None; hidden_last: (B, q, H) post-norm; hidden_aux: (B, q, k*H) or None; mrope: a
+    prefill's M-RoPE positions where its prompts hold images (what an M-RoPE drafter rotates by), else None."""
 
     logits: torch.Tensor | None
     hidden_last: torch.Tensor
     hidden_aux: torch.Tensor | None
+    mrope: MropePositions | None = None
 
 
 class TargetRunner:
@@ -106,6 +109,7 @@ class TargetRunner:
         self.attention = AttentionLayout.of(model.config)
         self.forward_calls = 0
         self.batch_size = 0
+        self.mrope: MropePositions | None = None  # set by a prefill of image prompts (``vision_prompts``)
         # transformers 5 renamed ``past_key_values`` to ``cache``; accept either.
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -126,6 +130,7 @@ class TargetRunner:
         self.batch_size = batch_size
         self.cache = DynamicCache()  # no config: full layers everywhere (a sliding layer's would drop entries)
         self.slots = TreeSlots(batch_size, self.device)
+        self.mrope = None
 
     @property
     def scratch_size(self) -> int:
@@ -155,12 +160,16 @@ class TargetRunner:
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, parents: torch.Tensor, live: torch.Tensor | None = None,
-                logits: bool = True, logits_at: torch.Tensor | None = None) -> ForwardOutput:
+                logits: bool = True, logits_at: torch.Tensor | None = None, images: dict | None = None) -> ForwardOutput:
         """Feed q scratch entries per row in one model forward.
 
         tokens (B, q) long; parents (B, q) long (scratch index, earlier or in this call, or -1);
         live (B, q) bool marks real entries (padding is computed but never attended to by others).
         logits_at: optional (B, r) indices into the q new entries: logits only there (B, r, V).
+        images: the pixel inputs of the image tokens among ``tokens`` (``vision_prompts.joined_images``): the
+        forward then runs the multimodal model, whose vision encoder fills them (an image prompt's prefill).
+        Positions are the slots' (a token's index in its row), or the target's M-RoPE positions there after a
+        prefill of image prompts (``MropePositions.at``).
         """
         if tokens.shape != parents.shape or tokens.shape[0] != self.batch_size:
             raise ValueError(f"tokens {tuple(tokens.shape)} / parents {tuple(parents.shape)} "
@@ -168,9 +177,13 @@ class TargetRunner:
         if live is None:
             live = torch.ones_like(tokens, dtype=torch.bool)
         pos, allowed = self.slots.extend(parents, live)
+        positions = pos if self.mrope is None else self.mrope.at(pos)
+        module, extra = self.decoder, {}
+        if images is not None:  # the multimodal model: image features in place of the image tokens, then the decoder
+            module, extra = self.model.model, self._image_kwargs(tokens, images)
         with capture_layer_inputs(self.decoder.layers, self.aux_layers) as captured:
-            out = self.decoder(input_ids=tokens, attention_mask=self._masks(allowed, pos), position_ids=pos,
-                               use_cache=True, **{self._cache_kw: self.cache})
+            out = module(input_ids=tokens, attention_mask=self._masks(allowed, pos), position_ids=positions,
+                         use_cache=True, **{self._cache_kw: self.cache}, **extra)
         self.forward_calls += 1
         last = out.last_hidden_state
         aux = torch.cat([captured[i] for i in self.aux_layers], -1) if self.aux_layers else None
@@ -180,6 +193,12 @@ class TargetRunner:
                 1, logits_at[..., None].expand(-1, -1, last.shape[-1]))
             lg = output_logits(self.model.config, self.lm_head, sel)
         return ForwardOutput(lg, last, aux)
+
+    def _image_kwargs(self, tokens: torch.Tensor, images: dict) -> dict:
+        """The multimodal model's pixel inputs for a forward over ``tokens``, in its dtype and on its device."""
+        return {"pixel_values": images["pixel_values"].to(self.device, self.dtype),
+                "image_grid_thw": images["image_grid_thw"].to(self.device),
+                "mm_token_type_ids": (tokens == self.model.config.image_token_id).int()}
 
     def forward_chain(self, tokens: list[list[int]], **kw) -> ForwardOutput:
         """Feed per-row token lists as chains after each row's last live scratch entry (or the
@@ -246,11 +265,18 @@ class TargetRunner:
         of at most ``chunk`` tokens a row, each committed before the next: a long prompt's masks and attention
         scores are (chunk, context), never (context, context). A prompt within one chunk is one forward.
 
+        Prompts that carry images (``vision_prompts.ImagePrompt``) are prefilled in one forward of the multimodal
+        model (its vision encoder fills each image's tokens in the forward that holds them), at the target's M-RoPE
+        positions, which every later forward continues (``MropePositions``).
+
         Returns the hidden states for those positions (right padded), no logits.
         """
         if any(len(p) < 2 for p in prompts):
             raise ValueError("every prompt needs at least 2 tokens (the last one is fed by the first step)")
         self.reset(len(prompts))
+        images = joined_images(prompts)
+        if images is not None:
+            return self._prefill_images(prompts, images)
         rows = [list(p[:-1]) for p in prompts]
         parts = []
         for start in range(0, max(map(len, rows)), chunk):
@@ -262,3 +288,12 @@ class TargetRunner:
         # each chunk's rows start at its first position: joined along the tokens, a row's states stay in order
         aux = torch.cat([o.hidden_aux for o in parts], 1) if parts[0].hidden_aux is not None else None
         return ForwardOutput(None, torch.cat([o.hidden_last for o in parts], 1), aux)
+
+    def _prefill_images(self, prompts, images: dict) -> ForwardOutput:
+        """``prefill`` of a batch holding images: one forward over every row's ``prompt[:-1]`` with the pixel inputs,
+        at the positions the target computes for the prompts (kept for the forwards after it)."""
+        self.mrope = mrope_positions(self.model, prompts, self.device)
+        rows = [list(p[:-1]) for p in prompts]
+        out = self.forward_chain(rows, logits=False, images=images)
+        self.commit([list(range(len(r))) for r in rows])
+        return ForwardOutput(None, out.hidden_last, out.hidden_aux, self.mrope)

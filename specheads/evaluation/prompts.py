@@ -12,8 +12,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from specheads.data.benchmarks import JSONL_FORMAT, EvalPrompt, load_humaneval, load_jsonl, load_mtbench
-from specheads.errors import ConfigError, InputNotFoundError
+from specheads.decoding.vision_prompts import ImagePrompt
+from specheads.errors import ConfigError, InputNotFoundError, UserError
 
 
 @dataclass
@@ -75,12 +78,18 @@ def separation_record(spec: BenchmarkSpec, prompts: list[EvalPrompt]) -> dict:
     return out
 
 
+IMAGE_DOMAIN = "image"  # the domain of held-out rows whose prompt shows images (a vision-language target's)
+
+
 def load_chat_heldout(prepared_dir: str | Path, limit: int | None = 4) -> list[EvalPrompt]:
     """Held-out chat: the last 1% of a prepared dataset's ids (sorted), each cut at its first
-    assistant token (the prompt is the conversation up to the first assistant turn)."""
+    assistant token (the prompt is the conversation up to the first assistant turn). A row of a vision-language
+    target's set whose prompt shows images is scored in the ``image`` domain, its ids an ``ImagePrompt`` naming
+    the images before the cut (their pixels are read once the target is known: ``read_prompt_images``)."""
     from specheads.data.prepare import load_prepared
 
-    ds, _ = load_prepared(prepared_dir)
+    ds, meta = load_prepared(prepared_dir)
+    image_token = (meta.get("images") or {}).get("image_token_id")
     keep = chat_heldout_ids([str(x) for x in ds["id"]])
     held = sorted((i for i in range(len(ds)) if str(ds[i]["id"]) in keep), key=lambda i: str(ds[i]["id"]))
     out = []
@@ -92,11 +101,46 @@ def load_chat_heldout(prepared_dir: str | Path, limit: int | None = 4) -> list[E
         cut = mask.index(1)
         if cut < 2:
             continue
-        out.append(EvalPrompt(f"chat/{row['id']}", "chat", input_ids=[int(x) for x in row["input_ids"][:cut]],
+        ids = [int(x) for x in row["input_ids"][:cut]]
+        shown = _images_shown(ids, image_token) if row.get("images") else 0
+        if shown:
+            ids = ImagePrompt(ids, image_grid_thw=torch.tensor([list(g) for g in row["image_grid_thw"][:shown]]),
+                              refs=list(row["images"][:shown]))
+        out.append(EvalPrompt(f"chat/{row['id']}", IMAGE_DOMAIN if shown else "chat", input_ids=ids,
                               benchmark="chat"))
         if limit is not None and len(out) >= limit:
             break
     return out
+
+
+def _images_shown(ids: list[int], image_token: int | None) -> int:
+    """How many images a prompt's ids show: the runs of the image token (images sit apart, between their vision
+    start and end tokens)."""
+    if image_token is None:
+        return 0
+    return sum(1 for j, t in enumerate(ids) if t == image_token and (j == 0 or ids[j - 1] != image_token))
+
+
+def read_prompt_images(prompts: list[EvalPrompt], target) -> None:
+    """Read the images of the image prompts among ``prompts`` (in place) with the target's image processor, each
+    checked against the patch grid prepared; a target without a vision part is refused in one line."""
+    pending = [p for p in prompts if isinstance(p.input_ids, ImagePrompt) and p.input_ids.pixel_values is None]
+    if not pending:
+        return
+    from specheads.data.images import load_vision, open_image
+
+    vision = load_vision(target.name, target.tokenizer) if getattr(target, "vision_language", False) else None
+    if vision is None or vision.refusal:
+        raise UserError(f"eval.chat_dir: {len(pending)} held-out prompts show images and target '{target.name}' "
+                        "reads none; evaluate with the vision-language target the data was prepared for")
+    for p in pending:
+        ids = p.input_ids
+        pixels = vision.pixel_inputs([open_image(r) for r in ids.refs])
+        if not torch.equal(pixels["image_grid_thw"], ids.image_grid_thw.long()):
+            raise UserError(f"{p.id}: the image processor gives patch grids {pixels['image_grid_thw'].tolist()}, the "
+                            f"prepared row {ids.image_grid_thw.tolist()} (its images or the target changed since "
+                            "prepare); prepare the data again")
+        ids.pixel_values, ids.image_grid_thw = pixels["pixel_values"], pixels["image_grid_thw"]
 
 
 def check_benchmark_files(spec: BenchmarkSpec) -> None:
@@ -131,8 +175,8 @@ def encode(prompt: EvalPrompt, tokenizer, answers: dict[str, str], template_kwar
     """Token ids of a prompt through the chat template (with its switches, ``template_kwargs``), as a
     serving engine renders it. ``answers[id of turn t]`` holds the model's answer to earlier turns
     (needed for turn >= 2)."""
-    if prompt.input_ids is not None:
-        return list(prompt.input_ids)
+    if prompt.input_ids is not None:  # an image prompt stays one (its images go with its ids)
+        return prompt.input_ids.copy() if isinstance(prompt.input_ids, ImagePrompt) else list(prompt.input_ids)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"prompt {prompt.id}: the target's tokenizer has no chat template")
     messages = []

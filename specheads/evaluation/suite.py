@@ -44,7 +44,8 @@ from specheads.evaluation.inputs import check_methods_fit, target_facts
 from specheads.evaluation.metrics import Run, by_domain, gpu_speedup, speedup_paired, speedup_spread, timed
 from specheads.evaluation.passes import (Kernels, exact_pass, first_divergence, lossless_verdict, prepare_kernels,
                                          proof_scope, reference_decode, timed_reference_decode)
-from specheads.evaluation.prompts import BenchmarkSpec, encode, load_benchmarks, scored_chat_ids, separation_record
+from specheads.evaluation.prompts import (BenchmarkSpec, encode, load_benchmarks, read_prompt_images, scored_chat_ids,
+                                         separation_record)
 from specheads.evaluation.recommend import recommend
 from specheads.evaluation.resume import EvalResume, EvalState, decisions, evaluation_key
 from specheads.evaluation.settings import check_eval_config
@@ -53,6 +54,7 @@ from specheads.evaluation.spec import MethodSpec
 from specheads.hardware import machine_description
 from specheads.heads import head_source
 from specheads.targets import Target, eos_token_ids
+from specheads.targets.model import text_sizes_on_config
 from specheads.training.run_log import read_train_summary
 
 # Moved out of this file; still importable from it (recipes, tests and scripts import them from the evaluator).
@@ -102,7 +104,15 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     reports to make (the bar's total). Each head and the early-exit baseline are checked against the target's
     sizes first (``inputs.check_methods_fit``; ``head_settings``: {head folder: the setting that named it}).
     ``resume``: keep the plain pass and each finished method there, and take up what an interrupted evaluation of
-    the same settings, target and heads left (``resume.py``)."""
+    the same settings, target and heads left (``resume.py``). A vision-language target's held-out image prompts are
+    decoded with their images (``evaluation.prompts.read_prompt_images``, ``decoding.vision_prompts``)."""
+    with text_sizes_on_config(target.model):  # the set-up reads a multimodal target's vocabulary on its config
+        return _evaluate(target, cfg, progress, checkpoint, resized, head_settings, resume)
+
+
+def _evaluate(target: Target, cfg: EvalConfig, progress: Progress | None, checkpoint, resized, head_settings,
+              resume: EvalResume | None) -> dict:
+    """``evaluate``'s body."""
     check_methods_fit(cfg.methods, target_facts(target), head_settings)
     # before an automatic shape is set; the target's dtype is part of it (the measured choices below depend on it)
     key = evaluation_key(cfg, target) if resume is not None else None
@@ -111,6 +121,7 @@ def evaluate(target: Target, cfg: EvalConfig, progress: Progress | None = None,
     progress = progress or (lambda msg: None)
     checkpoint = checkpoint or (lambda r: None)
     prompts = load_benchmarks(cfg.benchmarks)
+    read_prompt_images(prompts, target)  # an image prompt's pixels, read with the target's image processor
     eos = eos_token_ids(target)
     kernels, measured = _settle_decoding(target, cfg, prompts, state.report if state is not None else {})
     runner = TargetRunner(target.model)

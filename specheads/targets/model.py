@@ -126,6 +126,23 @@ def uses_mrope(config) -> bool:
     return isinstance(rope, dict) and rope.get("mrope_section") is not None
 
 
+@contextmanager
+def text_sizes_on_config(model: nn.Module) -> Iterator[None]:
+    """A multimodal model's vocabulary size readable on its own config inside the block (``config.vocab_size``, as a
+    causal LM's), taken from its text config: the decoding set-up (the exact forwards' proof, the CPU kernels'
+    timings) reads it there. Removed again after the block, so the config (and its hash) stays as loaded."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    missing = text is not config and "vocab_size" not in config.__dict__
+    if missing:
+        config.vocab_size = text.vocab_size
+    try:
+        yield
+    finally:
+        if missing:
+            del config.vocab_size
+
+
 def is_vision_language(config) -> bool:
     """Whether a target config has a vision part (a vision-language model's ``vision_config``)."""
     return getattr(config, "vision_config", None) is not None
