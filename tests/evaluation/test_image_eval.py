@@ -182,3 +182,28 @@ def test_evaluate_an_eagle3_head_on_image_prompts(vl, tmp_path):
         assert image["tau"] >= 1.0 and 0.0 <= image["alpha"] <= 1.0
     write_report(report, tmp_path / "r")
     assert "| image |" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_the_evaluate_command_scores_image_prompts(vl, tmp_path):
+    """`specheads evaluate` in one command on a vision-language target and its prepared image chats (as the
+    evaluation guide shows it): the held-out image prompt decoded with its photographs, lossless, an ``image``
+    domain in the report."""
+    from tests.test_hydra_configs import load_recipe
+    from tests.test_long_rows import compose
+
+    family, target, prepared, _ = vl
+    if family != "qwen3_vl":
+        pytest.skip("the recipe's path is the same for both families (evaluate runs on each above)")
+    torch.manual_seed(0)
+    Eagle3Model(Eagle3Config.from_target(target, draft_vocab_size=64)).save_pretrained(tmp_path / "head")
+    report = load_recipe("evaluate.py").run(compose("evaluate", [
+        "target=hf", f"target.name_or_path={target.name}", "target.dtype=float32", "target.device=cpu",
+        f"head_dir={tmp_path / 'head'}", f"eval.chat_dir={prepared}", "eval.mtbench_per_category=0", "eval.humaneval=0",
+        f"eval.max_new_tokens={NEW}", "baselines=[ngram]", "serving.engines=[]", "temperatures=[0.0]",
+        "batch_sizes=[1,2]", f"output_dir={tmp_path / 'eval'}"]))
+    assert report["prompt_ids"] == ["chat/two"]
+    assert [m["name"] for m in report["methods"]] == ["eagle3-tree", "ngram-chain4"]
+    for m in report["methods"]:
+        assert m["lossless"]["exact"] and "image" in m["by_temperature"]["0.0"]
+        assert m["batch"]["2"]["matches_batch1_plain"]
+    assert "| image |" in (tmp_path / "eval" / "report.md").read_text()
