@@ -12,17 +12,17 @@ Their dense forms (``dflash.block_attention_mask``, ``peagle.parallel_attention_
 mask, Q the row's queries: memory and time in T² for a row of T tokens. Here the two kinds are attended apart and
 merged exactly, as ``ttt_attention`` merges an unroll's causal and diagonal keys:
 
-* the context goes to CPU flash attention ``chunk`` queries at a time, each chunk against only the key range its
-  queries reach under a (B, 1, chunk, range) additive mask (``range_chunks``; the chunk is sized so that mask holds
-  at most ``MASK_ELEMENTS``): output ``o0`` and log-sum-exp ``lse0`` per query, ``-inf`` where a query sees no
-  context key;
+* the context goes to CPU flash attention ``chunk`` queries at a time (``range_blocks``): the keys every query of
+  the chunk sees (the core) without a mask, the rest of the key range its queries reach under an additive mask
+  (the chunk halved until that mask holds at most ``MASK_ELEMENTS``), the blocks merged by log-sum-exp: output
+  ``o0`` and log-sum-exp ``lse0`` per query, ``-inf`` where a query sees no context key;
 * each own key is one score per query, ``s_j = scale * q . k_own[own_index[j]]`` (``-inf`` where not allowed),
   its key and value gathered per ``j`` (memory O(Q D), never (Q, J, D));
 * the parts merge by log-sum-exp in float32 at least: ``L = logsumexp(lse0, s_1, ..)``,
   ``out = exp(lse0 - L) o0 + sum_j exp(s_j - L) v_j``. Every query must see at least one key.
 
-The backward is exact for the reason ``ttt_attention``'s module gives: each chunk's flash backward, handed the final
-output and the final ``L``, returns the whole softmax's gradient restricted to that chunk's keys; the own keys add
+The backward is exact for the reason ``ttt_attention``'s module gives: each block's flash backward, handed the final
+output and the final ``L``, returns the whole softmax's gradient restricted to that block's keys; the own keys add
 ``dS_j = w_j (dO . v_j - rowsum(dO * out))``, ``dq += scale dS_j k_j``, ``dk_j = scale dS_j q``, ``dv_j = w_j dO``,
 scattered back to their rows of ``k_own`` / ``v_own``. Grouped-query heads as in ``ttt_attention``.
 
@@ -39,7 +39,9 @@ from specheads.models import ttt_attention
 from specheads.models.ttt_attention import _acc_dtype, _flash, _flash_backward, _grouped, _heads, _sum_heads
 
 MASK_ELEMENTS = 1 << 22
-"""Elements of one chunk's additive mask (B x chunk x key range): 16 MiB in float32."""
+"""Elements of one block's additive mask (B x chunk x masked key range): 16 MiB in float32."""
+CHUNK = 1024
+"""Queries per flash call at most (``range_blocks``); fewer where the masked keys would exceed ``MASK_ELEMENTS``."""
 MIN_CHUNK = 32
 
 
@@ -54,8 +56,8 @@ def ranged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torc
                      chunk: int | None = None) -> torch.Tensor:
     """q: (B, nh, Q, D); k/v: (B, nkv, S, D) context keys (S may be 0); lo/hi: (B, Q) long, each query's context key
     range [lo, hi); key_valid: (B, S) bool or None (all valid); k_own/v_own: (B, nkv, R, D); own_index: (J, B, Q)
-    long indices into R; own_allowed: (J, B, Q) bool. ``chunk``: queries per flash call (default: as many as keep
-    the mask under ``MASK_ELEMENTS``). Returns (B, nh, Q, D) in q's dtype (CPU autocast's, when on)."""
+    long indices into R; own_allowed: (J, B, Q) bool. ``chunk``: queries per flash call at most (default
+    ``CHUNK``). Returns (B, nh, Q, D) in q's dtype (CPU autocast's, when on)."""
     if q.shape[1] % k.shape[1] or k.shape[1] != k_own.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} are not a multiple of key/value heads {k.shape[1]} / "
                          f"{k_own.shape[1]}")
@@ -69,7 +71,7 @@ def ranged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torc
         raise ValueError(f"ranged_attention takes CPU tensors of one dtype among {ttt_attention.DTYPES}; got "
                          f"{sorted({(t.device.type, t.dtype) for t in (q, k, v, k_own, v_own)}, key=str)}")
     key_valid = torch.ones(B, S, dtype=torch.bool, device=q.device) if key_valid is None else key_valid.bool()
-    chunk = int(chunk or max(MIN_CHUNK, MASK_ELEMENTS // max(1, B * S)))
+    chunk = int(chunk or CHUNK)
     with torch.autocast("cpu", enabled=False):
         return _Ranged.apply(q, k, v, k_own, v_own, lo, hi, key_valid, own_index, own_allowed.bool(),
                              float(scale), chunk)
@@ -99,55 +101,84 @@ class _Ranged(torch.autograd.Function):
         return (dq, _sum_heads(dk, group), _sum_heads(dv, group), dk_own, dv_own) + (None,) * 7
 
 
-def range_chunks(lo: torch.Tensor, hi: torch.Tensor, key_valid: torch.Tensor, chunk: int, dtype: torch.dtype):
-    """Yield ``(start, stop, first, last, mask, seen)``: queries ``start..stop-1`` against keys ``first..last-1``
-    under the additive mask (B, 1, stop - start, last - first) (None when ``last <= first``), and ``seen`` (B,
-    stop - start) bool, whether a query sees any of them."""
-    Q = lo.shape[1]
-    for start in range(0, Q, chunk):
+def range_blocks(lo: torch.Tensor, hi: torch.Tensor, key_valid: torch.Tensor, chunk: int, dtype: torch.dtype):
+    """Yield ``(start, stop, first, last, mask, seen)``: queries ``start..stop-1`` against keys ``first..last-1``.
+
+    Each chunk of queries is cut into up to three blocks of keys: the **core** ``[max lo, min hi)``, seen by every
+    query of the chunk (and valid in every row), goes without a mask (``mask`` None, ``seen`` None); the **edges**
+    left and right of it, or the whole range when there is no core, go under the additive mask (B, 1, stop - start,
+    last - first), with ``seen`` (B, stop - start) bool, whether a query sees any key of the block. P-EAGLE's slots
+    and DFlash's blocks sorted by anchor give chunks whose ranges differ only near their ends, so almost every key
+    lies in a core: no mask is built or read for it, and the kernel runs its unmasked loop. A chunk whose queries
+    see no key yields nothing."""
+    Q, S, start = lo.shape[1], key_valid.shape[1], 0
+    while start < Q:
+        stop, first, last, core_lo, core_hi = _chunk(lo, hi, key_valid, start, chunk)
+        l, h = lo[:, start:stop].clamp(min=0), hi[:, start:stop].clamp(max=S)
+        for a, b in ((first, core_lo), (core_hi, last)):
+            if b > a:  # an edge (the whole range when there is no core)
+                kpos = torch.arange(a, b, device=lo.device)
+                allowed = (kpos >= l[..., None]) & (kpos < h[..., None]) & key_valid[:, None, a:b]
+                mask = torch.zeros(allowed.shape, dtype=dtype, device=lo.device).masked_fill_(~allowed, float("-inf"))
+                yield start, stop, a, b, mask[:, None], allowed.any(-1)
+        if core_hi > core_lo:
+            yield start, stop, core_lo, core_hi, None, None
+        start = stop
+
+
+def _chunk(lo, hi, key_valid, start: int, chunk: int) -> tuple[int, int, int, int, int]:
+    """(stop, first, last, core_lo, core_hi) of the chunk of queries from ``start``: at most ``chunk`` queries,
+    halved (down to ``MIN_CHUNK``) while its masked edges would hold more than ``MASK_ELEMENTS``; the core is empty
+    (``core_lo == core_hi``) where the queries share no valid key. Large chunks matter: each flash call's backward
+    costs time in its whole key range, whatever its query count."""
+    B, Q, S = lo.shape[0], lo.shape[1], key_valid.shape[1]
+    while True:
         stop = min(start + chunk, Q)
-        l, h = lo[:, start:stop], hi[:, start:stop].clamp(max=key_valid.shape[1])
-        first, last = max(0, int(l.min())), int(h.max())
-        if last <= first:
-            yield start, stop, first, last, None, torch.zeros(l.shape, dtype=torch.bool, device=lo.device)
-            continue
-        kpos = torch.arange(first, last, device=lo.device)
-        allowed = (kpos >= l[..., None]) & (kpos < h[..., None]) & key_valid[:, None, first:last]
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=lo.device).masked_fill_(~allowed, float("-inf"))
-        yield start, stop, first, last, mask[:, None], allowed.any(-1)
+        l, h = lo[:, start:stop].clamp(min=0), hi[:, start:stop].clamp(max=S)
+        first, last = int(l.min()), int(h.max())
+        core_lo, core_hi = int(l.max()), int(h.min())
+        if last <= first or core_hi <= core_lo or not bool(key_valid[:, core_lo:core_hi].all()):
+            core_lo = core_hi = max(first, last)
+        masked = max(0, last - first) - (core_hi - core_lo)
+        if B * (stop - start) * masked <= MASK_ELEMENTS or chunk <= MIN_CHUNK:
+            return stop, first, last, core_lo, core_hi
+        chunk = max(MIN_CHUNK, chunk // 2)
 
 
 def context_attention(q, k, v, lo, hi, key_valid, scale: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, nh, Q, D), lse (B, nh, Q), -inf where a query sees no context key) of q over its context range."""
+    """(out (B, nh, Q, D), lse (B, nh, Q), -inf where a query sees no context key) of q over its context range:
+    each block's flash output merged into its chunk's by log-sum-exp (in float32 at least)."""
     B, nh, Q, D = q.shape
-    outs, lses = [], []
-    for start, stop, first, last, mask, seen in range_chunks(lo, hi, key_valid, chunk, q.dtype):
-        if mask is None:
-            outs.append(q.new_zeros(B, nh, stop - start, D))
-            lses.append(torch.full((B, nh, stop - start), float("-inf"), dtype=_acc_dtype(q.dtype), device=q.device))
-            continue
-        o, lse = _flash(q[:, :, start:stop], k[:, :, first:last], v[:, :, first:last], 0.0, False, attn_mask=mask,
-                        scale=scale)
-        outs.append(o.masked_fill(~seen[:, None, :, None], 0.0))  # the kernel returns 0 and lse 0 for such rows
-        lses.append(lse.masked_fill(~seen[:, None], float("-inf")))
-    return torch.cat(outs, 2), torch.cat(lses, 2)
+    acc = _acc_dtype(q.dtype)
+    out = torch.zeros(B, nh, Q, D, dtype=acc, device=q.device)
+    lse = torch.full((B, nh, Q), float("-inf"), dtype=acc, device=q.device)
+    for start, stop, first, last, mask, seen in range_blocks(lo, hi, key_valid, chunk, q.dtype):
+        o, s = _flash(q[:, :, start:stop], k[:, :, first:last], v[:, :, first:last], 0.0, False, attn_mask=mask,
+                      scale=scale)
+        if seen is not None:  # the kernel returns 0 and lse 0 for a row that sees no key
+            s = s.masked_fill(~seen[:, None], float("-inf"))
+        rows = slice(start, stop)
+        merged = torch.logaddexp(lse[:, :, rows], s.to(acc))
+        keep = torch.exp(lse[:, :, rows] - merged).nan_to_num_(0.0)  # -inf - -inf: nothing seen yet, nor now
+        new = torch.exp(s.to(acc) - merged).nan_to_num_(0.0)
+        out[:, :, rows] = keep[..., None] * out[:, :, rows] + new[..., None] * o.to(acc)
+        lse[:, :, rows] = merged
+    return out.to(q.dtype), lse.to(_acc_dtype(q.dtype))
 
 
 def context_backward(grad_out, q, k, v, lo, hi, key_valid, out, lse, scale: float, chunk: int):
     """(dq, dk, dv) of the context keys' share of the attention whose final output and log-sum-exp are out / lse."""
     acc = _acc_dtype(q.dtype)
-    dq = torch.zeros_like(q)
+    dq = torch.zeros(q.shape, dtype=acc)
     dk, dv = torch.zeros(k.shape, dtype=acc), torch.zeros(v.shape, dtype=acc)  # chunks' key ranges overlap
-    for start, stop, first, last, mask, _ in range_chunks(lo, hi, key_valid, chunk, q.dtype):
-        if mask is None:
-            continue
+    for start, stop, first, last, mask, _ in range_blocks(lo, hi, key_valid, chunk, q.dtype):
         rows, keys = slice(start, stop), slice(first, last)
         gq, gk, gv = _flash_backward(grad_out[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
                                      out[:, :, rows], lse[:, :, rows], 0.0, False, attn_mask=mask, scale=scale)
-        dq[:, :, rows] = gq
+        dq[:, :, rows] += gq
         dk[:, :, keys] += gk
         dv[:, :, keys] += gv
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _gather(x: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

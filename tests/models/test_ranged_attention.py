@@ -103,6 +103,51 @@ def test_ranged_attention_without_context_keys_or_native_gqa(monkeypatch):
     _compare(_problem(6, 2, torch.float64, seed=3), TOL[torch.float64], 4)
 
 
+def _sorted_ranges(problem, window):
+    """The problem with P-EAGLE's kind of ranges: queries in anchor order, each seeing the keys up to its anchor
+    (within ``window`` of it, if given), one row padded past its length."""
+    q, k, v, k_own, v_own, lo, hi, key_valid, index, allowed = problem
+    B, Q, S = lo.shape[0], lo.shape[1], k.shape[2]
+    hi = torch.linspace(1, S, Q).long().expand(B, Q).clone()
+    lo = torch.zeros_like(hi) if window is None else (hi - window).clamp(min=0)
+    key_valid = torch.ones(B, S, dtype=torch.bool)
+    key_valid[1, S - 5:] = False
+    return q, k, v, k_own, v_own, lo, hi, key_valid, index, allowed
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("window", [None, 20])
+def test_sorted_ranges_go_through_unmasked_cores(window, dtype):
+    """Ranges that grow with the query (P-EAGLE's depths, DFlash's blocks): each chunk's shared keys go to the
+    kernel without a mask, the keys near the range ends under one (left edges too when windowed), a padded row's
+    invalid keys keep chunks that reach them whole; the result and every gradient equal the dense mask's."""
+    problem = _sorted_ranges(_problem(6, 2, dtype, Q=40, S=60, seed=5), window)
+    lo, hi, key_valid = problem[5:8]
+    blocks = list(ranged_attention.range_blocks(lo, hi, key_valid, 8, dtype))
+    cores = [(a, b) for _, _, a, b, mask, _ in blocks if mask is None]
+    edges = [(a, b) for _, _, a, b, mask, _ in blocks if mask is not None]
+    assert len(cores) >= 3 and edges
+    assert any(edge[0] == core[1] for edge in edges for core in cores)  # a right edge after a core
+    if window is not None:
+        assert any(edge[1] == core[0] for edge in edges for core in cores)  # a left edge before a core
+    assert all(bool(key_valid[:, a:b].all()) for a, b in cores)
+    _compare(problem, TOL[dtype], 8)
+
+
+def test_chunks_shrink_until_their_masks_fit(monkeypatch):
+    """Ranges with no shared keys (random ones) are cut into smaller chunks until each masked block holds at most
+    MASK_ELEMENTS (or MIN_CHUNK queries are left), and still equal the dense mask."""
+    monkeypatch.setattr(ranged_attention, "MASK_ELEMENTS", 60)
+    monkeypatch.setattr(ranged_attention, "MIN_CHUNK", 2)
+    problem = _problem(4, 4, torch.float64, Q=24, S=30, seed=7)
+    lo, hi, key_valid = problem[5:8]
+    blocks = list(ranged_attention.range_blocks(lo, hi, key_valid, 16, torch.float64))
+    sizes = [stop - start for start, stop, *_ in blocks]
+    assert max(sizes) < 16
+    assert all(mask is None or mask.numel() <= 60 or stop - start <= 2 for start, stop, _, _, mask, _ in blocks)
+    _compare(problem, TOL[torch.float64], 16)
+
+
 def test_a_query_with_no_key_is_refused():
     q, k, v, k_own, v_own, lo, hi, key_valid, index, allowed = _problem(4, 4, torch.float64)
     hi = lo.clone()
