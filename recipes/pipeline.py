@@ -40,8 +40,9 @@ def stage_commands(cfg: DictConfig, serve: bool = False) -> list[tuple[str, str,
     train_out, report = run / "train" / cfg.head, run / "eval" / cfg.head
     data = ([f"features_dir={features}"] if cfg.offline else [f"prepared_dir={prepared}"])
     eval_method = "medusa" if cfg.head.startswith("medusa") else cfg.head
-    # DFlash, DSpark and P-EAGLE fuse EAGLE-3's layers by default: one feature store (and one collection) serves them all
-    store_method = "eagle3" if cfg.head in ("dflash", "dspark", "peagle") else cfg.head
+    # the heads that fuse several target layers (DFlash, DSpark, P-EAGLE, Domino) take EAGLE-3's by default: one
+    # feature store (and one collection) serves them all
+    store_method = "eagle3" if family(cfg.head).target_states == "aux" else cfg.head
     stages = [
         ("prepare", "prepare_data.py", [f"output_dir={prepared}"]),
         ("collect", "collect_hidden_states.py",

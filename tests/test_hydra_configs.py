@@ -80,6 +80,18 @@ def test_pipeline_stage_overrides_compose_against_each_recipe(method, offline, t
     assert eval_cfg.head_ngram_extend == 1 and eval_cfg.head_ngram == 4
 
 
+@pytest.mark.parametrize("head, store", [("eagle3", "eagle3"), ("peagle", "eagle3"), ("dflash", "eagle3"),
+                                         ("dspark", "eagle3"), ("domino", "eagle3"), ("eagle1", "eagle1"),
+                                         ("medusa1", "medusa1")])
+def test_heads_that_fuse_target_layers_share_eagle3s_store(head, store, tmp_path):
+    """One collection serves every head that fuses several target layers (a head-to-head on one run_dir): their
+    collect stage stores EAGLE-3's features; the others collect their own."""
+    pipeline = load_recipe("pipeline.py")
+    cfg = compose_cfg("pipeline", [f"head={head}", f"run_dir={tmp_path}"])
+    collect = dict((s[0], s[2]) for s in pipeline.stage_commands(cfg))["collect"]
+    assert f"method={store}" in collect
+
+
 @pytest.mark.parametrize("group", ["method", "optim"])
 def test_a_group_offers_only_its_files_and_its_schema_still_applies(group):
     from hydra.core.global_hydra import GlobalHydra
