@@ -14,6 +14,16 @@ from specheads.decoding.exact import (ATTENTION_NAME, FLOOR_CAP, ExactDecodeCall
                                       set_row_floor, settle_exact, tree_vs_sequential)
 
 
+@pytest.fixture(autouse=True)
+def _floors_measured_here(monkeypatch, tmp_path):
+    """Every test here measures its own row floors (several stand in for the measurement): nothing remembered
+    (``exact.remembered_form``) comes in, and nothing they remember goes out."""
+    import specheads.decoding.exact as exact
+
+    monkeypatch.setattr(exact, "_FORM_MEMO", {})
+    monkeypatch.setattr(exact, "memo_dir", lambda: tmp_path / "row_floors")
+
+
 def _tree_vs_sequential(model, contexts=(40, 150), sizes=(3, 6, 12), seed=0, reference_parents=None):
     """(unequal, total, largest difference, nodes whose reference path differs)."""
     r = tree_vs_sequential(model, contexts=contexts, sizes=sizes, seed=seed, reference_parents=reference_parents)
