@@ -5,6 +5,10 @@ vLLM 0.32.0: the model classes of its ``model_executor/models`` that implement `
 through a base class), read from the release's source. Any other target is refused when the engine starts
 (``RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested``; measured
 serving an EAGLE-3 head of Gemma 3 270M, ``Gemma3ForCausalLM``, with vLLM's CPU build: docs/serving.md).
+
+A text target vLLM refuses is exported with a warning (its SGLang folder and the evaluator still serve it). A
+vision-language one is refused outright when a vLLM-read layout is asked for (``vision_export_refusal``): vLLM is
+the engine the image prompts are served by here, so a folder it refuses at load is nothing to ship.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ AUX_STATE_METHODS = tuple(f.name for f in FAMILIES if f.aux_states)  # the famil
 # vLLM 0.32 implements DSpark only in its V2 GPU model runner, which needs Triton; the CPU build ships none, runs the
 # V1 runner and refuses the method when the engine starts (vllm/config/vllm.py):
 VLLM_CPU_REFUSED = {"dspark": "Model Runner V1 does not support: dspark speculative decoding"}
+VLLM_READ_LAYOUTS = ("vllm", "speculators")  # the export layouts vLLM loads (a speculators folder it converts)
 VLLM_REFUSAL = "RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
 VLLM_AUX_STATE_TARGETS = {
     "0.32.0": frozenset({
@@ -55,3 +60,16 @@ def vllm_refusal(method: str, architectures: list[str] | tuple[str, ...] | None)
     return (f"vLLM {', '.join(refusing)} cannot serve this head on this target: its model class "
             f"{'/'.join(architectures)} does not hand a drafter the target's auxiliary hidden states (vLLM's "
             f"SupportsEagle3 interface); the engine refuses it at load: \"{VLLM_REFUSAL}\"")
+
+
+def vision_export_refusal(method: str, architectures, vision_language: bool, layouts) -> str | None:
+    """The one line refusing an export of ``method`` for a vision-language target vLLM cannot hand the head its
+    auxiliary states (Gemma 3's ``Gemma3ForConditionalGeneration`` in vLLM 0.32), when ``layouts`` holds one vLLM
+    reads; None otherwise (a text target, an SGLang-only export, a target vLLM serves)."""
+    asked = [e for e in layouts if e in VLLM_READ_LAYOUTS]
+    if not vision_language or not asked or vllm_refusal(method, architectures) is None:
+        return None
+    versions = ", ".join(v for v, archs in VLLM_AUX_STATE_TARGETS.items() if not set(architectures) & archs)
+    return (f"the target's model class {'/'.join(architectures)} does not implement vLLM {versions}'s SupportsEagle3 "
+            f"interface, so vLLM refuses a {method} head on it at load: measure the head with specheads evaluate "
+            f"(the evaluator drafts on this target), or export engine=sglang alone")

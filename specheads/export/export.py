@@ -34,7 +34,7 @@ from specheads.export.card import CardInputs, write_card
 from specheads.errors import check_output_folder
 from specheads.export.checks import (FLOAT_CODES, ExportError, adapted_target, check_draft_vocab, check_tensors,
                                      read_head, read_header, weight_files)
-from specheads.export.engine_targets import vllm_refusal
+from specheads.export.engine_targets import vision_export_refusal, vllm_refusal
 from specheads.export.hub import check_repo_id, hub_destinations, push_export
 from specheads.export.layouts import (ENGINES, FLOAT, Layout, LayoutError, TargetInfo, build_layout, engines_for,
                                       head_tensors, method_of)
@@ -139,6 +139,8 @@ def plan_export(head_dir, out_dir, engine, target, eval_report, data, dtype, spe
     if out == head.resolve() or out in head.resolve().parents:
         raise ExportError(f"output_dir {out} would replace the head folder {head} it is exported from")
     info, origin = target_info(target, cfg, target_id)
+    if refused := vision_export_refusal(method, info.architectures, info.vision_language, engines):
+        raise ExportError(f"engine={engine}: {refused}")
     if eval_report == "auto":
         eval_report = find_eval_report(head)
     report = load_eval_report(eval_report, method) if eval_report else None

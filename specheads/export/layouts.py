@@ -137,6 +137,7 @@ class TargetInfo:
     path: str | None = None  # the local folder the target was read from, when it has no hub id
     origin_id: str | None = None  # without a hub id: the hub model it was converted from (embedded GGUF, a folder's
     #                               config ``_name_or_path``), which the speculators verifier names
+    vision_language: bool = False  # its config has a vision part (``engine_targets.vision_export_refusal``)
 
     @property
     def verifier(self) -> str | None:

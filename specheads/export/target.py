@@ -165,8 +165,7 @@ def target_info(target, head_cfg: dict, target_id: str | None = None) -> tuple[T
     origin = target_origin(name, None, target_id)
     info = _info_from_config(name, config, head_cfg, origin.hub_id)
     if hasattr(target, "vocab_size") and hasattr(target, "lm_head"):
-        info = TargetInfo(info.name, info.hidden_size, target.vocab_size, info.num_layers, info.hub_id,
-                          info.architectures)
+        info = replace(info, vocab_size=target.vocab_size)
     model = getattr(target, "model", None)
     if not info.architectures and model is not None:  # a model made in memory: its class is its architecture
         info = replace(info, architectures=(type(model).__name__,))
@@ -215,4 +214,5 @@ def _info_from_config(name: str, config, head_cfg: dict, hub_id: str | None = No
                     "they were trained on", recorded, name, config_hash(config))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return TargetInfo(name, text.hidden_size, text.vocab_size, text.num_hidden_layers, hub_id,
-                      tuple(getattr(config, "architectures", None) or ()))
+                      tuple(getattr(config, "architectures", None) or ()),
+                      vision_language=getattr(config, "vision_config", None) is not None)
