@@ -46,7 +46,8 @@ METHOD_NAMES = {
     "dflash+lookup": "DFlash + prompt-lookup branch",
 }
 # the heads compared head to head (docs/methods.md), in the order of its rows
-HEADS = ("eagle3", "peagle", "dflash", "dspark")
+HEADS = ("eagle3", "peagle", "dflash", "dspark", "domino")
+BASELINES = ("ngram", "suffix")  # drafters with no training: one row each, from the first run that has it
 STAGES = ("prepare", "collect", "train", "evaluate", "export")
 
 
@@ -360,7 +361,8 @@ def _mb(x) -> str:
 
 def head_to_head(data: dict) -> str:
     """docs/methods.md: the heads trained on one store with one budget, each row the head alone (as the evaluator's
-    own shape and, where recorded, another verification of it) and the n-gram baseline; then τ per domain."""
+    own shape and, where recorded, another verification of it) and the baselines with no training (n-gram, suffix
+    decoding); then τ per domain."""
     runs = head_to_head_runs(data)
     if not runs:
         return "(no two heads recorded on one feature store yet)"
@@ -374,12 +376,12 @@ def head_to_head(data: dict) -> str:
              "of the training process (the target and feature store included).", "",
              "| drafter | shape | τ | α | CPU speed-up | GPU speed-up (pred.) | train steps | train tokens/s | "
              "train peak MB | lossless | measured |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    columns, ngram = [], None
+    columns, baselines = [], {}
     for run in runs:
         train = (run.get("train") or {}).get(run["head"], {})
         for m in run["methods"]:
-            if m["method"] == "ngram":
-                ngram = ngram or (m, run)
+            if m["method"] in BASELINES:
+                baselines.setdefault(m["method"], (m, run))
                 continue
             if "+" in m["method"] or m["method"].endswith("-vllm"):
                 continue
@@ -389,8 +391,7 @@ def head_to_head(data: dict) -> str:
                          f"{_x(m.get('speedup'))} | {_x(m.get('gpu_speedup_pred'))} | {train.get('steps', '–')} | "
                          f"{_mb(train.get('tokens_per_s'))} | {_mb(train.get('peak_rss_mb'))} | "
                          f"{run.get('lossless', '–')} | {run['date']}, {_commit(run)} |")
-    if ngram:
-        m, run = ngram
+    for m, run in (baselines[b] for b in BASELINES if b in baselines):
         lines.append(f"| {m['name']} (no training) | {m.get('shape') or '–'} | {_f(m.get('tau'))} | "
                      f"{_f(m.get('alpha'))} | {_x(m.get('speedup'))} | {_x(m.get('gpu_speedup_pred'))} | – | – | – | "
                      f"{run.get('lossless', '–')} | {run['date']}, {_commit(run)} |")

@@ -220,6 +220,25 @@ def test_heads_recorded_on_one_store_render_head_to_head(tmp_path):
     assert "| code | 2.10 | 2.20 | 2.20 | 2.40 |" in text
 
 
+def test_domino_and_the_suffix_baseline_take_rows_in_the_head_to_head(tmp_path):
+    """Domino is a head of the table like the others, and every baseline with no training (n-gram, suffix decoding)
+    gets its row once, in that order, from the first run that evaluated it."""
+    rt, _ = _results_tables()
+    results = tmp_path / "benchmarks.json"
+    results.write_text(json.dumps({"about": "x", "runs": [], "test_runs": []}))
+    base = [{"name": "suffix-chain4", "shape": "chain4", "tau": 1.31, "alpha": 0.5, "speedup": 1.02},
+            {"name": "ngram-chain4", "shape": "chain4", "tau": 1.28, "alpha": 0.4, "speedup": 1.0}]
+    for head, name, date in (("eagle3", "eagle3-auto", "2099-01-01"), ("domino", "domino-chain7", "2099-01-02")):
+        summary = {**SUMMARY, "head": head, "date": date, "collect": {"store_id": "cccc"},
+                   "methods": [{"name": name, "shape": "chain4", "tau": 1.4, "alpha": 0.3, "speedup": 0.9}, *base],
+                   "per_domain": {"T": 0.0, "columns": [name], "rows": [["all", 1.4]]}}
+        record(_write(tmp_path, "run_summary.json", summary), results, CHECKOUT, date=date)
+    text = rt.head_to_head(rt.load(results))
+    rows = [ln.split(" | ")[0][2:] for ln in text.splitlines() if ln.startswith("| ") and " | chain" in ln]
+    assert rows == ["eagle3-auto", "domino-chain7", "ngram-chain4 (no training)", "suffix-chain4 (no training)"], rows
+    assert "| suffix-chain4 (no training) | chain4 | 1.31 | 0.50 | 1.02× |" in text
+
+
 def test_the_readme_results_take_a_heads_default_settings_only(tmp_path):
     rt, repo = _results_tables()
     results = tmp_path / "benchmarks.json"
