@@ -33,9 +33,9 @@ from specheads.decoding.slots import TreeSlots
 from specheads.decoding.vision_prompts import MropePositions, joined_images, mrope_positions
 from specheads.errors import UserError
 from specheads.targets import (UnsupportedTargetError, capture_layer_inputs, model_family, output_logits,
-                               recurrent_layer_types)
+                               recurrent_layer_types, text_decoder)
 
-ATTENTION_KINDS = ("full_attention", "sliding_attention")
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 class HybridTargetError(UserError):
@@ -44,34 +44,40 @@ class HybridTargetError(UserError):
 
 @dataclass(frozen=True)
 class AttentionLayout:
-    """How a target's layers attend: ``window`` (tokens) of its sliding layers or None; ``per_type``: the
-    model takes one mask per layer type (its config lists ``layer_types``), else one mask for all layers."""
+    """How a target's layers attend: ``window`` (tokens) of its sliding layers or None; ``chunk`` (tokens) of its
+    chunked layers or None (Llama 4: a token sees the earlier tokens of its own ``attention_chunk_size`` block);
+    ``per_type``: the model takes one mask per layer type (its config lists ``layer_types``), else one mask for
+    all layers."""
 
     window: int | None = None
     per_type: bool = False
+    chunk: int | None = None
 
     @classmethod
     def of(cls, config) -> "AttentionLayout":
         """Read from a transformers config; raises ``UnsupportedTargetError`` for layer kinds tree verification
-        does not model (chunked attention, KV sharing, ...), or sliding layers of different widths."""
+        does not model (KV sharing, ...), or sliding (chunked) layers of different widths."""
         from transformers.cache_utils import get_layer_types_and_kwargs
 
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         kinds, kwargs = get_layer_types_and_kwargs(text)
         other = sorted(set(kinds) - set(ATTENTION_KINDS))
         if other:
-            raise UnsupportedTargetError(f"{model_family(config)}: tree verification supports full and sliding-window "
-                                         f"attention layers, this target has {other} layers")
-        windows = {kw["sliding_window"] for k, kw in zip(kinds, kwargs) if k == "sliding_attention"}
-        if len(windows) > 1:
-            raise UnsupportedTargetError(f"{model_family(config)}: sliding layers of different windows {sorted(windows)} "
-                                         "(tree verification applies one window)")
-        window = windows.pop() if windows else None
+            raise UnsupportedTargetError(f"{model_family(config)}: tree verification supports full, sliding-window "
+                                         f"and chunked attention layers, this target has {other} layers")
+        widths = {}
+        for kind in ("sliding_attention", "chunked_attention"):
+            found = {kw["sliding_window"] for k, kw in zip(kinds, kwargs) if k == kind}
+            if len(found) > 1:
+                raise UnsupportedTargetError(f"{model_family(config)}: {kind} layers of different widths "
+                                             f"{sorted(found)} (tree verification applies one)")
+            widths[kind] = found.pop() if found else None
         per_type = getattr(text, "layer_types", None) is not None
-        if window is not None and not per_type and set(kinds) != {"sliding_attention"}:
-            raise UnsupportedTargetError(f"{model_family(config)}: some layers slide but the config lists no layer_types, "
-                                         "so the model cannot take a mask per layer type")
-        return cls(window, per_type)
+        for kind, width in widths.items():
+            if width is not None and not per_type and set(kinds) != {kind}:
+                raise UnsupportedTargetError(f"{model_family(config)}: some layers are {kind} but the config lists "
+                                             "no layer_types, so the model cannot take a mask per layer type")
+        return cls(widths["sliding_attention"], per_type, widths["chunked_attention"])
 
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward: longer prompts are fed in chunks (``TargetRunner.prefill``)
@@ -103,7 +109,7 @@ class TargetRunner:
                 "tree's forward cannot verify and roll back here (attention layers only); measure its head in vLLM "
                 "with specheads serve-eval, which also checks greedy output against plain decoding")
         self.model = model
-        self.decoder = model.get_decoder()
+        self.decoder = text_decoder(model)
         self.lm_head = model.get_output_embeddings()
         self.aux_layers = tuple(aux_layers)
         self.attention = AttentionLayout.of(model.config)
@@ -149,14 +155,18 @@ class TargetRunner:
 
     def _masks(self, allowed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         """The model's attention mask(s) for q entries at positions ``pos`` (B, q) with ``allowed`` (B, q, kv)."""
-        window = self.attention.window
-        if window is None:
+        window, chunk = self.attention.window, self.attention.chunk
+        if window is None and chunk is None:
             return self._additive(allowed)
-        near = pos[:, :, None] - self.slots.key_positions()[:, None, :] < window
-        sliding = self._additive(allowed & near)
+        keys = self.slots.key_positions()[:, None, :]
+        masks = {"full_attention": self._additive(allowed)}
+        if window is not None:
+            masks["sliding_attention"] = self._additive(allowed & (pos[:, :, None] - keys < window))
+        if chunk is not None:
+            masks["chunked_attention"] = self._additive(allowed & (pos[:, :, None] // chunk == keys // chunk))
         if not self.attention.per_type:
-            return sliding
-        return {"full_attention": self._additive(allowed), "sliding_attention": sliding}
+            return masks["sliding_attention" if window is not None else "chunked_attention"]
+        return masks
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, parents: torch.Tensor, live: torch.Tensor | None = None,

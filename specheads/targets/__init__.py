@@ -32,7 +32,7 @@ from specheads.targets.loading import load_target, load_tokenizer
 from specheads.targets.model import (TARGET_CHUNK, RawEmbedding, Target, TargetFeatures, UnsupportedTargetError,
                                      capture_layer_inputs, check_aux_layers, config_hash, default_eagle3_layers,
                                      eos_token_ids, logit_softcap, model_family, output_logits,
-                                     recurrent_layer_types, target_argmax)
+                                     recurrent_layer_types, target_argmax, text_decoder)
 from specheads.targets.parallel import (PARALLEL_MODES, ParallelLayout, data_parallel_share, device_map_devices,
                                         end_process_group, launch_rank_world, parallel_layout)
 from specheads.targets.tokenizers import own_tokenizer, tokenizer_fingerprint
@@ -44,5 +44,5 @@ __all__ = [
     "data_parallel_share", "default_eagle3_layers", "device_map_devices", "embedded_gguf", "end_process_group",
     "eos_token_ids", "launch_rank_world", "load_target", "load_tokenizer", "logit_softcap", "model_family",
     "output_logits", "own_tokenizer", "parallel_layout", "recurrent_layer_types", "resolve_target_path",
-    "target_argmax", "tokenizer_fingerprint",
+    "target_argmax", "text_decoder", "tokenizer_fingerprint",
 ]

@@ -28,16 +28,19 @@ def load_tokenizer(name_or_path: str = EMBEDDED_TARGET, chat_template: str | Non
 
 def model_class(path: str):
     """The auto class that loads a target folder: ``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for
-    a vision-language model no causal-LM class covers (Qwen2.5-VL, Qwen3-VL: vision encoder and language model)."""
+    a vision-language model whose causal-LM class would leave out its vision part: none covers Qwen2.5-VL and
+    Qwen3-VL, and Llama 4's (``Llama4ForCausalLM``) is its language model alone, its vision tower's weights dropped."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError):
         return AutoModelForCausalLM  # its own error, from the load
     vision = getattr(config, "vision_config", None) is not None
-    if vision and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    whole = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type)
+    if vision and whole is not None and MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type) != whole:
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
 

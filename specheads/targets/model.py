@@ -143,6 +143,17 @@ def text_sizes_on_config(model: nn.Module) -> Iterator[None]:
             del config.vocab_size
 
 
+def text_decoder(model: nn.Module) -> nn.Module:
+    """The module that holds a target's decoder layers (``.layers``; its forward gives ``last_hidden_state``).
+
+    ``get_decoder()`` answers that for most models; a multimodal Llama 4 answers its text ``Llama4ForCausalLM``
+    (whose ``base_model_prefix`` names no attribute it has), whose own ``model`` is the text decoder."""
+    decoder = model.get_decoder()
+    while not hasattr(decoder, "layers") and isinstance(getattr(decoder, "model", None), nn.Module):
+        decoder = decoder.model
+    return decoder
+
+
 def is_vision_language(config) -> bool:
     """Whether a target config has a vision part (a vision-language model's ``vision_config``)."""
     return getattr(config, "vision_config", None) is not None
@@ -158,7 +169,7 @@ class Target:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        self.decoder = model.get_decoder()
+        self.decoder = text_decoder(model)
         self.layers = self.decoder.layers
         self.layout = layout or ParallelLayout()
         self.dtype_choice = None  # how ``load_target`` chose the dtype (``hardware.Choice``), for reports
@@ -306,32 +317,34 @@ class Target:
     def vision_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, aux_layers: Sequence[int],
                        need_last: bool, pixel_values: torch.Tensor | None = None,
                        image_grid_thw: torch.Tensor | None = None) -> TargetFeatures:
-        """A vision-language target's forward: its multimodal model (the vision encoder runs once per image, its
-        features fill the image tokens) without the LM head, the aux states read at the language model's
-        layers, and the 3-D positions it ran at where it uses M-RoPE.
+        """A vision-language target's forward: its whole multimodal model (the vision encoder runs once per image,
+        its features fill the image tokens; logits at one position only), the aux states read at the language
+        model's layers, its last hidden state at the decoder's output, and the 3-D positions it ran at where it uses
+        M-RoPE. The whole model, not a base module of it: each family nests its parts differently (Qwen-VL's
+        ``model``, Llama 4's ``language_model`` beside its vision tower), and every one's forward fills its images.
 
         input_ids: (B, T) with each image's tokens in place; pixel_values: the images of every row in order
-        (the image processor's layout, Qwen: (patches, C*T*P*P)); image_grid_thw: (n_images, 3).
+        (the image processor's layout, Qwen: (patches, C*T*P*P)); image_grid_thw: (n_images, 3) where the family's
+        images have grids (M-RoPE's; none for Llama 4's tiles).
         """
-        kwargs = {}
-        if pixel_values is None and bool((input_ids == self.config.image_token_id).any()):
-            raise ValueError("the rows hold image tokens and no pixel inputs were given (pixel_values, image_grid_thw)")
-        if pixel_values is not None:
-            image_token = self.config.image_token_id
-            kwargs = {"pixel_values": pixel_values.to(self.device, self.dtype),
-                      "image_grid_thw": image_grid_thw.to(self.device),
-                      "mm_token_type_ids": (input_ids == image_token).int()}
+        kwargs = self._pixel_kwargs(input_ids, pixel_values, image_grid_thw)
         seen: dict[str, torch.Tensor | None] = {}
 
         def positions_hook(module, args, kw):
             seen["positions"] = kw.get("position_ids")
 
-        handle = self.decoder.register_forward_pre_hook(positions_hook, with_kwargs=True)
+        def output_hook(module, args, out):
+            seen["last"] = out.last_hidden_state
+
+        handles = [self.decoder.register_forward_pre_hook(positions_hook, with_kwargs=True),
+                   self.decoder.register_forward_hook(output_hook)]
         try:
             with capture_layer_inputs(self.layers, aux_layers) as captured:
-                out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+                self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1,
+                           **kwargs)
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
         here = input_ids.device
         positions = None
         if uses_mrope(self.config):
@@ -339,8 +352,23 @@ class Target:
             if positions is None:  # no image: the language model counts 0..T-1 on each of the three axes
                 positions = torch.arange(input_ids.shape[1], device=here).expand(3, *input_ids.shape)
             positions = positions[-3:].permute(1, 2, 0).to(here)  # (3 or 4, B, T): the last three are M-RoPE's
-        last = out.last_hidden_state.to(here) if need_last else None
+        last = seen["last"].to(here) if need_last else None
         return TargetFeatures(aux=tuple(captured[i].to(here) for i in aux_layers), last=last, positions=positions)
+
+    def _pixel_kwargs(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
+                      image_grid_thw: torch.Tensor | None) -> dict:
+        """The multimodal forward's image inputs: the pixels, and where the family's images have patch grids
+        (M-RoPE targets) the grids and which tokens are the images'; image tokens without pixels are refused."""
+        image_token = getattr(self.config, "image_token_id", None)
+        if pixel_values is None:
+            if image_token is not None and bool((input_ids == image_token).any()):
+                raise ValueError("the rows hold image tokens and no pixel inputs were given (pixel_values)")
+            return {}
+        kwargs = {"pixel_values": pixel_values.to(self.device, self.dtype)}
+        if image_grid_thw is not None:
+            kwargs.update(image_grid_thw=image_grid_thw.to(self.device),
+                          mm_token_type_ids=(input_ids == image_token).int())
+        return kwargs
 
 
 class RawEmbedding(nn.Module):

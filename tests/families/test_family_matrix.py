@@ -307,19 +307,22 @@ def test_export(family, engine, worlds, support):
 
 
 def test_attention_the_runner_cannot_mask_is_refused_in_one_line():
-    """Layer kinds tree verification does not model (chunked attention, as Llama-4's) are a one-line user
-    error naming the family, before any decoding; the families above all get their layout."""
+    """Layer kinds tree verification does not model (linear attention, whose state is no key/value cache) are a
+    one-line user error naming the family, before any decoding; the families above all get their layout, and
+    chunked attention (Llama 4's) its chunk (tests/test_llama4_vl.py decodes through it)."""
     from transformers import LlamaConfig
 
     from specheads.decoding.runner import AttentionLayout
     from specheads.errors import UserError, one_line
     from family_models import family_config
 
-    config = LlamaConfig(num_hidden_layers=2, layer_types=["chunked_attention", "full_attention"],
+    config = LlamaConfig(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
                          attention_chunk_size=8)
-    with pytest.raises(UserError, match=r"^llama: .*\['chunked_attention'\]") as e:
+    with pytest.raises(UserError, match=r"^llama: .*\['linear_attention'\]") as e:
         AttentionLayout.of(config)
     assert one_line(e.value) == str(e.value)
+    config.layer_types = ["chunked_attention", "full_attention"]
+    assert AttentionLayout.of(config) == AttentionLayout(None, True, 8)
     layouts = {f: AttentionLayout.of(family_config(f)) for f in FAMILIES}
     assert {f for f, lay in layouts.items() if lay.window == WINDOW} == {"mistral", "gemma2", "gemma3_text", "phi3",
                                                                           "gpt_oss"}
