@@ -9,7 +9,9 @@ The family tests (tests/families/support_log.py) write one JSON line per (family
 SPECHEADS_SUPPORT_LOG is set; outcomes are ``passed``, ``refused: <reason>`` (the library's one-line
 refusal, asserted by the test) or ``failed``. A stage no test logged is shown as ``—`` (the ``prepare``
 column is filled by whichever tests log stage ``prepare``). The doc records the ids of the tests it was
-made from; tests/families/test_support_doc.py checks both against the current tests.
+made from; tests/families/test_support_doc.py checks both against the current tests. The vision-language tests
+(tests/families/test_vl_matrix.py) log targets ``vl:<model_type>`` at stages ``vl_*``: the doc's section of
+vision-language targets, followed by the commands that run a real one where its weights can be downloaded.
 """
 
 from __future__ import annotations
@@ -36,6 +38,36 @@ COLUMNS = {  # log stage -> column header (architecture table)
     "evaluate_tree": "evaluate tree lossless", "evaluate_chain": "evaluate chain lossless",
     "export_vllm": "export vllm", "export_sglang": "export sglang",
 }
+VL = "vl:"  # the target key prefix of the vision-language tests (their table is the third one)
+VL_COLUMNS = {  # log stage -> column header (vision-language table)
+    "vl_prepare": "prepare image chats", "vl_collect": "collect image rows", "vl_train_eagle3": "train eagle3",
+    "vl_evaluate": "evaluate image prompts lossless", "vl_export_vllm": "export vllm",
+}
+VL_ORDER = ("qwen3_vl", "qwen2_5_vl", "llama4", "gemma3")
+VL_TESTS = "tests/families/test_vl_matrix.py"
+VL_ABOUT = (
+    "Tiny random vision-language targets (transformers' own config classes with their vision configs: 4 decoder "
+    "layers, hidden 32-64, vision towers of 1-2 layers; Qwen-VL's own image processors, scikit-image photographs) through each stage on image "
+    f"conversations ({VL_TESTS}). ✓ passed, R*n* refused by the library in one line with the reason below, — not "
+    "tested: Llama 4's image processor needs torchvision, so its image stages stop at prepare; its text chats go "
+    "through collect and evaluate (tests/test_llama4_vl.py).")
+VL_REAL = (
+    "No real vision-language weights can be downloaded on the machines these tests run on (no network): the rows "
+    "above are tiny random models, and no real one was run. On a GPU node that can reach the Hugging Face Hub, these "
+    "commands run a real Qwen3-VL through the same stages (chats.jsonl: image conversations, "
+    "[prepare](prepare.md#image-conversations-vision-language-targets)):")
+VL_COMMANDS = (
+    "specheads prepare target=hf target.name_or_path=Qwen/Qwen3-VL-8B-Instruct data=jsonl data.path=chats.jsonl "
+    "output_dir=runs/vl/prepared",
+    "specheads collect target=hf target.name_or_path=Qwen/Qwen3-VL-8B-Instruct method=eagle3 "
+    "prepared_dir=runs/vl/prepared output_dir=runs/vl/features",
+    "specheads train target=hf target.name_or_path=Qwen/Qwen3-VL-8B-Instruct method=eagle3 "
+    "features_dir=runs/vl/features prepared_dir=runs/vl/prepared output_dir=runs/vl/train",
+    "specheads evaluate target=hf target.name_or_path=Qwen/Qwen3-VL-8B-Instruct head_dir=runs/vl/train "
+    "eval.chat_dir=runs/vl/prepared output_dir=runs/vl/eval",
+    "specheads export target=hf target.name_or_path=Qwen/Qwen3-VL-8B-Instruct head_dir=runs/vl/train/head "
+    "output_dir=runs/vl/export engine=vllm",
+)
 FAMILY_ORDER = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "phi3",
                 "gpt_oss", "deepseek_v3")
 
@@ -60,10 +92,42 @@ def test_ids_digest(test_ids) -> str:
     return hashlib.sha256("\n".join(sorted(set(test_ids))).encode()).hexdigest()[:16]
 
 
+def cell_symbol(out: str | None, reasons: list[str]) -> str:
+    """A cell's symbol: ✓ passed, ✗ failed, R<n> refused (its reason appended to ``reasons`` once), — none."""
+    if out is None:
+        return "—"
+    if out == "passed":
+        return "✓"
+    if out.startswith("refused"):
+        reason = out.partition(":")[2].strip()
+        if reason not in reasons:
+            reasons.append(reason)
+        return f"R{reasons.index(reason) + 1}"
+    return "✗"
+
+
+def render_vl(cells: dict[tuple[str, str], str], reasons: list[str]) -> list[str]:
+    """The vision-language section: each target's image stages (its refusals numbered after ``reasons``), and how
+    a real Qwen3-VL runs them where weights can be downloaded."""
+    targets = [t for t in VL_ORDER if any(k[0] == VL + t for k in cells)]
+    targets += sorted({k[0][len(VL):] for k in cells if k[0].startswith(VL)} - set(targets))
+    if not targets:
+        return []
+    first = len(reasons)
+    lines = ["", "## Vision-language targets × stages", "", VL_ABOUT, "",
+             "| target | " + " | ".join(VL_COLUMNS.values()) + " |", "|---|" + "---|" * len(VL_COLUMNS)]
+    for t in targets:
+        lines.append(f"| {VL}{t} | " + " | ".join(cell_symbol(cells.get((VL + t, s)), reasons) for s in VL_COLUMNS)
+                     + " |")
+    if len(reasons) > first:
+        lines += ["", "Refusals:", ""] + [f"- R{i + 1}: {r}" for i, r in enumerate(reasons) if i >= first]
+    return lines + ["", VL_REAL, "", "```bash", *VL_COMMANDS, "```"]
+
+
 def render(cells: dict[tuple[str, str], str], test_ids) -> str:
     """The Markdown of the matrix: ✓ passed, ✗ failed, R<n> refused (reasons listed below), — not tested."""
     families = [f for f in FAMILY_ORDER if any(k[0] == f for k in cells)]
-    families += sorted({k[0] for k in cells if not k[0].startswith(CHAT)} - set(families))
+    families += sorted({k[0] for k in cells if not k[0].startswith((CHAT, VL))} - set(families))
     reasons: list[str] = []
     lines = ["# Support matrix: architecture families × stages", "",
              "<!-- generated by scripts/support_matrix.py from the family tests' support log; do not edit -->",
@@ -74,21 +138,8 @@ def render(cells: dict[tuple[str, str], str], test_ids) -> str:
              "| family | " + " | ".join(COLUMNS.values()) + " |",
              "|---|" + "---|" * len(COLUMNS)]
     for fam in families:
-        row = []
-        for stage in COLUMNS:
-            out = cells.get((fam, stage))
-            if out is None:
-                row.append("—")
-            elif out == "passed":
-                row.append("✓")
-            elif out.startswith("refused"):
-                reason = out.partition(":")[2].strip()
-                if reason not in reasons:
-                    reasons.append(reason)
-                row.append(f"R{reasons.index(reason) + 1}")
-            else:
-                row.append("✗")
-        lines.append(f"| {fam} | " + " | ".join(row) + " |")
+        lines.append(f"| {fam} | " + " | ".join(cell_symbol(cells.get((fam, stage)), reasons) for stage in COLUMNS)
+                     + " |")
     if reasons:
         lines += ["", "Refusals:", ""] + [f"- R{i + 1}: {r}" for i, r in enumerate(reasons)]
     formats = sorted(k[0] for k in cells if k[0].startswith(CHAT))
@@ -104,7 +155,7 @@ def render(cells: dict[tuple[str, str], str], test_ids) -> str:
         for key in formats:
             name = key[len(CHAT):]
             lines.append(f"| {key} | {symbol(cells[(key, 'prepare')])} | {template_source(name)} |")
-    return "\n".join(lines) + "\n" + render_real(load_real())
+    return "\n".join(lines + render_vl(cells, reasons)) + "\n" + render_real(load_real())
 
 
 def load_real(path: Path = REAL) -> dict | None:
@@ -162,12 +213,12 @@ def parse_doc(text: str) -> tuple[dict[tuple[str, str], str], str | None]:
     for ln in text.split(REAL_HEADING)[0].splitlines():
         if ln.startswith("<!-- test-ids:"):
             digest = ln.split()[2]
-        elif ln.startswith("| ") and not ln.startswith(("| family", "| chat format")):
+        elif ln.startswith("| ") and not ln.startswith(("| family", "| chat format", "| target")):
             parts = [p.strip() for p in ln.strip().strip("|").split("|")]
             if parts[0].startswith(CHAT):
                 cells[(parts[0], "prepare")] = parts[1]
                 continue
-            for stage, cell in zip(stages, parts[1:]):
+            for stage, cell in zip(list(VL_COLUMNS) if parts[0].startswith(VL) else stages, parts[1:]):
                 cells[(parts[0], stage)] = cell
     return cells, digest
 

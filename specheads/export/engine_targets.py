@@ -13,7 +13,7 @@ the engine the image prompts are served by here, so a folder it refuses at load 
 
 from __future__ import annotations
 
-from specheads.families import FAMILIES
+from specheads.families import FAMILIES, family
 
 AUX_STATE_METHODS = tuple(f.name for f in FAMILIES if f.aux_states)  # the families that draft from them
 # vLLM 0.32 implements DSpark only in its V2 GPU model runner, which needs Triton; the CPU build ships none, runs the
@@ -71,5 +71,5 @@ def vision_export_refusal(method: str, architectures, vision_language: bool, lay
         return None
     versions = ", ".join(v for v, archs in VLLM_AUX_STATE_TARGETS.items() if not set(architectures) & archs)
     return (f"the target's model class {'/'.join(architectures)} does not implement vLLM {versions}'s SupportsEagle3 "
-            f"interface, so vLLM refuses a {method} head on it at load: measure the head with specheads evaluate "
-            f"(the evaluator drafts on this target), or export engine=sglang alone")
+            f"interface, so vLLM refuses {family(method).title} heads on it at load: measure the head with specheads "
+            "evaluate (the evaluator drafts on this target), or export engine=sglang alone")

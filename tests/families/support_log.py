@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 ENV = "SPECHEADS_SUPPORT_LOG"
 STAGES = ("prepare", "collect_store", "collect_online", "train_medusa1", "train_medusa2", "train_eagle1",
-          "train_eagle3", "evaluate_tree", "evaluate_chain", "export_vllm", "export_sglang")
+          "train_eagle3", "evaluate_tree", "evaluate_chain", "export_vllm", "export_sglang",
+          "vl_prepare", "vl_collect", "vl_train_eagle3", "vl_evaluate", "vl_export_vllm")  # vl_: image stages
 
 
 class SupportRecord:
