@@ -394,6 +394,12 @@ def check_stages(argv: list[str]) -> None:
                     recipe_module.check_config(settings)
             except UserError as e:
                 raise ConfigError(f"the {name} stage: {e}") from None
+            if name == "export" and cfg.only in (None, "export"):  # an export the target's engine would refuse
+                from specheads.export.export import planned_export_refusal
+
+                target = OmegaConf.select(settings, "target.name_or_path")  # None where unset: its own error
+                if target and (refused := planned_export_refusal(cfg.head, settings.engine, target)):
+                    raise ConfigError(f"the export stage: {refused}")
 
 
 if __name__ == "__main__":

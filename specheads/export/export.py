@@ -252,6 +252,24 @@ def _engine_names(engine: str) -> tuple[str, ...]:
     return names
 
 
+def planned_export_refusal(method: str, engine: str, target: str) -> str | None:
+    """Why an export of a ``method`` head for ``engine`` would be refused for ``target`` (a folder, or a hub id whose
+    config is in the local cache; nothing is fetched), known before the head exists: ``specheads run`` asks before
+    its first stage. None where nothing refuses it, or the target's config is not here to tell."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(Path(target).expanduser()), local_files_only=True)
+    except Exception:  # noqa: BLE001 - no readable config here: the export stage itself checks the target
+        return None
+    if getattr(config, "vision_config", None) is None:
+        return None
+    name = family(method).name  # a training method's name (medusa1) means its family
+    refused = vision_export_refusal(name, tuple(getattr(config, "architectures", None) or ()), True,
+                                    _engines(name, engine))
+    return f"engine={engine}: {refused}" if refused else None
+
+
 def _engines(method: str, engine: str) -> tuple[str, ...]:
     found = engines_for(method)
     if engine == "all":

@@ -87,3 +87,21 @@ def test_only_a_vision_target_vllm_refuses_is_refused():
     assert vision_export_refusal("eagle3", ("Qwen2_5_VLForConditionalGeneration",), True, ("vllm",)) is None
     assert vision_export_refusal("eagle3", ("Llama4ForConditionalGeneration",), True, ("vllm",)) is None
     assert vision_export_refusal("eagle1", (GEMMA3_MM,), True, ("vllm",)) is None  # drafts from the last state
+
+
+def test_a_run_for_such_a_target_is_refused_before_its_first_stage(gemma3_mm, tmp_path, capsys):
+    """`specheads run` knows the head and the export's engines before it starts: with a Gemma 3 multimodal folder
+    it ends in one line before prepare; asking for the SGLang layout only (or only the evaluator) runs."""
+    from tests.test_overrides import pipeline
+
+    target, _ = gemma3_mm
+    p = pipeline()
+    run = [f"target.name_or_path={target}", f"run_dir={tmp_path / 'run'}", "serve=false"]
+    with pytest.raises(SystemExit) as e:
+        p.check_stages(p.stage_arguments([*run, "head=eagle3"]))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err and err.startswith("specheads run: error: the export stage: engine=")
+    assert GEMMA3_MM in err and "specheads evaluate" in err and not (tmp_path / "run").exists()
+    p.check_stages(p.stage_arguments([*run, "head=eagle3", "export.engine=sglang"]))
+    p.check_stages(p.stage_arguments([*run, "head=eagle3", "only=evaluate"]))
+    p.check_stages(p.stage_arguments([*run, "head=eagle1"]))  # drafts from the last state: vLLM serves it
