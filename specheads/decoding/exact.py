@@ -68,7 +68,8 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention interface: query (B, H, q, d), key/value (B, Hkv, kv, d), mask additive
-    (B, 1, q, kv) float, boolean (True = attend) or None (causal, the q queries being the last q keys).
+    (B, 1, q, kv) float, boolean (True = attend) or None (causal, the q queries being the last q keys, unless
+    ``is_causal=False`` is passed or the module's ``is_causal`` is False: no mask, as a vision encoder attends).
     Returns (B, q, H, dv) in the query's dtype. Like transformers' eager attention of the families that
     have them: ``softcap`` caps the scaled scores (``cap * tanh(s / cap)``, Gemma-2) before the mask;
     ``s_aux`` (gpt-oss's attention sinks, one logit per query head) is an extra softmax column, dropped
@@ -92,8 +93,12 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         scores = torch.tanh(scores / softcap).mul_(softcap)
     scores = scores.view(b, hkv, g, q, kv)
     if attention_mask is None:
-        causal = torch.ones(q, kv, dtype=torch.bool, device=query.device).tril(kv - q)
-        scores.masked_fill_(~causal, float("-inf"))
+        # None means causal unless the caller says otherwise (a vision encoder: is_causal=False, or a module whose
+        # is_causal is False), as transformers' SDPA interface reads it
+        is_causal = kwargs.get("is_causal")
+        if getattr(module, "is_causal", True) if is_causal is None else is_causal:
+            causal = torch.ones(q, kv, dtype=torch.bool, device=query.device).tril(kv - q)
+            scores.masked_fill_(~causal, float("-inf"))
     elif attention_mask.dtype == torch.bool:
         scores.masked_fill_(~attention_mask[..., :kv].unsqueeze(2), float("-inf"))
     else:

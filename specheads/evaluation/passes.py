@@ -37,6 +37,7 @@ from specheads.data.benchmarks import EvalPrompt
 from specheads.decoding.exact import ATTENTION_NAME, ProofScope, make_exact, row_floor_set, set_row_floor
 from specheads.decoding.generate import speculative_generate
 from specheads.decoding.grouped_attention import use_grouped_attention
+from specheads.decoding.vision_prompts import prompt_images
 from specheads.evaluation.prompts import encode, turn_id
 from specheads.evaluation.spec import draft_rows
 from specheads.targets import Target
@@ -157,12 +158,25 @@ def first_divergence(target, prompt_ids, want, got) -> dict | None:
     i = next((j for j in range(n) if want[j] != got[j]), None)
     if i is None:
         return None if len(want) == len(got) else {"index": n, "reason": f"lengths {len(want)} vs {len(got)}"}
+    ids = torch.tensor([list(prompt_ids) + list(want[:i])], device=target.device)
     with torch.no_grad():
-        logits = target.model(torch.tensor([list(prompt_ids) + list(want[:i])], device=target.device)).logits[0, -1]
+        logits = target.model(ids, **_pixel_inputs(target, prompt_ids, ids)).logits[0, -1]
     top = logits.float().topk(2)
     return {"index": i, "plain": int(want[i]), "speculative": int(got[i]),
             "margin": float(top.values[0] - top.values[1]),
             "margin_vs_speculative": float(logits[want[i]] - logits[got[i]])}
+
+
+def _pixel_inputs(target, prompt_ids, ids: torch.Tensor) -> dict:
+    """The multimodal model's inputs for an image prompt's images (``vision_prompts.ImagePrompt``), {} for text: the
+    margin at a divergence is the one the target decoded with, its images in their tokens."""
+    images = prompt_images(prompt_ids)
+    if images is None:
+        return {}
+    dtype = next(target.model.parameters()).dtype
+    return {"pixel_values": images["pixel_values"].to(target.device, dtype),
+            "image_grid_thw": images["image_grid_thw"].to(target.device),
+            "mm_token_type_ids": (ids == target.model.config.image_token_id).int()}
 
 
 def lossless_verdict(kernels: Kernels, checked: int, fast_differences: list[dict], exact_mismatches: list[dict]) -> dict:

@@ -67,22 +67,24 @@ def test_bf16_sdpa_tree_verify_agrees_with_sequential_to_rounding():
     assert total == 42 and worst <= 0.03  # a few bfloat16 steps at |logit| ~1 (0.0039 measured on a 2-core EPYC)
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "none, not causal", "none, is_causal=False"])
 def test_exact_attention_matches_sdpa_in_float32(mask_kind):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     torch.manual_seed(0)
     b, h, hkv, q, d = 2, 6, 2, 5, 8
-    kv = q if mask_kind == "none" else 11  # no mask: causal over a prefill (SDPA aligns is_causal top-left)
+    kv = q if mask_kind.startswith("none") else 11  # no mask: causal over a prefill (SDPA aligns is_causal top-left)
     query, key, value = torch.randn(b, h, q, d), torch.randn(b, hkv, kv, d), torch.randn(b, hkv, kv, d)
     allowed = torch.rand(b, 1, q, kv) > 0.3
     allowed[..., 0] = True
-    mask = {"none": None, "bool": allowed,
-            "additive": torch.zeros(b, 1, q, kv).masked_fill(~allowed, torch.finfo(torch.float32).min)}[mask_kind]
+    mask = {"bool": allowed,
+            "additive": torch.zeros(b, 1, q, kv).masked_fill(~allowed, torch.finfo(torch.float32).min)}.get(mask_kind)
     module = torch.nn.Module().eval()
-    module.num_key_value_groups, module.is_causal = h // hkv, mask is None
-    got, _ = exact_attention(module, query, key, value, mask, scaling=0.3)
-    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3, dropout=0.0)
+    # a vision encoder's attention: no mask and not causal (the module says so, or the call does)
+    module.num_key_value_groups, module.is_causal = h // hkv, mask_kind in ("none", "none, is_causal=False")
+    kw = {"is_causal": False} if mask_kind == "none, is_causal=False" else {}
+    got, _ = exact_attention(module, query, key, value, mask, scaling=0.3, **kw)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3, dropout=0.0, **kw)
     assert got.shape == (b, q, h, d) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 

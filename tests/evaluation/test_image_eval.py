@@ -211,3 +211,22 @@ def test_the_evaluate_command_scores_image_prompts(vl, tmp_path):
         assert m["lossless"]["exact"] and "image" in m["by_temperature"]["0.0"]
         assert m["batch"]["2"]["matches_batch1_plain"]
     assert "| image |" in (tmp_path / "eval" / "report.md").read_text()
+
+
+def test_a_divergence_on_an_image_prompt_is_measured_with_its_images(vl):
+    """The margin reported where speculative output leaves plain output is the target's with the prompt's images in
+    their tokens (the forward it decoded with), not the text tokens' alone."""
+    from specheads.evaluation.passes import first_divergence
+
+    _, target, _, (p,) = vl
+    want = _plain(target, p.input_ids, 4)
+    got = want[:2] + [(want[2] + 1) % target.vocab_size] + want[3:]
+    found = first_divergence(target, p.input_ids, want, got)
+    ids = torch.tensor([list(p.input_ids) + want[:2]])
+    with torch.no_grad():
+        logits = target.model(ids, pixel_values=p.input_ids.pixel_values, image_grid_thw=p.input_ids.image_grid_thw,
+                              mm_token_type_ids=(ids == target.config.image_token_id).int()).logits[0, -1]
+        blind = target.model(ids).logits[0, -1]
+    assert found["index"] == 2 and found["plain"] == want[2]
+    assert found["margin_vs_speculative"] == pytest.approx(float(logits[want[2]] - logits[got[2]]), abs=1e-4)
+    assert abs(float(blind[want[2]] - blind[got[2]]) - found["margin_vs_speculative"]) > 1e-3  # the images matter
