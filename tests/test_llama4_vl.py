@@ -4,8 +4,8 @@ and a NoPE full-attention layer.
 
 Transformers builds Llama 4's image processor (``Llama4ImageProcessor``, which tiles an image and lays its tokens
 out per tile) only on torchvision, which set-up does not install: image conversations are refused at prepare in
-one line. The collection forward with pixel inputs is checked on tiles made here in the processor's layout
-(``(tiles, 3, image_size, image_size)``), the language side (text chats prepared, collected, an EAGLE-3 head
+one line. The collection forward and the evaluator's prefill of an image prompt are checked with tiles made here
+in the processor's layout (``(tiles, 3, image_size, image_size)``), the language side (text chats prepared, collected, an EAGLE-3 head
 evaluated lossless) end to end. The reference for decoding is the model's own uncached forward: transformers'
 cached ``generate`` does not reproduce it on these chunked layers (its chunked cache drifts after a few chunks).
 """
@@ -204,6 +204,36 @@ def test_plain_and_tree_decoding_are_the_models_own_greedy_across_chunks(llama4)
     res = speculative_generate(TargetRunner(target.model), _Oracle([want], [len(prompt)]), [prompt], NEW, 0.0,
                                "greedy", ())
     assert res.tokens[0] == want and res.target_forwards < NEW
+
+
+def test_an_image_prompt_is_prefilled_with_its_tiles_and_decoded_as_the_models_own_greedy(llama4):
+    """An image prompt (tiles made here in the processor's layout, no grids): the prefill runs the whole model with
+    the pixels at 1-D positions (no M-RoPE table), plain and tree decoding give the uncached model's greedy output,
+    which the pixels change."""
+    from specheads.decoding.vision_prompts import ImagePrompt
+
+    _, target, _ = llama4
+    cfg = target.config
+    tile = [cfg.boi_token_index] + [cfg.image_token_index] * 4 + [cfg.eoi_token_index]
+    ids = [5, 6, 7] + tile + list(range(30, 30 + CHUNK + 3))
+    torch.manual_seed(1)
+    pixels = torch.randn(1, 3, 56, 56)
+    prompt = ImagePrompt(ids, pixel_values=pixels, refs=["tile"])
+    seq = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(NEW):
+            nxt = target.model(input_ids=seq, pixel_values=pixels, use_cache=False,
+                               logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+    want = seq[0, len(ids):].tolist()
+    runner = TargetRunner(target.model)
+    assert speculative_generate(runner, None, [prompt], NEW, 0.0, "greedy", ()).tokens[0] == want
+    assert runner.mrope is None
+    res = speculative_generate(TargetRunner(target.model), _Oracle([want], [len(ids)]), [prompt], NEW, 0.0,
+                               "greedy", ())
+    assert res.tokens[0] == want and res.target_forwards < NEW
+    other = ImagePrompt(ids, pixel_values=torch.randn(1, 3, 56, 56) * 3, refs=["tile"])
+    assert speculative_generate(TargetRunner(target.model), None, [other], NEW, 0.0, "greedy", ()).tokens[0] != want
 
 
 def test_a_chunked_layer_given_the_full_mask_is_caught(llama4, monkeypatch):

@@ -188,14 +188,14 @@ class TargetRunner:
             live = torch.ones_like(tokens, dtype=torch.bool)
         pos, allowed = self.slots.extend(parents, live)
         positions = pos if self.mrope is None else self.mrope.at(pos)
-        module, extra = self.decoder, {}
-        if images is not None:  # the multimodal model: image features in place of the image tokens, then the decoder
-            module, extra = self.model.model, self._image_kwargs(tokens, images)
+        kwargs = dict(input_ids=tokens, attention_mask=self._masks(allowed, pos), position_ids=positions,
+                      use_cache=True, **{self._cache_kw: self.cache})
         with capture_layer_inputs(self.decoder.layers, self.aux_layers) as captured:
-            out = module(input_ids=tokens, attention_mask=self._masks(allowed, pos), position_ids=positions,
-                         use_cache=True, **{self._cache_kw: self.cache}, **extra)
+            if images is None:
+                last = self.decoder(**kwargs).last_hidden_state
+            else:
+                last = self._multimodal_forward(kwargs, self._image_kwargs(tokens, images))
         self.forward_calls += 1
-        last = out.last_hidden_state
         aux = torch.cat([captured[i] for i in self.aux_layers], -1) if self.aux_layers else None
         lg = None
         if logits:
@@ -204,11 +204,26 @@ class TargetRunner:
             lg = output_logits(self.model.config, self.lm_head, sel)
         return ForwardOutput(lg, last, aux)
 
+    def _multimodal_forward(self, kwargs: dict, pixels: dict) -> torch.Tensor:
+        """The whole multimodal model's forward (its vision encoder fills the image tokens; logits at one position
+        only), its decoder's last hidden state read as it leaves the decoder: the whole model, since each family
+        nests its parts differently (Qwen-VL's ``model``, Llama 4's ``language_model`` beside its vision tower)."""
+        seen = {}
+        handle = self.decoder.register_forward_hook(lambda m, a, out: seen.update(last=out.last_hidden_state))
+        try:
+            self.model(**kwargs, **pixels, logits_to_keep=1)
+        finally:
+            handle.remove()
+        return seen["last"]
+
     def _image_kwargs(self, tokens: torch.Tensor, images: dict) -> dict:
-        """The multimodal model's pixel inputs for a forward over ``tokens``, in its dtype and on its device."""
-        return {"pixel_values": images["pixel_values"].to(self.device, self.dtype),
-                "image_grid_thw": images["image_grid_thw"].to(self.device),
-                "mm_token_type_ids": (tokens == self.model.config.image_token_id).int()}
+        """The multimodal model's pixel inputs for a forward over ``tokens``, in its dtype and on its device (and
+        where the family's images have patch grids, M-RoPE's, the grids and which tokens are the images')."""
+        kwargs = {"pixel_values": images["pixel_values"].to(self.device, self.dtype)}
+        if images.get("image_grid_thw") is not None:
+            kwargs.update(image_grid_thw=images["image_grid_thw"].to(self.device),
+                          mm_token_type_ids=(tokens == self.model.config.image_token_id).int())
+        return kwargs
 
     def forward_chain(self, tokens: list[list[int]], **kw) -> ForwardOutput:
         """Feed per-row token lists as chains after each row's last live scratch entry (or the

@@ -18,6 +18,8 @@ from typing import Sequence
 
 import torch
 
+from specheads.targets.model import uses_mrope
+
 
 class ImagePrompt(list):
     """A prompt's token ids (each image's tokens in place) with its images: ``pixel_values`` (the image processor's
@@ -57,7 +59,7 @@ def joined_images(prompts: Sequence) -> dict | None:
     found = [f for f in found if f is not None]
     if not found:
         return None
-    return {k: torch.cat([f[k] for f in found]) for k in ("pixel_values", "image_grid_thw")}
+    return {k: torch.cat([f[k] for f in found]) for k in ("pixel_values", "image_grid_thw") if found[0][k] is not None}
 
 
 @dataclass
@@ -81,8 +83,9 @@ class MropePositions:
 def mrope_positions(model, prompts: Sequence[Sequence[int]], device) -> MropePositions | None:
     """The M-RoPE positions of a batch of prompts (``MropePositions``) as the multimodal ``model`` (a transformers
     ``*ForConditionalGeneration``) computes them in ``generate``: ``get_rope_index`` on each row's tokens and images;
-    a row without images counts 0.. on every axis. None where no row has an image."""
-    if all(prompt_images(p) is None for p in prompts):
+    a row without images counts 0.. on every axis. None where no row has an image, or the target rotates by 1-D
+    positions (Llama 4: its image tokens take one position each, as text)."""
+    if not uses_mrope(model.config) or all(prompt_images(p) is None for p in prompts):
         return None
     image_token = model.config.image_token_id
     B, L = len(prompts), max(len(p) for p in prompts)
