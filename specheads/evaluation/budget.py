@@ -4,7 +4,8 @@ An ``EvalPlan`` names the prompts every row decodes, the temperatures each metho
 sizes it is timed at. ``plan_budget`` buys, in this order, from one measured plain decode's time:
 
 1. the core, always: one prompt of every domain (its first question's first turn), the head's own row
-   (each head's first shape without a serving profile or lookup branch) and the n-gram baseline, at T = 0
+   (each head's first shape without a serving profile or lookup branch) and the baselines with no model (n-gram,
+   suffix decoding: ``MODEL_FREE``), at T = 0
    (or the first temperature when 0 is not asked for), with the plain decodes they need;
 2. the other rows at T = 0 on those prompts, in the method order;
 3. the other temperatures of each row that runs at T = 0 (a row never samples without its lossless check);
@@ -67,15 +68,21 @@ def full_plan(prompts: list[EvalPrompt], methods, temperatures, batch_sizes) -> 
                     [tuple(b for b in batch_sizes if b > 1)] * len(methods))
 
 
+MODEL_FREE = ("ngram", "suffix")
+"""The baselines that need no trained model (prompt lookup, suffix decoding): the first row of each asked for is in
+the core, beside the heads, so that a slow CPU still compares every head with them on every domain."""
+
+
 def core_rows(methods) -> list[int]:
     """The rows the budget always keeps: each head's own row (its first without a serving profile or a
-    prompt-lookup branch) and the first n-gram baseline; the first row when there is neither."""
+    prompt-lookup branch) and the first row of each ``MODEL_FREE`` baseline; the first row when there is none."""
     heads, core = set(), []
     for i, m in enumerate(methods):
         if m.head_dir and m.head_dir not in heads and not m.profile and not m.ngram_branch:
             heads.add(m.head_dir)
             core.append(i)
-    core += [i for i, m in enumerate(methods) if m.drafter == "ngram"][:1]
+    for drafter in MODEL_FREE:
+        core += [i for i, m in enumerate(methods) if m.drafter == drafter][:1]
     return sorted(core) or [0]
 
 

@@ -223,3 +223,14 @@ def test_a_tight_budget_scores_every_domain_and_the_report_says_what_it_left_out
     assert wide["budget"]["left_out"] == {"rows": [], "prompts": [], "batch_sizes": []}
     write_report(wide, tmp_path)
     assert "Nothing was left out." in (tmp_path / "report.md").read_text()
+
+
+def test_the_suffix_baseline_asked_for_is_in_the_core_beside_the_ngram_one():
+    """A head-to-head asks for both model-free baselines: on a budget that holds only the core, each still scores
+    every domain at T=0 beside the head; a baseline that needs a model (early exit) is not bought first."""
+    ps = _set()
+    methods = _main_job_methods() + [MethodSpec("suffix-chain4", "suffix", TreeShape("chain", k=4)),
+                                     MethodSpec("early-exit", "early_exit", TreeShape("chain", k=4))]
+    plan = _plan(ps, methods, 1.0)
+    assert plan.record["core"]["methods"] == ["eagle3-auto", "ngram-chain4", "suffix-chain4"]
+    assert 0.0 in plan.temperatures[4] and not plan.temperatures[5]
