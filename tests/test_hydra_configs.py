@@ -61,7 +61,7 @@ def test_override_typo_is_an_error():
 
 
 @pytest.mark.parametrize("method, offline", [("eagle3", True), ("eagle1", True), ("medusa1", True), ("medusa2", False),
-                                             ("peagle", True), ("dspark", True)])
+                                             ("peagle", True), ("dspark", True), ("domino", True)])
 def test_pipeline_stage_overrides_compose_against_each_recipe(method, offline, tmp_path):
     pipeline = load_recipe("pipeline.py")
     cfg = compose_cfg("pipeline", [f"head={method}", f"offline={str(offline).lower()}", f"run_dir={tmp_path}"])
@@ -78,6 +78,8 @@ def test_pipeline_stage_overrides_compose_against_each_recipe(method, offline, t
     # the hybrid's n-gram table reads the run's own store (offline) or prepared dataset (online)
     assert eval_cfg.head_ngram_table == str(tmp_path / ("features" if offline else "prepared"))
     assert eval_cfg.head_ngram_extend == 1 and eval_cfg.head_ngram == 4
+    if method in ("dflash", "domino"):  # a CPU budget's block drafter: ModelOpt's block size, its decay, 32 blocks
+        assert (train_cfg.method.block_size, train_cfg.method.gamma, train_cfg.method.anchors) == (8, 4.0, 32)
 
 
 @pytest.mark.parametrize("head, store", [("eagle3", "eagle3"), ("peagle", "eagle3"), ("dflash", "eagle3"),
