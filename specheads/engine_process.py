@@ -18,6 +18,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from specheads.errors import ConfigError, UserError
@@ -34,7 +35,8 @@ class EngineNotFoundError(UserError):
 
 
 class EngineRefusedError(UserError):
-    """The engine would not load the target with this head (the message quotes the engine)."""
+    """The engine would not load the target with this head (the message quotes the engine), or its python lacks
+    a package the target's model class imports (the message says which, found before the engine starts)."""
 
 
 @dataclass
@@ -99,6 +101,60 @@ def find_engine(python: str | None = None) -> Engine:
     raise EngineNotFoundError(f"no vLLM engine found (no {where}/ with vLLM, no `vllm` on PATH): run `{SETUP_COMMAND}` "
                               "(vLLM's CPU build in its own venv, about 3 minutes), or give vllm.python=/path/to/python "
                               "of an environment that has vLLM")
+
+
+# ------------------------------------------------------------------ what the engine's python lacks for a model
+
+# vLLM 0.32's model classes of Qwen2.5-VL and Qwen3-VL import transformers' Qwen2-VL image processing, which imports
+# torchvision; scripts/setup_engine.sh leaves torchvision out (the package index's builds are CUDA ones)
+_TORCHVISION_PROBE = ("import json, importlib.metadata as m\ntry:\n    torch = m.version('torch')\n"
+                      "except m.PackageNotFoundError:\n    torch = None\n"
+                      "try:\n    import torchvision\n    missing = None\n"
+                      "except Exception as e:\n    missing = f'{type(e).__name__}: {e}'\n"
+                      "print(json.dumps({'torchvision': missing, 'torch': torch}))")
+
+
+@lru_cache(maxsize=None)
+def torchvision_missing(python: str) -> tuple[str, str | None] | None:
+    """Why ``python`` cannot import torchvision (its error) and its torch's version, or None when it can or the
+    probe says nothing readable: only an answer the probe gives refuses a model, so an engine this cannot ask still
+    speaks for itself."""
+    try:
+        proc = subprocess.run([python, "-c", _TORCHVISION_PROBE], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    try:
+        answer = json.loads((proc.stdout.strip().splitlines() or [""])[-1])
+    except ValueError:
+        return None
+    if not isinstance(answer, dict) or not answer.get("torchvision"):
+        return None
+    return str(answer["torchvision"]), answer.get("torch")
+
+
+def vision_refusal(engine: Engine, model: str | Path) -> str | None:
+    """The one line refusing a vision-language ``model`` (a local folder whose config.json has a vision part) to an
+    engine whose python cannot import torchvision, or None: without it vLLM's VL model classes fail to import and
+    vLLM reports only that the model's architectures "failed to be inspected", deep in its start-up."""
+    from types import SimpleNamespace
+
+    from specheads.targets.model import is_vision_language  # late: the rest of this module is the standard library's
+
+    try:
+        facts = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(facts, dict) or not is_vision_language(SimpleNamespace(**facts)):
+        return None
+    if (lacking := torchvision_missing(engine.python)) is None:
+        return None
+    missing, torch_version = lacking
+    torch = f"its torch {torch_version}" if torch_version else "its torch"
+    return (f"the target {model} is a vision-language model and the engine's python ({engine.python}) cannot import "
+            f"torchvision ({first_line(missing, 120)}), which vLLM {engine.version}'s vision-language model classes "
+            f"import: install the CPU torchvision built for {torch} into the engine's venv from PyTorch's CPU wheel "
+            "index (its whl/cpu index, pip install torchvision==<that version> --index-url <it>), or "
+            "serve on a GPU node whose vLLM has it; `specheads evaluate` measures the head meanwhile")
 
 
 # ------------------------------------------------------------------ the engine's process
@@ -168,6 +224,8 @@ class EngineProcess:
 
     def __init__(self, engine: Engine, config: dict, log_path: str | Path, env: dict[str, str],
                  load_timeout_s: float = 1800):
+        if config.get("model") and (refusal := vision_refusal(engine, config["model"])):
+            raise EngineRefusedError(refusal)  # before any engine starts: vLLM's own message names no cause
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         config_path = self.log_path.with_suffix(".json")
