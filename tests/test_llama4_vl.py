@@ -22,9 +22,8 @@ from specheads.decoding import runner as runner_mod
 from specheads.decoding.drafters import TreeShape
 from specheads.decoding.generate import speculative_generate
 from specheads.decoding.runner import TargetRunner
-from specheads.decoding.drafters import Drafter
-from specheads.decoding.tree import DraftTree
 from specheads.targets import Target, load_target, load_tokenizer
+from tests.decoding.decoding_helpers import SiblingOracle
 
 CHUNK = 16
 IMAGE_TOKENS = ("<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>",
@@ -85,28 +84,6 @@ def llama4(tmp_path_factory):
     prepare(Target.tokenizer_only(tok, folder), PrepareConfig(source="jsonl", path=str(root / "c.jsonl"), num_proc=1),
             root / "prepared", img.load_vision(folder, tok))
     return root / "target", load_target(folder, dtype="float32", device="cpu"), root / "prepared"
-
-
-class _Oracle(Drafter):
-    """Drafts each row's next plain tokens as a chain with a wrong sibling at every depth: trees whose right path
-    is accepted, wrong branches verified beside it at the same positions."""
-
-    def __init__(self, plain: list[list[int]], prompt_lens: list[int], k: int = 3):
-        self.plain, self.lens, self.k = plain, prompt_lens, k
-
-    def propose(self, seqs, active, temperature, generator):
-        trees = []
-        for b, seq in enumerate(seqs):
-            right = self.plain[b][len(seq) - self.lens[b]:len(seq) - self.lens[b] + self.k]
-            if not active[b] or not right:
-                trees.append(DraftTree.empty())
-                continue
-            tokens, parents = [], []
-            for d, t in enumerate(right):
-                tokens += [(t + 1) % 1000, t]  # a wrong sibling first, then the right token
-                parents += [-1 if d == 0 else 2 * d - 1] * 2
-            trees.append(DraftTree(torch.tensor(tokens), torch.tensor(parents)))
-        return trees
 
 
 def _uncached_greedy(model, prompt: list[int], n: int = NEW) -> list[int]:
@@ -201,7 +178,7 @@ def test_plain_and_tree_decoding_are_the_models_own_greedy_across_chunks(llama4)
     want = _uncached_greedy(target.model, prompt)
     plain = speculative_generate(TargetRunner(target.model), None, [prompt], NEW, 0.0, "greedy", ()).tokens[0]
     assert plain == want
-    res = speculative_generate(TargetRunner(target.model), _Oracle([want], [len(prompt)]), [prompt], NEW, 0.0,
+    res = speculative_generate(TargetRunner(target.model), SiblingOracle([want], [len(prompt)]), [prompt], NEW, 0.0,
                                "greedy", ())
     assert res.tokens[0] == want and res.target_forwards < NEW
 
@@ -229,7 +206,7 @@ def test_an_image_prompt_is_prefilled_with_its_tiles_and_decoded_as_the_models_o
     runner = TargetRunner(target.model)
     assert speculative_generate(runner, None, [prompt], NEW, 0.0, "greedy", ()).tokens[0] == want
     assert runner.mrope is None
-    res = speculative_generate(TargetRunner(target.model), _Oracle([want], [len(ids)]), [prompt], NEW, 0.0,
+    res = speculative_generate(TargetRunner(target.model), SiblingOracle([want], [len(ids)]), [prompt], NEW, 0.0,
                                "greedy", ())
     assert res.tokens[0] == want and res.target_forwards < NEW
     other = ImagePrompt(ids, pixel_values=torch.randn(1, 3, 56, 56) * 3, refs=["tile"])

@@ -1,4 +1,5 @@
-"""Tiny targets and test-only drafters (the target itself, always wrong, a noisy oracle)."""
+"""Tiny targets and test-only drafters (the target itself, always wrong, a noisy oracle, an oracle with wrong
+siblings)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,27 @@ class NoisyOracle(Drafter):
             toks[flip] = (toks[flip] + 1) % self.vocab
             out.append(DraftTree.chain(toks.tolist()))
         return out
+
+
+class SiblingOracle(Drafter):
+    """Drafts each row's next plain tokens (``plain[b]``, the row's known plain output after its ``prompt_lens[b]``
+    prompt tokens) as a chain of ``k`` with a wrong sibling at every depth: trees whose right path is accepted and
+    whose wrong branches are verified beside it at the same positions."""
+
+    def __init__(self, plain: list[list[int]], prompt_lens: list[int], k: int = 3):
+        self.plain, self.lens, self.k = plain, prompt_lens, k
+
+    def propose(self, seqs, active, temperature, generator):
+        trees = []
+        for b, seq in enumerate(seqs):
+            done = len(seq) - self.lens[b]
+            right = self.plain[b][done:done + self.k]
+            if not active[b] or not right:
+                trees.append(DraftTree.empty())
+                continue
+            tokens, parents = [], []
+            for d, t in enumerate(right):
+                tokens += [(t + 1) % 1000, t]  # a wrong sibling first, then the right token
+                parents += [-1 if d == 0 else 2 * d - 1] * 2
+            trees.append(DraftTree(torch.tensor(tokens), torch.tensor(parents)))
+        return trees

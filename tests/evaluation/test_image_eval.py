@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from specheads.decoding import vision_prompts
-from specheads.decoding.drafters import Drafter, TreeShape
+from specheads.decoding.drafters import TreeShape
 from specheads.decoding.generate import speculative_generate
 from specheads.decoding.head_drafters import EagleDrafter
 from specheads.decoding.runner import TargetRunner
-from specheads.decoding.tree import DraftTree
 from specheads.decoding.vision_prompts import ImagePrompt
 from specheads.data.benchmarks import EvalPrompt
 from specheads.evaluation.prompts import BenchmarkSpec, encode, load_chat_heldout, read_prompt_images
@@ -23,6 +22,7 @@ from specheads.models.eagle3 import Eagle3Config, Eagle3Model
 from specheads.targets import load_target
 
 from tests.data.vision_targets import prepare_image_chats, save_vision_target
+from tests.decoding.decoding_helpers import SiblingOracle
 
 pytest.importorskip("skimage", reason="scikit-image (the dev extra) holds the sample photographs")
 
@@ -97,29 +97,6 @@ def test_decoding_after_the_prefill_at_1d_positions_is_caught(vl, monkeypatch):
     assert _plain(target, p.input_ids) != want
 
 
-class _Oracle(Drafter):
-    """Drafts each row's next plain tokens as a chain with a wrong sibling at every depth (trees whose right path
-    is accepted, wrong branches verified beside it at the same positions)."""
-
-    def __init__(self, plain: list[list[int]], prompt_lens: list[int], k: int = 3):
-        self.plain, self.lens, self.k = plain, prompt_lens, k
-
-    def propose(self, seqs, active, temperature, generator):
-        trees = []
-        for b, seq in enumerate(seqs):
-            done = len(seq) - self.lens[b]
-            right = self.plain[b][done:done + self.k]
-            if not active[b] or not right:
-                trees.append(DraftTree.empty())
-                continue
-            tokens, parents = [], []
-            for d, t in enumerate(right):
-                tokens += [(t + 1) % 1000, t]  # a wrong sibling first, then the right token
-                parents += [-1 if d == 0 else 2 * d - 1] * 2
-            trees.append(DraftTree(torch.tensor(tokens), torch.tensor(parents)))
-        return trees
-
-
 def test_draft_trees_after_image_prompts_decode_as_plain(vl, tmp_path):
     """A batch of two image prompts (the held-out one and a one-photograph chat) and a text prompt, verified as
     trees in one forward per step: each row's output is its batch-1 plain output, drafts accepted."""
@@ -134,7 +111,7 @@ def test_draft_trees_after_image_prompts_decode_as_plain(vl, tmp_path):
     text = encode(EvalPrompt("text", "chat", ["Hello there"]), target.tokenizer, {})
     rows = [p.input_ids, q, text]
     plain = [_plain(target, r) for r in rows]
-    res = speculative_generate(TargetRunner(target.model), _Oracle(plain, [len(r) for r in rows]), rows, NEW,
+    res = speculative_generate(TargetRunner(target.model), SiblingOracle(plain, [len(r) for r in rows]), rows, NEW,
                                0.0, "greedy", ())
     assert res.tokens == plain
     assert all(sum(s.accepted) > 0 for s in res.stats) and res.target_forwards < NEW
