@@ -20,6 +20,7 @@ on a CPU ``v`` climbs (SmolLM2 float32 on 2 cores: v(2) 1.12, v(4) 1.49, v(24) 2
 
 from __future__ import annotations
 
+import logging
 import re
 import statistics
 from typing import Sequence
@@ -28,7 +29,10 @@ import torch
 
 from specheads.acceptance_math import chain_tau, speedup_from_tau
 from specheads.errors import UserError
+from specheads.heads import head_source
 from specheads.training.run_log import read_train_summary
+
+log = logging.getLogger(__name__)
 
 
 def measured_reach(head_dir: str | None) -> list[float]:
@@ -159,3 +163,19 @@ def choose_shape(reach: Sequence[float], curve: dict[int, float], c: float,
             "plain_unit": "plain" if plain_s else "verify",
             "verify_cost_measured": {str(n): t / base for n, t in sorted(measured.items())},
             "reach": list(reach), "fans": {str(w): t for w, t in sorted((fans or {}).items())}}
+
+
+def train_tau(head_dir: str | None) -> float | None:
+    """τ estimated at training time (``train_summary.json`` next to or above the head), if any, scored
+    against the target's greedy tokens (EAGLE always was; Medusa heads trained before their summary
+    says ``tau_vs_target_greedy`` scored the data tokens instead, so they get None)."""
+    if head_dir and head_source(head_dir) != "specheads":  # trained elsewhere: no train_summary.json of ours
+        return None
+    summary = read_train_summary(head_dir)
+    if summary is None:
+        return None
+    if str(summary.get("method", "")).startswith("medusa") and not (summary.get("eval") or {}).get("tau_vs_target_greedy"):
+        log.warning("%s: its training-time τ was scored against the data tokens (trained before the "
+                    "target-greedy basis); not reported. Retrain to get it.", head_dir)
+        return None
+    return summary.get("tau_estimate")

@@ -55,7 +55,6 @@ from specheads.hardware import machine_description
 from specheads.heads import head_source
 from specheads.targets import Target, eos_token_ids
 from specheads.targets.model import text_sizes_on_config
-from specheads.training.run_log import read_train_summary
 
 # Moved out of this file; still importable from it (recipes, tests and scripts import them from the evaluator).
 from specheads.evaluation.plan import ServingProfiles, plan_methods  # noqa: E402,F401
@@ -220,7 +219,7 @@ def _method_row(spec: MethodSpec, temps, sizes, state: EvalState, target: Target
         report.setdefault("shape_choice", {})[spec.name] = chosen[key]
     drafter = build_drafter(spec, target, prompts, state.ids, cfg)
     def partial(row, done=len(report["methods"])):
-        row["train_tau"] = train_tau(spec.head_dir)
+        row["train_tau"] = shape_choice.train_tau(spec.head_dir)
         if spec.head_dir:
             row["head_source"] = head_source(spec.head_dir)
         if spec.tree_source:
@@ -485,22 +484,6 @@ def build_drafter(spec: MethodSpec, target: Target, prompts=None, ids=None, cfg:
         return PromptLookupBranch(drafter, spec.ngram_branch, spec.ngram_max, table=table,
                                   extend=spec.ngram_extend, extend_len=spec.ngram_extend_len)
     return drafter
-
-
-def train_tau(head_dir: str | None) -> float | None:
-    """τ estimated at training time (``train_summary.json`` next to or above the head), if any, scored
-    against the target's greedy tokens (EAGLE always was; Medusa heads trained before their summary
-    says ``tau_vs_target_greedy`` scored the data tokens instead, so they get None)."""
-    if head_dir and head_source(head_dir) != "specheads":  # trained elsewhere: no train_summary.json of ours
-        return None
-    summary = read_train_summary(head_dir)
-    if summary is None:
-        return None
-    if str(summary.get("method", "")).startswith("medusa") and not (summary.get("eval") or {}).get("tau_vs_target_greedy"):
-        log.warning("%s: its training-time τ was scored against the data tokens (trained before the "
-                    "target-greedy basis); not reported. Retrain to get it.", head_dir)
-        return None
-    return summary.get("tau_estimate")
 
 
 def _nparams(model) -> int:
