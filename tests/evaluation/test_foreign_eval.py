@@ -14,7 +14,8 @@ from specheads.decoding.drafters import TreeShape
 from specheads.errors import ConfigError
 from specheads.evaluation.prompts import BenchmarkSpec
 from specheads.evaluation.report import write_report
-from specheads.evaluation.suite import EvalConfig, MethodSpec, evaluate, head_source, plan_methods, train_tau
+from specheads.evaluation.shape_choice import train_tau
+from specheads.evaluation.suite import EvalConfig, MethodSpec, evaluate, head_source, plan_methods
 from specheads.export import export_head
 from specheads.models.eagle3 import Eagle3Config, Eagle3Model
 from specheads.targets import Target

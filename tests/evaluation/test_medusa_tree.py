@@ -12,7 +12,8 @@ from tests.conftest import make_tiny_target
 from specheads.decoding.drafters import TreeShape
 from specheads.decoding.tree import choices_from_accuracies
 from specheads.data.benchmarks import EvalPrompt
-from specheads.evaluation.suite import EvalConfig, MethodSpec, build_drafter, evaluate, train_tau
+from specheads.evaluation.shape_choice import train_tau
+from specheads.evaluation.suite import EvalConfig, MethodSpec, build_drafter, evaluate
 from specheads.methods.medusa import TREE_FILE, default_choices, write_medusa_tree
 from specheads.models.medusa import medusa_for_target
 
