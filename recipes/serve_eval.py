@@ -153,6 +153,33 @@ def check_context_length(max_model_len: int | None, model) -> None:
                           f"max_position_embeddings of {config}): give vllm.max_model_len={limit} or less")
 
 
+def vision_refusal(engine, model) -> str | None:
+    """The one line refusing a vision-language ``model`` (a local folder whose config.json has a vision part) to an
+    engine whose python cannot import torchvision (``engine_process.torchvision_missing``), or None: without it
+    vLLM's VL model classes fail to import and vLLM reports only that the model's architectures "failed to be
+    inspected", deep in its start-up. serve-eval's own check: an engine process does not make it."""
+    from types import SimpleNamespace
+
+    from specheads import engine_process
+    from specheads.targets.model import is_vision_language
+
+    try:
+        facts = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(facts, dict) or not is_vision_language(SimpleNamespace(**facts)):
+        return None
+    if (lacking := engine_process.torchvision_missing(engine.python)) is None:
+        return None
+    missing, torch_version = lacking
+    torch = f"its torch {torch_version}" if torch_version else "its torch"
+    return (f"the target {model} is a vision-language model and the engine's python ({engine.python}) cannot import "
+            f"torchvision ({engine_process.first_line(missing, 120)}), which vLLM {engine.version}'s vision-language "
+            f"model classes import: install the CPU torchvision built for {torch} into the engine's venv from "
+            "PyTorch's CPU wheel index (its whl/cpu index, pip install torchvision==<that version> --index-url <it>), "
+            "or serve on a GPU node whose vLLM has it; `specheads evaluate` measures the head meanwhile")
+
+
 def _offline(cfg, head, k, prompts, tokenizer, max_new, template_kwargs):
     from specheads.serving import serve_eval as se
     from specheads.serving.engine import (EngineProcess, EngineRefusedError, engine_settings, find_engine,
@@ -172,6 +199,8 @@ def _offline(cfg, head, k, prompts, tokenizer, max_new, template_kwargs):
     started, logs = {}, {}
     procs = []
     try:
+        if refusal := vision_refusal(engine, model):  # after the engine is found, before any engine starts
+            raise EngineRefusedError(refusal)
         for name in (("plain", "spec") if cfg.plain else ("spec",)):
             t = time.perf_counter()
             config = dict(base, speculative_config=speculative_config(head, k) if name == "spec" else None)

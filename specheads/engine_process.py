@@ -106,7 +106,8 @@ def find_engine(python: str | None = None) -> Engine:
 # ------------------------------------------------------------------ what the engine's python lacks for a model
 
 # vLLM 0.32's model classes of Qwen2.5-VL and Qwen3-VL import transformers' Qwen2-VL image processing, which imports
-# torchvision; scripts/setup_engine.sh leaves torchvision out (the package index's builds are CUDA ones)
+# torchvision; scripts/setup_engine.sh leaves torchvision out (the package index's builds are CUDA ones). serve-eval
+# asks this before its engines start (recipes/serve_eval.py, vision_refusal); an EngineProcess itself does not ask
 _TORCHVISION_PROBE = ("import json, importlib.metadata as m\ntry:\n    torch = m.version('torch')\n"
                       "except m.PackageNotFoundError:\n    torch = None\n"
                       "try:\n    import torchvision\n    missing = None\n"
@@ -130,31 +131,6 @@ def torchvision_missing(python: str) -> tuple[str, str | None] | None:
     if not isinstance(answer, dict) or not answer.get("torchvision"):
         return None
     return str(answer["torchvision"]), answer.get("torch")
-
-
-def vision_refusal(engine: Engine, model: str | Path) -> str | None:
-    """The one line refusing a vision-language ``model`` (a local folder whose config.json has a vision part) to an
-    engine whose python cannot import torchvision, or None: without it vLLM's VL model classes fail to import and
-    vLLM reports only that the model's architectures "failed to be inspected", deep in its start-up."""
-    from types import SimpleNamespace
-
-    from specheads.targets.model import is_vision_language  # late: the rest of this module is the standard library's
-
-    try:
-        facts = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(facts, dict) or not is_vision_language(SimpleNamespace(**facts)):
-        return None
-    if (lacking := torchvision_missing(engine.python)) is None:
-        return None
-    missing, torch_version = lacking
-    torch = f"its torch {torch_version}" if torch_version else "its torch"
-    return (f"the target {model} is a vision-language model and the engine's python ({engine.python}) cannot import "
-            f"torchvision ({first_line(missing, 120)}), which vLLM {engine.version}'s vision-language model classes "
-            f"import: install the CPU torchvision built for {torch} into the engine's venv from PyTorch's CPU wheel "
-            "index (its whl/cpu index, pip install torchvision==<that version> --index-url <it>), or "
-            "serve on a GPU node whose vLLM has it; `specheads evaluate` measures the head meanwhile")
 
 
 # ------------------------------------------------------------------ the engine's process
@@ -224,8 +200,6 @@ class EngineProcess:
 
     def __init__(self, engine: Engine, config: dict, log_path: str | Path, env: dict[str, str],
                  load_timeout_s: float = 1800):
-        if config.get("model") and (refusal := vision_refusal(engine, config["model"])):
-            raise EngineRefusedError(refusal)  # before any engine starts: vLLM's own message names no cause
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         config_path = self.log_path.with_suffix(".json")

@@ -1,6 +1,7 @@
 """serve-eval of a head for a vision-language target with an engine whose python lacks torchvision (vLLM's Qwen-VL
 model classes import it; scripts/setup_engine.sh leaves it out): one line saying what is missing, why and what to do,
-before any engine starts, recorded as a refusal in the serve report; a text target is not refused by that check."""
+before any engine starts, recorded as a refusal in the serve report; a text target is not refused by that check, and
+an engine process started elsewhere (collection, regeneration) does not make it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from specheads import engine_process as ep
-from specheads.engine_process import Engine, EngineRefusedError
+from specheads.engine_process import Engine
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_WORKER = Path(__file__).with_name("fake_engine_worker.py")
@@ -58,28 +59,42 @@ def vl_export(tmp_path_factory):
 
 
 def test_a_vision_target_is_refused_to_an_engine_without_torchvision(vl_export, tmp_path):
+    from specheads.recipes.serve_eval import vision_refusal
+
     folder, _ = vl_export
     lacking = Engine(str(engine_python(tmp_path, torchvision=False)), "0.32.0", "vllm.python")
-    line = ep.vision_refusal(lacking, folder)
+    line = vision_refusal(lacking, folder)
     assert line and "\n" not in line
     assert "vision-language" in line and "No module named 'torchvision'" in line
     assert "torchvision==" in line and "whl/cpu" in line and "specheads evaluate" in line
-    with pytest.raises(EngineRefusedError, match="cannot import torchvision"):  # before any process starts
-        ep.EngineProcess(lacking, {"model": str(folder)}, tmp_path / "logs" / "engine.log", {})
-    assert not (tmp_path / "logs").exists()
     having = Engine(str(engine_python(tmp_path, torchvision=True)), "0.32.0", "vllm.python")
-    assert ep.vision_refusal(having, folder) is None
+    assert vision_refusal(having, folder) is None
+
+
+def test_an_engine_process_for_a_vision_target_does_not_make_serve_evals_check(vl_export, tmp_path, monkeypatch):
+    """Collection and regeneration start an EngineProcess too: the process starts (here the stand-in worker) with
+    no torchvision probe and none of serve-eval's refusal, which is serve-eval's alone."""
+    folder, _ = vl_export
+    asked, probe = [], ep.torchvision_missing
+    monkeypatch.setattr(ep, "torchvision_missing", lambda python: asked.append(python) or probe(python))
+    lacking = Engine(str(engine_python(tmp_path, torchvision=False)), "0.32.0", "vllm.python")
+    with ep.EngineProcess(lacking, {"model": str(folder)}, tmp_path / "logs" / "engine.log", {}, 60) as process:
+        assert process.version == "0.32.0"
+    assert not asked
+    assert "fake engine log: loading" in (tmp_path / "logs" / "engine.log").read_text()
 
 
 def test_a_text_target_is_not_refused_by_the_check(tmp_path, monkeypatch):
+    from specheads.recipes.serve_eval import vision_refusal
+
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
                                                                "model_type": "llama"}))
     asked = []
     monkeypatch.setattr(ep, "torchvision_missing", lambda python: asked.append(python) or ("ModuleNotFoundError", None))
     lacking = Engine(str(engine_python(tmp_path, torchvision=False)), "0.32.0", "vllm.python")
-    assert ep.vision_refusal(lacking, tmp_path / "text") is None and not asked  # the engine is not even asked
-    assert ep.vision_refusal(lacking, "HuggingFaceTB/SmolLM2-135M") is None  # a hub id: the engine speaks for itself
+    assert vision_refusal(lacking, tmp_path / "text") is None and not asked  # the engine is not even asked
+    assert vision_refusal(lacking, "HuggingFaceTB/SmolLM2-135M") is None  # a hub id: the engine speaks for itself
 
 
 @pytest.mark.slow
