@@ -16,8 +16,12 @@ VENV=${SPECHEADS_VENV:-.venv}
 PY=${PYTHON:-python3}
 TORCH_CPU=${SPECHEADS_TORCH:-torch==2.13.0}
 t0=$(date +%s)
+. scripts/need_space.sh
 
 if [ ! -x "$VENV/bin/python" ]; then
+  # a new venv: torch, deepspeed, transformers and the assets take about 3.5 GiB, pip's temporary files the rest
+  need_space "$VENV" 5 "a new $VENV" SPECHEADS_VENV
+  need_space "${TMPDIR:-/tmp}" 1 "pip's temporary files" TMPDIR
   if "$PY" -c "import torch" 2>/dev/null; then
     echo "[setup] $PY already has torch $("$PY" -c 'import torch; print(torch.__version__)'): venv keeps it"
     "$PY" -m venv --system-site-packages "$VENV"

@@ -22,6 +22,9 @@ if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null 
   echo "[setup_engine] $VLLM already in $VENV: nothing to do ($(( $(date +%s) - t0 )) s)"
   exit 0
 fi
+. scripts/need_space.sh
+need_space "$VENV" 4 "vLLM's CPU build in $VENV (about 3.5 GiB)" SPECHEADS_ENGINE_VENV
+need_space "${TMPDIR:-/tmp}" 1 "pip's temporary files" TMPDIR
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 ENGINE_PY="$VENV/bin/python"
 pip() { "$ENGINE_PY" -m pip "$@" 2> >(grep -v "^WARNING: Location" >&2); }

@@ -67,3 +67,32 @@ def test_tests_that_launch_processes_share_one_xdist_work_unit():
     assert process_group(alone) is None and sched._split_scope(alone) == alone
     assert sched._split_scope("tests/engine/test_vllm_serving.py::test_a[x@y]") == "processes"
     assert sched._split_scope("tests/models/test_m.py::test_b@engine") == "engine"  # xdist's own suffix still read
+
+
+def _setup_run(script: str, tmp_path: Path, gib: str, **env):
+    import os
+    import subprocess
+
+    environ = {**os.environ, "SPECHEADS_SETUP_MIN_FREE_GIB": gib, "PYTHON": "false", **env}
+    return subprocess.run(["bash", str(REPO / "scripts" / script)], env=environ, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_a_set_up_without_the_disk_space_it_needs_stops_in_one_line_before_installing(tmp_path):
+    """setup.sh into a new venv and setup_engine.sh into a new engine venv check their filesystem's free space
+    first: asked for more than any disk has, each exits 1 with one line naming the folder and the free space, and
+    nothing is created (``PYTHON=false``: had either gone on to make its venv, it would have failed otherwise)."""
+    for script, var in (("setup.sh", "SPECHEADS_VENV"), ("setup_engine.sh", "SPECHEADS_ENGINE_VENV")):
+        venv = tmp_path / f"venv-{script}"
+        proc = _setup_run(script, tmp_path, "1000000000", **{var: str(venv)})
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, (script, proc.stdout, proc.stderr)
+        assert "needs about 1000000000 GiB free" in lines[0] and str(tmp_path) in lines[0] and var in lines[0]
+        assert not venv.exists()
+
+
+def test_the_disk_space_check_lets_a_set_up_with_room_go_on(tmp_path):
+    """The same set-up asked for 0 GiB goes past the check to make its venv (which ``PYTHON=false`` fails: the
+    check did not stop it)."""
+    proc = _setup_run("setup.sh", tmp_path, "0", SPECHEADS_VENV=str(tmp_path / "venv"))
+    assert proc.returncode != 0 and "needs about" not in proc.stderr
