@@ -182,8 +182,9 @@ def vision_refusal(engine, model) -> str | None:
 
 def _offline(cfg, head, k, prompts, tokenizer, max_new, template_kwargs):
     from specheads.serving import serve_eval as se
-    from specheads.serving.engine import (EngineProcess, EngineRefusedError, engine_settings, find_engine,
-                                          model_engine_kwargs, speculative_config)
+    from specheads.engine_process import start_engines
+    from specheads.serving.engine import (EngineRefusedError, engine_settings, find_engine, model_engine_kwargs,
+                                          speculative_config)
     from specheads.targets import resolve_target_path
 
     model = head.adapted_target or resolve_target_path(cfg.target.name_or_path)
@@ -196,19 +197,22 @@ def _offline(cfg, head, k, prompts, tokenizer, max_new, template_kwargs):
             "engine_kwargs": {**({"enforce_eager": True} if cfg.vllm.enforce_eager else {}),
                               **model_engine_kwargs(model)}}
     out = Path(cfg.output_dir)
-    started, logs = {}, {}
-    procs = []
+    names = ("plain", "spec") if cfg.plain else ("spec",)
+    procs, started, logs = {}, {}, {}
     try:
         if refusal := vision_refusal(engine, model):  # after the engine is found, before any engine starts
             raise EngineRefusedError(refusal)
-        for name in (("plain", "spec") if cfg.plain else ("spec",)):
-            t = time.perf_counter()
-            config = dict(base, speculative_config=speculative_config(head, k) if name == "spec" else None)
-            log.info("starting the engine (%s): log %s", name, out / f"engine_{name}.log")
-            procs.append(EngineProcess(engine, config, out / f"engine_{name}.log", env, cfg.vllm.timeout_s))
-            started[name] = round(time.perf_counter() - t, 1)
-            logs[name] = str(out / f"engine_{name}.log")
-        decoders = {name: se.EngineDecoder(p) for name, p in zip(logs, procs)}
+        logs = {name: str(out / f"engine_{name}.log") for name in names}  # the engines that start
+        configs = {name: (dict(base, speculative_config=speculative_config(head, k) if name == "spec" else None),
+                          logs[name]) for name in names}
+        log.info("starting the engines side by side (%s): logs %s", ", ".join(names), ", ".join(logs.values()))
+        t = time.perf_counter()
+        procs = start_engines(engine, configs, env, cfg.vllm.timeout_s)
+        started = {"load_s": {name: round(p.load_s, 1) for name, p in procs.items()},
+                   "load_wall_s": {name: round(p.wall_load_s, 1) for name, p in procs.items()},
+                   "start_wall_s": round(time.perf_counter() - t, 1)}
+        log.info("engines ready in %s s (loads %s)", started["start_wall_s"], started["load_s"])
+        decoders = {name: se.EngineDecoder(p) for name, p in procs.items()}
         runs = se.decode_prompts(prompts, tokenizer, decoders["spec"], max_new, decoders.get("plain"), template_kwargs,
                                  progress=log.info)
     except EngineRefusedError as refused:  # recorded: the report says which engine refused the head, and why
@@ -218,11 +222,11 @@ def _offline(cfg, head, k, prompts, tokenizer, max_new, template_kwargs):
             "speculative_config": speculative_config(head, k)}, k), out)
         raise
     finally:
-        for p in procs:
+        for p in procs.values():
             p.close()
     context = {"engine": {"name": "vLLM", "version": engine.version, "mode": "offline (LLM API, one process per "
-                          "engine)", "python": engine.python, "found": engine.found, "env": env, "load_s": started,
-                          "logs": logs},
+                          "engine; the engines load side by side)", "python": engine.python, "found": engine.found,
+                          "env": env, **started, "logs": logs},
                "target": str(model), "dtype": cfg.vllm.dtype,
                "speculative_config": speculative_config(head, k)}
     return runs, context

@@ -196,33 +196,59 @@ def rank_gpus(tensor_parallel_size: int = 1) -> dict[str, str]:
 
 class EngineProcess:
     """vLLM's offline ``LLM`` in a child process (``engine_worker.py`` run by the engine's python): its log goes
-    to ``log_path``; ``generate`` decodes one prompt greedily and returns the worker's answer."""
+    to ``log_path``; ``generate`` decodes one prompt greedily and returns the worker's answer.
+
+    The process starts at once; ``wait=True`` (the default) then waits for its "ready" line, ``wait=False`` leaves
+    that to ``wait_ready`` (``start_engines`` starts several, then waits for them all)."""
 
     def __init__(self, engine: Engine, config: dict, log_path: str | Path, env: dict[str, str],
-                 load_timeout_s: float = 1800):
+                 load_timeout_s: float = 1800, wait: bool = True):
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         config_path = self.log_path.with_suffix(".json")
         config_path.write_text(json.dumps(config, indent=1))
+        self.config, self.load_timeout_s = config, float(load_timeout_s)
+        self.load_s = self.wall_load_s = self.version = None
+        self._closed = False
         self._log = open(self.log_path, "w")
-        t = time.perf_counter()
-        self.proc = subprocess.Popen([engine.python, str(WORKER), str(config_path)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env={**os.environ, **env, PARENT_ENV: str(os.getpid())}, start_new_session=True)
-        ready = self._read(load_timeout_s)
-        self.wall_load_s = time.perf_counter() - t
+        self._started = time.perf_counter()
+        try:
+            self.proc = subprocess.Popen([engine.python, str(WORKER), str(config_path)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                         env={**os.environ, **env, PARENT_ENV: str(os.getpid())},
+                                         start_new_session=True)
+        except BaseException:
+            self._log.close()
+            raise
+        if wait:
+            self.wait_ready()
+
+    def load_left_s(self) -> float:
+        """Seconds left of ``load_timeout_s`` since the process started."""
+        return self._started + self.load_timeout_s - time.perf_counter()
+
+    def wait_ready(self) -> "EngineProcess":
+        """Wait (what is left of ``load_timeout_s``) for the worker's "ready" line: its own load seconds
+        (``load_s``), the wall time since its start (``wall_load_s``) and vLLM's version. An engine that fails
+        to start is closed and raises ``EngineRefusedError`` with its root cause."""
+        if self.load_s is not None:
+            return self
+        ready = self._read(max(self.load_left_s(), 0.0), said_s=self.load_timeout_s)
+        self.wall_load_s = time.perf_counter() - self._started
         if ready.get("event") != "ready":
             self.close()
             cause = root_cause(self.log_path) or f"{ready.get('type', '')}: {first_line(ready.get('message', ''))}"
-            raise EngineRefusedError(f"vLLM did not start with {config.get('speculative_config') or 'no drafter'}: "
-                                     f"{cause} (engine log: {self.log_path})")
+            drafter = self.config.get("speculative_config") or "no drafter"
+            raise EngineRefusedError(f"vLLM did not start with {drafter}: {cause} (engine log: {self.log_path})")
         self.load_s = float(ready["load_s"])
         self.version = ready.get("vllm")
+        return self
 
-    def _read(self, timeout_s: float | None = None) -> dict:
+    def _read(self, timeout_s: float | None = None, said_s: float | None = None) -> dict:
         if timeout_s is not None and not select.select([self.proc.stdout], [], [], timeout_s)[0]:
             return {"event": "error", "type": "timeout",
-                    "message": f"no answer in {timeout_s:g} s (vllm.timeout_s); the end of its log: {tail(self.log_path)}"}
+                    "message": f"no answer in {said_s if said_s is not None else timeout_s:g} s (vllm.timeout_s); "
+                               f"the end of its log: {tail(self.log_path)}"}
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line:
             code = self.proc.wait()
@@ -245,7 +271,12 @@ class EngineProcess:
         return answer
 
     def close(self, timeout_s: float = 60) -> None:
-        if self.proc.poll() is None:
+        """Ask a ready worker to end, then end its whole process group (a worker still loading reads no request:
+        its group ends at once); a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.proc.poll() is None and self.load_s is not None:
             try:
                 self.proc.stdin.write(json.dumps({"op": "close"}) + "\n")
                 self.proc.stdin.flush()
@@ -264,6 +295,31 @@ class EngineProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def start_engines(engine: Engine, configs: dict[str, tuple[dict, str | Path]], env: dict[str, str],
+                  load_timeout_s: float = 1800) -> dict[str, EngineProcess]:
+    """Start one engine process per name (``configs``: name -> (config, log path)) all at once, then wait for
+    every one to be ready: importing vLLM and loading a model is mostly single-threaded, so two engines load
+    side by side on two cores. Each waits at most ``load_timeout_s`` from its own start. The first to fail
+    raises its ``EngineRefusedError`` (its root cause and log), and every process started is closed first."""
+    procs: dict[str, EngineProcess] = {}
+    try:
+        for name, (config, log_path) in configs.items():
+            procs[name] = EngineProcess(engine, config, log_path, env, load_timeout_s, wait=False)
+        pending = dict(procs)
+        while pending:  # whichever answers first: a refusal is said without waiting for a slower engine's load
+            left = min(p.load_left_s() for p in pending.values())
+            readable = select.select([p.proc.stdout for p in pending.values()], [], [], max(left, 0.0))[0]
+            for name, p in list(pending.items()):
+                if p.proc.stdout in readable or p.load_left_s() <= 0:
+                    p.wait_ready()
+                    del pending[name]
+    except BaseException:
+        for p in procs.values():
+            p.close()
+        raise
+    return procs
 
 
 # an exception line of a traceback in the engine's log, under any of its processes' log prefixes

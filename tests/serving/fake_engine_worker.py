@@ -2,13 +2,16 @@
 counters, with a deterministic "model". Plain and speculative decoding give the same tokens; the drafter's
 first draft is accepted on every step, its later ones never (a chain of k: τ = 2 exactly). A speculative
 config whose model path contains "refuse" fails to load as an engine refusing the head does; with "broken"
-nothing is accepted and the output differs."""
+nothing is accepted and the output differs. ``FAKE_ENGINE_LOAD_S`` makes it sleep that long before it answers
+(a plain engine's and a speculative one's, ``FAKE_ENGINE_PLAIN_LOAD_S`` and ``FAKE_ENGINE_SPEC_LOAD_S``, where set);
+``FAKE_ENGINE_STARTS`` names a file it appends a line to as it starts and as it is ready (its pid, kind, time)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 
 COUNTS = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [], "gen": 0, "requests": 0, "decode_s": 0.0}
 
@@ -60,10 +63,21 @@ if __name__ == "__main__":
     SPEC, K = bool(spec), int(spec.get("num_speculative_tokens", 0))
     BROKEN = "broken" in str(spec.get("model", ""))
     print("fake engine log: loading", config["model"], file=sys.stderr)
+    kind = "spec" if SPEC else "plain"
+    starts = os.environ.get("FAKE_ENGINE_STARTS")
+
+    def record(event: str) -> None:
+        if starts:
+            with open(starts, "a") as f:
+                f.write(json.dumps({"pid": os.getpid(), "kind": kind, "event": event, "t": time.time()}) + "\n")
+
+    record("start")
+    time.sleep(float(os.environ.get(f"FAKE_ENGINE_{kind.upper()}_LOAD_S") or os.environ.get("FAKE_ENGINE_LOAD_S") or 0))
     if "refuse" in str(spec.get("model", "")):
         proto.write(json.dumps({"event": "error", "stage": "load", "type": "ValueError",
                                 "message": "Unsupported speculative method: 'medusa'\nmore lines"}) + "\n")
         sys.exit(3)
+    record("ready")
     proto.write(json.dumps({"event": "ready", "load_s": 0.1, "vllm": "0.32.0"}) + "\n")
     for line in sys.stdin:
         request = json.loads(line)

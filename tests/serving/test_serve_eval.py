@@ -372,3 +372,30 @@ def test_an_engine_worker_ends_with_the_run_that_started_it(tmp_path):
         for pid in pids.values():
             if alive(pid):
                 os.kill(pid, 9)
+
+
+@pytest.mark.slow
+def test_serve_eval_loads_its_two_engines_side_by_side_and_a_refusal_closes_both(tmp_path):
+    """The plain and the speculative engine start together (the second before the first is ready); the report
+    keeps each worker's own load seconds and the wall time. One refused: named, and no engine process is left."""
+    from tests.serving.test_engine_start import alive, starts
+
+    export = make_export(tmp_path)
+    proc = serve_eval(f"export_dir={export}", f"vllm.python={FAKE_PYTHON}", f"output_dir={tmp_path / 'out'}",
+                      cwd=tmp_path, FAKE_ENGINE_LOAD_S="2", FAKE_ENGINE_STARTS=str(tmp_path / "starts.jsonl"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = starts(tmp_path / "starts.jsonl")
+    assert seen["spec", "start"]["t"] < seen["plain", "ready"]["t"]
+    assert seen["plain", "start"]["t"] < seen["spec", "ready"]["t"]
+    engine = json.loads((tmp_path / "out" / "serve_report.json").read_text())["engine"]
+    assert "side by side" in engine["mode"] and engine["load_s"] == {"plain": 0.1, "spec": 0.1}
+    assert min(engine["load_wall_s"].values()) >= 2 and engine["start_wall_s"] >= 2
+    assert engine["logs"].keys() == {"plain", "spec"}
+    refused = make_export(tmp_path / "r", model_name="refuse")
+    proc = serve_eval(f"export_dir={refused}", f"vllm.python={FAKE_PYTHON}", f"output_dir={tmp_path / 'r' / 'out'}",
+                      cwd=tmp_path, FAKE_ENGINE_PLAIN_LOAD_S="60", FAKE_ENGINE_STARTS=str(tmp_path / "r.jsonl"))
+    line = one_line(proc)
+    assert "Unsupported speculative method: 'medusa'" in line and "engine_spec.log" in line
+    seen = starts(tmp_path / "r.jsonl")
+    assert ("plain", "start") in seen and ("plain", "ready") not in seen
+    assert not any(alive(r["pid"]) for r in seen.values())
