@@ -13,6 +13,15 @@ at one row, so ``choose_cpu_linears`` measures both layouts on the machine at ha
 one only where its one-token forward is not slower: plain decoding, the baseline of every speed-up,
 never runs on the slower layout.
 
+The reorder takes a batch hint, the row count oneDNN lays the weight out for. Laid out for one row, the
+weight is slow again from two rows on. The same EPYC, 2 threads, SmolLM2 float32, context 300, the three
+layouts interleaved in one process (``BATCH_HINT``): held to AVX2 (ATen, oneDNN and MKL), one token 50.4 /
+46.9 / 45.6 ms for hints 1 / 2 / 4, v(2) 1.37 / 1.09 / 1.12, v(4) 1.44 / 1.20 / 1.21, v(8) 1.61 / 1.36 / 1.39;
+with AVX-512, one token 49.3 / 46.8 / 46.4 ms, v(4) 1.20 / 1.00 / 1.01; one thread held to AVX2, one token
+64.7 / 64.1 / 64.7 ms, v(2) 1.53 / 1.07 / 1.07. The LM head alone (576 x 49152, AVX2, 2 threads): 5.0 / 8.9 /
+9.4 ms for 1 / 2 / 4 rows laid out for one, 5.9 / 6.0 / 6.5 ms laid out for four.
+``scripts/bench/bench_verify_cost.py`` measures the curve of the layout ``choose_cpu_linears`` keeps.
+
 A ``PackedLinear`` keeps the original parameter as ``weight`` (drafters that borrow the LM head's rows
 keep working) beside the packed copy; its results equal ``nn.Linear``'s up to float rounding (bitwise
 in bfloat16, where oneDNN's row results do not depend on the row count; see ``exact.py``).
@@ -33,12 +42,16 @@ from specheads.hardware import cpu_bf16_supported
 log = logging.getLogger(__name__)
 
 CPU_LINEAR_MODES = ("auto", "packed", "plain")
+BATCH_HINT = 4
+"""The rows oneDNN lays a packed weight out for: a verify forward's few rows (a chain, a small tree, a batch of
+four prompts' one token each) at about the cost of one; ``choose_cpu_linears`` still times this layout's
+one-token forward against the plain layers before keeping it."""
 
 
 class PackedLinear(nn.Module):
     """A frozen ``nn.Linear`` whose weight also lives in oneDNN's blocked layout (CPU inference only)."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = 1):
+    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight

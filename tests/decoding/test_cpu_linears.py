@@ -168,3 +168,24 @@ def test_a_drafter_is_packed_exactly_when_its_target_is():
     assert pack_like(drafter, target) == 0 and packed_count(drafter) == 0
     pack_cpu_linears(target)
     assert pack_like(drafter, target) == _linears(make_tiny_model("llama", layers=1)) == packed_count(drafter)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_layers_are_laid_out_for_a_verify_forwards_rows_and_give_each_row_count_the_plain_result(dtype):
+    """``pack_cpu_linears`` lays weights out for ``BATCH_HINT`` rows (a verify forward's few rows, not one: laid
+    out for one row, two rows cost about twice one on an AVX2 CPU); the results stay ``nn.Linear``'s for every
+    row count a decode step feeds (1 to 24), float32 to rounding, bfloat16 to its rounding."""
+    if dtype == torch.bfloat16 and not hardware_bf16():
+        pytest.skip("this CPU has no bfloat16 kernels: bfloat16 layers are not packed here")
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 160, bias=True, dtype=dtype)
+    model = nn.Sequential(lin)
+    ref = nn.Linear(96, 160, bias=True, dtype=dtype)
+    ref.load_state_dict(lin.state_dict())
+    assert pack_cpu_linears(model) == 1
+    packed = model[0]
+    assert cpu_linears.BATCH_HINT >= 2 and packed.batch_hint == cpu_linears.BATCH_HINT
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 5e-2, "rtol": 2e-2}
+    for rows in (1, 2, 3, 4, 8, 24):
+        x = torch.randn(rows, 96, dtype=dtype)
+        torch.testing.assert_close(packed(x), ref(x), **tol)
