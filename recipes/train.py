@@ -220,8 +220,11 @@ def _prepared_dir(cfg: DictConfig, dataset) -> str | None:
 
 def _prepared_ids(cfg: DictConfig, dataset) -> list[str] | None:
     """The sample ids of the prepared set a feature store was collected from (the evaluator takes its chat
-    slice from them), when it is there (None for a prepared set: its ids are the rows'); warns when the
-    prepared set was prepared before duplicate conversations were removed."""
+    slice from them), when it is there (None when the rows are the prepared set itself: its ids are the rows');
+    warns when the prepared set was prepared before duplicate conversations were removed. A store collected
+    within a time budget holds a subset of the prepared rows, whose own last 1% is not the evaluator's slice: the
+    prepared set's ids count whether it is named by ``prepared_dir`` (as ``specheads run`` passes it) or by the
+    store's manifest."""
     from specheads.data.prepare import load_prepared
 
     meta = _prepared_meta(cfg, dataset)
@@ -229,7 +232,7 @@ def _prepared_ids(cfg: DictConfig, dataset) -> list[str] | None:
         log.warning("%s was prepared before duplicate conversations were removed: a training row may repeat a "
                     "prompt the evaluator scores; prepare it again (`specheads prepare overwrite=true`)",
                     _prepared_dir(cfg, dataset))
-    if cfg.prepared_dir or meta is None:
+    if meta is None or getattr(dataset, "manifest", None) is None:  # no prepared set, or the rows are it
         return None
     return [str(x) for x in load_prepared(_prepared_dir(cfg, dataset))[0]["id"]]
 

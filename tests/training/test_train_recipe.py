@@ -188,3 +188,34 @@ def test_a_chats_per_turn_samples_stay_on_one_side_of_the_split():
     train_idx, eval_idx = load_recipe().keep_chat_heldout_out(ds, [i for i in range(300) if i != 4], [4])
     assert eval_idx == [3, 4, 5]  # chat c001 (row 4 held out); the evaluator's c099 is neither trained on nor held out
     assert not set(train_idx) & {3, 4, 5, 297, 298, 299} and len(train_idx) == 294
+
+
+def test_a_store_of_part_of_a_prepared_set_leaves_the_prepared_sets_chat_slice_out(setup, tmp_path):
+    """``specheads run`` trains on a store collected within a time budget (part of the prepared rows) and names
+    the prepared set too (``prepared_dir``): the chat slice left out is the evaluator's, the last 1% of the
+    *prepared* set's chats, not of the store's rows; a held-out row of that slice would make the evaluator
+    refuse the head's measured acceptance (its shape choice reads it)."""
+    from specheads.data.features import CollectOptions, FeatureDataset, collect_hidden_states
+    from specheads.data.prepare import load_prepared
+    from specheads.evaluation.prompts import chat_heldout_ids
+    from specheads.methods.base import FeatureSpec
+    from specheads.targets import load_target
+
+    model_dir, prepared = setup
+    ds = load_prepared(prepared)[0]
+    all_ids = [str(x) for x in ds["id"]]
+    sliced = chat_heldout_ids(all_ids)
+    keep = [i for i, x in enumerate(all_ids) if x not in sliced][: len(all_ids) // 2] + \
+        [i for i, x in enumerate(all_ids) if x in sliced]  # half the rows, the prepared slice among them
+    store = tmp_path / "features"
+    collect_hidden_states(load_target(str(model_dir)), ds.select(keep), FeatureSpec(need_last=True), store,
+                          CollectOptions(dtype="float32", estimate_time=False, check_disk=False))
+    fd = FeatureDataset(store)
+    assert len(fd) < len(all_ids)
+    recipe = load_recipe()
+    cfg = compose(*base(model_dir, prepared, tmp_path / "run"), f"features_dir={store}")
+    assert sorted(recipe._prepared_ids(cfg, fd)) == sorted(all_ids)
+    rows = [i for i, x in enumerate(fd.ids) if x in sliced]
+    train_idx, eval_idx = recipe.keep_chat_heldout_out(fd, list(range(len(fd))), rows,
+                                                       recipe._prepared_ids(cfg, fd))
+    assert rows and not set(rows) & (set(train_idx) | set(eval_idx))
