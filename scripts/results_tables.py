@@ -251,7 +251,7 @@ def history_table(data: dict, runs: list[dict] | None = None) -> str:
         tr = (r.get("train") or {}).get("eagle3") or {}
         train = ", ".join(p for p in (
             f"{tr['steps']} steps" if "steps" in tr else "",
-            f"{tr['tokens_per_s']} tokens/s" if "tokens_per_s" in tr else "",
+            f"{tr['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in tr else "",
             f"held-out step-0 top-1 {tr['heldout_step0_top1']:.3f}" if "heldout_step0_top1" in tr else "",
             f"peak anonymous memory {tr['peak_anon_mb']} MB" if "peak_anon_mb" in tr else "") if p) or "–"
         total = (f"{r['setup_s']} s + " if r.get("setup_s") else "") + f"{r['total_min']} min"
