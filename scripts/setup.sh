@@ -9,8 +9,11 @@
 # torch; otherwise the CPU build torch==2.13.0 is installed. deepspeed builds against that torch
 # (no build isolation, no prebuilt ops). Every other dependency is held at the versions the tests last
 # passed with (scripts/constraints.txt). The embedded assets (model and data) install with --no-deps.
+# On x86-64 Linux without a GPU, vLLM's CPU build installs beside it in its own venv (scripts/setup_engine.sh,
+# log .setup-engine.log), so that `specheads run` collects through it and serves the head in it; its failure
+# is one line, not the set-up's (SPECHEADS_ENGINE=0 leaves it out).
 set -euo pipefail
-if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,12p' "$0"; exit 0; fi
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,15p' "$0"; exit 0; fi
 cd "$(dirname "$0")/.."
 VENV=${SPECHEADS_VENV:-.venv}
 PY=${PYTHON:-python3}
@@ -30,6 +33,20 @@ if [ ! -x "$VENV/bin/python" ]; then
   fi
 fi
 . "$VENV/bin/activate"
+ENGINE_SETUP=${SPECHEADS_ENGINE_SETUP:-scripts/setup_engine.sh}
+ENGINE_LOG=${SPECHEADS_ENGINE_LOG:-.setup-engine.log}
+engine_pid=""
+if [ "${SPECHEADS_ENGINE:-1}" = "0" ]; then
+  echo "[setup] SPECHEADS_ENGINE=0: vLLM's CPU build left out (bash scripts/setup_engine.sh sets it up later)"
+elif [ "$(uname -sm)" != "Linux x86_64" ]; then
+  echo "[setup] vLLM's CPU build is set up on x86-64 Linux only ($(uname -sm) here): specheads run collects with transformers and skips its serve stage"
+elif command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L > /dev/null 2>&1; then
+  echo "[setup] a GPU machine: vLLM's CPU build left out (vLLM for this GPU goes in its own venv: docs/serving.md)"
+else
+  echo "[setup] vLLM's CPU build installs beside the project (log: $ENGINE_LOG)"
+  bash "$ENGINE_SETUP" > "$ENGINE_LOG" 2>&1 &
+  engine_pid=$!
+fi
 pip() { python -m pip "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 # a re-run with the same pyproject.toml and pins (CI's second call, the README's test command) installs nothing
 STAMP="$VENV/specheads-install.sha256"
@@ -76,4 +93,12 @@ done
 
 echo "[setup] converting the embedded SmolLM2 GGUF to safetensors (once, cached)"
 python -c "from specheads.targets import resolve_target_path; print(resolve_target_path('smollm2'))"
+if [ -n "$engine_pid" ]; then
+  if wait "$engine_pid"; then
+    tail -n 1 "$ENGINE_LOG"
+  else
+    echo "[setup] vLLM's CPU build did not install (the end of $ENGINE_LOG below): specheads run collects with transformers and skips its serve stage; bash scripts/setup_engine.sh tries again"
+    tail -n 5 "$ENGINE_LOG"
+  fi
+fi
 echo "[setup] done in $(( $(date +%s) - t0 )) s: activate with '. $VENV/bin/activate'"
