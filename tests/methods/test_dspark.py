@@ -277,4 +277,8 @@ def test_the_loss_and_its_gradients_are_the_plain_formulas(monkeypatch, setup, l
     tol = dict(rtol=1.6e-2, atol=1e-5) if autocast else dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got, want, **tol)
     assert got_grads.keys() == want_grads.keys() and "markov_head.markov_w2.weight" in got_grads
-    torch.testing.assert_close(got_grads, want_grads, **tol)
+    for name, w in want_grads.items():
+        # under autocast a gradient element sums bfloat16-rounded products: its error scales with the largest
+        # terms (the tensor's largest gradient), not with the element, which may be near 0 (MKL's AVX2 kernels)
+        scale = dict(atol=max(tol["atol"], tol["rtol"] * float(w.abs().max()))) if autocast else {}
+        torch.testing.assert_close(got_grads[name], w, **{**tol, **scale}, msg=lambda m, n=name: f"{n}: {m}")
