@@ -4,7 +4,9 @@ first draft is accepted on every step, its later ones never (a chain of k: τ = 
 config whose model path contains "refuse" fails to load as an engine refusing the head does; with "broken"
 nothing is accepted and the output differs. ``FAKE_ENGINE_LOAD_S`` makes it sleep that long before it answers
 (a plain engine's and a speculative one's, ``FAKE_ENGINE_PLAIN_LOAD_S`` and ``FAKE_ENGINE_SPEC_LOAD_S``, where set);
-``FAKE_ENGINE_STARTS`` names a file it appends a line to as it starts and as it is ready (its pid, kind, time)."""
+``FAKE_ENGINE_STARTS`` names a file it appends a line to as it starts and as it is ready (its pid, kind, time);
+``FAKE_ENGINE_REFUSE_AFTER`` names the kind a refusing worker waits to see started in that file first (up to 60 s), so
+a test of engines started side by side does not depend on which interpreter the machine starts first."""
 
 from __future__ import annotations
 
@@ -74,6 +76,11 @@ if __name__ == "__main__":
     record("start")
     time.sleep(float(os.environ.get(f"FAKE_ENGINE_{kind.upper()}_LOAD_S") or os.environ.get("FAKE_ENGINE_LOAD_S") or 0))
     if "refuse" in str(spec.get("model", "")):
+        wait_for = os.environ.get("FAKE_ENGINE_REFUSE_AFTER")
+        deadline = time.time() + 60
+        while wait_for and starts and time.time() < deadline and not any(
+                json.loads(line)["kind"] == wait_for for line in open(starts).read().splitlines()):
+            time.sleep(0.05)
         proto.write(json.dumps({"event": "error", "stage": "load", "type": "ValueError",
                                 "message": "Unsupported speculative method: 'medusa'\nmore lines"}) + "\n")
         sys.exit(3)

@@ -39,7 +39,7 @@ def starts(path: Path) -> dict[tuple[str, str], dict]:
 def stand_in(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_ENGINE_REAL_PYTHON", sys.executable)
     monkeypatch.setenv("FAKE_ENGINE_STARTS", str(tmp_path / "starts.jsonl"))
-    for name in ("FAKE_ENGINE_LOAD_S", "FAKE_ENGINE_PLAIN_LOAD_S", "FAKE_ENGINE_SPEC_LOAD_S"):
+    for name in ("FAKE_ENGINE_LOAD_S", "FAKE_ENGINE_PLAIN_LOAD_S", "FAKE_ENGINE_SPEC_LOAD_S", "FAKE_ENGINE_REFUSE_AFTER"):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
@@ -73,6 +73,7 @@ def test_both_engines_load_at_the_same_time(tmp_path, stand_in):
 def test_an_engine_that_is_refused_is_named_and_the_other_is_closed(tmp_path, stand_in, plain_s, spec_s):
     stand_in.setenv("FAKE_ENGINE_PLAIN_LOAD_S", str(plain_s))
     stand_in.setenv("FAKE_ENGINE_SPEC_LOAD_S", str(spec_s))
+    stand_in.setenv("FAKE_ENGINE_REFUSE_AFTER", "plain")  # the assertion below needs the plain one started
     t = time.perf_counter()
     with pytest.raises(ep.EngineRefusedError) as refused:
         ep.start_engines(ENGINE, configs(tmp_path, "refuse"), {}, 60)

@@ -393,7 +393,8 @@ def test_serve_eval_loads_its_two_engines_side_by_side_and_a_refusal_closes_both
     assert engine["logs"].keys() == {"plain", "spec"}
     refused = make_export(tmp_path / "r", model_name="refuse")
     proc = serve_eval(f"export_dir={refused}", f"vllm.python={FAKE_PYTHON}", f"output_dir={tmp_path / 'r' / 'out'}",
-                      cwd=tmp_path, FAKE_ENGINE_PLAIN_LOAD_S="60", FAKE_ENGINE_STARTS=str(tmp_path / "r.jsonl"))
+                      cwd=tmp_path, FAKE_ENGINE_PLAIN_LOAD_S="60", FAKE_ENGINE_STARTS=str(tmp_path / "r.jsonl"),
+                      FAKE_ENGINE_REFUSE_AFTER="plain")
     line = one_line(proc)
     assert "Unsupported speculative method: 'medusa'" in line and "engine_spec.log" in line
     seen = starts(tmp_path / "r.jsonl")
