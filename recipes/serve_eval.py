@@ -47,7 +47,7 @@ class ServeEvalSchema:
     vllm: VllmSchema = field(default_factory=VllmSchema)
     export_dir: Optional[str] = None
     output_dir: str = "runs/default/serve_eval"
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: Any = "auto"
     eval_report: Optional[str] = None
     same_prompts: bool = True
     plain: bool = True
@@ -74,7 +74,9 @@ def check_config(cfg: DictConfig) -> None:
     """Every setting's value, with no file read (``specheads run`` calls it before its first stage)."""
     from specheads.ranges import check_choice, check_number
 
-    check_number("num_speculative_tokens", cfg.num_speculative_tokens, ">= 1", integer=True)
+    if str(cfg.num_speculative_tokens) != "auto":
+        check_number("num_speculative_tokens", cfg.num_speculative_tokens, ">= 1", integer=True,
+                     note="or auto: the chain the evaluation report's shape choice favours, else 3")
     if cfg.engine not in ("offline", "endpoint"):
         raise ConfigError(f"engine={cfg.engine}: use engine=offline (vLLM started here) or engine=endpoint (url=)")
     for name in ("url", "plain_url"):
@@ -105,7 +107,6 @@ def run(cfg: DictConfig) -> dict:
 
     check_config(cfg)
     check_output_folder(cfg.output_dir)
-    k = int(cfg.num_speculative_tokens)
     head = read_export(cfg.export_dir) if cfg.export_dir else None
     if head is None and cfg.engine == "offline":
         raise ConfigError("export_dir is required: give a layout folder `specheads export` wrote, "
@@ -113,6 +114,8 @@ def run(cfg: DictConfig) -> dict:
     drafter = head.method if head else cfg.head_method
     drafter = "medusa" if str(drafter).startswith("medusa") else drafter
     eval_report = se.read_eval_report(cfg.eval_report) if cfg.eval_report else None
+    k, why = se.chain_length(cfg.num_speculative_tokens, eval_report, drafter)
+    log.info("a chain of %d: %s", k, why)
     prompts = prompt_set(cfg)
     if eval_report is not None and cfg.same_prompts:
         scored = se.report_prompts(prompts, eval_report, cfg.eval_report)
@@ -131,7 +134,7 @@ def run(cfg: DictConfig) -> dict:
         runs, context = _endpoint(cfg, prompts, tokenizer, max_new, kwargs)
     else:
         runs, context = _offline(cfg, head, k, prompts, tokenizer, max_new, kwargs)
-    context.update(method=drafter, export_dir=str(head.folder) if head else None, max_new_tokens=max_new,
+    context.update(chain_choice=why, method=drafter, export_dir=str(head.folder) if head else None, max_new_tokens=max_new,
                    head_source=(head.info.get("foreign") or "specheads") if head else None)
     report = se.build_report(runs, k, context, eval_report, drafter)
     paths = se.write_report(report, cfg.output_dir)

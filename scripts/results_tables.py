@@ -158,7 +158,8 @@ def served_cell(run: dict, method: str) -> str:
     s = run.get("served")
     if not s or s.get("method") != method:
         return "–"
-    return f"τ {_f(s['tau'])}, {_x(s.get('speedup'))}, identical {s['identical']} ({s['engine']})"
+    chain = f", chain {s['k']}" if s.get("k") else ""
+    return f"τ {_f(s['tau'])}, {_x(s.get('speedup'))}, identical {s['identical']} ({s['engine']}{chain})"
 
 
 def _stage_times(run: dict) -> str:

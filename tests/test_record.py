@@ -165,6 +165,8 @@ def test_a_recorded_run_is_what_the_docs_render(tmp_path):
     assert "2099-01-01, commit `0123456` (" not in rt.results_table(data)  # clean tree: no dirty mark
     assert "| 1.60 | 0.44 | 1.01× |" in rt.results_table(data) and "2099-01-01, commit `0123456`" in rt.results_table(data)
     assert "τ 1.31 against the evaluator's 1.31" in rt.served_line(data) and "commit `0123456`" in rt.served_line(data)
+    # the history's engine cell names the chain the engine drafted (the serve stage picks it per run)
+    assert "τ 1.31, 0.81×, identical 9/9 (vLLM 0.32.0, chain 3) |" in rt.history_table(data)
 
 
 def test_a_ci_log_opening_with_a_bracketed_line_is_read_as_a_test_log(tmp_path, results):

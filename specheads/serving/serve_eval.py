@@ -32,6 +32,7 @@ from specheads.serving.counters import EngineCounters
 
 FORMAT = "specheads.serve_eval/1"
 Z = 3.0  # a difference is flagged beyond Z standard errors of the difference
+VLLM_PROFILE_K = 3  # vLLM's serving profile: the chain its EAGLE recipes draft (``num_speculative_tokens`` 3)
 
 
 @dataclass
@@ -164,6 +165,26 @@ def report_prompts(prompts: list[EvalPrompt], report: dict, where: str) -> list[
     return [p for p in prompts if p.id in wanted]
 
 
+def chain_length(setting, eval_report: dict | None, drafter: str | None) -> tuple[int, str]:
+    """The chain the engine drafts, and why: ``setting`` when it is a number; ``auto``: the chain the evaluation's
+    automatic shape choice predicts fastest for this drafter (from the verify-cost curve of the machine it measured
+    and the head's held-out acceptance per depth: on a CPU a verify of k + 1 tokens costs more than one plain
+    forward, so a shorter chain than vLLM's profile often wins), else vLLM's profile (``VLLM_PROFILE_K``)."""
+    if str(setting) != "auto":
+        return int(setting), "num_speculative_tokens as given"
+    choices = (eval_report or {}).get("shape_choice") or {}
+    for m in (eval_report or {}).get("methods", []):
+        chains = [p for p in (choices.get(m.get("name")) or {}).get("predictions", []) if p.get("kind") == "chain"]
+        if m.get("drafter") == drafter and chains:
+            best = max(chains, key=lambda p: p["speedup"])
+            predicted = ", ".join(f"{p['label']} {p['speedup']:.2f}x" for p in chains)
+            return int(best["k"]), (f"num_speculative_tokens=auto: the chain the evaluation's shape choice predicts "
+                                    f"fastest on the machine it measured ({predicted}; its `{m['name']}`)")
+    return VLLM_PROFILE_K, ("num_speculative_tokens=auto: vLLM's serving profile (the evaluation report predicts no "
+                            f"chain for a {drafter} head)" if eval_report is not None else
+                            "num_speculative_tokens=auto: vLLM's serving profile (no evaluation report to choose from)")
+
+
 def chain_method(report: dict, drafter: str, k: int) -> dict | None:
     """The report's method that drafts a greedy chain of at least ``k`` with ``drafter`` (no n-gram branch),
     vLLM's serving profile first, then the shortest such chain; None when it measured none."""
@@ -252,7 +273,8 @@ def markdown(report: dict) -> str:
                 f"Target {report.get('target')} ({report.get('dtype')}), head {report.get('export_dir')}, "
                 f"speculative_config `{json.dumps(report.get('speculative_config'))}`.\n\n{report['refused']}\n")
     lines = [f"# Served by {eng.get('name', 'vLLM')} {eng.get('version', '')}: {report.get('method')} head, chain of {k}",
-             "", f"{report['num_prompts']} prompts, max_new_tokens {report.get('max_new_tokens')}, greedy, batch 1; "
+             ""] + ([f"Chain of {k}: {report['chain_choice']}.", ""] if report.get("chain_choice") else []) + [
+             f"{report['num_prompts']} prompts, max_new_tokens {report.get('max_new_tokens')}, greedy, batch 1; "
              f"target {report.get('target')} ({report.get('dtype')}); head {report.get('export_dir')}"
              + (f" (in {report['head_source']}'s format, served as that trainer wrote it)"
                 if report.get("head_source") not in (None, "specheads") else "") + ".", ""]

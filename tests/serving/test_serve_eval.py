@@ -109,6 +109,29 @@ def test_comparison_with_the_evaluator_flags_only_beyond_noise():
     assert none["method"] is None and "serving.vllm_num_speculative_tokens=3" in none["note"]
 
 
+def with_shape_choice(report: dict, speedups: dict[int, float]) -> dict:
+    """``report`` with the automatic shape choice of its ``eagle3-auto`` method: a prediction per chain length."""
+    chains = [{"label": f"chain{k}", "kind": "chain", "k": k, "speedup": v} for k, v in speedups.items()]
+    return {**report, "shape_choice": {"eagle3-auto": {"label": "fan2", "predictions": chains + [
+        {"label": "fan2", "kind": "fan", "k": 2, "speedup": 9.0}]}}}
+
+
+def test_auto_serves_the_chain_the_evaluation_predicts_fastest():
+    report = with_shape_choice(eval_report([180, 90, 30], 300), {1: 1.17, 2: 1.05, 3: 1.01})
+    k, why = se.chain_length("auto", report, "eagle3")
+    assert k == 1 and "chain1 1.17x, chain2 1.05x, chain3 1.01x" in why and "eagle3-auto" in why  # the fan is no chain
+    assert se.chain_length("auto", with_shape_choice(eval_report([180], 300), {1: 0.9, 2: 1.2, 3: 1.1}), "eagle3")[0] == 2
+    assert se.chain_length("auto", report, "medusa")[0] == 3  # no prediction for this drafter: vLLM's profile
+    assert se.chain_length("auto", eval_report([180], 300), "eagle3") == (3, se.chain_length("auto", {}, "eagle3")[1])
+    assert "no evaluation report" in se.chain_length("auto", None, "eagle3")[1]
+    assert se.chain_length(5, report, "eagle3") == (5, "num_speculative_tokens as given")
+    # the comparison reads the evaluator's chain of 3 cut to the engine's 1
+    runs = se.decode_prompts(PROMPTS, Tokenizer(), FakeDecoder(1, (60,), 100), 201, FakeDecoder())
+    cut = se.build_report(runs, 1, {"chain_choice": why}, report, "eagle3")
+    assert cut["evaluator"]["method"] == "eagle3-vllm" and cut["evaluator"]["domains"]["all"]["tau_evaluator"] == 1.6
+    assert f"Chain of 1: {why}." in se.markdown(cut)
+
+
 def test_report_is_written_atomically_with_markdown(tmp_path):
     runs = se.decode_prompts(PROMPTS, Tokenizer(), FakeDecoder(3, (6, 3, 1), 10), 21, FakeDecoder(seconds=2.0))
     report = se.build_report(runs, 3, {"engine": {"name": "vLLM", "version": "0.32.0", "env": {"LD_PRELOAD": "x"},
@@ -193,6 +216,17 @@ def test_recipe_end_to_end_with_a_stand_in_engine(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "two" / "serve_report.json").read_text())
     assert [p["id"] for p in two["per_prompt"]] == ids and "scored" not in proc.stderr
+    assert two["num_speculative_tokens"] == 3 and "vLLM's serving profile" in two["chain_choice"]
+    # beside one whose shape choice predicts a chain of 2 fastest: the engine drafts 2
+    (tmp_path / "report.json").write_text(json.dumps(with_shape_choice(
+        {"num_prompts": 2, "prompt_ids": ids, "methods": eval_report([180], 300)["methods"]}, {1: 1.1, 2: 1.3, 3: 1.2})))
+    proc = serve_eval(f"export_dir={export}", f"vllm.python={FAKE_PYTHON}", f"output_dir={tmp_path / 'auto'}",
+                      f"eval_report={tmp_path / 'report.json'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    auto = json.loads((tmp_path / "auto" / "serve_report.json").read_text())
+    assert auto["num_speculative_tokens"] == 2 and auto["speculative_config"]["num_speculative_tokens"] == 2
+    assert json.loads((tmp_path / "auto" / "engine_spec.json").read_text())["speculative_config"][
+        "num_speculative_tokens"] == 2
 
 
 @pytest.mark.slow
@@ -325,7 +359,8 @@ def test_a_context_length_over_the_targets_is_refused_before_the_engine_starts(t
 @pytest.mark.parametrize("override, words", [("url=localhost:8000", "url=localhost:8000: give the server's base url"),
                                              ("vllm.max_model_len=0", "vllm.max_model_len=0 is out of range"),
                                              ("vllm.dtype=int8", "vllm.dtype=int8: use one of"),
-                                             ("num_speculative_tokens=0", "num_speculative_tokens=0 is out of range")])
+                                             ("num_speculative_tokens=0", "num_speculative_tokens=0 is out of range"),
+                                             ("num_speculative_tokens=long", "or auto: the chain")])
 def test_serve_eval_settings_are_checked_without_reading_a_file(override, words):
     from specheads.errors import ConfigError
     from specheads.overrides import compose
