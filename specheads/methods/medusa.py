@@ -113,7 +113,8 @@ def head_losses(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tenso
             loss_sum, pred = linear_cross_entropy(heads.head_hidden(h, k), out.weight, y, out.bias)
         else:
             rows = teacher.row_of[:, s - 1: T - 1][ok]
-            loss_sum, pred = soft_cross_entropy(functools.partial(heads.head_logits, k=k), h, teacher.probs[rows])
+            loss_sum, pred = soft_cross_entropy(functools.partial(heads.head_logits, k=k), h, teacher.probs,
+                                                index=rows)  # the labels gathered a chunk at a time, never copied
         ce = loss_sum / max(1, y.numel())
         total = total + (decay ** k) * ce
         stats[f"head{k}_loss"] = ce.detach()

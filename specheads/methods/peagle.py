@@ -31,8 +31,7 @@ import torch
 from specheads.decoding.peagle_drafter import PEagleDrafter
 from specheads.methods.base import ARGMAX_KEY, StepOutput
 from specheads.methods.eagle3 import Eagle3Method
-from specheads.methods.losses import soft_cross_entropy
-from specheads.methods.ttt import shift_tokens, summarize_steps
+from specheads.methods.ttt import draft_soft_loss, shift_tokens, summarize_steps
 from specheads.models.peagle import ParallelLayout, PEagleConfig, PEagleModel
 from specheads.targets import Target, target_argmax
 
@@ -188,8 +187,9 @@ class PEagleMethod(Eagle3Method):
             s = a + 1 + d  # the position whose target distribution is depth d's label
             keep = rows.in_vocab[b, s]
             b, q, s = b[keep], q[keep], s[keep]
-            loss_sum, pred = soft_cross_entropy(model.logits, h[b, q], rows.probs[rows.row_of[b, s]],
-                                                chunk=self.head_chunk, lk_weight=self.lk_weight)
+            # the labels stay in the target's table, gathered a chunk at a time (no (n, V) copy per depth)
+            loss_sum, pred = draft_soft_loss(model, h[b, q], rows.probs, rows.row_of[b, s], None, self.head_chunk,
+                                             self.lk_weight)
             n = b.numel()
             total = total + loss_sum / max(n, 1)
             metrics[f"step{d}_loss"] = float(loss_sum.detach()) / max(n, 1)

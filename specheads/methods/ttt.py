@@ -194,17 +194,25 @@ def _step_counts(n: int, weight: torch.Tensor | None, shard, device: torch.devic
 
 def _step_soft_loss(model, h_out: torch.Tensor, b: torch.Tensor, t: torch.Tensor, rows: TargetRows,
                     idx: torch.Tensor, weight: torch.Tensor | None, chunk: int, lk_weight: float):
-    """The step's summed soft cross-entropy against its label rows and the draft's predictions; through the linear
-    head's fused loss where it has one."""
+    """The step's summed soft cross-entropy against its label rows and the draft's predictions."""
     # The step's labels are rows.probs[idx] (* weight): gathered a chunk at a time inside the loss, never copied
     # whole (steps x (N, V) float32 kept for backward, 7 GiB at 8k tokens and 7 steps).
+    return draft_soft_loss(model, h_out[b, t], rows.probs, idx, weight, chunk, lk_weight)
+
+
+def draft_soft_loss(model, hidden: torch.Tensor, probs: torch.Tensor, index: torch.Tensor,
+                    weight: torch.Tensor | None = None, chunk: int = 2048, lk_weight: float = 0.0):
+    """(summed soft cross-entropy of ``model.logits(hidden)`` against ``probs[index]`` (* ``weight``), the draft's
+    argmax) with the labels gathered from the table a chunk at a time: through the linear head's fused loss where
+    the model has one (``_linear_head``: gradients made in the forward pass, no logits or labels kept for backward),
+    else ``soft_cross_entropy``'s checkpointed chunks."""
     head = _linear_head(model)
-    if head is not None:  # gradients made in the forward pass: no logits or labels kept for backward
+    if head is not None:
         return linear_soft_cross_entropy(
-            model.normed(h_out[b, t]), head.weight, rows.probs, idx, weight, head.bias,
+            model.normed(hidden), head.weight, probs, index, weight, head.bias,
             chunk=min(chunk, logit_chunk_rows(head.weight.shape[0], SOFT_CHUNK_BYTES)), lk_weight=lk_weight)
-    return soft_cross_entropy(model.logits, h_out[b, t], rows.probs, chunk=chunk,
-                              lk_weight=lk_weight, index=idx, row_weight=weight)
+    return soft_cross_entropy(model.logits, hidden, probs, chunk=chunk, lk_weight=lk_weight, index=index,
+                              row_weight=weight)
 
 
 def _group_stats(stats: list[StepStats], shard) -> list[StepStats]:

@@ -364,3 +364,33 @@ def test_medusa2_refuses_a_tensor_parallel_target():
     split = Target(tiny.model, name="tiny-tp", layout=ParallelLayout("tp", world=2, rank=0, tp_size=2))
     with pytest.raises(ConfigError, match="tensor-parallel"):
         Medusa2Method(num_heads=1).build(split)
+
+
+def test_the_teacher_loss_keeps_no_copy_of_a_heads_labels_for_backward():
+    """Each head's soft labels are rows of the teacher's table, gathered a chunk at a time inside the loss: between
+    the forward and the backward no tensor but that table is as large as one head's (n, V) labels. Copying them per
+    head (``teacher.probs[rows]``) keeps each copy alive for backward. Over 2,048 rows a head, so the loss runs in
+    checkpointed chunks, which keep no logits either."""
+    import gc
+
+    target = _tiny()
+    heads = medusa_for_target(target, num_heads=3)
+    ids = torch.randint(0, 256, (2, 1100))
+    ok = torch.ones(2, 1100, dtype=torch.bool)
+    hidden = torch.randn(2, 1100, 32)
+    t = teacher_rows(target, hidden, ok)
+    copy = (2 * (1100 - 4)) * 256 * 4  # the last head's labels: 2 rows of 1100 - 2 - 2 positions
+    assert copy > 2 * sum(p.numel() * 4 for p in heads.parameters() if p.dim() == 2 and p.shape[0] == 256)
+
+    def storages():
+        return {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for o in gc.get_objects()
+                if isinstance(o, torch.Tensor) and not o.is_meta and not o.is_mkldnn}
+
+    gc.collect()
+    known = set(storages())
+    loss, _ = head_losses(heads, hidden, ids, ok, 0.8, t)
+    gc.collect()
+    largest = max(n for ptr, n in storages().items() if ptr not in known)
+    assert largest < copy, (largest, copy)
+    loss.backward()
+    assert heads.blocks[2].layers[0].weight.grad.abs().sum() > 0

@@ -288,3 +288,44 @@ def test_lk_weight_reaches_every_depths_loss(target):
     model.zero_grad()
     mixed.loss.backward()
     assert model.mask_hidden.grad is not None
+
+
+@pytest.mark.parametrize("head_chunk", [4096, 16], ids=["one-chunk", "chunked"])
+def test_the_loss_keeps_no_copy_of_a_depths_labels_for_backward(head_chunk, monkeypatch):
+    """Each depth's labels are rows of the target's table (``rows.probs``), gathered a chunk at a time inside the
+    loss: between the forward and the backward no tensor but that table is as large as the smallest depth's (n, V)
+    labels (at 32k tokens each such copy was 2-4 GiB). Copying them per depth (``rows.probs[rows.row_of[b, s]]``)
+    keeps every copy alive for backward, saved by autograd or by the chunks' checkpoints."""
+    import gc
+
+    vocab = draft_vocab = 2000  # every target argmax in the draft vocabulary: every depth row has its label
+    target = make_tiny_target("llama", vocab=vocab, hidden=H, layers=4)
+    method = build_method("peagle", draft_vocab_size=draft_vocab, num_depths=3, head_chunk=head_chunk,
+                          vocab_data=[{"input_ids": list(range(vocab)), "loss_mask": [1] * vocab}])
+    model = method.build(target)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, draft_vocab, (2, 256), generator=g)
+    ones = torch.ones(2, 256, dtype=torch.long)
+    b = add_features({"input_ids": ids, "attention_mask": ones, "loss_mask": ones}, target, method.feature_spec)
+    rows = method.target_rows(model, b, target)
+    monkeypatch.setattr(method, "target_rows", lambda *a: rows)  # the table made here: known, left out below
+    torch.manual_seed(1)
+    packed = method.forward_depths(model, b)[1]
+    smallest = min(int(rows.in_vocab[bb, a + 1 + d].sum())
+                   for d in range(3) for bb, _, a in [method.depth_rows(packed, b, d)])
+    copy = smallest * draft_vocab * 4
+    assert copy > draft_vocab * H * 4 * 2  # larger than the head's weight and its gradient: the sizes tell them apart
+
+    def storages():
+        return {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for o in gc.get_objects()
+                if isinstance(o, torch.Tensor) and not o.is_meta and not o.is_mkldnn}
+
+    gc.collect()
+    known = set(storages()) | {rows.probs.untyped_storage().data_ptr()}
+    torch.manual_seed(1)
+    out = method.loss(model, b, target)
+    gc.collect()
+    largest = max(n for ptr, n in storages().items() if ptr not in known)
+    assert largest < copy, (largest, copy)
+    out.loss.backward()
+    assert model.lm_head.weight.grad is not None and model.mask_hidden.grad is not None
