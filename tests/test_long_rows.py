@@ -53,15 +53,16 @@ def tiny_tokenizer():
                                    pad_token="<|endoftext|>", model_max_length=CONTEXT)
 
 
-def tiny_long_context_target(root: Path) -> Path:
-    """A Qwen3 model folder: 3 layers of hidden 64 (2 attention heads of 16, 2 key/value heads: sequence parallel 2
-    divides them), a 65,536-token context, random weights, with ``tiny_tokenizer`` saved beside it."""
+def tiny_long_context_target(root: Path, head_dim: int = 16) -> Path:
+    """A Qwen3 model folder: 3 layers of hidden 64 (2 attention heads of ``head_dim``, 2 key/value heads: sequence
+    parallel 2 divides them; vLLM's CPU attention takes 32 and up), a 65,536-token context, random weights, with
+    ``tiny_tokenizer`` saved beside it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = tiny_tokenizer()
     torch.manual_seed(0)
     config = AutoConfig.for_model("qwen3", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                  num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, head_dim=head_dim,
                                   max_position_embeddings=CONTEXT, tie_word_embeddings=False,
                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model = AutoModelForCausalLM.from_config(config).eval()
