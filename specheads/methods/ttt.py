@@ -140,7 +140,9 @@ def ttt_loss(model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], rows: 
     for i, h_out in unroll(model, hidden, batch["input_ids"], steps, position_ids, cache):
         b, t, idx, weight = _step_targets(batch, rows, i, own, offpath_weight)
         n, denom = _step_counts(b.numel(), weight, shard, hidden.device)
-        loss_sum, pred = _step_soft_loss(model, h_out, b, t, rows, idx, weight, chunk, lk_weight)
+        # the step's labels are rows.probs[idx] (* weight), gathered a chunk at a time inside the loss, never copied
+        # whole (steps x (N, V) float32 kept for backward, 7 GiB at 8k tokens and 7 steps)
+        loss_sum, pred = draft_soft_loss(model, h_out[b, t], rows.probs, idx, weight, chunk, lk_weight)
         step_loss = loss_sum / denom
         if feature_weight:
             true = batch["hidden_last"][b, t + 1 + i]
@@ -190,14 +192,6 @@ def _step_counts(n: int, weight: torch.Tensor | None, shard, device: torch.devic
         n, weighed = int(counts[0]), float(counts[1])
     denom = float(max(n, 1)) if weight is None else max(weighed, 1e-6)
     return n, denom
-
-
-def _step_soft_loss(model, h_out: torch.Tensor, b: torch.Tensor, t: torch.Tensor, rows: TargetRows,
-                    idx: torch.Tensor, weight: torch.Tensor | None, chunk: int, lk_weight: float):
-    """The step's summed soft cross-entropy against its label rows and the draft's predictions."""
-    # The step's labels are rows.probs[idx] (* weight): gathered a chunk at a time inside the loss, never copied
-    # whole (steps x (N, V) float32 kept for backward, 7 GiB at 8k tokens and 7 steps).
-    return draft_soft_loss(model, h_out[b, t], rows.probs, idx, weight, chunk, lk_weight)
 
 
 def draft_soft_loss(model, hidden: torch.Tensor, probs: torch.Tensor, index: torch.Tensor,

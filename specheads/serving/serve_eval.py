@@ -32,7 +32,6 @@ from specheads.serving.counters import EngineCounters
 
 FORMAT = "specheads.serve_eval/1"
 Z = 3.0  # a difference is flagged beyond Z standard errors of the difference
-VLLM_PROFILE_K = 3  # vLLM's serving profile: the chain its EAGLE recipes draft (``num_speculative_tokens`` 3)
 
 
 @dataclass
@@ -169,7 +168,10 @@ def chain_length(setting, eval_report: dict | None, drafter: str | None) -> tupl
     """The chain the engine drafts, and why: ``setting`` when it is a number; ``auto``: the chain the evaluation's
     automatic shape choice predicts fastest for this drafter (from the verify-cost curve of the machine it measured
     and the head's held-out acceptance per depth: on a CPU a verify of k + 1 tokens costs more than one plain
-    forward, so a shorter chain than vLLM's profile often wins), else vLLM's profile (``VLLM_PROFILE_K``)."""
+    forward, so a shorter chain than vLLM's profile often wins), else vLLM's profile (the evaluator's
+    ``ServingProfiles.vllm_num_speculative_tokens``)."""
+    from specheads.evaluation.plan import ServingProfiles
+
     if str(setting) != "auto":
         return int(setting), "num_speculative_tokens as given"
     choices = (eval_report or {}).get("shape_choice") or {}
@@ -180,9 +182,9 @@ def chain_length(setting, eval_report: dict | None, drafter: str | None) -> tupl
             predicted = ", ".join(f"{p['label']} {p['speedup']:.2f}x" for p in chains)
             return int(best["k"]), (f"num_speculative_tokens=auto: the chain the evaluation's shape choice predicts "
                                     f"fastest on the machine it measured ({predicted}; its `{m['name']}`)")
-    return VLLM_PROFILE_K, ("num_speculative_tokens=auto: vLLM's serving profile (the evaluation report predicts no "
-                            f"chain for a {drafter} head)" if eval_report is not None else
-                            "num_speculative_tokens=auto: vLLM's serving profile (no evaluation report to choose from)")
+    why = (f"the evaluation report predicts no chain for a {drafter} head" if eval_report is not None else
+           "no evaluation report to choose from")
+    return ServingProfiles.vllm_num_speculative_tokens, f"num_speculative_tokens=auto: vLLM's serving profile ({why})"
 
 
 def chain_method(report: dict, drafter: str, k: int) -> dict | None:
