@@ -235,16 +235,24 @@ def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
 
     q: (B, nh, T, D); keys/values: lists of (B, nkv, T, D), entry 0 causal (within ``window`` of the query's own
     position if given), the rest diagonal. Returns (B, nh, T, D).
-    Step 0 without a window is plain causal attention; CPU tensors go to ``ttt_attention.fused_unrolled_attention``
-    (no T x T tensor, forward or backward); the rest (CUDA) to ``dense_unrolled_attention``.
+    Step 0 without a window is plain causal attention (scaled_dot_product_attention), except for CPU training with
+    grouped heads; CPU tensors go to ``ttt_attention.fused_unrolled_attention`` (no T x T tensor, forward or
+    backward; its backward uses every core where the kernel's own, handed grouped heads, would not); the rest
+    (CUDA) to ``dense_unrolled_attention``.
     """
     nh, T, nkv = q.shape[1], q.shape[2], keys[0].shape[1]
-    if len(keys) == 1 and (window is None or window >= T):  # step 0 is plain causal attention
+    fused = ttt_attention.supported(q, keys, values)
+    causal = len(keys) == 1 and (window is None or window >= T)  # step 0 is plain causal attention
+    if causal and not (fused and nh != nkv and _needs_grad(q, keys[0], values[0])):
         return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, scale=scale,
                                               enable_gqa=nh != nkv)
-    if ttt_attention.supported(q, keys, values):
+    if fused:
         return ttt_attention.fused_unrolled_attention(q, keys, values, scale, window)
     return dense_unrolled_attention(q, keys, values, scale, window)
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def dense_unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],

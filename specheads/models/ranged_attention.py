@@ -95,8 +95,8 @@ class _Ranged(torch.autograd.Function):
         q, k, v, k_own, v_own, lo, hi, key_valid, own_index, out, lse, weights = ctx.saved_tensors
         group = q.shape[1] // k.shape[1]
         grad_out = grad_out.contiguous()
-        dq, dk, dv = context_backward(grad_out, q, _heads(k, group), _heads(v, group), lo, hi, key_valid, out, lse,
-                                      ctx.scale, ctx.chunk)
+        k, v = _heads(k, group, backward=True), _heads(v, group, backward=True)
+        dq, dk, dv = context_backward(grad_out, q, k, v, lo, hi, key_valid, out, lse, ctx.scale, ctx.chunk)
         dq, dk_own, dv_own = own_backward(grad_out, q, out, weights, k_own, v_own, own_index, ctx.scale, dq)
         return (dq, _sum_heads(dk, group), _sum_heads(dv, group), dk_own, dv_own) + (None,) * 7
 

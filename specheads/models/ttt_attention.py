@@ -20,8 +20,10 @@ The backward is exact. CPU flash attention's backward recomputes ``P = exp(scale
 final ``L``, it returns the whole softmax's gradient restricted to the causal keys. The diagonal keys add, with
 ``w_j = exp(s_j - L)`` and ``dS_j = w_j (dO . v_j - D)``: ``dq += scale sum_j dS_j k_j``, ``dk_j = scale dS_j q``,
 ``dv_j = w_j dO``. Grouped-query heads (heads a multiple of the key/value heads) broadcast each key/value head
-over its group for the diagonal terms, whose key/value gradients are summed back over the group; the flash kernel
-takes unequal head counts itself (``NATIVE_GQA``), or is given its key/values repeated and their gradients summed.
+over its group for the diagonal terms, whose key/value gradients are summed back over the group. The flash forward
+takes unequal head counts itself (``NATIVE_GQA``); the flash backward is given the key/values repeated per query
+head and their gradients summed (``_heads(backward=True)``): it runs one thread per (row, key/value head) it is
+handed, so native grouped heads would leave cores idle (SmolLM2's 3 key/value heads: 1.5x on 2 threads, 3 of 16).
 
 Other devices and dtypes keep the dense path (``supported`` says which inputs come here). On CUDA the same scheme
 would take the log-sum-exp of ``aten._scaled_dot_product_efficient_attention`` (or flash attention's) and hand the
@@ -107,22 +109,22 @@ class _FusedUnroll(torch.autograd.Function):
         keys, values = kv[: ctx.steps], kv[ctx.steps:]
         group = q.shape[1] // keys[0].shape[1]
         grad_out = grad_out.contiguous()
-        dq, dk0, dv0 = causal_backward(grad_out, q, _heads(keys[0], group), _heads(values[0], group), out, lse,
-                                       ctx.scale, ctx.window, ctx.chunk)
+        k0, v0 = _heads(keys[0], group, backward=True), _heads(values[0], group, backward=True)
+        dq, dk0, dv0 = causal_backward(grad_out, q, k0, v0, out, lse, ctx.scale, ctx.window, ctx.chunk)
         dq, dks, dvs = diagonal_backward(grad_out, q, out, weights, keys[1:], values[1:], ctx.scale, dq)
         dk0, dv0 = _sum_heads(dk0, group), _sum_heads(dv0, group)
         return (dq, None, None, None, None, dk0, *dks, dv0, *dvs)
 
 
-def _heads(kv: torch.Tensor, group: int) -> torch.Tensor:
-    """(B, nkv, T, D) keys or values as the flash kernel takes them: as they are, or repeated per query head
-    (``NATIVE_GQA``)."""
-    return kv if group == 1 or NATIVE_GQA else kv.repeat_interleave(group, dim=1)
+def _heads(kv: torch.Tensor, group: int, backward: bool = False) -> torch.Tensor:
+    """(B, nkv, T, D) keys or values as the flash kernel takes them: as they are (the forward, ``NATIVE_GQA``), or
+    repeated per query head (the backward, which parallelises over the heads it is handed; older kernels)."""
+    return kv if group == 1 or (NATIVE_GQA and not backward) else kv.repeat_interleave(group, dim=1)
 
 
 def _sum_heads(grad: torch.Tensor, group: int) -> torch.Tensor:
-    """A gradient of ``_heads(kv, group)`` taken back to (B, nkv, T, D)."""
-    if group == 1 or NATIVE_GQA:
+    """The flash backward's key or value gradient (``_heads(kv, group, backward=True)``) taken back to (B, nkv, T, D)."""
+    if group == 1:
         return grad
     B, nh, T, D = grad.shape
     return grad.view(B, nh // group, group, T, D).sum(2)

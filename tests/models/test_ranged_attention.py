@@ -97,9 +97,6 @@ def test_ranged_attention_without_context_keys_or_native_gqa(monkeypatch):
     problem[7] = torch.ones(2, 0, dtype=torch.bool)
     _compare(problem, TOL[torch.float64], 4)
     monkeypatch.setattr(ttt_attention, "NATIVE_GQA", False)
-    monkeypatch.setattr(ranged_attention, "_heads", lambda x, g: x.repeat_interleave(g, dim=1) if g > 1 else x)
-    monkeypatch.setattr(ranged_attention, "_sum_heads",
-                        lambda x, g: x.unflatten(1, (x.shape[1] // g, g)).sum(2) if g > 1 else x)
     _compare(_problem(6, 2, torch.float64, seed=3), TOL[torch.float64], 4)
 
 
@@ -245,3 +242,17 @@ def test_parallel_layout_not_packed_goes_to_the_mask(monkeypatch):
     monkeypatch.setattr(ttt_attention, "supported", lambda *a: False)
     _parallel(layout, None, False)(*tensors)
     assert not calls
+
+
+def test_grouped_heads_reach_the_flash_backward_one_per_query_head(monkeypatch):
+    """As in ``ttt_attention``: the context keys' flash backward is handed the keys repeated per query head (its
+    threads split the heads it is handed), the forward the grouped ones; the result stays the dense mask's."""
+    seen, real = [], ranged_attention._flash_backward
+
+    def spy(grad_out, q, k, v, *args, **kwargs):
+        seen.append((q.shape[1], k.shape[1], v.shape[1]))
+        return real(grad_out, q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(ranged_attention, "_flash_backward", spy)
+    _compare(_problem(6, 2, torch.float64, seed=5), TOL[torch.float64], 4)
+    assert seen and all(s == (6, 6, 6) for s in seen), seen

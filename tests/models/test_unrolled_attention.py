@@ -185,3 +185,40 @@ def test_eagle3_ttt_loss_and_gradients_equal_dense(monkeypatch, window):
     for name, grad in fused[1].items():
         assert grad.abs().sum() > 0, name
         assert_close(grad, dense[1][name], atol=1e-10, rtol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def _record_flash_backward(monkeypatch, module):
+    """Patch ``module``'s flash backward to record the (query heads, key heads) it is handed."""
+    seen, real = [], module._flash_backward
+
+    def spy(grad_out, q, k, v, *args, **kwargs):
+        seen.append((q.shape[1], k.shape[1], v.shape[1]))
+        return real(grad_out, q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(module, "_flash_backward", spy)
+    return seen
+
+
+@pytest.mark.parametrize("steps,window", [(1, None), (3, None), (2, 5)])
+def test_grouped_heads_reach_the_flash_backward_one_per_query_head(monkeypatch, steps, window):
+    """The CPU flash backward runs one thread per (row, key/value head) it is handed: grouped heads (2 here, 3 in
+    SmolLM2) would leave the other cores idle, so it is handed the keys repeated per query head. Step 0 of a
+    training unroll (one causal key set, gradients needed) takes this path too, not the SDPA kernel's own backward;
+    the result stays the dense path's."""
+    seen = _record_flash_backward(monkeypatch, ttt_attention)
+    q, keys, values = _inputs(steps, 6, 2)
+    got = _output_and_grads(unrolled_attention, q, keys, values, window)
+    assert seen and all(s == (6, 6, 6) for s in seen), seen
+    _assert_all_close(got, _output_and_grads(dense_unrolled_attention, q, keys, values, window), TOL[torch.float64])
+
+
+def test_step_zero_without_gradients_stays_on_the_sdpa_kernel(monkeypatch):
+    """Decoding (no gradients) and equal head counts keep plain causal SDPA for step 0: nothing to parallelise."""
+    calls = []
+    monkeypatch.setattr(ttt_attention, "fused_unrolled_attention", lambda *a, **k: calls.append(a))
+    q, keys, values = _inputs(1, 6, 2)
+    with torch.no_grad():
+        unrolled_attention(q, keys, values, 0.3)
+    q4, keys4, values4 = _inputs(1, 4, 4)
+    unrolled_attention(q4.requires_grad_(), keys4, values4, 0.3)
+    assert calls == []
