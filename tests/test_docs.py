@@ -37,7 +37,8 @@ WORDS = {"τ": "tau", "α": "alpha", "speed-up": "x", "top-1": "top-1"}
 # which fields of a record hold a figure of each kind
 FIELDS = {"tau": ("tau", "tau_evaluator", "t1_tau", "heldout_tau", "measured_tau_chain3"), "alpha": ("alpha",),
           "x": ("speedup", "t1_speedup"), "min": ("total_min", "tests_min"),
-          "s": ("setup_s", "serve_s", "prepare", "collect", "train", "evaluate", "export", "wall_s"),
+          "s": ("setup_s", "serve_s", "prepare", "collect", "train", "evaluate", "export", "wall_s", "seconds",
+                "cpu_seconds"),
           "tokens/s": ("tokens_per_s", "collect_tokens_per_s", "plain_tokens_per_s"),
           "MiB": ("peak_anon_mb", "peak_rss_mb", "peak_anon_mib", "peak_rss_mib"), "GB": ("peak_rss_gb",),
           "passed": ("passed",), "skipped": ("skipped",), "failed": ("failed",),
