@@ -98,6 +98,63 @@ def pack(attention_mask: torch.Tensor, num_depths: int, ratio: float, ratio_min:
     return Packed(torch.cat(anchors, 1), torch.cat(depths, 1), torch.cat(valid, 1))
 
 
+@dataclass
+class Dealt:
+    """A packed row split across the ``size`` ranks of a sequence-parallel group (``deal``).
+
+    local: per rank, the entries it runs, (B, L) each: its ``own = ceil(T / size)`` depth-0 positions, then for each
+    depth its slots whose anchor lies among those positions, padded to the group's largest share (padding invalid,
+    anchored at 0). whole: the group's entries, (B, size L), in ``pack``'s order (what ``ParallelLayout`` plans);
+    order (B, size L): ``whole[:, j]`` is entry ``order[:, j]`` of the ranks' local entries laid end to end."""
+
+    local: list[Packed]
+    whole: Packed
+    order: torch.Tensor
+    own: int
+
+
+def deal(packed: Packed, T: int, size: int) -> Dealt:
+    """Split ``pack``'s layout of rows of ``T`` positions across ``size`` ranks: rank ``r`` runs the depth-0 entries of
+    positions ``[r C, (r + 1) C)`` and every slot anchored there (its chain's labels and keys stay with it)."""
+    B, dev = packed.anchor.shape[0], packed.anchor.device
+    own = math.ceil(T / size)
+    pos = torch.arange(size * own, device=dev)
+    valid0 = torch.nn.functional.pad(packed.valid[:, :T], (0, size * own - T))
+    local = [[(pos[r * own:(r + 1) * own].expand(B, own), torch.zeros(B, own, dtype=torch.long, device=dev),
+               valid0[:, r * own:(r + 1) * own])] for r in range(size)]
+    whole = [(pos.expand(B, -1), torch.zeros(B, size * own, dtype=torch.long, device=dev), valid0)]
+    r_idx = torch.arange(size, device=dev)
+    blocks = []
+    for d in range(1, int(packed.depth.max()) + 1 if packed.depth.numel() else 1):
+        cols = (packed.depth[0] == d).nonzero().flatten()
+        if not cols.numel():
+            continue
+        a, v = packed.anchor[:, cols], packed.valid[:, cols]
+        rank = torch.where(v, a // own, size)  # valid slots first, ascending: each rank's a contiguous run
+        counts = (rank[:, :, None] == r_idx).sum(1)  # (B, size)
+        blocks.append((d, a, counts, max(int(counts.max()), 1)))
+    L = own + sum(m for *_, m in blocks)
+    orders = [(pos // own) * L + pos % own]  # depth 0 of whole, position p: rank p // own's entry p % own
+    offset = own
+    for d, a, counts, m in blocks:
+        starts = torch.cumsum(counts, 1) - counts  # (B, size): where rank r's run starts in the block
+        i = torch.arange(m, device=dev)
+        take = starts[:, :, None] + i  # (B, size, m): the block column of rank r's i-th slot
+        real = i < counts[:, :, None]
+        la = torch.where(real, a.gather(1, take.clamp(max=a.shape[1] - 1).flatten(1)).view(B, size, m), 0)
+        for r in range(size):
+            local[r].append((la[:, r], torch.full((B, m), d, dtype=torch.long, device=dev), real[:, r]))
+        # whole: the block's valid slots in anchor order (rank by rank), then every rank's padding
+        sort = ((~real).long() * (size * m) + r_idx[:, None] * m + i).flatten(1).argsort(1)
+        orders.append((r_idx[:, None] * L + offset + i).expand(B, size, m).flatten(1).gather(1, sort))
+        whole.append((la.flatten(1).gather(1, sort), torch.full((B, size * m), d, dtype=torch.long, device=dev),
+                      real.flatten(1).gather(1, sort)))
+        offset += m
+    order = torch.cat([o.expand(B, -1) for o in orders], 1)
+    mine = [Packed(*(torch.cat([part[k] for part in parts], 1) for k in range(3))) for parts in local]
+    return Dealt(mine, Packed(*(torch.cat([part[k] for part in whole], 1) for k in range(3))), order, own)
+
+
 class PEagleMethod(Eagle3Method):
     """P-EAGLE: EAGLE-3's head, draft vocabulary and target distribution, trained to draft ``num_depths`` tokens
     in one forward.
@@ -163,38 +220,75 @@ class PEagleMethod(Eagle3Method):
         return h, packed
 
     @staticmethod
-    def depth_rows(packed: Packed, batch: dict, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def depth_rows(packed: Packed, batch: dict, d: int, start: int = 0,
+                   length: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(b, q, a) of depth ``d``'s entries whose prediction of ``ids[a+2+d]`` is scored: that token exists and
-        is an assistant token. ``q`` indexes the packed sequence, ``a`` is the anchor."""
-        T = batch["input_ids"].shape[1]
+        is an assistant token. ``q`` indexes the packed sequence, ``a`` is the anchor. ``batch`` holds positions
+        ``start..`` of rows of ``length`` tokens (default: the whole rows)."""
+        T = batch["input_ids"].shape[1] if length is None else length
         b, q = ((packed.depth == d) & packed.valid).nonzero(as_tuple=True)
         a = packed.anchor[b, q]
         at = a + 2 + d
         ok = at < T
-        b, q, a, at = b[ok], q[ok], a[ok], at[ok]
+        b, q, a, at = b[ok], q[ok], a[ok], at[ok] - start
         ok = (batch["loss_mask"][b, at] > 0) & (batch["attention_mask"][b, at] > 0)
         return b[ok], q[ok], a[ok]
+
+    sequence_parallel = None  # a training.sequence_parallel.SequenceShard: this rank trains a slice of each row
+
+    def forward_shard(self, model: PEagleModel, batch: dict, shard) -> tuple[torch.Tensor, Packed, dict, int]:
+        """``forward_depths`` for this rank of a sequence-parallel group: the group's layout (its rank 0's draw),
+        dealt (``deal``): this rank runs its depth-0 positions and the slots anchored there, attending over the
+        group's entries (``shard.parallel_layout``). Returns (h (B, L, H), this rank's ``Packed`` entries, its
+        slice of the batch with the ``num_depths + 1`` positions after it, its first position)."""
+        ids, att = batch["input_ids"], batch["attention_mask"]
+        B, T = ids.shape
+        packed = pack(att, self.num_depths, self.ratio, self.ratio_min, self.max_anchors)
+        anchor, depth, valid = (shard.share(x) for x in (packed.anchor, packed.depth, packed.valid.long()))
+        dealt = deal(Packed(anchor, depth, valid.bool()), T, shard.size)
+        mine = dealt.local[shard.rank]
+        local, own = shard.local_batch({**batch, "next_ids": shift_tokens(ids, 1)}, self.num_depths + 1)
+        slots = mine.anchor.shape[1] - own
+        hidden = torch.cat([model.fuse(local["hidden_aux"][:, :own]), model.mask_state()[None].expand(B, slots, -1)], 1)
+        tokens = torch.cat([local["next_ids"][:, :own], ids.new_full((B, slots), int(model.config.mask_token_id))], 1)
+        whole = ParallelLayout(dealt.whole.anchor, dealt.whole.depth, dealt.whole.valid)
+        h = model.decode(hidden, tokens, mine.positions, shard.parallel_layout(whole, dealt.order), None)
+        return h, mine, local, shard.rank * own
 
     def loss(self, model: PEagleModel, batch: dict, target: Target) -> StepOutput:
         if self.loss_rows == "all":
             batch = {**batch, "loss_mask": batch["attention_mask"]}
+        shard, T = self.sequence_parallel, batch["input_ids"].shape[1]
+        if shard is None:
+            h, packed = self.forward_depths(model, batch)
+            start = 0
+        else:  # this rank's positions and slots; each depth's mean over the group's rows, summed by shard.combine
+            h, packed, batch, start = self.forward_shard(model, batch, shard)
         rows = self.target_rows(model, batch, target)
-        h, packed = self.forward_depths(model, batch)
-        total = 0.0 * h.sum()  # every parameter in the graph (mask_hidden too) even when a depth has no rows
-        metrics = {}
+        sums, counts, right = [], [], []
         for d in range(self.num_depths):
-            b, q, a = self.depth_rows(packed, batch, d)
-            s = a + 1 + d  # the position whose target distribution is depth d's label
+            b, q, a = self.depth_rows(packed, batch, d, start, T)
+            s = a + 1 + d - start  # the position whose target distribution is depth d's label
             keep = rows.in_vocab[b, s]
             b, q, s = b[keep], q[keep], s[keep]
             # the labels stay in the target's table, gathered a chunk at a time (no (n, V) copy per depth)
             loss_sum, pred = draft_soft_loss(model, h[b, q], rows.probs, rows.row_of[b, s], None, self.head_chunk,
                                              self.lk_weight)
-            n = b.numel()
-            total = total + loss_sum / max(n, 1)
-            metrics[f"step{d}_loss"] = float(loss_sum.detach()) / max(n, 1)
-            metrics[f"step{d}_acc"] = float((model.to_target_ids(pred) == rows.argmax[b, s]).sum()) / n if n else 0.0
-        return StepOutput(loss=total, metrics=metrics)
+            sums.append(loss_sum)
+            counts.append(b.numel())
+            right.append(int((model.to_target_ids(pred) == rows.argmax[b, s]).sum()))
+        stats = torch.tensor([counts, right, [float(x.detach()) for x in sums]], dtype=torch.float64)
+        if shard is not None:
+            stats = shard.total(stats)
+        total = 0.0 * h.sum()  # every parameter in the graph (mask_hidden too) even when a depth has no rows
+        for d, loss_sum in enumerate(sums):
+            total = total + loss_sum / max(float(stats[0, d]), 1.0)
+        metrics = {}
+        for d in range(self.num_depths):
+            n = float(stats[0, d])
+            metrics[f"step{d}_loss"] = float(stats[2, d]) / max(n, 1.0)
+            metrics[f"step{d}_acc"] = float(stats[1, d]) / n if n else 0.0
+        return StepOutput(loss=total if shard is None else shard.combine(total), metrics=metrics)
 
     @torch.no_grad()
     def evaluate(self, model: PEagleModel, batch: dict, target: Target) -> dict[str, float]:

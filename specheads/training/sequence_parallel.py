@@ -47,9 +47,10 @@ from torch.autograd import Function
 
 from specheads.errors import ConfigError
 from specheads.models.dflash import BlockLayout
-from specheads.models.layers import UnrollCache, unrolled_attention
+from specheads.models.layers import AttentionPattern, UnrollCache, unrolled_attention
+from specheads.models.peagle import ParallelLayout
 
-METHODS = ("eagle3", "dflash")
+METHODS = ("eagle3", "dflash", "peagle")
 """Methods whose loss takes a ``SequenceShard`` (``method.sequence_parallel``)."""
 
 
@@ -184,6 +185,15 @@ class SequenceShard:
         n = anchors.shape[1]
         return self.deal(both[:, :n], both[:, n:].bool())
 
+    def share(self, x: torch.Tensor) -> torch.Tensor:
+        """Group rank 0's ``x`` (a 2-D long tensor, its shape its own) on every rank of the group."""
+        src = torch.distributed.get_rank() - self.rank
+        shape = torch.tensor(x.shape, dtype=torch.long)
+        torch.distributed.broadcast(shape, src=src, group=self.group)
+        out = x.contiguous() if self.rank == 0 else x.new_empty(tuple(shape.tolist()))
+        torch.distributed.broadcast(out, src=src, group=self.group)
+        return out
+
     def deal(self, anchors: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``blocks`` without the broadcast: the group's blocks dealt in order, this rank's share."""
         n = anchors.shape[1]
@@ -200,6 +210,11 @@ class SequenceShard:
         """DFlash's ``BlockLayout`` for this rank's blocks over its context slice, attending over the group's
         (``ShardedBlockLayout``): the method asks the shard for it, so ``methods/`` needs no import of training."""
         return ShardedBlockLayout(anchors, block_size, context_valid, shard=self, whole=whole)
+
+    def parallel_layout(self, whole: ParallelLayout, order: torch.Tensor) -> "ShardedParallelLayout":
+        """P-EAGLE's layout of this rank's entries, attending over the group's (``whole``, ``order``: the method's
+        ``deal``; ``ShardedParallelLayout``)."""
+        return ShardedParallelLayout(self, whole, order)
 
     def total(self, values: torch.Tensor) -> torch.Tensor:
         """The group's sum of ``values`` (no gradient): counts and metrics."""
@@ -249,6 +264,26 @@ class ShardedBlockLayout(BlockLayout):
         s = self.shard
         out = self.whole.run(s.to_heads(q), s.to_heads(ctx_k), s.to_heads(ctx_v), s.to_heads(k), s.to_heads(v), scale)
         return s.to_positions(out)
+
+
+class ShardedParallelLayout(AttentionPattern):
+    """P-EAGLE's attention for this rank's entries of a packed row (its depth-0 positions, the slots anchored there):
+    an all-to-all gives it every rank's entries on its heads, laid end to end, ``order`` puts them in ``pack``'s
+    order, the one-process ``ParallelLayout`` (``whole``) attends, and the inverse order and all-to-all hand back
+    this rank's entries on every head."""
+
+    def __init__(self, shard: SequenceShard, whole: ParallelLayout, order: torch.Tensor):
+        self.shard, self.whole = shard, whole
+        self.order, self.back = order, order.argsort(1)
+
+    def attend(self, q, k, v, scale, window):
+        s = self.shard
+
+        def permute(x, index):
+            return x.gather(2, index[:, None, :, None].expand(x.shape))
+
+        q, k, v = (permute(s.to_heads(x), self.order) for x in (q, k, v))
+        return s.to_positions(permute(self.whole.attend(q, k, v, scale, window), self.back))
 
 
 # --------------------------------------------------------------------------- collectives with exact backward

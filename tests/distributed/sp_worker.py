@@ -1,12 +1,13 @@
-"""Run under torchrun by test_sequence_parallel_processes.py: an EAGLE-3 or DFlash loss on rows split across the
-processes.
+"""Run under torchrun by test_sequence_parallel_processes.py: an EAGLE-3, DFlash or P-EAGLE loss on rows split
+across the processes.
 
     torchrun --nproc_per_node N tests/distributed/sp_worker.py OUT_DIR CASE [CASE ...]
 
 CASE is ``name:T:B:steps:dtype:heads:kv_heads:window:offpath:feature[:mrope]`` (``window`` 0 = full attention;
 ``mrope`` 1: the head rotates by M-RoPE and the batch holds 3-D ``positions``, as a vision-language target's), or
 for DFlash ``dflash:name:T:B:block_size:anchors:dtype:heads:kv_heads:loss:labels:lk_weight[:dense]`` (``dense`` 1:
-the blocks attend through the dense mask, the path off the CPU, instead of ``ranged_attention``). For each
+the blocks attend through the dense mask, the path off the CPU, instead of ``ranged_attention``), or for P-EAGLE
+``peagle:name:T:B:depths:dtype:heads:kv_heads:layers``. For each
 case every rank builds the same tiny EAGLE-3 or DFlash head (hidden 32) and the same random batch of B rows of T
 positions (features as a feature store holds them; a padded tail on row 1 when B > 1), wraps the engine's
 ``TrainingModule`` in DDP over gloo as ``accelerate launch`` does, and runs one forward and backward with each row
@@ -29,6 +30,11 @@ VOCAB, HIDDEN, DRAFT_VOCAB = 128, 32, 64
 
 
 def parse(case: str) -> dict:
+    if case.startswith("peagle:"):
+        _, name, T, B, depths, dtype, heads, kv_heads, layers = case.split(":")
+        return {"method": "peagle", "name": name, "T": int(T), "B": int(B), "depths": int(depths),
+                "dtype": getattr(torch, dtype), "heads": int(heads), "kv_heads": int(kv_heads), "layers": int(layers),
+                "mrope": False}
     if case.startswith("dflash:"):
         _, name, T, B, block, anchors, dtype, heads, kv_heads, loss, labels, lk, *dense = case.split(":")
         return {"method": "dflash", "name": name, "T": int(T), "B": int(B), "block_size": int(block),
@@ -62,9 +68,15 @@ def build(case: dict, rank: int = 0):
             torch.nn.init.normal_(p, std=0.2)
         torch.manual_seed(4 + rank)  # the anchors' draw: rank 0's in both runs
         return method, model, target, batch(case)
-    method = Eagle3Method(draft_vocab_size=DRAFT_VOCAB, aux_layers=[0, 1, 2], ttt_steps=case["steps"],
-                          sliding_window=case["window"], offpath_weight=case["offpath"],
-                          feature_weight=case["feature"])
+    if case.get("method") == "peagle":
+        from specheads.methods.peagle import PEagleMethod
+
+        method = PEagleMethod(num_depths=case["depths"], num_layers=case["layers"], draft_vocab_size=DRAFT_VOCAB,
+                              aux_layers=[0, 1, 2], mask_token_id=VOCAB - 1)
+    else:
+        method = Eagle3Method(draft_vocab_size=DRAFT_VOCAB, aux_layers=[0, 1, 2], ttt_steps=case["steps"],
+                              sliding_window=case["window"], offpath_weight=case["offpath"],
+                              feature_weight=case["feature"])
     torch.manual_seed(1)
     model = method.make_model(target).to(dtype).attach(target)
     for p in model.parameters():
@@ -79,6 +91,7 @@ def build(case: dict, rank: int = 0):
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[ids] = True
     model.set_draft_vocab(ids - torch.arange(DRAFT_VOCAB), t2d)
+    torch.manual_seed(4 + rank)  # P-EAGLE's draw of its slots: rank 0's in both runs
     return method, model, target, batch(case)
 
 

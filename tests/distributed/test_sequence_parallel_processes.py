@@ -1,5 +1,5 @@
 """Sequence parallel (``train.sequence_parallel``): rows split across 2 CPU processes (gloo) give the loss, the
-step metrics and every gradient of one process, for EAGLE-3 and DFlash (specheads/training/sequence_parallel.py).
+step metrics and every gradient of one process, for EAGLE-3, DFlash and P-EAGLE (specheads/training/sequence_parallel.py).
 
 One torchrun launch of ``sp_worker.py`` runs every case; each rank wraps the engine's ``TrainingModule`` in DDP, as
 ``accelerate launch`` does, so the gradients compared are the ones the optimizer would step with.
@@ -42,6 +42,12 @@ CASES = {
     "dflash_dpace": "dflash:dflash_dpace:150:2:5:7:float64:4:2:dpace:data:0",
     "dflash_one": "dflash:dflash_one:40:1:4:1:float64:4:2:ce:target:0",
     "dflash_dense": "dflash:dflash_dense:203:2:4:25:float64:4:2:ce:target:0.3:1",
+    # P-EAGLE (peagle:name:T:B:depths:dtype:heads:kv_heads:layers): one 16k-token row of 4 depths in float32; in
+    # float64, two rows (one padded, a length the 2 ranks do not divide) with grouped-query heads and 2 layers (the
+    # second's keys come through the first), and a row so short that a rank holds no slot of some depth
+    "peagle_long": "peagle:peagle_long:16384:1:4:float32:2:2:1",
+    "peagle_grouped": "peagle:peagle_grouped:203:2:4:float64:4:2:2",
+    "peagle_short": "peagle:peagle_short:9:2:5:float64:4:2:1",
 }
 
 
@@ -57,7 +63,9 @@ TOLERANCE = {"long": (FLOAT32, {"rtol": 0, "atol": 1e-4}, FLOAT32),
              # mean in one process and a ratio of the group's counts split
              "dflash_long": (FLOAT32, {"rtol": 0, "atol": 1e-6}, FLOAT32),
              **{name: (FLOAT32, {"rtol": 0, "atol": 1e-6}, FLOAT64)
-                for name in ("dflash_grouped", "dflash_dpace", "dflash_one", "dflash_dense")}}
+                for name in ("dflash_grouped", "dflash_dpace", "dflash_one", "dflash_dense")},
+             "peagle_long": (FLOAT32, {"rtol": 0, "atol": 1e-6}, FLOAT32),
+             **{name: (FLOAT64, {"rtol": 0, "atol": 1e-15}, FLOAT64) for name in ("peagle_grouped", "peagle_short")}}
 
 
 def free_port() -> int:
