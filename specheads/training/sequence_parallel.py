@@ -32,6 +32,15 @@ attention runs there (each block over the context before its anchor and its own 
 returns this rank's blocks. Labels and masks are read from the whole batch every rank holds; the loss is this rank's
 weighted sum over the group's total weight, summed by the same differentiable all-reduce.
 
+P-EAGLE (``methods.peagle``) packs a row's depth-0 entries and parallel slots into one sequence. The slots are
+drawn once for the group (rank 0's draw, ``SequenceShard.share``) and dealt by anchor (``methods.peagle.deal``): each
+rank runs its C depth-0 positions and every slot anchored there, each depth padded to the group's largest share, and
+keeps the ``num_depths + 1`` positions after its slice for the labels. In each draft layer's attention
+(``ShardedParallelLayout``) the all-to-all turns every rank's entries into (all entries, heads / N), a gather puts
+them in the one-process packed order, the one-process ``ParallelLayout`` attends, and the inverse gather and
+all-to-all hand back this rank's entries. Each depth's summed loss is divided by the group's count of its scored
+slots and summed by the same differentiable all-reduce.
+
 Groups are N consecutive ranks (a node's processes are numbered consecutively). Held-out evaluation and the
 measured decode read whole rows on each rank, as without sequence parallel.
 """

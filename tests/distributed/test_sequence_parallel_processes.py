@@ -111,11 +111,11 @@ def test_two_processes_give_every_gradient_of_one(results, name):
 # --------------------------------------------------------------------------- through the recipe
 
 
-@pytest.fixture(scope="module", params=["eagle3", "dflash"])
+@pytest.fixture(scope="module", params=["eagle3", "dflash", "peagle"])
 def recipe_runs(assets, tmp_path_factory, request):
-    """EAGLE-3 or DFlash through recipes/train.py, 6 optimizer steps of 2 micro-batches of 9 rows: 2 processes under
-    cpu_ddp.yaml with ``train.sequence_parallel=2`` (one group: both ranks read every batch, each trains half of
-    every row, DFlash half of its blocks) and one process."""
+    """EAGLE-3, DFlash or P-EAGLE through recipes/train.py, 6 optimizer steps of 2 micro-batches of 9 rows: 2
+    processes under cpu_ddp.yaml with ``train.sequence_parallel=2`` (one group: both ranks read every batch, each
+    trains half of every row, DFlash half of its blocks, P-EAGLE the slots anchored in its half) and one process."""
     from dist_launch import EQUIV_ARGS, PER_RANK_BATCH, launch, single_process, train_args
 
     method = request.param

@@ -11,8 +11,8 @@ from torch.testing import assert_close
 
 from specheads.data.features import add_features
 from specheads.methods import build_method
-from specheads.methods.peagle import PEagleMethod, depth_anchors, depth_count, pack
-from specheads.models.peagle import PEagleModel, parallel_attention_mask
+from specheads.methods.peagle import PEagleMethod, deal, depth_anchors, depth_count, pack
+from specheads.models.peagle import ParallelLayout, PEagleModel, parallel_attention_mask
 from specheads.models.vocab import build_draft_vocab
 from tests.conftest import make_tiny_target
 
@@ -329,3 +329,30 @@ def test_the_loss_keeps_no_copy_of_a_depths_labels_for_backward(head_chunk, monk
     assert largest < copy, (largest, copy)
     out.loss.backward()
     assert model.lm_head.weight.grad is not None and model.mask_hidden.grad is not None
+
+
+@pytest.mark.parametrize("T,size,B", [(23, 2, 2), (40, 3, 1), (7, 2, 2), (50, 4, 3)])
+def test_deal_gives_each_rank_its_slice_and_the_slots_anchored_there(T, size, B):
+    """Sequence parallel's split of a packed row: rank r runs depth 0 at its positions and exactly the slots anchored
+    there, every rank as many entries; the ranks' entries, reordered, are the packed row's (in the order
+    ``ParallelLayout`` plans without a mask)."""
+    torch.manual_seed(T)
+    att = torch.ones(B, T, dtype=torch.long)
+    if B > 1:
+        att[1, T - T // 3:] = 0
+    packed = pack(att, 4, 0.7, 0.2)
+    dealt = deal(packed, T, size)
+    own = dealt.own
+    assert own == -(-T // size) and len({x.anchor.shape for x in dealt.local}) == 1
+    for r, mine in enumerate(dealt.local):
+        assert torch.equal(mine.anchor[:, :own], (r * own + torch.arange(own)).expand(B, -1))
+        slots = mine.valid & (mine.depth > 0)
+        assert bool(((mine.anchor[slots] >= r * own) & (mine.anchor[slots] < (r + 1) * own)).all())
+    ends = [torch.cat([getattr(x, f) for x in dealt.local], 1) for f in ("anchor", "depth", "valid")]
+    for f, laid in zip(("anchor", "depth", "valid"), ends):
+        assert torch.equal(laid.gather(1, dealt.order), getattr(dealt.whole, f)), f
+    for b in range(B):
+        entries = sorted(zip(packed.anchor[b][packed.valid[b]].tolist(), packed.depth[b][packed.valid[b]].tolist()))
+        w = dealt.whole
+        assert sorted(zip(w.anchor[b][w.valid[b]].tolist(), w.depth[b][w.valid[b]].tolist())) == entries
+    assert ParallelLayout(dealt.whole.anchor, dealt.whole.depth, dealt.whole.valid).plan() is not None
