@@ -158,12 +158,16 @@ class ParallelLayout(AttentionPattern):
         parts = [] if not head else [unrolled_attention(q[:, :, :head], [k[:, :, :head]], [v[:, :, :head]], scale,
                                                         window)]
         if head < q.shape[2]:
-            a, d = self.anchor[:, head:], plan["depth"][:, head:]
+            # every depth's slots in anchor order: a chunk of queries spans few anchors, so its key range is nearly
+            # all a shared core (each depth apart, a chunk of depth d spans 1 / (its share of anchors) times more)
+            order, back = plan["order"], plan["back"]
+            a, d = self.anchor[:, head:].gather(1, order), plan["depth"][:, head:].gather(1, order)
             hi = a + 1  # the depth-0 keys up to the anchor (the anchor's own always, even past the window)
             lo = torch.zeros_like(a) if window is None else torch.minimum(a, a + d - window + 1).clamp(min=0)
-            parts.append(ranged_attention.ranged_attention(q[:, :, head:], k[:, :, :T], v[:, :, :T], lo, hi,
-                                                           self.valid[:, :T], k, v, plan["index"], plan["allowed"],
-                                                           scale))
+            index, allowed = (x.gather(2, order.expand(x.shape)) for x in (plan["index"], plan["allowed"]))
+            out = ranged_attention.ranged_attention(_take(q[:, :, head:], order), k[:, :, :T], v[:, :, :T], lo, hi,
+                                                    self.valid[:, :T], k, v, index, allowed, scale)
+            parts.append(_take(out, back))
         return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
 
     def plan(self) -> dict | None:
@@ -173,7 +177,8 @@ class ParallelLayout(AttentionPattern):
         ``head``: the depth-0 entries valid in every row (plain causal attention); the rest attend through
         ``ranged_attention`` with own keys (index / allowed (J, B, Q - head)): for each depth j >= 1 the valid slot
         of the query's anchor at depth j when j <= the query's depth, and the query itself when it is padding
-        (the mask's diagonal)."""
+        (the mask's diagonal); ``order`` (B, Q - head) puts them in anchor order (padding last), ``back`` undoes
+        it."""
         if "plan" not in self._cache:
             self._cache["plan"] = self._plan()
         return self._cache["plan"]
@@ -210,4 +215,12 @@ class ParallelLayout(AttentionPattern):
             allowed.append((keyed.gather(1, at) == a) & (j <= d))
         index.append((head + torch.arange(rest, device=dev)).expand(B, rest))  # a padding entry sees itself
         allowed.append(~valid[:, head:])
-        return {"T": T, "head": head, "depth": depth, "index": torch.stack(index), "allowed": torch.stack(allowed)}
+        key = torch.where(valid[:, head:], a, T + torch.arange(rest, device=dev))  # padding last
+        order = key.argsort(dim=1, stable=True)
+        return {"T": T, "head": head, "depth": depth, "index": torch.stack(index), "allowed": torch.stack(allowed),
+                "order": order, "back": order.argsort(1)}
+
+
+def _take(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """(B, heads, n, D) entries of each row in ``order`` (B, n)."""
+    return x.gather(2, order[:, None, :, None].expand(x.shape))
