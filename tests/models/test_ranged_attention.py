@@ -256,3 +256,26 @@ def test_grouped_heads_reach_the_flash_backward_one_per_query_head(monkeypatch):
     monkeypatch.setattr(ranged_attention, "_flash_backward", spy)
     _compare(_problem(6, 2, torch.float64, seed=5), TOL[torch.float64], 4)
     assert seen and all(s == (6, 6, 6) for s in seen), seen
+
+
+def test_parallel_slots_of_every_depth_attend_in_anchor_order(monkeypatch):
+    """P-EAGLE's slots go to the kernel in anchor order, all depths together: a chunk of queries spans few anchors,
+    so its key range is almost all an unmasked core. Each depth apart (the packed order), a chunk of a deep depth,
+    which keeps few anchors, spans many of them, and most of its keys went under a mask (66 % of the key elements
+    here, 11 % in anchor order); the output stays the dense mask's."""
+    monkeypatch.setattr(ranged_attention, "CHUNK", 64)
+    seen, real = {"masked": 0, "core": 0}, ranged_attention._flash
+
+    def spy(q, k, v, *args, attn_mask=None, **kwargs):
+        seen["masked" if attn_mask is not None else "core"] += q.shape[2] * k.shape[2]
+        return real(q, k, v, *args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(ranged_attention, "_flash", spy)
+    torch.manual_seed(0)
+    packed = pack(torch.ones(1, 512, dtype=torch.long), 7, 0.7, 0.2)
+    q, k, v = (torch.randn(1, 2, packed.anchor.shape[1], 8, dtype=torch.float64) for _ in range(3))
+    layout = ParallelLayout(packed.anchor, packed.depth, packed.valid)
+    out = layout.attend(q, k, v, 0.3, None)
+    assert seen["masked"] < 0.2 * (seen["masked"] + seen["core"]), seen
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.dense(None)[:, None], scale=0.3)
+    assert_close(out, want, **TOL[torch.float64])
