@@ -165,9 +165,9 @@ class ParallelLayout(AttentionPattern):
             hi = a + 1  # the depth-0 keys up to the anchor (the anchor's own always, even past the window)
             lo = torch.zeros_like(a) if window is None else torch.minimum(a, a + d - window + 1).clamp(min=0)
             index, allowed = (x.gather(2, order.expand(x.shape)) for x in (plan["index"], plan["allowed"]))
-            out = ranged_attention.ranged_attention(_take(q[:, :, head:], order), k[:, :, :T], v[:, :, :T], lo, hi,
-                                                    self.valid[:, :T], k, v, index, allowed, scale)
-            parts.append(_take(out, back))
+            out = ranged_attention.ranged_attention(take_entries(q[:, :, head:], order), k[:, :, :T], v[:, :, :T],
+                                                    lo, hi, self.valid[:, :T], k, v, index, allowed, scale)
+            parts.append(take_entries(out, back))
         return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
 
     def plan(self) -> dict | None:
@@ -221,6 +221,6 @@ class ParallelLayout(AttentionPattern):
                 "order": order, "back": order.argsort(1)}
 
 
-def _take(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """(B, heads, n, D) entries of each row in ``order`` (B, n)."""
+def take_entries(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """(B, heads, n, D) -> the entries of each row in ``order`` (B, n): ``x[b, :, order[b]]``."""
     return x.gather(2, order[:, None, :, None].expand(x.shape))

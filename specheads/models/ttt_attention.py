@@ -123,7 +123,7 @@ def _heads(kv: torch.Tensor, group: int, backward: bool = False) -> torch.Tensor
 
 
 def _sum_heads(grad: torch.Tensor, group: int) -> torch.Tensor:
-    """The flash backward's key or value gradient (``_heads(kv, group, backward=True)``) taken back to (B, nkv, T, D)."""
+    """The flash backward's key or value gradient (``_heads(kv, group, backward=True)``) back to (B, nkv, T, D)."""
     if group == 1:
         return grad
     B, nh, T, D = grad.shape

@@ -57,7 +57,7 @@ from torch.autograd import Function
 from specheads.errors import ConfigError
 from specheads.models.dflash import BlockLayout
 from specheads.models.layers import AttentionPattern, UnrollCache, unrolled_attention
-from specheads.models.peagle import ParallelLayout
+from specheads.models.peagle import ParallelLayout, take_entries
 
 METHODS = ("eagle3", "dflash", "peagle")
 """Methods whose loss takes a ``SequenceShard`` (``method.sequence_parallel``)."""
@@ -287,12 +287,8 @@ class ShardedParallelLayout(AttentionPattern):
 
     def attend(self, q, k, v, scale, window):
         s = self.shard
-
-        def permute(x, index):
-            return x.gather(2, index[:, None, :, None].expand(x.shape))
-
-        q, k, v = (permute(s.to_heads(x), self.order) for x in (q, k, v))
-        return s.to_positions(permute(self.whole.attend(q, k, v, scale, window), self.back))
+        q, k, v = (take_entries(s.to_heads(x), self.order) for x in (q, k, v))
+        return s.to_positions(take_entries(self.whole.attend(q, k, v, scale, window), self.back))
 
 
 # --------------------------------------------------------------------------- collectives with exact backward
